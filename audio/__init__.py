@@ -1,0 +1,3 @@
+"""audio recipes (see README)."""
+
+__all__: list[str] = []

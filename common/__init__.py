@@ -1,0 +1,24 @@
+"""Common loader layer: resource detection, worker sizing, loader profiles, worker init."""
+
+from recipes.common.loader import make_loader
+from recipes.common.packed_strings import PackedStrings
+from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings
+from recipes.common.resources import Resources, detect_resources
+from recipes.common.sizing import estimate_loader_memory, max_workers_for_memory, smart_num_workers
+from recipes.common.worker import worker_init
+from recipes.common.worker_memory import measure_worker_memory_growth
+
+__all__ = [
+    "PROFILES",
+    "LoaderRecipe",
+    "PackedStrings",
+    "Resources",
+    "detect_resources",
+    "estimate_loader_memory",
+    "make_loader",
+    "max_workers_for_memory",
+    "measure_worker_memory_growth",
+    "profile_settings",
+    "smart_num_workers",
+    "worker_init",
+]

@@ -1,0 +1,116 @@
+"""Measuring loaders: items/s and peak memory of the whole process tree, printed as a table.
+
+Use when: comparing a recipe with its baseline in the same run (`recipes bench`). Ratios
+against a baseline measured seconds earlier on the same machine are what transfer between
+machines; absolute rates do not.
+Cost: a sampling thread reading PSS of this process and its children every 50 ms.
+Adapt here: `count_items` for batches that are not a tensor or a tuple led by one.
+Trade-off: PSS (proportional set size) splits shared pages fairly between processes, so a
+memory map read by all workers counts once; polling can miss a spike shorter than 50 ms.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One benchmark row: `items` in `seconds`, and the peak memory of the process tree."""
+
+    name: str
+    items: int
+    seconds: float
+    peak_bytes: int
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else float("inf")
+
+
+def tree_memory_bytes() -> int:
+    """PSS of this process and all its children (RSS where PSS is unavailable)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            info = proc.memory_full_info()
+            total += getattr(info, "pss", info.rss)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+class PeakMemory:
+    """Context manager sampling `tree_memory_bytes()` in a thread; `.peak` after exit."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_memory_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self.peak = tree_memory_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, tree_memory_bytes())
+
+
+def count_items(batch) -> int:
+    """Samples in a batch: the first dimension of a tensor, or of a tuple/dict's first entry."""
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()))
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    return len(batch)
+
+
+def measure(
+    name: str,
+    batches: Iterable,
+    *,
+    counter: Callable[[object], int] = count_items,
+    max_items: int | None = None,
+) -> Measurement:
+    """Iterates `batches` (a DataLoader) and times it, including worker start-up."""
+    items = 0
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        for batch in batches:
+            items += counter(batch)
+            if max_items is not None and items >= max_items:
+                break
+        seconds = time.perf_counter() - start
+    return Measurement(name, items, seconds, memory.peak)
+
+
+def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0) -> str:
+    """A Markdown table of the rows with each rate's ratio to `rows[baseline]`."""
+    base = rows[baseline].items_per_s
+    lines = [
+        f"| loader | {unit} | vs baseline | peak memory (MiB) |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.name} | {row.items_per_s:,.1f} | {row.items_per_s / base:.2f}x | "
+            f"{row.peak_bytes / 2**20:,.0f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""`make_loader`: a DataLoader built from a profile, with the known traps handled.
+
+Use when: you would otherwise hand-tune `num_workers`, `pin_memory`, `prefetch_factor` and
+`persistent_workers`. The returned object is a plain `torch.utils.data.DataLoader`; the
+chosen settings and the reason for each are in `loader.recipe`.
+Cost: `detect_resources()` (a few file reads) and, for `profile="auto"` on a map-style
+dataset, one `dataset[0]` to measure a sample.
+Adapt here: `_apply_safety_rules` holds every rule; overrides always win.
+Trade-off: switching to the `file_system` sharing strategy is process-wide (torch offers no
+per-loader switch); it is done only when `ulimit -n` is too low for `file_descriptor`.
+
+Traps handled:
+- `prefetch_factor` / `persistent_workers` with 0 workers make DataLoader raise: never passed.
+- Pinning without CUDA only warns and wastes a thread: pinned only when CUDA is available.
+- Forking after CUDA is initialised breaks CUDA in workers (pytorch#40403): `forkserver`.
+- `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata",
+  pytorch#973) under a low `ulimit -n`: `file_system` instead.
+- The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
+  before the user's own `worker_init_fn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from recipes.common.profiles import LoaderRecipe, profile_settings
+from recipes.common.resources import Resources, detect_resources
+from recipes.common.worker import ChainedWorkerInit
+
+# Below this soft `ulimit -n`, DataLoader's default `file_descriptor` sharing strategy runs
+# out of descriptors once a few hundred shared tensors are alive.
+LOW_NOFILE = 4096
+
+
+def make_loader(
+    dataset,
+    *,
+    profile: str = "auto",
+    batch_size: int | None = None,
+    resources: Resources | None = None,
+    **overrides: Any,
+) -> DataLoader:
+    """A DataLoader with the settings of `profile`, corrected for this machine.
+
+    Args:
+        dataset: a map-style or iterable Dataset.
+        profile: `debug`, `production`, `memory`, `throughput`, `text` or `auto` (production,
+            or memory when the in-flight estimate for a probed sample exceeds the budget).
+        batch_size: samples per batch; the profile's default when None. Not passed when
+            `batch_sampler` is given.
+        resources: a `Resources` snapshot; `detect_resources()` when None.
+        **overrides: any DataLoader keyword argument; overrides win over the profile.
+
+    Returns:
+        A `DataLoader` with `loader.recipe`, a `LoaderRecipe` holding the final settings and
+        the reason for each.
+
+    Raises:
+        ValueError: for an unknown profile or invalid sizes.
+
+    Example:
+        >>> loader = make_loader(dataset, profile="production", shuffle=True)
+        >>> print(loader.recipe)
+    """
+    _validate(batch_size, overrides)
+    res = resources if resources is not None else detect_resources()
+    sample_bytes = _probe_sample_bytes(dataset) if profile == "auto" else None
+    recipe = profile_settings(profile, res, sample_bytes=sample_bytes)
+    settings = dict(recipe.settings)
+    reasons = dict(recipe.reasons)
+    if batch_size is not None:
+        settings["batch_size"] = batch_size
+        reasons["batch_size"] = "given"
+    for key, value in overrides.items():
+        settings[key] = value
+        reasons[key] = "override"
+    _apply_safety_rules(settings, reasons, res, user_keys=set(overrides))
+    loader = DataLoader(dataset, **settings)
+    loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
+    return loader
+
+
+def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:
+    for name, value in (("batch_size", batch_size), ("num_workers", overrides.get("num_workers"))):
+        if value is None:
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"`{name}` must be an integer, but is {value!r} instead.")
+        if value < (1 if name == "batch_size" else 0):
+            kind = "positive" if name == "batch_size" else "non-negative"
+            raise ValueError(f"`{name}` must be {kind}, but is {value!r} instead.")
+    prefetch = overrides.get("prefetch_factor")
+    if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+        raise ValueError(f"`prefetch_factor` must be a positive integer, but is {prefetch!r} instead.")
+
+
+def _apply_safety_rules(
+    settings: dict[str, Any], reasons: dict[str, str], res: Resources, *, user_keys: set[str]
+) -> None:
+    if "batch_sampler" in settings:
+        # DataLoader's batch_sampler is exclusive with batch_size, shuffle, sampler, drop_last.
+        settings.pop("batch_size", None)
+        reasons.pop("batch_size", None)
+    workers = settings.get("num_workers", 0)
+    if workers == 0:
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
+            if settings.pop(key, None) is not None and key in user_keys:
+                reasons[key] = "dropped: DataLoader rejects it with 0 workers"
+        return
+    settings["worker_init_fn"] = ChainedWorkerInit(settings.get("worker_init_fn"))
+    reasons["worker_init_fn"] = "worker_init (OpenCV fork fix, 1 torch thread, seeded RNGs), then yours"
+    if "multiprocessing_context" not in user_keys and torch.cuda.is_initialized():
+        settings["multiprocessing_context"] = "forkserver"
+        reasons["multiprocessing_context"] = "forkserver: CUDA is initialised here and fork would break it in workers"
+    if res.nofile_limit < LOW_NOFILE and torch.multiprocessing.get_sharing_strategy() != "file_system":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        reasons["sharing_strategy"] = (
+            f"file_system: ulimit -n is {res.nofile_limit} (< {LOW_NOFILE}); file_descriptor "
+            "sharing would run out of descriptors"
+        )
+
+
+def _printable(settings: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, ChainedWorkerInit):
+            user = value.user_fn
+            value = "worker_init" + (f" + {getattr(user, '__name__', repr(user))}" if user else "")
+        elif callable(value) or not isinstance(value, (int, float, str, bool, type(None))):
+            value = getattr(value, "__name__", type(value).__name__)
+        out[key] = value
+    return out
+
+
+def _probe_sample_bytes(dataset) -> int | None:
+    """Bytes of `dataset[0]` (tensors, arrays, bytes, numbers; nested), None when unknowable."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        if len(dataset) == 0:
+            return None
+    except TypeError:
+        return None
+    return sample_nbytes(dataset[0])
+
+
+def sample_nbytes(obj) -> int:
+    """Bytes a sample occupies once collated (recursing into dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (bytes, bytearray, str)):
+        return len(obj)
+    if isinstance(obj, Mapping):
+        return sum(sample_nbytes(v) for v in obj.values())
+    if isinstance(obj, Sequence):
+        return sum(sample_nbytes(v) for v in obj)
+    return 8  # a Python scalar collates to an 8-byte tensor element

@@ -1,0 +1,127 @@
+"""An immutable sequence of strings in two numpy buffers (UTF-8 bytes + offsets).
+
+Use when: a Dataset holds many paths or keys and DataLoader workers are forked. A Python list
+of a million `str` objects is a million refcounted objects; every read in a worker bumps a
+refcount, the kernel copies the touched page, and each worker's memory grows toward a full
+copy of the list ("copy-on-read", pytorch#13246). Two numpy buffers are two objects: reads
+touch no shared page, so worker memory stays flat.
+Cost: building is one pass of `str.encode`; `ps[i]` slices and decodes one string (~0.3 us).
+Non-UTF-8 file names round-trip through `surrogateescape`, as `os.listdir` returns them.
+Adapt here: store `bytes` instead of `str` by skipping the decode in `__getitem__`.
+Trade-off: immutable; no fast `index()`/`in` (build a dict in the main process if you need
+lookups, and do not send it to workers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+import numpy as np
+
+
+class PackedStrings(Sequence[str]):
+    """Strings stored as `data: uint8[total_bytes]` and `offsets: int64[N + 1]`.
+
+    Args:
+        strings: any iterable of `str` (or `os.PathLike`, stored as `os.fspath`).
+
+    Example:
+        >>> paths = PackedStrings(["a/1.jpg", "b/2.jpg"])
+        >>> paths[1], len(paths)
+        ('b/2.jpg', 2)
+    """
+
+    __slots__ = ("_data", "_offsets")
+
+    def __init__(self, strings: Iterable[str] = ()):
+        encoded = [_encode(s) for s in strings]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        self._offsets = offsets
+        self._data = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+        del encoded
+
+    @classmethod
+    def from_buffers(cls, data: np.ndarray, offsets: np.ndarray) -> PackedStrings:
+        """Wraps existing buffers (e.g. loaded from a cache file) without copying."""
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
+            raise ValueError("`offsets` must be a 1-D array starting at 0, as PackedStrings writes it.")
+        if offsets[-1] != len(data):
+            raise ValueError(
+                f"`offsets` ends at {int(offsets[-1])} but `data` holds {len(data)} bytes; "
+                "the buffers do not belong together."
+            )
+        obj = cls.__new__(cls)
+        obj._data = np.asarray(data, dtype=np.uint8)
+        obj._offsets = np.asarray(offsets, dtype=np.int64)
+        return obj
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self._offsets
+
+    @property
+    def nbytes(self) -> int:
+        return self._data.nbytes + self._offsets.nbytes
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PackedStrings: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return PackedStrings(self[i] for i in range(*index.indices(len(self))))
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} is out of range for PackedStrings of length {n}")
+        start, end = self._offsets[i], self._offsets[i + 1]
+        return self._data[start:end].tobytes().decode("utf-8", "surrogateescape")
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedStrings):
+            return np.array_equal(self._offsets, other._offsets) and np.array_equal(
+                self._data, other._data
+            )
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        head = ", ".join(repr(s) for s in self[: min(3, len(self))])
+        more = ", ..." if len(self) > 3 else ""
+        return f"PackedStrings([{head}{more}], n={len(self)}, nbytes={self.nbytes})"
+
+    def __getstate__(self):
+        return {"data": self._data, "offsets": self._offsets}
+
+    def __setstate__(self, state):
+        self._data = state["data"]
+        self._offsets = state["offsets"]
+
+
+def _encode(value) -> bytes:
+    if not isinstance(value, str):
+        value = os.fspath(value)
+        if isinstance(value, bytes):
+            return value
+    return value.encode("utf-8", "surrogateescape")

@@ -1,0 +1,3 @@
+"""nlp recipes (see README)."""
+
+__all__: list[str] = []

@@ -1,0 +1,63 @@
+"""The `recipes` command line: `doctor`, `bench` (and `python -m recipes`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from recipes import __version__
+
+# Benchmarks by domain, run in this order by a bare `recipes bench`.
+BENCHES = {
+    "common": "recipes.common.bench",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (`recipes: error: ...`) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="recipes", description="Production-grade PyTorch data-loading recipes.")
+    parser.add_argument("--version", action="version", version=f"recipes {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    doctor = commands.add_parser("doctor", help="this machine's data-loading report and settings")
+    from recipes import doctor as doctor_module
+
+    doctor_module.add_arguments(doctor)
+    doctor.set_defaults(handler=doctor_module.run)
+
+    bench = commands.add_parser(
+        "bench", help="measure the recipes against plain torch baselines, in one run"
+    )
+    domains = bench.add_subparsers(dest="domain", metavar="DOMAIN")
+    for name, module_name in BENCHES.items():
+        module = importlib.import_module(module_name)
+        sub = domains.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
+    bench.set_defaults(handler=_bench_all)
+    return parser
+
+
+def _bench_all(args: argparse.Namespace) -> int:
+    """`recipes bench` without a domain: every domain with its defaults."""
+    status = 0
+    for name in BENCHES:
+        sub = build_parser().parse_args(["bench", name])
+        status = max(status, sub.handler(sub))
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, OSError, ImportError) as error:
+        print(f"recipes {args.command}: error: {error}", file=sys.stderr)
+        return 1

@@ -1,0 +1,73 @@
+"""worker_init inside real forked DataLoader workers."""
+
+import multiprocessing
+import random
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from recipes.common import worker_init
+
+
+class Probe(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return {
+            "worker": info.id,
+            "cv2_threads": cv2.getNumThreads(),
+            "opencl": int(cv2.ocl.useOpenCL()),
+            "torch_threads": torch.get_num_threads(),
+            "numpy": float(np.random.rand()),
+            "random": random.random(),
+        }
+
+
+def _run(**kw):
+    loader = DataLoader(Probe(), batch_size=None, num_workers=2,
+                        multiprocessing_context=multiprocessing.get_context("fork"), **kw)
+    return list(loader)
+
+
+def test_opencv_runs_single_threaded_in_forked_workers():
+    cv2.setNumThreads(2)  # the parent uses a thread pool before the fork
+    try:
+        rows = _run(worker_init_fn=worker_init)
+    finally:
+        cv2.setNumThreads(-1)
+    assert {r["worker"] for r in rows} == {0, 1}
+    assert {r["cv2_threads"] for r in rows} == {1}
+    assert {r["opencl"] for r in rows} == {0}
+    assert {r["torch_threads"] for r in rows} == {1}
+
+
+def test_numpy_and_random_draws_differ_across_workers():
+    np.random.seed(0)  # identical global state in the parent, copied by fork
+    random.seed(0)
+    rows = _run(worker_init_fn=worker_init)
+    by_worker = {w: [r for r in rows if r["worker"] == w][0] for w in (0, 1)}
+    assert by_worker[0]["numpy"] != by_worker[1]["numpy"]
+    assert by_worker[0]["random"] != by_worker[1]["random"]
+
+
+def test_draws_are_reproducible_with_a_seeded_generator():
+    def draws():
+        g = torch.Generator().manual_seed(7)
+        return [r["numpy"] for r in _run(worker_init_fn=worker_init, generator=g)]
+
+    assert draws() == draws()
+
+
+def test_worker_init_in_the_main_process_is_harmless(monkeypatch):
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    before = torch.get_num_threads()
+    try:
+        worker_init(0)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+        cv2.setNumThreads(-1)

@@ -1,0 +1,87 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from recipes.cli import main
+from recipes.common import Resources
+from recipes.common.resources import GiB
+from recipes.doctor import build_report, format_report
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "recipes", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_subcommands():
+    out = _cli("--help")
+    assert out.returncode == 0
+    for command in ("doctor", "bench"):
+        assert command in out.stdout
+
+
+def test_doctor_prints_a_report():
+    out = _cli("doctor")
+    assert out.returncode == 0, out.stderr
+    for word in ("CPUs", "memory", "/dev/shm", "ulimit -n", "GPUs", "torch", "production", "sharing strategy"):
+        assert word in out.stdout
+
+
+def test_doctor_json_parses_and_matches_detection(tmp_path):
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    (tmp_path / "memory.max").write_text(str(3 * GiB))
+    (tmp_path / "memory.current").write_text(str(GiB))
+    out = _cli("doctor", "--json", "--cgroup-root", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["cpus"]["effective"] == 1 and report["cpus"]["cgroup_quota"] == 1.0
+    assert report["memory"]["cgroup_limit_bytes"] == 3 * GiB
+    assert report["memory"]["effective_available_bytes"] <= 2 * GiB
+    assert set(report["profiles"]) == {"debug", "production", "memory", "throughput", "text", "auto"}
+    assert report["profiles"]["debug"]["settings"]["num_workers"] == 0
+    assert report["versions"]["torch"]
+    assert report["multiprocessing"]["sharing_strategy"] in ("file_descriptor", "file_system")
+
+
+@pytest.mark.parametrize("args", [["frobnicate"], ["doctor", "--bogus"], ["bench", "nosuchdomain"], []])
+def test_bad_commands_exit_non_zero_with_one_line(args):
+    out = _cli(*args)
+    assert out.returncode != 0
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "error" in out.stderr
+
+
+def _res(**kw):
+    base = dict(cpus=8, cpus_logical=8, memory_available=32 * GiB, memory_limit=None,
+                shm_bytes=8 * GiB, shm_free=8 * GiB, gpus=1, nofile_limit=65536)
+    return Resources(**{**base, **kw})
+
+
+def _problems(report):
+    return " ".join(w["problem"] + " " + w["fix"] for w in report["warnings"])
+
+
+def test_doctor_warns_about_docker_shm():
+    text = _problems(build_report(_res(shm_bytes=64 * 2**20), local_world_size=1, cuda_available=False))
+    assert "/dev/shm is 64 MiB" in text and "--shm-size=8g or --ipc=host" in text
+
+
+def test_doctor_warns_about_low_ulimit_and_many_workers_and_memory():
+    report = build_report(_res(nofile_limit=1024, memory_available=4 * GiB), planned_workers=24,
+                          sample_bytes=8 * 2**20, local_world_size=1, cuda_available=False)
+    text = _problems(report)
+    assert "ulimit -n is 1024" in text
+    assert "24 workers" in text
+    assert "over the loader budget" in text
+    assert "! " in format_report(report)
+
+
+def test_doctor_is_quiet_on_a_healthy_machine():
+    assert build_report(_res(), local_world_size=1, cuda_available=False)["warnings"] == []
+
+
+def test_bench_common_runs_and_prints_a_ratio(capsys):
+    assert main(["bench", "common", "--paths", "200000"]) == 0
+    out = capsys.readouterr().out
+    assert "PackedStrings" in out and "vs baseline" in out

@@ -1,0 +1,3 @@
+"""vision recipes (see README)."""
+
+__all__: list[str] = []
