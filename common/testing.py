@@ -20,11 +20,15 @@ _SYLLABLES = "ka lo mi ne ru sa ti vo bel dan fer gon hul jis kor lum mar nes po
 
 
 def natural_image(height: int, width: int, rng: np.random.Generator) -> np.ndarray:
-    """A BGR uint8 image with photo-like statistics: 1/f noise octaves, shapes and grain."""
+    """A BGR uint8 image with photo-like statistics: 1/f noise octaves, shapes with soft edges,
+    textured regions (foliage, fur, fabric) beside smooth ones, and sensor grain.
+
+    At 500x375 and JPEG quality 90 it compresses to about 50-70 KB.
+    """
     import cv2
 
     image = np.zeros((height, width, 3), np.float32)
-    for octave in range(1, 7):
+    for octave in range(1, 9):
         cells = 2**octave
         grid = rng.normal(0.0, 1.0, (cells, cells * width // height + 1, 3)).astype(np.float32)
         image += cv2.resize(grid, (width, height), interpolation=cv2.INTER_CUBIC) * (60.0 / octave)
@@ -34,7 +38,11 @@ def natural_image(height: int, width: int, rng: np.random.Generator) -> np.ndarr
         color = tuple(float(c) for c in rng.integers(0, 256, 3))
         radius = int(rng.integers(min(height, width) // 12, min(height, width) // 3))
         cv2.circle(image, center, radius, color, thickness=-1, lineType=cv2.LINE_AA)
-    image += rng.normal(0.0, 4.0, image.shape).astype(np.float32)
+    mask = cv2.resize(rng.random((4, 5)).astype(np.float32), (width, height), interpolation=cv2.INTER_CUBIC)
+    mask = np.clip((mask - 0.4) * 3.0, 0.0, 1.0)[..., None]
+    texture = rng.normal(0.0, 18.0, (height // 2 + 1, width // 2 + 1)).astype(np.float32)
+    image += mask * cv2.resize(texture, (width, height), interpolation=cv2.INTER_LINEAR)[..., None]
+    image += rng.normal(0.0, 2.0, image.shape).astype(np.float32)
     return np.clip(image, 0, 255).astype(np.uint8)
 
 

@@ -11,6 +11,7 @@ from recipes import __version__
 # Benchmarks by domain, run in this order by a bare `recipes bench`.
 BENCHES = {
     "common": "recipes.common.bench",
+    "vision": "recipes.vision.bench",
 }
 
 
@@ -31,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor_module.add_arguments(doctor)
     doctor.set_defaults(handler=doctor_module.run)
+
+    cache = commands.add_parser("cache", help="build a domain's preprocessed cache")
+    from recipes import cache_cmd
+
+    cache_cmd.add_arguments(cache)
 
     bench = commands.add_parser(
         "bench", help="measure the recipes against plain torch baselines, in one run"

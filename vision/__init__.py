@@ -1,3 +1,23 @@
-"""vision recipes (see README)."""
+"""Vision recipes: ImageFolderFast, reduced-resolution decoding, decoded-image cache,
+progressive resolution and device-side normalisation."""
 
-__all__: list[str] = []
+from recipes.vision.decode import ImageDecodeError, dct_reduction, decode_image, read_header
+from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, uint8_collate
+from recipes.vision.image_cache import ImageCache, build_image_cache
+from recipes.vision.image_folder import ImageFolderFast
+from recipes.vision.progressive import ProgressiveResolution
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "DeviceNormalize",
+    "ImageCache",
+    "ImageDecodeError",
+    "ImageFolderFast",
+    "ProgressiveResolution",
+    "build_image_cache",
+    "dct_reduction",
+    "decode_image",
+    "read_header",
+    "uint8_collate",
+]

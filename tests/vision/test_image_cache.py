@@ -1,0 +1,170 @@
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+import torchvision.transforms as T
+from torch.utils.data import DataLoader
+
+from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
+from recipes.vision.image_cache import HEADER_BYTES, ImageCache
+
+
+def _mad(a, b):
+    return (a.int() - b.int()).abs().float().mean().item()
+
+
+def test_build_then_serve_equals_decoding(own_tree, tmp_path):
+    ds = ImageFolderFast(own_tree, size=96)
+    decoded = [ds[i] for i in range(len(ds))]
+    cache = build_image_cache(ds, tmp_path / "c", num_workers=2, progress=False)
+    assert ds.cache is cache and cache.count == len(ds) and cache.side == 109  # 96 / 0.875
+    assert cache.images.shape == (len(ds), 109, 109, 3) and cache.images.dtype == np.uint8
+    assert cache.labels.tolist() == ds.targets.tolist()
+    for i, (image, target) in enumerate(decoded):
+        cached, cached_target = ds[i]
+        assert cached.shape == (3, 96, 96) and cached_target == target
+        assert _mad(cached, image) < 3.0
+    ref = torchvision.datasets.ImageFolder(own_tree, transform=T.Compose([T.Resize(109), T.CenterCrop(96), T.PILToTensor()]))
+    mads = [_mad(ds[i][0], ref[i][0]) for i in range(len(ds))]
+    assert max(mads) < 5.0 and np.mean(mads) < 4.0, mads  # the same bar as decoding from files
+
+
+def test_a_new_dataset_serves_a_matching_cache(own_tree, tmp_path):
+    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is not None and "from cache" in repr(ds)
+    # building again reuses the file
+    before = ds.cache.path.stat().st_mtime_ns
+    build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    assert ds.cache.path.stat().st_mtime_ns == before
+
+
+def test_getitems_equals_getitem(own_tree, tmp_path):
+    ds = ImageFolderFast(own_tree, size=64)
+    build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    batch = ds.__getitems__([3, 0, 5, 3])
+    for (image, target), i in zip(batch, [3, 0, 5, 3], strict=True):
+        assert torch.equal(image, ds[i][0]) and target == ds[i][1]
+
+
+def test_stale_cache_is_not_served(own_tree, tmp_path):
+    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    victim = next(own_tree.rglob("*.jpg"))
+    os.utime(victim, ns=(time.time_ns(), time.time_ns() + 10**9))  # the image changed
+    ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is None  # a different fingerprint: decoded from files
+    other_size = ImageFolderFast(own_tree, size=96, cache_dir=tmp_path)
+    assert other_size.cache is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "version"])
+def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
+    cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    data = bytearray(cache.path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 1000]
+    elif damage == "header":
+        data[10:20] = b"\xff" * 10
+    else:
+        data[: HEADER_BYTES] = data[: HEADER_BYTES].replace(b'"version": 1', b'"version": 9')
+    cache.path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="Not using the image cache"):
+        ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is None
+    rebuilt = build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    assert ds.cache is rebuilt and rebuilt.path.stat().st_size == HEADER_BYTES + 8 * 6 + 6 * 73 * 73 * 3
+
+
+def test_writes_are_atomic_and_leave_no_temp_files(own_tree, tmp_path):
+    (tmp_path / ".images-x.bin.999999.ab.tmp").write_bytes(b"left by a dead builder")
+    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_two_processes_building_the_same_cache(own_tree, tmp_path):
+    code = (
+        "import sys; from recipes.vision import ImageFolderFast, build_image_cache;"
+        "build_image_cache(ImageFolderFast(sys.argv[1], size=64), sys.argv[2], num_workers=0, progress=False)"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(own_tree), str(tmp_path)]) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is not None
+    assert len([p for p in tmp_path.iterdir() if p.is_file()]) == 1  # one complete file, no temp files
+    single = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "single", num_workers=0, progress=False)
+    assert ds.cache.path.read_bytes() == single.path.read_bytes()
+
+
+def test_train_crops_come_from_the_cached_image(own_tree, tmp_path):
+    ds = ImageFolderFast(own_tree, size=48, train=True)
+    build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    torch.manual_seed(0)
+    crops = [ds[0][0] for _ in range(5)]
+    assert all(c.shape == (3, 48, 48) for c in crops)
+    assert len({c.float().sum().item() for c in crops}) > 1
+
+
+def test_lower_resolution_downscales_the_cache_tier(own_tree, tmp_path):
+    ds = ImageFolderFast(own_tree, size=128)
+    build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    ds.set_resolution(64)
+    low = ds[2][0]
+    assert low.shape == (3, 64, 64)
+    # Independently: the tier's central 128 px (its 224-of-256 share), resized to 64.
+    tier = torch.from_numpy(np.array(ds.cache.images[2])).permute(2, 0, 1)
+    centre = tier[:, 9:137, 9:137]
+    expected = torchvision.transforms.functional.resize(centre, [64, 64], antialias=True)
+    assert _mad(low, expected) < 1.0
+
+
+def test_skip_build_stores_the_replacement_and_counts(own_tree, tmp_path):
+    bad = own_tree / "class_01" / "bad.jpg"
+    bad.write_bytes(b"not a jpeg")
+    ds = ImageFolderFast(own_tree, size=64, on_error="skip")
+    index = [p for p, _ in ds.samples].index(str(bad))
+    cache = build_image_cache(ds, tmp_path, progress=False, num_workers=2)
+    assert cache.skipped == (index,) and cache.skipped_count == 1
+    reopened = ImageFolderFast(own_tree, size=64, on_error="skip", cache_dir=tmp_path)
+    assert reopened.skipped == 1
+    replacement = ImageFolderFast(own_tree, size=64)[(index + 1) % len(ds)]
+    assert _mad(reopened[index][0], replacement[0]) < 3.0 and reopened[index][1] == replacement[1]
+
+
+def test_build_raises_on_bad_file_by_default(own_tree, tmp_path):
+    (own_tree / "class_00" / "bad.jpg").write_bytes(b"")
+    from recipes.vision import ImageDecodeError
+
+    with pytest.raises(ImageDecodeError, match="bad.jpg"):
+        build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "c", progress=False, num_workers=0)
+    assert list((tmp_path / "c").iterdir()) == []  # nothing partial left
+
+
+def test_cached_dataset_in_persistent_workers(own_tree, tmp_path):
+    ds = ImageFolderFast(own_tree, size=64)
+    build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True, collate_fn=uint8_collate)
+    first = torch.cat([b[0] for b in loader])
+    second = torch.cat([b[0] for b in loader])
+    assert torch.equal(first, second) and torch.equal(first[1], ds[1][0])
+
+
+def test_cli_builds_the_same_cache(own_tree, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "recipes", "cache", "vision", str(own_tree), str(tmp_path),
+                          "--size", "64", "--workers", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "6 images at 73x73" in out.stdout
+    ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is not None
+    assert isinstance(ImageCache.open(ds.cache.path), ImageCache)
+
+
+def test_cli_reports_a_bad_image_in_one_line(own_tree, tmp_path):
+    (own_tree / "class_00" / "zz.jpg").write_bytes(b"<html>")
+    out = subprocess.run([sys.executable, "-m", "recipes", "cache", "vision", str(own_tree), str(tmp_path),
+                          "--workers", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "zz.jpg" in out.stderr

@@ -1,0 +1,19 @@
+"""A small `recipes bench vision` in the default run, with conservative ratios."""
+
+import pytest
+
+from recipes.common.testing import make_image_folder
+from recipes.vision.bench import compare
+
+
+@pytest.fixture(scope="module")
+def bench_tree(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("bench"), classes=4, per_class=40, seed=2)
+
+
+def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
+    rows, _ = compare(bench_tree, size=224, batch_size=16, workers=1, repeat=2)
+    baseline, cold, warm = (row.items_per_s for row in rows)
+    assert all(row.items == 160 for row in rows)
+    assert cold > baseline, rows
+    assert warm >= 3 * baseline, rows

@@ -1,0 +1,92 @@
+"""`recipes bench vision`: torchvision ImageFolder + PIL against ImageFolderFast, cold and warm.
+
+Use when: checking what the recipe buys on your machine and your images (`--data ROOT`).
+Cost: generates `--images` ImageNet-like JPEGs once (about 500x375, quality 90) into a reusable
+folder, then one epoch per loader (best of `--repeat`), all with the same DataLoader settings.
+Adapt here: `--workers`, `--batch-size`, `--size`.
+Trade-off: "warm" excludes the one-off cache build, whose time is printed separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_VERSION = 3  # bump when the generated data changes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=None, help="an ImageFolder root (default: generated)")
+    parser.add_argument("--images", type=int, default=800, help="images to generate (default data only)")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--repeat", type=int, default=2, help="epochs per loader; the best is kept")
+
+
+def default_data_root(images: int) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recipes" / "bench"
+    return base / f"vision-v{BENCH_VERSION}-{images}"
+
+
+def ensure_data(images: int) -> Path:
+    """The generated ImageFolder for `images` images (10 classes), built once and reused."""
+    from recipes.common.testing import make_image_folder
+
+    root = default_data_root(images)
+    if (root / ".complete").exists():
+        return root
+    classes = 10
+    make_image_folder(root, classes=classes, per_class=max(1, images // classes), seed=1)
+    (root / ".complete").touch()
+    return root
+
+
+def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2):
+    """Measures the baseline, cold and warm loaders on `root`; returns (rows, build seconds)."""
+    import torch
+    import torchvision
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+
+    from recipes.common import worker_init
+    from recipes.common.benchmark import measure
+    from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
+
+    settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=torch.cuda.is_available(),
+                    worker_init_fn=worker_init if workers else None)
+    baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
+        [T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]))
+    cold = ImageFolderFast(root, size=size)
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as cache_dir:
+        start = time.perf_counter()
+        warm = ImageFolderFast(root, size=size)
+        build_image_cache(warm, cache_dir, num_workers=workers, progress=False)
+        build_seconds = time.perf_counter() - start
+        loaders = [
+            ("torchvision ImageFolder + PIL (baseline)", DataLoader(baseline, **settings)),
+            ("ImageFolderFast cold (decode)", DataLoader(cold, collate_fn=uint8_collate, **settings)),
+            ("ImageFolderFast warm (decoded cache)", DataLoader(warm, collate_fn=uint8_collate, **settings)),
+        ]
+        rows = [max((measure(name, loader) for _ in range(repeat)), key=lambda m: m.items_per_s)
+                for name, loader in loaders]
+    return rows, build_seconds
+
+
+def run(args: argparse.Namespace) -> int:
+    from recipes.common import smart_num_workers
+    from recipes.common.benchmark import format_table
+
+    root = args.data or ensure_data(args.images)
+    workers = smart_num_workers() if args.workers is None else args.workers
+    rows, build_seconds = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
+                                  repeat=args.repeat)
+    count = rows[0].items
+    print(f"\n## vision: {count} images from {root}, {args.size}px eval, "
+          f"batch {args.batch_size}, {workers} workers\n")
+    print(format_table(rows, unit="images/s"))
+    print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
+    return 0

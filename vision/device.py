@@ -1,0 +1,101 @@
+"""uint8 batches to the device, normalised there: 4x fewer bytes over PCIe than float32.
+
+Use when: the loader's output goes to a GPU. Collating uint8 `[B, 3, H, W]` and converting to
+float on the device moves 150 KB per 224x224 image instead of 600 KB, shrinks pinned buffers
+and worker IPC by the same factor, and the normalisation is one fused kernel on the GPU.
+Cost: `uint8_collate` is one copy per image into a (shared-memory, in workers) batch tensor;
+`DeviceNormalize` is one non-blocking copy and one multiply-add on the device.
+Adapt here: `mean`/`std` (ImageNet's by default in the constants below), `channels_last`.
+Trade-off: augmentations that need float (colour jitter, mixup) move to the device too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils.data import get_worker_info
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacks `(uint8 [3, H, W], target)` items into `uint8 [B, 3, H, W]` and `int64 [B]`.
+
+    The batch is `channels_last` in memory (`[B, H, W, 3]` underneath), the layout decoders
+    and the cache produce, so filling it copies rows instead of transposing pixels; use
+    `DeviceNormalize(channels_last=...)` or `.contiguous()` on the device for NCHW. Inside a
+    worker it is allocated in shared memory directly (as `default_collate` does), so it
+    crosses to the main process without another copy; the loader's pin-memory thread pins it
+    when `pin_memory=True`.
+
+    Raises:
+        TypeError: an image that is not a uint8 tensor, or images of different shapes
+            (naming the position in the batch).
+    """
+    if not batch:
+        raise ValueError("uint8_collate got an empty batch.")
+    first = batch[0][0]
+    for position, (image, _) in enumerate(batch):
+        if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8:
+            raise TypeError(f"uint8_collate: item {position} is {type(image).__name__} "
+                            f"{getattr(image, 'dtype', '')}, expected a uint8 tensor.")
+        if image.shape != first.shape:
+            raise TypeError(f"uint8_collate: item {position} has shape {tuple(image.shape)} but item 0 "
+                            f"has {tuple(first.shape)}; all images in a batch must share a size.")
+    channels, height, width = first.shape
+    numel = first.numel() * len(batch)
+    if get_worker_info() is not None:
+        storage = first.untyped_storage()._new_shared(numel, device="cpu")
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    else:
+        flat = torch.empty(numel, dtype=torch.uint8)
+    # channels_last memory: HWC rows copy straight from decoders and the cache (no transpose).
+    images = flat.view(len(batch), height, width, channels).permute(0, 3, 1, 2)
+    for position, (image, _) in enumerate(batch):
+        images[position].copy_(image)
+    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
+    return images, targets
+
+
+class DeviceNormalize:
+    """Moves a uint8 batch to `device` (non-blocking) and normalises it there.
+
+    `out = (x / 255 - mean) / std`, computed as one multiply-add in `dtype`.
+
+    Args:
+        mean: per-channel means in [0, 1] (e.g. `IMAGENET_MEAN`).
+        std: per-channel standard deviations in [0, 1].
+        device: where to normalise ("cuda", "cpu", a `torch.device`).
+        dtype: output float dtype (`torch.float16`/`bfloat16` for mixed precision).
+        channels_last: return `channels_last` memory format (faster convolutions on GPUs).
+
+    Example:
+        >>> normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device="cuda")
+        >>> for images, targets in loader:
+        ...     images, targets = normalize(images, targets)
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], *, device, dtype=torch.float32,
+                 channels_last: bool = False):
+        if len(mean) != len(std):
+            raise ValueError(f"`mean` and `std` must have the same length, but have {len(mean)} and {len(std)}.")
+        if any(s <= 0 for s in std):
+            raise ValueError(f"`std` must be positive, but is {tuple(std)} instead.")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.channels_last = channels_last
+        std_t = torch.tensor(std, dtype=torch.float32)
+        self.scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1).to(self.device, dtype)
+        self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, -1, 1, 1).to(self.device, dtype)
+
+    def __call__(self, images: torch.Tensor, targets: torch.Tensor | None = None):
+        if images.dtype != torch.uint8:
+            raise TypeError(f"DeviceNormalize expects a uint8 batch, but got {images.dtype}.")
+        x = images.to(self.device, non_blocking=True)
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = torch.addcmul(self.shift, x.to(self.dtype), self.scale).contiguous(memory_format=memory_format)
+        if targets is None:
+            return x
+        return x, targets.to(self.device, non_blocking=True)
