@@ -21,28 +21,40 @@ BENCH_VERSION = 3  # bump when the generated data changes
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=None, help="an ImageFolder root (default: generated)")
     parser.add_argument("--images", type=int, default=800, help="images to generate (default data only)")
+    parser.add_argument("--image-size", default="500x375", help="WxH of generated images (default data only)")
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeat", type=int, default=2, help="epochs per loader; the best is kept")
 
 
-def default_data_root(images: int) -> Path:
+def default_data_root(images: int, image_size: tuple[int, int]) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recipes" / "bench"
-    return base / f"vision-v{BENCH_VERSION}-{images}"
+    suffix = "" if image_size == (500, 375) else f"-{image_size[0]}x{image_size[1]}"
+    return base / f"vision-v{BENCH_VERSION}-{images}{suffix}"
 
 
-def ensure_data(images: int) -> Path:
+def ensure_data(images: int, image_size: tuple[int, int] = (500, 375)) -> Path:
     """The generated ImageFolder for `images` images (10 classes), built once and reused."""
     from recipes.common.testing import make_image_folder
 
-    root = default_data_root(images)
+    root = default_data_root(images, image_size)
     if (root / ".complete").exists():
         return root
     classes = 10
-    make_image_folder(root, classes=classes, per_class=max(1, images // classes), seed=1)
+    make_image_folder(root, classes=classes, per_class=max(1, images // classes), size=image_size, seed=1)
     (root / ".complete").touch()
     return root
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"`--image-size` must look like 500x375, but is {text!r} instead.") from None
+    if width <= 0 or height <= 0:
+        raise ValueError(f"`--image-size` must be positive, but is {text!r} instead.")
+    return width, height
 
 
 def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2):
@@ -80,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from recipes.common import smart_num_workers
     from recipes.common.benchmark import format_table
 
-    root = args.data or ensure_data(args.images)
+    root = args.data or ensure_data(args.images, _parse_size(args.image_size))
     workers = smart_num_workers() if args.workers is None else args.workers
     rows, build_seconds = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
                                   repeat=args.repeat)

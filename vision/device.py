@@ -44,19 +44,43 @@ def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tens
         if image.shape != first.shape:
             raise TypeError(f"uint8_collate: item {position} has shape {tuple(image.shape)} but item 0 "
                             f"has {tuple(first.shape)}; all images in a batch must share a size.")
-    channels, height, width = first.shape
-    numel = first.numel() * len(batch)
+    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
+    rows = [image for image, _ in batch]
+    whole = _batch_of_rows(rows)
+    if whole is not None:  # the dataset already filled one batch tensor (ImageFolderFast.__getitems__)
+        return whole, targets
+    images = new_uint8_batch(len(batch), *first.shape)
+    for position, image in enumerate(rows):
+        images[position].copy_(image)
+    return images, targets
+
+
+def new_uint8_batch(batch_size: int, channels: int, height: int, width: int) -> torch.Tensor:
+    """An empty `uint8 [B, C, H, W]` batch, channels_last in memory, in shared memory inside a
+    DataLoader worker (so it crosses to the main process without a copy)."""
+    numel = batch_size * channels * height * width
     if get_worker_info() is not None:
-        storage = first.untyped_storage()._new_shared(numel, device="cpu")
+        storage = torch.UntypedStorage._new_shared(numel, device="cpu")
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     else:
         flat = torch.empty(numel, dtype=torch.uint8)
-    # channels_last memory: HWC rows copy straight from decoders and the cache (no transpose).
-    images = flat.view(len(batch), height, width, channels).permute(0, 3, 1, 2)
-    for position, (image, _) in enumerate(batch):
-        images[position].copy_(image)
-    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
-    return images, targets
+    return flat.view(batch_size, height, width, channels).permute(0, 3, 1, 2)
+
+
+def _batch_of_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """The batch tensor when `rows` are its rows, in order, filling its whole storage."""
+    storage = rows[0].untyped_storage()
+    channels, height, width = rows[0].shape
+    per_image = channels * height * width
+    if storage.nbytes() != per_image * len(rows) or rows[0].stride() != (1, width * channels, channels):
+        return None
+    start = storage.data_ptr()
+    for position, row in enumerate(rows):
+        if (row.untyped_storage().data_ptr() != start or row.data_ptr() != start + position * per_image
+                or row.stride() != rows[0].stride()):
+            return None
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return flat.view(len(rows), height, width, channels).permute(0, 3, 1, 2)
 
 
 class DeviceNormalize:

@@ -95,6 +95,16 @@ class ImageCache:
             self._pid = os.getpid()
         return self._images, self._labels
 
+    def read_into(self, index: int, out: np.ndarray, *, first_row: int = 0) -> np.ndarray:
+        """Reads rows `first_row : first_row + len(out)` of image `index` into `out`
+        (`uint8 [rows, S, 3]`, C-contiguous) with one `preadv`; returns `out`."""
+        self._maps()
+        row_bytes = self.side * 3
+        offset = HEADER_BYTES + 8 * self.count + int(index) * self.side * row_bytes + first_row * row_bytes
+        if os.preadv(self._fd, [out], offset) != out.nbytes:
+            raise OSError(f"short read from {self.path} at image {index}: the cache file shrank")
+        return out
+
     def read_batch(self, indices) -> np.ndarray:
         """Images `[B, S, S, 3]` for `indices`, copied by `preadv` into one fresh array.
 

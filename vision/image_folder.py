@@ -42,6 +42,7 @@ from recipes.vision.decode import (
     read_header,
     resize_uint8,
 )
+from recipes.vision.device import new_uint8_batch
 from recipes.vision.image_cache import FORMAT_VERSION, CacheMismatch, ImageCache
 
 
@@ -162,14 +163,38 @@ class ImageFolderFast(Dataset):
         return image, target
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
-        """A whole batch in one call; from the cache, one read per image into a batch array
-        whose crops the collate function copies once into the batch tensor."""
+        """A whole batch in one call. From the cache, each image is read (`preadv`) into a
+        private scratch buffer and its crop written straight into one batch tensor (shared
+        memory in a worker); the items are rows of that tensor, which `uint8_collate` returns
+        without another copy."""
         if self.cache is None:
             return [self[i] for i in indices]
         indices = [self._check_index(i) for i in indices]
-        arrays = self.cache.read_batch(indices)
         labels = self.cache.labels[indices]
-        return [self._cached_item(a, int(t)) for a, t in zip(arrays, labels, strict=True)]
+        if self.transform is not None:  # the transform may change shapes: separate tensors
+            arrays = self.cache.read_batch(indices)
+            return [self._cached_item(a, int(t)) for a, t in zip(arrays, labels, strict=True)]
+        out_h, out_w = self.resolution
+        batch = new_uint8_batch(len(indices), 3, out_h, out_w)
+        scratch = self._scratch()
+        side = self.cache.side
+        pure_crop = not self.train and (out_h, out_w) == self.size
+        for row, index in enumerate(indices):
+            if pure_crop:  # read only the crop's rows, copy only its columns
+                top, left = int(round((side - out_h) / 2.0)), int(round((side - out_w) / 2.0))
+                rows = self.cache.read_into(index, scratch[:out_h], first_row=top)
+                batch[row].copy_(torch.from_numpy(rows[:, left : left + out_w]).permute(2, 0, 1))
+            else:
+                image, _ = self._cached_item(self.cache.read_into(index, scratch), 0)
+                batch[row].copy_(image)
+        return [(batch[row], int(t)) for row, t in enumerate(labels)]
+
+    def _scratch(self) -> np.ndarray:
+        """A per-process `[S, S, 3]` read buffer (never handed out: items are copied from it)."""
+        if getattr(self, "_scratch_pid", None) != os.getpid():
+            self._scratch_buf = np.empty((self.cache.side, self.cache.side, 3), np.uint8)
+            self._scratch_pid = os.getpid()
+        return self._scratch_buf
 
     def _check_index(self, index) -> int:
         n = len(self)
@@ -303,7 +328,7 @@ class ImageFolderFast(Dataset):
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_rng=None, _rng_pid=None)
+        state.update(_rng=None, _rng_pid=None, _scratch_buf=None, _scratch_pid=None)
         return state
 
     def __repr__(self) -> str:
