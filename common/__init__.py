@@ -1,5 +1,6 @@
 """Common loader layer: resource detection, worker sizing, loader profiles, worker init."""
 
+from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
 from recipes.common.packed_strings import PackedStrings
 from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings
@@ -10,6 +11,7 @@ from recipes.common.worker_memory import measure_worker_memory_growth
 
 __all__ = [
     "PROFILES",
+    "LengthBucketSampler",
     "LoaderRecipe",
     "PackedStrings",
     "Resources",

@@ -49,8 +49,10 @@ def make_loader(
 
     Args:
         dataset: a map-style or iterable Dataset.
-        profile: `debug`, `production`, `memory`, `throughput`, `text` or `auto` (production,
-            or memory when the in-flight estimate for a probed sample exceeds the budget).
+        profile: `debug`, `production`, `memory`, `throughput`, `text` or `auto`: the
+            dataset's `recommended_profile` attribute when it has one (`TokenCache`: text),
+            else production, or memory when the in-flight estimate for a probed sample
+            exceeds the budget.
         batch_size: samples per batch; the profile's default when None. Not passed when
             `batch_sampler` is given.
         resources: a `Resources` snapshot; `detect_resources()` when None.
@@ -69,8 +71,13 @@ def make_loader(
     """
     _validate(batch_size, overrides)
     res = resources if resources is not None else detect_resources()
-    sample_bytes = _probe_sample_bytes(dataset) if profile == "auto" else None
-    recipe = profile_settings(profile, res, sample_bytes=sample_bytes)
+    preferred = getattr(dataset, "recommended_profile", None)
+    if profile == "auto" and preferred is not None:
+        recipe = profile_settings(preferred, res)
+        recipe.reasons["profile"] = f"auto: {type(dataset).__name__} recommends the {preferred} profile"
+    else:
+        sample_bytes = _probe_sample_bytes(dataset) if profile == "auto" else None
+        recipe = profile_settings(profile, res, sample_bytes=sample_bytes)
     settings = dict(recipe.settings)
     reasons = dict(recipe.reasons)
     if batch_size is not None:

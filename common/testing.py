@@ -187,7 +187,7 @@ def train_tokenizer(texts: list[str], *, vocab_size: int = 2000, special_tokens=
     tokenizer = Tokenizer(models.BPE(unk_token=special["unk_token"]))
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special.values()))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special.values()), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     cls, sep = special["cls_token"], special["sep_token"]
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -196,3 +196,41 @@ def train_tokenizer(texts: list[str], *, vocab_size: int = 2000, special_tokens=
         special_tokens=[(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))],
     )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+
+
+class LocalHTTPServer:
+    """A threaded HTTP server on 127.0.0.1 serving `root`, for tests of remote (fsspec) reads.
+
+    Example:
+        >>> with LocalHTTPServer(tmp_path) as server:
+        ...     fsspec.open(server.url("corpus.txt")).open().read()
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._server = None
+        self._thread = None
+
+    def __enter__(self) -> LocalHTTPServer:
+        import functools
+        import http.server
+        import threading
+
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+        handler = functools.partial(Quiet, directory=str(self.root))
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def url(self, name: str = "") -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/{name}"
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

@@ -16,6 +16,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vision.add_argument("--skip-bad", action="store_true", help="replace undecodable images instead of failing")
     vision.set_defaults(handler=run_vision)
 
+    nlp = domains.add_parser("nlp", help="tokenize a corpus once into a memory-mapped token cache")
+    nlp.add_argument("texts", help=".txt (one sample per line) or .jsonl file, local or an fsspec URL")
+    nlp.add_argument("tokenizer_dir", type=Path, help="a saved tokenizer folder (tokenizer.json, ...)")
+    nlp.add_argument("cache_dir", type=Path, help="the cache folder (replaced atomically)")
+    nlp.add_argument("--max-length", type=int, default=None, help="truncate samples to N tokens")
+    nlp.add_argument("--text-field", default="text", help="the JSON field of .jsonl lines")
+    nlp.add_argument("--no-special-tokens", action="store_true", help="do not add [CLS]/[SEP]-style tokens")
+    nlp.set_defaults(handler=run_nlp)
+
 
 def run_vision(args: argparse.Namespace) -> int:
     from recipes.vision import ImageFolderFast, build_image_cache
@@ -24,4 +33,19 @@ def run_vision(args: argparse.Namespace) -> int:
     cache = build_image_cache(dataset, args.cache_dir, num_workers=args.workers, progress=True)
     skipped = f", {cache.skipped_count} bad images replaced" if cache.skipped_count else ""
     print(f"{cache.path}: {cache.count} images at {cache.side}x{cache.side}{skipped}")
+    return 0
+
+
+def run_nlp(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from recipes.nlp import build_token_cache
+
+    if not args.tokenizer_dir.is_dir():
+        raise ValueError(f"{args.tokenizer_dir} is not a folder; save a tokenizer with "
+                         "tokenizer.save_pretrained(DIR) and pass DIR.")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir, local_files_only=True)
+    cache = build_token_cache(args.texts, tokenizer, args.cache_dir, max_length=args.max_length,
+                              add_special_tokens=not args.no_special_tokens, text_field=args.text_field)
+    print(f"{cache.path}: {len(cache)} samples, {cache.header['num_tokens']:,} tokens ({cache.header['dtype']})")
     return 0

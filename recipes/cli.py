@@ -12,6 +12,7 @@ from recipes import __version__
 BENCHES = {
     "common": "recipes.common.bench",
     "vision": "recipes.vision.bench",
+    "nlp": "recipes.nlp.bench",
 }
 
 

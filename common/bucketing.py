@@ -1,0 +1,230 @@
+"""Length-bucketed batch sampler with a padded-token budget, DDP-safe and resumable.
+
+Use when: samples vary in length (text, speech) and random batches waste padding: on
+long-tailed data a random batch of 32 is mostly padding. Sorting by length and batching
+neighbours cuts the waste to a few percent; a token budget (`max_tokens`) bounds the padded
+size of every batch, so long samples come in small batches and never blow up memory.
+Cost: one O(N log N) sort of precomputed lengths per epoch; never tokenizes or reads data.
+Adapt here: `max_tokens` (padded tokens per batch, `len(batch) * round_up(max_len,
+pad_to_multiple_of)`), `batch_size` (a cap on samples), `pad_to_multiple_of`.
+Trade-off: batches group samples of equal or adjacent lengths; randomness comes from random
+tie-breaking among equal lengths and from the shuffled batch order, not from a global shuffle.
+
+Distributed: batches are formed once for the whole dataset from `(seed, epoch)`, identically
+on every rank, shuffled, and dealt round-robin (rank r takes batches r, r + R, ...). Every
+rank gets the same number of batches, so DDP never waits on a rank that ran out:
+- `drop_last=False` (default): the batch list is padded to a multiple of R by repeating its
+  first batches (at most R - 1 batches are seen twice per epoch);
+- `drop_last=True`: the last (B mod R) batches of the shuffled list are dropped this epoch.
+
+Resume: `state_dict()` records the epoch and how many batches of the global list are done
+(local steps x R, as DDP ranks step together). `load_state_dict()` continues with the rest of
+that list, dealt over the current number of ranks, so a job resumed on another world size
+neither repeats nor loses a sample.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+class LengthBucketSampler(Sampler[list[int]]):
+    """Yields lists of indices of similar length, within a sample count and/or token budget.
+
+    Args:
+        lengths: length of every sample (tokens, frames), e.g. `TokenCache.lengths`.
+        batch_size: at most this many samples per batch.
+        max_tokens: at most this many padded tokens per batch; a sample longer than the
+            budget forms a batch of its own (with a warning, once).
+        pad_to_multiple_of: the collate's padding multiple, counted in the budget.
+        shuffle: shuffle tie-breaks and batch order from `(seed, epoch)`.
+        seed: the base seed, identical on every rank.
+        num_replicas: ranks; the `torch.distributed` world size when initialised, else 1.
+        rank: this rank; `torch.distributed.get_rank()` when initialised, else 0.
+        drop_last: drop batches to equalise ranks instead of padding (see module docstring).
+
+    Raises:
+        ValueError: neither `batch_size` nor `max_tokens`, or invalid values.
+
+    Example:
+        >>> sampler = LengthBucketSampler(cache.lengths, max_tokens=8192, pad_to_multiple_of=8)
+        >>> loader = DataLoader(cache, batch_sampler=sampler, collate_fn=PadCollate(pad_id))
+        >>> for epoch in range(3):
+        ...     sampler.set_epoch(epoch)
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pad_to_multiple_of: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ):
+        if batch_size is None and max_tokens is None:
+            raise ValueError("LengthBucketSampler needs `batch_size`, `max_tokens` or both.")
+        for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens),
+                            ("pad_to_multiple_of", pad_to_multiple_of)):
+            if value is not None and value <= 0:
+                raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if self.lengths.ndim != 1 or (self.lengths < 0).any():
+            raise ValueError("`lengths` must be a 1-D sequence of non-negative integers.")
+        world, here = _distributed_defaults()
+        self.num_replicas = world if num_replicas is None else num_replicas
+        self.rank = here if rank is None else rank
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead.")
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)
+        self._yielded = 0  # local batches yielded in the current iteration
+        self._iterated_epoch: int | None = None
+        self._warned_long = False
+        self._cache: tuple[int, list[np.ndarray]] | None = None
+
+    # ---- the epoch's global batch list -------------------------------------------------
+    def padded_length(self, length: int) -> int:
+        m = self.pad_to_multiple_of
+        return -(-int(length) // m) * m
+
+    def global_batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """Every batch of `epoch` (default: the current one), in the order they are dealt."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        n = len(self.lengths)
+        if self.shuffle:
+            ties = torch.randperm(n, generator=g).numpy()
+            order = ties[np.argsort(self.lengths[ties], kind="stable")]
+        else:
+            order = np.argsort(self.lengths, kind="stable")
+        batches = self._split(order)
+        if self.shuffle and batches:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+        self._cache = (epoch, batches)
+        return batches
+
+    def _split(self, order: np.ndarray) -> list[np.ndarray]:
+        """Greedy batches along ascending lengths: each as long as the limits allow."""
+        padded = -(-self.lengths[order] // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        n, start, batches = len(order), 0, []
+        cap = self.batch_size or n
+        while start < n:
+            end = min(n, start + cap)
+            if self.max_tokens is not None:
+                end = _batch_end(padded, start, end, self.max_tokens)
+                if padded[start] > self.max_tokens:
+                    self._warn_long(int(order[start]), int(self.lengths[order[start]]))
+            batches.append(order[start:end])
+            start = end
+        return batches
+
+    def _warn_long(self, index: int, length: int) -> None:
+        if not self._warned_long:
+            self._warned_long = True
+            warnings.warn(f"Sample {index} has length {length}, over max_tokens={self.max_tokens}; "
+                          "it forms a batch of its own (truncate long samples or raise the budget).",
+                          stacklevel=4)
+
+    def _plan(self, epoch: int, start: int) -> list[np.ndarray]:
+        """This rank's batches: the global list from `start`, equalised over the ranks."""
+        batches = self.global_batches(epoch)
+        rest = batches[start:]
+        r = self.num_replicas
+        if self.drop_last:
+            rest = rest[: len(rest) - len(rest) % r]
+        elif len(rest) % r and batches:
+            pad = r - len(rest) % r
+            rest = rest + [batches[i % len(batches)] for i in range(pad)]
+        return rest[self.rank :: r]
+
+    # ---- Sampler protocol ------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[int]]:
+        if (self._iterated_epoch == self.epoch and self.shuffle and self.num_replicas > 1
+                and self._start == 0):
+            warnings.warn("LengthBucketSampler is iterated again for epoch "
+                          f"{self.epoch}: call sampler.set_epoch(epoch) before each epoch, or every "
+                          "epoch repeats the same order on every rank.", stacklevel=2)
+        self._iterated_epoch = self.epoch
+        plan = self._plan(self.epoch, self._start)
+        self._yielded = 0
+        for batch in plan:
+            self._yielded += 1
+            yield batch.tolist()
+        self._start = 0  # a resumed epoch continues only once
+
+    def __len__(self) -> int:
+        return len(self._plan(self.epoch, self._start))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffles for `epoch` (call before each epoch, as with DistributedSampler)."""
+        self.epoch = int(epoch)
+        self._start = 0
+        self._yielded = 0
+
+    # ---- resume ------------------------------------------------------------------------
+    def state_dict(self, *, batches_done: int | None = None) -> dict:
+        """A JSON-able position: the epoch and the global batches done in it.
+
+        Args:
+            batches_done: local batches the training loop has consumed this epoch. Defaults
+                to the batches this sampler yielded, which runs ahead of training by the
+                DataLoader's prefetch when `num_workers > 0`; pass your step count then.
+        """
+        done = self._yielded if batches_done is None else batches_done
+        total = len(self.global_batches())
+        return {
+            "epoch": self.epoch,
+            "global_batches_done": min(total, self._start + done * self.num_replicas),
+            "seed": self.seed,
+            "num_samples": len(self.lengths),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues the saved epoch on this sampler's (possibly different) number of ranks."""
+        if state["num_samples"] != len(self.lengths) or state["seed"] != self.seed:
+            raise ValueError(
+                f"This state is for {state['num_samples']} samples with seed {state['seed']}, but the "
+                f"sampler has {len(self.lengths)} samples with seed {self.seed}; resume with the same data and seed."
+            )
+        self.epoch = int(state["epoch"])
+        self._start = int(state["global_batches_done"])
+        self._yielded = 0
+
+
+def _batch_end(padded: np.ndarray, start: int, hi: int, budget: int) -> int:
+    """The largest `end` in (start, hi] with `(end - start) * padded[end - 1] <= budget`
+    (monotone in `end` as lengths ascend), or `start + 1` when even one sample exceeds it."""
+    if (hi - start) * int(padded[hi - 1]) <= budget:
+        return hi
+    lo = start + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if (mid - start) * int(padded[mid - 1]) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _distributed_defaults() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0

@@ -1,0 +1,149 @@
+"""`recipes bench nlp`: tokenize-in-__getitem__ + random batches against the token-cache recipe.
+
+Use when: checking what cached tokenization and length bucketing buy on your corpus
+(`--texts corpus.txt --tokenizer saved_tokenizer_dir`).
+Cost: generates a long-tailed corpus and trains a small BPE tokenizer on the fly (default),
+builds the cache once, then one epoch per loader with the same DataLoader settings.
+Adapt here: `--max-tokens` (the recipe's padded-token budget), `--batch-size` (the baseline's).
+Trade-off: the recipe's batches hold a varying number of samples (about `--max-tokens` padded
+tokens each); the comparison is real (non-padding) tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--texts", default=None, help=".txt or .jsonl corpus (default: generated)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="saved tokenizer folder (default: trained)")
+    parser.add_argument("--samples", type=int, default=20000, help="generated samples (default data only)")
+    parser.add_argument("--batch-size", type=int, default=32, help="the baseline's batch size")
+    parser.add_argument("--max-tokens", type=int, default=8192,
+                        help="the recipe's padded tokens per batch (default: about the padded size of the "
+                             "baseline's random batches of 32 on the default corpus, so both use the same memory)")
+    parser.add_argument("--pad-to-multiple-of", type=int, default=8, help="the recipe's padding multiple")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
+
+
+class _Tokenizing:
+    """The baseline: tokenize each text in `__getitem__`."""
+
+    def __init__(self, texts, tokenizer, max_length):
+        self.texts, self.tokenizer, self.max_length = texts, tokenizer, max_length
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, index: int):
+        return self.tokenizer(self.texts[index], truncation=True, max_length=self.max_length)
+
+
+class _TokenCounter:
+    """Counts real and padded tokens of `{"input_ids", "attention_mask"}` batches."""
+
+    def __init__(self):
+        self.real = 0
+        self.padded = 0
+        self.batches = 0
+
+    def __call__(self, batch) -> int:
+        self.batches += 1
+        real = int(batch["attention_mask"].sum())
+        self.real += real
+        self.padded += batch["attention_mask"].numel()
+        return real
+
+    @property
+    def waste(self) -> float:
+        return (self.padded - self.real) / self.padded if self.padded else 0.0
+
+
+def _inputs(args):
+    from recipes.common.testing import make_text_corpus, train_tokenizer
+
+    if args.texts is not None:
+        from recipes.nlp.texts import TextSource
+
+        texts = [t for batch in TextSource(args.texts).batches(10_000) for t in batch]
+    else:
+        texts = make_text_corpus(args.samples, seed=0)
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    else:
+        tokenizer = train_tokenizer(texts[:5000], vocab_size=8000)
+    return texts, tokenizer
+
+
+def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512, workers=1, pad_to_multiple_of=8):
+    """Encode rates, then (rows, counters) for the baseline and the recipe."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+    from transformers.utils import logging as hf_logging
+
+    from recipes.common import LengthBucketSampler, worker_init
+    from recipes.common.benchmark import measure
+    from recipes.nlp import PadCollate, build_token_cache
+
+    hf_logging.set_verbosity_error()
+    start = time.perf_counter()
+    tokenizer(texts, truncation=True, max_length=max_length, return_attention_mask=False)
+    own_seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-tokens-") as folder:
+        start = time.perf_counter()
+        cache = build_token_cache(texts, tokenizer, Path(folder) / "cache", max_length=max_length, progress=False)
+        build_seconds = time.perf_counter() - start
+        common = dict(num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None)
+        baseline = DataLoader(_Tokenizing(texts, tokenizer, max_length), batch_size=batch_size, shuffle=True,
+                              generator=torch.Generator().manual_seed(0),
+                              collate_fn=DataCollatorWithPadding(tokenizer), **common)
+        sampler = LengthBucketSampler(cache.lengths, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
+                                      seed=0)
+        collate = PadCollate(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+        recipe = DataLoader(cache, batch_sampler=sampler, collate_fn=collate, **common)
+        lengths = cache.lengths
+        rows, counters = [], []
+        for name, loader in (("tokenize in __getitem__ + random batches (baseline)", baseline),
+                             ("TokenCache + LengthBucketSampler + PadCollate", recipe)):
+            counter = _TokenCounter()
+            rows.append(measure(name, loader, counter=counter))
+            counters.append(counter)
+    m = pad_to_multiple_of
+    rounding = float(((-(-lengths // m) * m) - lengths).sum())
+    rates = {"own_seconds": own_seconds, "build_seconds": build_seconds, "texts": len(texts),
+             "rounding_waste": rounding / counters[1].padded if counters[1].padded else 0.0}
+    return rates, rows, counters
+
+
+def run(args: argparse.Namespace) -> int:
+    from recipes.common import smart_num_workers
+
+    texts, tokenizer = _inputs(args)
+    workers = smart_num_workers() if args.workers is None else args.workers
+    rates, rows, counters = compare(texts, tokenizer, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                                    max_length=args.max_length, workers=workers,
+                                    pad_to_multiple_of=args.pad_to_multiple_of)
+    base = rows[0].items_per_s
+    print(f"\n## nlp: {len(texts):,} texts, max_length {args.max_length}, baseline batch {args.batch_size}, "
+          f"recipe max_tokens {args.max_tokens}, {workers} workers\n")
+    print("| loader | real tokens/s | vs baseline | padding waste | padded tokens/batch | first batch (s) "
+          "| peak memory (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for row, counter in zip(rows, counters, strict=True):
+        print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / base:.2f}x | {counter.waste:.1%} | "
+              f"{counter.padded / max(counter.batches, 1):,.0f} | {row.first_batch_seconds:.2f} | "
+              f"{row.peak_bytes / 2**20:,.0f} |")
+    print(f"\nOf the recipe's padding, {rates['rounding_waste']:.1%} of all padded tokens is the rounding of each "
+          f"sample to a multiple of {args.pad_to_multiple_of} (tensor-core alignment), the rest is bucketing.")
+    own = rates["texts"] / rates["own_seconds"]
+    built = rates["texts"] / rates["build_seconds"]
+    print(f"\ncache build: {built:,.0f} texts/s (hashing, tokenizing, writing) vs the tokenizer's own batch "
+          f"encode {own:,.0f} texts/s = {built / own:.0%}")
+    return 0

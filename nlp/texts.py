@@ -1,0 +1,110 @@
+"""Text inputs for the token cache: a list of strings, a .txt or .jsonl file, or an fsspec URL.
+
+Use when: reading a corpus line by line with errors that point at the line.
+Cost: streaming; files are read twice when a cache is built (once to hash, once to tokenize).
+Adapt here: `_parse_line` for another format.
+Trade-off: one sample per line; multi-line samples need `.jsonl`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+_KINDS = (".txt", ".jsonl")
+
+
+class TextSource:
+    """Samples from `texts` (see `build_token_cache`), in batches, with a content hash."""
+
+    def __init__(self, texts, *, text_field: str = "text"):
+        self.text_field = text_field
+        if isinstance(texts, (str, os.PathLike)):
+            self.url = os.fspath(texts)
+            self.kind = _kind(self.url)
+            self.strings = None
+        elif isinstance(texts, Sequence):
+            self.url, self.kind, self.strings = None, "strings", texts
+        else:
+            raise ValueError(f"`texts` must be a sequence of strings, a path or a URL, but is "
+                             f"{type(texts).__name__} instead.")
+
+    def describe(self) -> str:
+        return self.url if self.url is not None else f"<{len(self.strings)} strings>"
+
+    def content_hash(self) -> str:
+        digest = hashlib.sha256(f"{self.kind}|{self.text_field if self.kind == '.jsonl' else ''}|".encode())
+        if self.strings is not None:
+            for i, text in enumerate(self.strings):
+                if not isinstance(text, str):
+                    raise ValueError(f"Sample {i} is {type(text).__name__}, not str.")
+                data = text.encode("utf-8", "surrogatepass")
+                digest.update(len(data).to_bytes(8, "little") + data)
+        else:
+            with self._open() as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        return digest.hexdigest()
+
+    def batches(self, batch_size: int) -> Iterator[list[str]]:
+        batch: list[str] = []
+        for text in self._samples():
+            batch.append(text)
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def _samples(self) -> Iterator[str]:
+        if self.strings is not None:
+            yield from self.strings
+            return
+        with self._open() as f:
+            for number, raw in enumerate(f, start=1):
+                yield self._parse_line(raw, number)
+
+    def _parse_line(self, raw: bytes, number: int) -> str:
+        line = raw[:-1] if raw.endswith(b"\n") else raw
+        line = line[:-1] if line.endswith(b"\r") else line
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{self.url}, line {number}: invalid UTF-8 at byte {error.start} "
+                             f"({line[max(0, error.start - 10):error.start + 10]!r}); re-encode the file "
+                             "as UTF-8.") from None
+        if self.kind == ".txt":
+            return text
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{self.url}, line {number}: not JSON ({error.msg}); each line of a .jsonl "
+                             "file must be one JSON object.") from None
+        if not isinstance(record, dict) or self.text_field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{self.url}, line {number}: no field {self.text_field!r} (found {keys}); "
+                             "pass text_field= with the right name.")
+        value = record[self.text_field]
+        if not isinstance(value, str):
+            raise ValueError(f"{self.url}, line {number}: field {self.text_field!r} is "
+                             f"{type(value).__name__}, not a string.")
+        return value
+
+    def _open(self):
+        import fsspec
+
+        return fsspec.open(self.url, "rb", compression="infer").open()
+
+
+def _kind(url: str) -> str:
+    name = url.split("?")[0].lower()
+    for compression in (".gz", ".bz2", ".xz", ".zst"):
+        if name.endswith(compression):
+            name = name[: -len(compression)]
+    for kind in _KINDS:
+        if name.endswith(kind):
+            return kind
+    raise ValueError(f"{url}: unknown text file type; use .txt (one sample per line) or .jsonl "
+                     "(one JSON object per line), or pass a list of strings.")

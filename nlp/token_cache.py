@@ -1,0 +1,322 @@
+"""Token cache: tokenize a corpus once into a memory-mapped flat token file.
+
+Use when: the same texts are tokenized every epoch (in `__getitem__` or `map`), or a
+tokenizer in DataLoader workers is the bottleneck. Items become slices of a memory map:
+microseconds each, no tokenizer in the workers, and `lengths` for bucketing for free.
+Cost: one pass of the fast tokenizer's batch API (Rust, multi-threaded) over the data, plus
+a content hash of the data to decide reuse; 2 bytes per token (`uint16`) when the
+vocabulary fits, else 4.
+Adapt here: `_read_texts` for other input formats; `max_length` and `add_special_tokens`.
+Trade-off: the cache is tied to one tokenizer configuration and one corpus; change either
+and it is rebuilt (never silently reused: the key hashes the tokenizer's full serialized
+content, its special tokens and the data, unlike a random fingerprint).
+
+Layout of `cache_dir` (built in a temp folder, fsynced, renamed into place):
+  header.json   {"format": "recipes-token-cache", "version", "fingerprint", "count",
+                 "num_tokens", "dtype", ...}
+  tokens.bin    uint16/uint32 x num_tokens, all samples back to back
+  offsets.bin   int64 x (count + 1); sample i is tokens[offsets[i]:offsets[i + 1]]
+
+The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in the parent
+can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
+forked, after parallelism has already been used"). Cached datasets never tokenize in
+workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from recipes.nlp.texts import TextSource
+
+FORMAT = "recipes-token-cache"
+FORMAT_VERSION = 1
+
+
+class TokenCacheError(ValueError):
+    """A token cache that is missing, truncated, corrupt or built from other inputs."""
+
+
+class TokenCache(Dataset):
+    """A map-style dataset over a token cache: `cache[i] == {"input_ids": LongTensor[L]}`.
+
+    Pickles as its path and small arrays; each process opens its own memory map lazily.
+    `make_loader(cache)` picks the `text` profile (no pinned memory: small int batches copy
+    faster than they pin).
+
+    Example:
+        >>> cache = TokenCache.open("/cache/wiki-bpe")
+        >>> len(cache), cache.lengths[:3], cache[0]["input_ids"]
+    """
+
+    recommended_profile = "text"
+
+    def __init__(self, path: Path, header: dict, offsets: np.ndarray):
+        self.path = Path(path)
+        self.header = header
+        self.offsets = offsets
+        self.lengths = np.diff(offsets)
+        self._pid: int | None = None
+        self._tokens: np.ndarray | None = None
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> TokenCache:
+        """Opens and validates a cache folder (header, sizes, offsets).
+
+        Raises:
+            TokenCacheError: missing, truncated, corrupt, another format version, or (with
+                `fingerprint`) built from other inputs; the message says to rebuild.
+        """
+        path = Path(cache_dir)
+        try:
+            header = json.loads((path / "header.json").read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise TokenCacheError(f"No readable token cache at {path} ({error}); build it with "
+                                  "build_token_cache() or `recipes cache nlp`.") from None
+        if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
+            raise TokenCacheError(f"{path} holds format {header.get('format')} v{header.get('version')}, "
+                                  f"expected {FORMAT} v{FORMAT_VERSION}; rebuild it.")
+        if fingerprint is not None and header.get("fingerprint") != fingerprint:
+            raise TokenCacheError(f"{path} was built from another tokenizer, settings or data; rebuild it.")
+        count, num_tokens = int(header["count"]), int(header["num_tokens"])
+        itemsize = np.dtype(header["dtype"]).itemsize
+        _check_size(path / "tokens.bin", num_tokens * itemsize)
+        _check_size(path / "offsets.bin", (count + 1) * 8)
+        offsets = np.fromfile(path / "offsets.bin", dtype="<i8")
+        if offsets[0] != 0 or offsets[-1] != num_tokens or (count and (np.diff(offsets) < 0).any()):
+            raise TokenCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
+        return cls(path, header, offsets)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header["fingerprint"]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _map(self) -> np.ndarray:
+        if self._pid != os.getpid():
+            num_tokens = int(self.header["num_tokens"])
+            dtype = np.dtype(self.header["dtype"])
+            # copy-on-write: writable views for torch, the file is never written
+            self._tokens = (np.memmap(self.path / "tokens.bin", dtype=dtype, mode="c", shape=(num_tokens,))
+                            if num_tokens else np.zeros(0, dtype))
+            self._pid = os.getpid()
+        return self._tokens
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        n = len(self)
+        i = int(index)
+        if not -n <= i < n:
+            raise IndexError(f"index {index} is out of range for the {n} samples in {self.path}")
+        i %= n
+        ids = self._map()[self.offsets[i] : self.offsets[i + 1]]
+        return {"input_ids": torch.from_numpy(ids.astype(np.int64))}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """A whole batch with one gather from the memory map; items are views of one tensor."""
+        n = len(self)
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            bad = int(idx[(idx < -n) | (idx >= n)][0])
+            raise IndexError(f"index {bad} is out of range for the {n} samples in {self.path}")
+        idx %= max(n, 1)
+        starts, lengths = self.offsets[idx], self.lengths[idx]
+        # positions of every token of the batch: each start, then +1 within its sample
+        shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+        flat = self._map()[shift + np.arange(int(lengths.sum()))].astype(np.int64)
+        rows = torch.from_numpy(flat).split(lengths.tolist())
+        return [{"input_ids": row} for row in rows]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_pid=None, _tokens=None)
+        return state
+
+    def __repr__(self) -> str:
+        return (f"TokenCache({str(self.path)!r}, n={len(self)}, tokens={self.header['num_tokens']:,}, "
+                f"dtype={self.header['dtype']})")
+
+
+def _check_size(path: Path, expected: int) -> None:
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise TokenCacheError(f"{path} is missing; rebuild the cache.") from None
+    if size != expected:
+        raise TokenCacheError(f"{path} is {size} bytes, expected {expected} (truncated or corrupt); "
+                              "rebuild the cache.")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Everything that decides a tokenizer's output, as JSON-able data (never random)."""
+    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    info = {"class": type(tokenizer).__name__, "special_tokens": special,
+            "added_tokens": sorted((str(t), int(i)) for t, i in tokenizer.get_added_vocab().items()),
+            "truncation_side": getattr(tokenizer, "truncation_side", None),
+            "padding_side": getattr(tokenizer, "padding_side", None)}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # fast tokenizer: its full tokenizer.json (model, normalizer, ...)
+        info["tokenizer_json"] = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+    else:
+        vocab = sorted(tokenizer.get_vocab().items())
+        info["vocab"] = hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest()
+        info["init_kwargs"] = {k: v for k, v in sorted(tokenizer.init_kwargs.items())
+                               if isinstance(v, (str, int, float, bool, type(None)))}
+    return info
+
+
+def cache_fingerprint(source: TextSource, tokenizer, *, max_length, add_special_tokens) -> str:
+    key = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
+           "max_length": max_length, "add_special_tokens": add_special_tokens,
+           "data": source.content_hash()}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def build_token_cache(
+    texts,
+    tokenizer,
+    cache_dir: str | os.PathLike,
+    *,
+    max_length: int | None = None,
+    add_special_tokens: bool = True,
+    text_field: str = "text",
+    batch_size: int = 1000,
+    progress: bool = True,
+) -> TokenCache:
+    """Tokenizes `texts` once into `cache_dir`, or reuses the cache there when it matches.
+
+    Args:
+        texts: a sequence of strings, a `.txt` file (one sample per line), a `.jsonl` file
+            (`text_field` of each line), or an fsspec URL of either (`s3://`, `https://`, ...).
+        tokenizer: a `transformers` tokenizer (fast is best; a slow one works, with a warning).
+        cache_dir: the cache folder; replaced atomically when rebuilt.
+        max_length: truncate to this many tokens (special tokens included), as
+            `tokenizer(..., truncation=True, max_length=...)` does.
+        add_special_tokens: frame samples with the tokenizer's special tokens.
+        text_field: the JSON field holding the text, for `.jsonl`.
+        batch_size: texts per batch-encode call.
+        progress: show a progress bar.
+
+    Returns:
+        The opened `TokenCache`.
+
+    Raises:
+        ValueError: invalid UTF-8 (naming the file and line), a `.jsonl` line without
+            `text_field` or not JSON (naming the line), or an unknown file type.
+    """
+    from tqdm import tqdm
+
+    if batch_size <= 0:
+        raise ValueError(f"`batch_size` must be positive, but is {batch_size!r} instead.")
+    if max_length is not None and max_length <= 0:
+        raise ValueError(f"`max_length` must be positive, but is {max_length!r} instead.")
+    if not getattr(tokenizer, "is_fast", False):
+        warnings.warn(f"{type(tokenizer).__name__} is a slow (Python) tokenizer; building the cache will be "
+                      "much slower than with its fast (Rust) version.", stacklevel=2)
+    source = TextSource(texts, text_field=text_field)
+    fingerprint = cache_fingerprint(source, tokenizer, max_length=max_length,
+                                    add_special_tokens=add_special_tokens)
+    target = Path(cache_dir)
+    try:
+        return TokenCache.open(target, fingerprint=fingerprint)
+    except TokenCacheError:
+        pass
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        count, num_tokens = _write_tokens(source, tokenizer, tmp, dtype, max_length, add_special_tokens,
+                                          batch_size, tqdm(disable=not progress, desc="tokenizing", unit="text"))
+        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
+                  "num_tokens": num_tokens, "dtype": np.dtype(dtype).name, "max_length": max_length,
+                  "add_special_tokens": add_special_tokens, "vocab_size": len(tokenizer),
+                  "tokenizer": type(tokenizer).__name__, "source": source.describe()}
+        _write_synced(tmp / "header.json", json.dumps(header, indent=1).encode("utf-8"))
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TokenCache.open(target, fingerprint=fingerprint)
+
+
+def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool):
+    """`encode(list[str]) -> list[list[int]]`, equal to `tokenizer(texts, truncation=...,
+    max_length=...)["input_ids"]`. For fast tokenizers it calls the Rust batch encoder of a
+    copy configured for truncation (what `transformers` does inside, minus its conversions)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        def encode_slow(texts):
+            return tokenizer(texts, add_special_tokens=add_special_tokens, truncation=max_length is not None,
+                             max_length=max_length, return_attention_mask=False,
+                             return_token_type_ids=False)["input_ids"]
+        return encode_slow
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_padding()
+    if max_length is None:
+        copy.no_truncation()
+    else:
+        copy.enable_truncation(max_length, direction=getattr(tokenizer, "truncation_side", "right"))
+
+    # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we do not store.
+    encode_batch = getattr(copy, "encode_batch_fast", copy.encode_batch)
+
+    def encode_fast(texts):
+        return [e.ids for e in encode_batch(texts, add_special_tokens=add_special_tokens)]
+    return encode_fast
+
+
+def _write_tokens(source, tokenizer, folder: Path, dtype, max_length, add_special_tokens, batch_size, bar):
+    offsets = [np.zeros(1, np.int64)]
+    total = 0
+    encode = batch_encoder(tokenizer, max_length=max_length, add_special_tokens=add_special_tokens)
+    with open(folder / "tokens.bin", "wb") as tokens_file, bar:
+        for batch in source.batches(batch_size):
+            ids = encode(batch)
+            lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
+            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
+            tokens_file.write(flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
+            offsets.append(total + np.cumsum(lengths))
+            total += int(lengths.sum())
+            bar.update(len(batch))
+        tokens_file.flush()
+        os.fsync(tokens_file.fileno())
+    offsets_all = np.concatenate(offsets)
+    _write_synced(folder / "offsets.bin", offsets_all.astype("<i8").tobytes())
+    return len(offsets_all) - 1, total
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Moves `new` to `target`; an old `target` is moved aside first, then deleted, so a
+    reader sees the old cache, nothing, or the new cache, never a mix."""
+    fd = os.open(new, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
