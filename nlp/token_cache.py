@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from recipes.common.atomic import replace_dir, write_synced
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"
@@ -243,8 +244,8 @@ def build_token_cache(
                   "num_tokens": num_tokens, "dtype": np.dtype(dtype).name, "max_length": max_length,
                   "add_special_tokens": add_special_tokens, "vocab_size": len(tokenizer),
                   "tokenizer": type(tokenizer).__name__, "source": source.describe()}
-        _write_synced(tmp / "header.json", json.dumps(header, indent=1).encode("utf-8"))
-        _replace_dir(tmp, target)
+        write_synced(tmp / "header.json", json.dumps(header, indent=1).encode("utf-8"))
+        replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenCache.open(target, fingerprint=fingerprint)
@@ -294,29 +295,5 @@ def _write_tokens(source, tokenizer, folder: Path, dtype, max_length, add_specia
         tokens_file.flush()
         os.fsync(tokens_file.fileno())
     offsets_all = np.concatenate(offsets)
-    _write_synced(folder / "offsets.bin", offsets_all.astype("<i8").tobytes())
+    write_synced(folder / "offsets.bin", offsets_all.astype("<i8").tobytes())
     return len(offsets_all) - 1, total
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Moves `new` to `target`; an old `target` is moved aside first, then deleted, so a
-    reader sees the old cache, nothing, or the new cache, never a mix."""
-    fd = os.open(new, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.common.atomic import fsync_dir, pid_alive
+
 MAGIC = b"RCPIMG01"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
@@ -164,7 +166,7 @@ def write_cache(path: Path, fingerprint: str, count: int, side: int, fill) -> No
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -174,19 +176,10 @@ def sweep_dead_temps(folder: Path) -> None:
     for tmp in folder.glob(".images-*.tmp"):
         try:
             pid = int(tmp.name.split(".")[-3])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except (ValueError, IndexError, PermissionError):
+        except (ValueError, IndexError):
             continue
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        if not pid_alive(pid):
+            tmp.unlink(missing_ok=True)
 
 
 def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int | None = None,
