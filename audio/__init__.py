@@ -1,3 +1,21 @@
-"""audio recipes (see README)."""
+"""Audio recipes: chunked reading of long files, precomputed spectrogram caches, padded batches."""
 
-__all__: list[str] = []
+from recipes.audio.chunked import AudioDecodeError, ChunkedAudioDataset
+from recipes.audio.collate import AudioPadCollate, pad_collate
+from recipes.audio.spectrogram_cache import (
+    SpectrogramCache,
+    SpectrogramCacheError,
+    build_spectrogram_cache,
+)
+from recipes.common.bucketing import LengthBucketSampler
+
+__all__ = [
+    "AudioDecodeError",
+    "AudioPadCollate",
+    "ChunkedAudioDataset",
+    "LengthBucketSampler",
+    "SpectrogramCache",
+    "SpectrogramCacheError",
+    "build_spectrogram_cache",
+    "pad_collate",
+]

@@ -128,3 +128,25 @@ def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: in
             f"{row.first_batch_seconds:.2f} | {row.peak_bytes / 2**20:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def peak_rss_growth(fn) -> int | None:
+    """Bytes the process's resident set grew to, at its peak, while `fn()` ran.
+
+    Resets the kernel's high-water mark (`/proc/self/clear_refs`, Linux >= 4.0), runs `fn`,
+    and reads `VmHWM` against the RSS before; None where that interface is missing.
+    """
+    import psutil
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    before = psutil.Process().memory_info().rss
+    fn()
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return max(0, int(line.split()[1]) * 1024 - before)
+    return None

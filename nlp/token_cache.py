@@ -85,13 +85,18 @@ class TokenCache(Dataset):
         except (OSError, json.JSONDecodeError) as error:
             raise TokenCacheError(f"No readable token cache at {path} ({error}); build it with "
                                   "build_token_cache() or `recipes cache nlp`.") from None
+        if not isinstance(header, dict):
+            raise TokenCacheError(f"{path}/header.json is not a cache header; rebuild the cache.")
         if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
             raise TokenCacheError(f"{path} holds format {header.get('format')} v{header.get('version')}, "
                                   f"expected {FORMAT} v{FORMAT_VERSION}; rebuild it.")
         if fingerprint is not None and header.get("fingerprint") != fingerprint:
             raise TokenCacheError(f"{path} was built from another tokenizer, settings or data; rebuild it.")
-        count, num_tokens = int(header["count"]), int(header["num_tokens"])
-        itemsize = np.dtype(header["dtype"]).itemsize
+        try:
+            count, num_tokens = int(header["count"]), int(header["num_tokens"])
+            itemsize = np.dtype(header["dtype"]).itemsize
+        except (KeyError, TypeError, ValueError):
+            raise TokenCacheError(f"{path}/header.json lacks fields; rebuild the cache.") from None
         _check_size(path / "tokens.bin", num_tokens * itemsize)
         _check_size(path / "offsets.bin", (count + 1) * 8)
         offsets = np.fromfile(path / "offsets.bin", dtype="<i8")

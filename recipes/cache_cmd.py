@@ -25,6 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     nlp.add_argument("--no-special-tokens", action="store_true", help="do not add [CLS]/[SEP]-style tokens")
     nlp.set_defaults(handler=run_nlp)
 
+    audio = domains.add_parser("audio", help="compute log-mel features of a folder of audio once")
+    audio.add_argument("audio_dir", type=Path, help="folder searched recursively for WAV/FLAC/OGG files")
+    audio.add_argument("cache_dir", type=Path, help="the cache folder (replaced atomically)")
+    audio.add_argument("--chunk-seconds", type=float, default=None, help="window length (default: whole files)")
+    audio.add_argument("--sample-rate", type=int, default=None, help="resample to this rate")
+    audio.add_argument("--n-mels", type=int, default=80)
+    audio.add_argument("--workers", type=int, default=None, help="feature workers (default: smart_num_workers)")
+    audio.set_defaults(handler=run_audio)
+
 
 def run_vision(args: argparse.Namespace) -> int:
     from recipes.vision import ImageFolderFast, build_image_cache
@@ -48,4 +57,14 @@ def run_nlp(args: argparse.Namespace) -> int:
     cache = build_token_cache(args.texts, tokenizer, args.cache_dir, max_length=args.max_length,
                               add_special_tokens=not args.no_special_tokens, text_field=args.text_field)
     print(f"{cache.path}: {len(cache)} samples, {cache.header['num_tokens']:,} tokens ({cache.header['dtype']})")
+    return 0
+
+
+def run_audio(args: argparse.Namespace) -> int:
+    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache
+
+    dataset = ChunkedAudioDataset(args.audio_dir, chunk_seconds=args.chunk_seconds, sample_rate=args.sample_rate)
+    cache = build_spectrogram_cache(dataset, args.cache_dir, n_mels=args.n_mels, num_workers=args.workers)
+    print(f"{cache.path}: {len(cache)} items, {cache.n_mels} mels, {cache.header['layout']} layout, "
+          f"{int(cache.lengths.sum()):,} frames")
     return 0

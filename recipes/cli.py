@@ -13,6 +13,7 @@ BENCHES = {
     "common": "recipes.common.bench",
     "vision": "recipes.vision.bench",
     "nlp": "recipes.nlp.bench",
+    "audio": "recipes.audio.bench",
 }
 
 

@@ -75,6 +75,8 @@ class ImageCache:
             header = json.loads(raw[len(MAGIC):].decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise CacheMismatch(f"{path} has a corrupt header") from None
+        if not isinstance(header, dict) or not {"count", "side", "fingerprint"} <= set(header):
+            raise CacheMismatch(f"{path} has a header without the cache fields")
         if header.get("version") != FORMAT_VERSION:
             raise CacheMismatch(f"{path} has format version {header.get('version')}, expected {FORMAT_VERSION}")
         if fingerprint is not None and header.get("fingerprint") != fingerprint:

@@ -62,7 +62,7 @@ def test_stale_cache_is_not_served(own_tree, tmp_path):
     assert other_size.cache is None
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "version"])
+@pytest.mark.parametrize("damage", ["truncate", "header", "version", "not_an_object"])
 def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
     cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
     data = bytearray(cache.path.read_bytes())
@@ -70,6 +70,8 @@ def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
         data = data[: len(data) - 1000]
     elif damage == "header":
         data[10:20] = b"\xff" * 10
+    elif damage == "not_an_object":
+        data[8:HEADER_BYTES] = b"[1, 2]".ljust(HEADER_BYTES - 8)
     else:
         data[: HEADER_BYTES] = data[: HEADER_BYTES].replace(b'"version": 1', b'"version": 9')
     cache.path.write_bytes(bytes(data))

@@ -1,0 +1,150 @@
+"""`recipes bench audio`: whole-file loading against chunked reading and the spectrogram cache.
+
+Use when: checking what seeking and caching buy on long recordings (`--data DIR`).
+Cost: generates long 16 kHz FLAC recordings once (default: 4 x 5 minutes, plus a 1-minute and
+a 30-minute file for the memory check) into a reusable folder, then one shuffled epoch per
+loader with the same DataLoader settings; the baseline reads only `--baseline-items` items.
+Adapt here: `--chunk-seconds`, `--workers`, `--batch-size`.
+Trade-off: the cache row excludes the one-off build, whose time is printed separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_VERSION = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, default=None, help="a folder of audio files (default: generated)")
+    parser.add_argument("--chunk-seconds", type=float, default=4.0)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
+    parser.add_argument("--baseline-items", type=int, default=48, help="items the (slow) baseline reads")
+    parser.add_argument("--no-memory", action="store_true", help="skip the 1- vs 30-minute memory check")
+
+
+class WholeFileWindows:
+    """The naive baseline: load the whole file with soundfile, slice the window, featurise."""
+
+    def __init__(self, index, features):
+        self.index, self.features = index, features
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int):
+        import soundfile as sf
+        import torch
+
+        ds = self.index
+        f, start, frames = int(ds.item_file[i]), int(ds.item_start[i]), int(ds.item_frames[i])
+        data, _ = sf.read(ds.files[f], dtype="float32", always_2d=True)  # the whole recording
+        window = torch.from_numpy(data[start : start + frames].T.copy())
+        chunk = round(ds.chunk_seconds * ds.sample_rate)
+        window = torch.nn.functional.pad(window, (0, chunk - window.shape[-1]))
+        return self.features(window), {"frames": frames}
+
+
+class OnTheFly:
+    """Chunked reading with features computed per item."""
+
+    def __init__(self, dataset, features):
+        self.dataset, self.features = dataset, features
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        wave, info = self.dataset[i]
+        return self.features(wave), info
+
+
+def _data_root() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recipes" / "bench"
+    return base / f"audio-v{BENCH_VERSION}"
+
+
+def ensure_data() -> tuple[Path, Path, Path]:
+    """(folder of 4 x 5-minute FLACs, a 1-minute FLAC, a 30-minute FLAC), generated once."""
+    from recipes.common.testing import make_audio_files
+
+    root = _data_root()
+    if not (root / ".complete").exists():
+        make_audio_files(root / "long", count=4, seconds=300.0, seed=1)
+        make_audio_files(root / "one_minute", count=1, seconds=60.0, seed=2)
+        make_audio_files(root / "thirty_minutes", count=1, seconds=1800.0, seed=3)
+        (root / ".complete").touch()
+    return root / "long", root / "one_minute" / "audio_0000.flac", root / "thirty_minutes" / "audio_0000.flac"
+
+
+def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseline_items=48):
+    """(rows, cache build seconds) for the baseline, chunked reading and the cache."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
+    from recipes.audio.spectrogram_cache import featurizer
+    from recipes.common import worker_init
+    from recipes.common.benchmark import measure
+
+    chunked = ChunkedAudioDataset(folder, chunk_seconds=chunk_seconds)
+    features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
+
+    def loader(dataset):
+        return DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0),
+                          num_workers=workers, collate_fn=pad_collate, worker_init_fn=worker_init if workers else None)
+
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-mel-") as tmp:
+        start = time.perf_counter()
+        cache = build_spectrogram_cache(chunked, Path(tmp) / "cache", num_workers=workers, progress=False)
+        build_seconds = time.perf_counter() - start
+        rows = [
+            measure("whole file + slice + mel (baseline)", loader(WholeFileWindows(chunked, features)),
+                    max_items=baseline_items),
+            measure("ChunkedAudioDataset + mel on the fly", loader(OnTheFly(chunked, features))),
+            measure("SpectrogramCache", loader(cache)),
+        ]
+    return rows, build_seconds, len(chunked)
+
+
+def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
+    """Peak RSS growth while reading one window of `path`: whole-file baseline vs chunked."""
+    from recipes.audio import ChunkedAudioDataset
+    from recipes.audio.spectrogram_cache import featurizer
+    from recipes.common.benchmark import peak_rss_growth
+
+    chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
+    features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
+    middle = len(chunked) // 2
+    OnTheFly(chunked, features)[0]  # warm up allocators and the mel filterbank
+    return {"baseline": peak_rss_growth(lambda: WholeFileWindows(chunked, features)[middle]),
+            "chunked": peak_rss_growth(lambda: OnTheFly(chunked, features)[middle])}
+
+
+def run(args: argparse.Namespace) -> int:
+    from recipes.common import smart_num_workers
+    from recipes.common.benchmark import format_table
+
+    if args.data is not None:
+        folder, short, long = args.data, None, None
+    else:
+        folder, short, long = ensure_data()
+    workers = smart_num_workers() if args.workers is None else args.workers
+    rows, build_seconds, count = compare(folder, chunk_seconds=args.chunk_seconds, batch_size=args.batch_size,
+                                         workers=workers, baseline_items=args.baseline_items)
+    print(f"\n## audio: {count} windows of {args.chunk_seconds:g} s from {folder}, batch {args.batch_size}, "
+          f"{workers} workers (baseline: first {rows[0].items} items)\n")
+    print(format_table(rows, unit="items/s"))
+    print(f"\nspectrogram cache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} items/s, one-off)")
+    if short is not None and not args.no_memory:
+        print("\n| peak memory growth reading one window | 1-minute file (MiB) | 30-minute file (MiB) |")
+        print("|---|---:|---:|")
+        one, thirty = memory_per_item(short, args.chunk_seconds), memory_per_item(long, args.chunk_seconds)
+        for key, name in (("baseline", "whole file (baseline)"), ("chunked", "ChunkedAudioDataset")):
+            print(f"| {name} | {one[key] / 2**20:,.1f} | {thirty[key] / 2**20:,.1f} |")
+    return 0

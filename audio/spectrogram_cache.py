@@ -1,0 +1,286 @@
+"""Spectrogram cache: (log-)mel features computed once into a memory-mapped store.
+
+Use when: the same audio is featurised every epoch. Computing a mel spectrogram costs a
+decode, an STFT and a filterbank per item; reading it back costs a memory-map slice.
+Cost: one pass over the dataset in DataLoader workers; `n_mels * frames * 2` bytes per item
+in float16 (80 x 401 frames for a 4 s window: 64 KB, 4x smaller than the float32 waveform).
+Adapt here: `_featurizer` (e.g. add deltas), the dtype.
+Trade-off: features are fixed at build time; waveform augmentations (speed, noise) must
+happen before the cache or be replaced by feature-space ones (SpecAugment).
+
+Layout of `cache_dir` (built in a temp folder, fsynced, renamed into place):
+  header.json    {"format": "recipes-spectrogram-cache", "version", "fingerprint", "count",
+                  "n_mels", "layout": "fixed" | "ragged", "dtype", ...}
+  features.bin   every item's [n_mels, F_i] block back to back (a fixed layout is [N, n_mels, F])
+  offsets.bin    int64 x (N + 1), in frames: item i is frames offsets[i]:offsets[i + 1]
+  info.bin       int64 file index, float64 start second, int64 valid frames, per item
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from recipes.common.atomic import replace_dir, write_synced
+
+FORMAT = "recipes-spectrogram-cache"
+FORMAT_VERSION = 1
+_INFO = np.dtype([("file", "<i8"), ("start", "<f8"), ("frames", "<i8")])
+
+
+class SpectrogramCacheError(ValueError):
+    """A spectrogram cache that is missing, truncated, corrupt or built from other inputs."""
+
+
+class SpectrogramCache(Dataset):
+    """A map-style dataset of `(float32 [n_mels, F] features, info)` from a cache folder.
+
+    `info` is `{"file", "start", "frames"}` with `frames` the valid feature frames (the rest
+    of a padded window's frames come from zero padding). `lengths` are the frames per item,
+    for `LengthBucketSampler`.
+    """
+
+    def __init__(self, path: Path, header: dict, offsets: np.ndarray, info: np.ndarray):
+        self.path = Path(path)
+        self.header = header
+        self.n_mels = int(header["n_mels"])
+        self.offsets = offsets
+        self.lengths = np.diff(offsets)
+        self.info = info
+        self._pid: int | None = None
+        self._features: np.ndarray | None = None
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> SpectrogramCache:
+        """Opens and validates a cache folder.
+
+        Raises:
+            SpectrogramCacheError: missing, truncated, corrupt, another version or other inputs.
+        """
+        path = Path(cache_dir)
+        try:
+            header = json.loads((path / "header.json").read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise SpectrogramCacheError(f"No readable spectrogram cache at {path} ({error}); build it with "
+                                        "build_spectrogram_cache() or `recipes cache audio`.") from None
+        if not isinstance(header, dict):
+            raise SpectrogramCacheError(f"{path}/header.json is not a cache header; rebuild the cache.")
+        if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
+            raise SpectrogramCacheError(f"{path} holds format {header.get('format')} v{header.get('version')}, "
+                                        f"expected {FORMAT} v{FORMAT_VERSION}; rebuild it.")
+        if fingerprint is not None and header.get("fingerprint") != fingerprint:
+            raise SpectrogramCacheError(f"{path} was built from other audio or settings; rebuild it.")
+        try:
+            count, total = int(header["count"]), int(header["total_frames"])
+            itemsize = np.dtype(header["dtype"]).itemsize
+            expected = {"features.bin": total * int(header["n_mels"]) * itemsize,
+                        "offsets.bin": (count + 1) * 8, "info.bin": count * _INFO.itemsize}
+        except (KeyError, TypeError, ValueError):
+            raise SpectrogramCacheError(f"{path}/header.json lacks fields; rebuild the cache.") from None
+        for name, size in expected.items():
+            actual = (path / name).stat().st_size if (path / name).exists() else -1
+            if actual != size:
+                raise SpectrogramCacheError(f"{path / name} is {actual} bytes, expected {size} (truncated or "
+                                            "corrupt); rebuild the cache.")
+        offsets = np.fromfile(path / "offsets.bin", dtype="<i8")
+        if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
+            raise SpectrogramCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
+        return cls(path, header, offsets, np.fromfile(path / "info.bin", dtype=_INFO))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header["fingerprint"]
+
+    @property
+    def features(self) -> np.ndarray:
+        """The memory map: `[N, n_mels, F]` for a fixed layout, else `[n_mels * total_frames]`."""
+        flat = self._map()
+        if self.header["layout"] == "fixed" and len(self):
+            return flat.reshape(len(self), self.n_mels, int(self.lengths[0]))
+        return flat
+
+    def _map(self) -> np.ndarray:
+        if self._pid != os.getpid():
+            dtype = np.dtype(self.header["dtype"])
+            size = int(self.header["total_frames"]) * self.n_mels
+            self._features = (np.memmap(self.path / "features.bin", dtype=dtype, mode="r", shape=(size,))
+                              if size else np.zeros(0, dtype))
+            self._pid = os.getpid()
+        return self._features
+
+    def _info(self, i: int) -> dict:
+        row = self.info[i]
+        return {"file": int(row["file"]), "start": float(row["start"]), "frames": int(row["frames"])}
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, dict]:
+        n = len(self)
+        i = int(index)
+        if not -n <= i < n:
+            raise IndexError(f"index {index} is out of range for the {n} items in {self.path}")
+        i %= n
+        block = self._map()[self.offsets[i] * self.n_mels : self.offsets[i + 1] * self.n_mels]
+        features = torch.from_numpy(block.astype(np.float32)).view(self.n_mels, -1)
+        return features, self._info(i)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, dict]]:
+        """A batch with one gather from the memory map (fixed layout) and one float32 conversion."""
+        if self.header["layout"] != "fixed":
+            return [self[i] for i in indices]
+        n = len(self)
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"an index in {indices[:8]} is out of range for the {n} items in {self.path}")
+        idx %= n
+        order = np.argsort(idx, kind="stable")
+        gathered = np.empty((len(idx), self.n_mels, int(self.lengths[0])), np.float32)
+        gathered[order] = self.features[idx[order]]  # ascending file order, then float32
+        batch = torch.from_numpy(gathered)
+        return [(batch[k], self._info(int(i))) for k, i in enumerate(idx)]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_pid=None, _features=None)
+        return state
+
+    def __repr__(self) -> str:
+        return (f"SpectrogramCache({str(self.path)!r}, n={len(self)}, n_mels={self.n_mels}, "
+                f"layout={self.header['layout']}, dtype={self.header['dtype']})")
+
+
+def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, log: bool):
+    """`wave [C, T] -> float32 [n_mels, F]`: torchaudio's MelSpectrogram of the channel mean,
+    then `log(mel + 1e-6)` when `log`."""
+    import torchaudio
+
+    mel = torchaudio.transforms.MelSpectrogram(sample_rate=sample_rate, n_fft=n_fft, hop_length=hop_length,
+                                               n_mels=n_mels)
+
+    def features(wave: torch.Tensor) -> torch.Tensor:
+        spec = mel(wave.mean(dim=0))
+        return torch.log(spec + 1e-6) if log else spec
+
+    return features
+
+
+def cache_fingerprint(dataset, settings: dict) -> str:
+    digest = hashlib.sha256(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **settings},
+                                       sort_keys=True).encode())
+    for path in dataset.files:
+        st = os.stat(path)
+        digest.update(f"\n{path}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def _settings(dataset, n_fft, hop_length, n_mels, log, dtype) -> dict:
+    import torchaudio
+
+    return {"chunk_seconds": dataset.chunk_seconds, "hop_seconds": dataset.hop_seconds,
+            "last_chunk": dataset.last_chunk, "sample_rate": dataset.sample_rate, "mono": dataset.mono,
+            "n_fft": n_fft, "hop_length": hop_length, "n_mels": n_mels, "log": log, "dtype": dtype,
+            "torchaudio": torchaudio.__version__}
+
+
+class _Features:
+    """Items `(index, [n_mels, F] features, valid feature frames)` for the cache build."""
+
+    def __init__(self, dataset, settings):
+        self.dataset = dataset
+        self.settings = settings
+        self._features = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        if self._features is None:
+            s = self.settings
+            self._features = featurizer(s["sample_rate"], n_fft=s["n_fft"], hop_length=s["hop_length"],
+                                        n_mels=s["n_mels"], log=s["log"])
+        wave, info = self.dataset[index]
+        feats = self._features(wave)
+        valid = min(feats.shape[-1], 1 + info["frames"] // self.settings["hop_length"])
+        return index, feats.numpy().astype(self.settings["dtype"]), valid, info
+
+
+def _identity(batch):
+    return batch
+
+
+def build_spectrogram_cache(dataset, cache_dir: str | os.PathLike, *, n_fft: int = 400, hop_length: int = 160,
+                            n_mels: int = 80, log: bool = True, dtype: str = "float16",
+                            num_workers: int | None = None, progress: bool = True) -> SpectrogramCache:
+    """Computes (log-)mel features of every item of a `ChunkedAudioDataset` once.
+
+    Features are computed in DataLoader workers (with `worker_init`) with a tqdm bar, into a
+    temp folder renamed into place when complete. A valid cache with the same fingerprint
+    (files with sizes and mtimes, chunking, rate, feature parameters, format version) is reused.
+
+    Args:
+        dataset: a `ChunkedAudioDataset`.
+        cache_dir: the cache folder (replaced atomically when rebuilt).
+        n_fft, hop_length, n_mels: `torchaudio.transforms.MelSpectrogram` parameters.
+        log: store `log(mel + 1e-6)`.
+        dtype: "float16" (default) or "float32".
+        num_workers: feature workers; `smart_num_workers()` when None.
+        progress: show a progress bar.
+
+    Returns:
+        The opened `SpectrogramCache`: fixed `[N, n_mels, F]` when every item has the same
+        length (padded or dropped windows), ragged otherwise (utterances, kept windows).
+    """
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    from recipes.common import smart_num_workers, worker_init
+
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"`dtype` must be 'float16' or 'float32', but is {dtype!r} instead.")
+    for name, value in (("n_fft", n_fft), ("hop_length", hop_length), ("n_mels", n_mels)):
+        if value <= 0:
+            raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
+    settings = _settings(dataset, n_fft, hop_length, n_mels, log, dtype)
+    fingerprint = cache_fingerprint(dataset, settings)
+    target = Path(cache_dir)
+    try:
+        return SpectrogramCache.open(target, fingerprint=fingerprint)
+    except SpectrogramCacheError:
+        pass
+    workers = smart_num_workers() if num_workers is None else num_workers
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        loader = DataLoader(_Features(dataset, settings), batch_size=8, num_workers=workers,
+                            collate_fn=_identity, worker_init_fn=worker_init if workers else None)
+        lengths, info = np.zeros(len(dataset), np.int64), np.zeros(len(dataset), _INFO)
+        with open(tmp / "features.bin", "wb") as out, \
+                tqdm(total=len(dataset), disable=not progress, desc="computing features", unit="item") as bar:
+            for batch in loader:  # in index order
+                for index, feats, valid, item_info in batch:
+                    out.write(np.ascontiguousarray(feats, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+                    lengths[index] = feats.shape[-1]
+                    info[index] = (item_info["file"], item_info["start"], valid)
+                bar.update(len(batch))
+            out.flush()
+            os.fsync(out.fileno())
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype("<i8")
+        write_synced(tmp / "offsets.bin", offsets.tobytes())
+        write_synced(tmp / "info.bin", info.tobytes())
+        layout = "fixed" if len(np.unique(lengths)) <= 1 else "ragged"
+        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": len(dataset),
+                  "total_frames": int(offsets[-1]), "layout": layout, **settings}
+        write_synced(tmp / "header.json", json.dumps(header, indent=1).encode())
+        replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return SpectrogramCache.open(target, fingerprint=fingerprint)
