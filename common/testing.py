@@ -199,29 +199,45 @@ def train_tokenizer(texts: list[str], *, vocab_size: int = 2000, special_tokens=
 
 
 class LocalHTTPServer:
-    """A threaded HTTP server on 127.0.0.1 serving `root`, for tests of remote (fsspec) reads.
+    """A threaded HTTP server on 127.0.0.1 serving the files under `root`, with faults.
+
+    For tests and benchmarks of remote (fsspec) reads against a real server: GET (with single
+    byte ranges) and HEAD, plus switches a test can change at any time:
+
+    Args:
+        root: the folder served.
+        latency: seconds slept before every response (object-store first-byte latency).
+        bandwidth: bytes per second per connection (None: unlimited).
+        fail_first: the first K GETs of each path answer 503.
+        truncate_first: the first K full GETs of each path announce the full length but send half.
+
+    `gets[path]` and `heads[path]` count the requests per path (path as in the URL).
 
     Example:
-        >>> with LocalHTTPServer(tmp_path) as server:
-        ...     fsspec.open(server.url("corpus.txt")).open().read()
+        >>> with LocalHTTPServer(tmp_path, latency=0.02) as server:
+        ...     fsspec.open(server.url("shard-0.bin")).open().read()
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, latency: float = 0.0, bandwidth: float | None = None,
+                 fail_first: int = 0, truncate_first: int = 0):
+        import collections
+        import threading
+
         self.root = Path(root)
+        self.latency, self.bandwidth = latency, bandwidth
+        self.fail_first, self.truncate_first = fail_first, truncate_first
+        self.gets: collections.Counter = collections.Counter()
+        self.heads: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()
         self._server = None
         self._thread = None
 
     def __enter__(self) -> LocalHTTPServer:
-        import functools
         import http.server
         import threading
 
-        class Quiet(http.server.SimpleHTTPRequestHandler):
-            def log_message(self, *args):  # keep test output clean
-                pass
-
-        handler = functools.partial(Quiet, directory=str(self.root))
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         return self
@@ -234,3 +250,76 @@ class LocalHTTPServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+def _handler_for(server: LocalHTTPServer):
+    import http.server
+    import re
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep test output clean
+            pass
+
+        def _file(self):
+            rel = self.path.split("?")[0].lstrip("/")
+            path = (server.root / rel).resolve()
+            if server.root.resolve() not in path.parents or not path.is_file():
+                return rel, None
+            return rel, path
+
+        def do_HEAD(self):
+            rel, path = self._file()
+            with server.lock:
+                server.heads[rel] += 1
+            time.sleep(server.latency)
+            if path is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(path.stat().st_size))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+        def do_GET(self):
+            rel, path = self._file()
+            with server.lock:
+                server.gets[rel] += 1
+                count = server.gets[rel]
+            time.sleep(server.latency)
+            if path is None:
+                self.send_error(404)
+                return
+            if count <= server.fail_first:
+                self.send_error(503, "Slow Down")
+                return
+            data = path.read_bytes()
+            match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if match:
+                start = int(match.group(1))
+                end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
+                body = data[start:end]
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            else:
+                body = data
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+            if not match and count <= server.fail_first + server.truncate_first:
+                body = body[: len(body) // 2]  # announce all, send half, hang up
+            self._send(body)
+
+        def _send(self, body: bytes):
+            step = 64 * 1024
+            for i in range(0, len(body), step):
+                chunk = body[i : i + step]
+                try:
+                    self.wfile.write(chunk)
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+                if server.bandwidth:
+                    time.sleep(len(chunk) / server.bandwidth)
+
+    return Handler

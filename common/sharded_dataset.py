@@ -1,0 +1,195 @@
+"""ShardedIterableDataset: shards (local or remote) split exactly over ranks x workers.
+
+Use when: data lives in shard files (tar, parquet, jsonl, ...) read sequentially, on local disk
+or object storage, under DDP with several DataLoader workers. A plain IterableDataset is
+replicated into every worker and rank; without exact sharding samples repeat or ranks end at
+different steps and DDP hangs (webdataset#225, datasets#6437).
+Cost: a permutation of the shard list per epoch; reading is `read_shard`'s. With a
+`PrefetchCache`, the next shards download in background threads while the current one is read.
+Adapt here: `read_shard`; give it `(path, start, stop)` parameters to read sample ranges
+without reading the skipped samples (otherwise ranges are cut with `islice`).
+Trade-off: order is shuffled at shard level only (add a shuffle buffer in `read_shard` for
+sample-level mixing).
+
+Who reads what (consumer = rank x worker, see `shard_indices`):
+- at least as many shards as consumers, or unknown `shard_lengths`: whole shards, in the
+  epoch's shuffled order, contiguous blocks per consumer;
+- fewer shards than consumers with `shard_lengths`: sample ranges of the epoch's
+  concatenated shards, so no consumer idles and none reads samples it discards.
+With `even=True` every rank yields the same number of samples per epoch:
+- sample ranges: `ceil(total / world_size)` per rank; at most `world_size - 1` samples from the
+  start of the epoch's order repeat;
+- whole shards: every rank stops at the smallest rank's sample count; the surplus of the other
+  ranks (the ends of their last shards) is skipped that epoch, a different part each epoch.
+Both need `shard_lengths` when `world_size > 1`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from recipes.common.packed_strings import PackedStrings
+from recipes.common.sharding import _block, shard_indices
+
+Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
+
+
+class ShardedIterableDataset(IterableDataset):
+    """Iterates the samples of `shards` that belong to this rank and worker.
+
+    Args:
+        shards: shard paths or fsspec URLs.
+        read_shard: `read_shard(path) -> Iterable[sample]`, or `read_shard(path, start, stop)`
+            to read a sample range; gets a local path when `cache` is set.
+        shard_lengths: samples per shard, when known (needed for ranges and `even` under DDP).
+        shuffle: shuffle the shard order every epoch from `(seed, epoch)`.
+        seed: the base seed, the same on every rank.
+        even: equal samples per rank (see the module docstring for the rule).
+        rank, world_size: this rank and the number of ranks; `torch.distributed`'s when
+            initialised at construction, else 0 and 1.
+        cache: a `PrefetchCache` to download remote shards ahead of reading.
+
+    Raises:
+        ValueError: bad lengths, or `even=True` under DDP without `shard_lengths`.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[str],
+        read_shard: Callable[..., Iterable],
+        *,
+        shard_lengths: Sequence[int] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        even: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        cache=None,
+    ):
+        self.shards = PackedStrings(shards)
+        if len(self.shards) == 0:
+            raise ValueError("`shards` is empty; pass at least one shard.")
+        self.read_shard = read_shard
+        self.shard_lengths = None if shard_lengths is None else np.asarray(shard_lengths, dtype=np.int64)
+        if self.shard_lengths is not None and (self.shard_lengths.shape != (len(self.shards),)
+                                               or (self.shard_lengths < 0).any()):
+            raise ValueError(f"`shard_lengths` must hold one non-negative count per shard ({len(self.shards)}).")
+        world, here = _distributed_defaults()
+        self.world_size = world if world_size is None else world_size
+        self.rank = here if rank is None else rank
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"`rank` must be in [0, {self.world_size}), but is {self.rank!r} instead.")
+        if even and self.world_size > 1 and self.shard_lengths is None:
+            raise ValueError("even=True under DDP needs `shard_lengths` to give every rank the same number of "
+                             "samples; pass shard_lengths= (or even=False if your loop tolerates uneven ranks).")
+        self.shuffle, self.seed, self.even, self.cache = shuffle, seed, even, cache
+        self._ranged = _takes_range(read_shard)
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch (in shared memory, so persistent workers see it); call before `iter`."""
+        self._epoch.fill_(int(epoch))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.item())
+
+    # ---- the plan ----------------------------------------------------------------------
+    def order(self, epoch: int) -> np.ndarray:
+        """Shard indices in the order of `epoch`."""
+        if not self.shuffle:
+            return np.arange(len(self.shards))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.shards), generator=g).numpy()
+
+    def plan(self, epoch: int, worker: int = 0, num_workers: int = 1) -> list[Piece]:
+        """The pieces (shard, start, stop) that consumer (self.rank, worker) reads in `epoch`."""
+        order = self.order(epoch)
+        consumers = self.world_size * num_workers
+        if self.shard_lengths is not None and len(order) < consumers:
+            return self._range_plan(order, worker, num_workers)
+        return self._shard_plan(order, worker, num_workers)
+
+    def _range_plan(self, order, worker, num_workers) -> list[Piece]:
+        lengths = self.shard_lengths[order]
+        ends = np.cumsum(lengths)
+        positions = shard_indices(int(ends[-1]), rank=self.rank, world_size=self.world_size, worker=worker,
+                                  num_workers=num_workers, even=self.even)
+        pieces: list[Piece] = []
+        if len(positions) == 0:
+            return pieces
+        breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions
+        for run in np.split(positions, breaks):
+            lo, hi = int(run[0]), int(run[-1]) + 1
+            while lo < hi:  # a run may span several shards
+                k = int(np.searchsorted(ends, lo, side="right"))
+                first = int(ends[k] - lengths[k])
+                stop = min(hi, int(ends[k]))
+                pieces.append((int(order[k]), lo - first, stop - first))
+                lo = stop
+        return pieces
+
+    def _shard_plan(self, order, worker, num_workers) -> list[Piece]:
+        n = len(order)
+        mine = shard_indices(n, rank=self.rank, world_size=self.world_size, worker=worker,
+                             num_workers=num_workers, even=False)
+        pieces: list[Piece] = [(int(order[p]), 0, None) for p in mine]
+        if not (self.even and self.world_size > 1):
+            return pieces
+        lengths = self.shard_lengths[order]
+        quota = min(int(lengths[slice(*_block(n, self.world_size, r))].sum()) for r in range(self.world_size))
+        rank_lo, rank_hi = _block(n, self.world_size, self.rank)
+        for w in range(worker):  # the earlier workers of this rank use their share of the quota first
+            a, b = _block(rank_hi - rank_lo, num_workers, w)
+            quota -= int(lengths[rank_lo + a : rank_lo + b].sum())
+        out, left = [], max(quota, 0)
+        for shard, _, _ in pieces:
+            if left <= 0:
+                break
+            size = int(self.shard_lengths[shard])
+            out.append((shard, 0, None) if size <= left else (shard, 0, left))
+            left -= min(size, left)
+        return out
+
+    # ---- iteration ---------------------------------------------------------------------
+    def __iter__(self) -> Iterator:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        epoch = self.epoch
+        pieces = self.plan(epoch, worker, num_workers)
+        upcoming = pieces + (self.plan(epoch + 1, worker, num_workers) if self.cache is not None else [])
+        for k, (shard, start, stop) in enumerate(pieces):
+            if self.cache is not None:  # the next shards, then the next epoch's first ones
+                self.cache.prefetch(self.shards[s] for s, _, _ in upcoming[k + 1 : k + 1 + self.cache.depth])
+            yield from self._read(shard, start, stop)
+
+    def _read(self, shard: int, start: int, stop: int | None) -> Iterator:
+        url = self.shards[shard]
+        with self.cache.pinned(url) if self.cache is not None else contextlib.nullcontext(url) as path:
+            if self._ranged:
+                yield from self.read_shard(path, start, stop)
+            elif start or stop is not None:
+                yield from itertools.islice(self.read_shard(path), start, stop)
+            else:
+                yield from self.read_shard(path)
+
+def _takes_range(fn) -> bool:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3
+
+
+def _distributed_defaults() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0

@@ -1,0 +1,66 @@
+"""Exact sharding of a sample range over ranks x DataLoader workers.
+
+Use when: an IterableDataset must split its data among every consumer (each DDP rank, and
+each DataLoader worker inside it) so that nothing is read twice and nothing is lost, and
+ranks yield the same number of samples (DDP hangs when one rank runs out first).
+Cost: O(1) arithmetic; the result is a numpy array (or an empty one).
+Adapt here: the `even` padding rule.
+Trade-off: contiguous blocks (good for range reads); a consumer's block is not interleaved
+with the others'.
+
+Consumers are numbered rank-major: consumer `rank * num_workers + worker`. Ranks get
+contiguous blocks of `range(n)`; each rank's block is split contiguously among its workers
+(sizes differ by at most one).
+- `even=False`: every index exactly once; rank blocks differ in size by at most one.
+- `even=True`: every rank gets exactly `ceil(n / world_size)` indices. The last
+  `(-n) % world_size` positions (at most `world_size - 1`) repeat indices from the start of
+  `range(n)`, in order (0, 1, ...). Workers within a rank differ by at most one, which DDP does
+  not see (the DataLoader merges them into the rank's stream).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def shard_indices(n: int, *, rank: int, world_size: int, worker: int, num_workers: int, even: bool = True) -> np.ndarray:
+    """The indices of `range(n)` that consumer (rank, worker) owns.
+
+    Args:
+        n: the number of samples (or shards).
+        rank, world_size: this rank and the number of ranks.
+        worker, num_workers: this DataLoader worker and the workers per rank (1 without workers).
+        even: equal counts per rank by repeating at most `world_size - 1` indices (module docstring).
+
+    Returns:
+        int64 indices, ascending except for the padding repeats at the end of the last ranks.
+
+    Raises:
+        ValueError: for out-of-range arguments.
+    """
+    for name, value in (("n", n), ("rank", rank), ("worker", worker)):
+        if value < 0:
+            raise ValueError(f"`{name}` must be non-negative, but is {value!r} instead.")
+    for name, value in (("world_size", world_size), ("num_workers", num_workers)):
+        if value <= 0:
+            raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
+    if rank >= world_size or worker >= num_workers:
+        raise ValueError(f"(rank, worker) = ({rank}, {worker}) is outside world_size={world_size}, "
+                         f"num_workers={num_workers}.")
+    if even:
+        per_rank = -(-n // world_size)
+        start, stop = rank * per_rank, (rank + 1) * per_rank
+        positions = np.arange(start, stop, dtype=np.int64)
+        rank_indices = positions % n if n else positions[:0]
+    else:
+        lo, hi = _block(n, world_size, rank)
+        rank_indices = np.arange(lo, hi, dtype=np.int64)
+    lo, hi = _block(len(rank_indices), num_workers, worker)
+    return rank_indices[lo:hi]
+
+
+def _block(n: int, parts: int, part: int) -> tuple[int, int]:
+    """[lo, hi) of `part` when `range(n)` is cut into `parts` contiguous blocks (sizes differ by <= 1)."""
+    base, extra = divmod(n, parts)
+    lo = part * base + min(part, extra)
+    return lo, lo + base + (1 if part < extra else 0)
