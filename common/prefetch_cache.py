@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import random
@@ -88,7 +89,7 @@ class PrefetchCache:
     # ---- public API --------------------------------------------------------------------
     def path_for(self, url: str) -> Path:
         """Where `url` is cached: a hash of the URL, inside the cache folder."""
-        return self.dir / hashlib.sha256(url.encode("utf-8")).hexdigest()[:40]
+        return self.dir / _key(url)
 
     def get(self, url: str, *, sha256: str | None = None) -> Path:
         """A local, complete copy of `url`, downloading it first if needed.
@@ -224,9 +225,13 @@ class PrefetchCache:
 
     @contextlib.contextmanager
     def _key_lock(self, name: str, mode: int):
-        with open(self.dir / ".locks" / f"{name}.lock", "a") as lock:  # a new open file: threads exclude too
-            fcntl.flock(lock, mode)
+        # A new open file description per call: threads of one process exclude each other too.
+        fd = os.open(self.dir / ".locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, mode)
             yield
+        finally:
+            os.close(fd)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool_pid != os.getpid():  # threads do not survive fork
@@ -244,6 +249,12 @@ class PrefetchCache:
         return state
 
 
+@functools.lru_cache(maxsize=65536)
+def _key(url: str) -> str:
+    return hashlib.sha256(url.encode("utf-8")).hexdigest()[:40]
+
+
+@functools.lru_cache(maxsize=65536)
 def check_url(url: str) -> None:
     """Refuses `pipe:` commands, chained URLs and protocols outside the allow-list."""
     if "::" in url:

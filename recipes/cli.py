@@ -14,6 +14,7 @@ BENCHES = {
     "vision": "recipes.vision.bench",
     "nlp": "recipes.nlp.bench",
     "audio": "recipes.audio.bench",
+    "remote": "recipes.common.remote_bench",
 }
 
 

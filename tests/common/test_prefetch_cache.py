@@ -1,0 +1,335 @@
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from recipes.common import DownloadError, PrefetchCache, ShardedIterableDataset
+from recipes.common.testing import LocalHTTPServer
+
+
+@pytest.fixture
+def shards(tmp_path):
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i, size in enumerate([100_000, 250_000, 60_000, 180_000]):
+        (folder / f"shard-{i}.bin").write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return folder
+
+
+def _cache(tmp_path, **kw):
+    kw.setdefault("max_bytes", 10 * 2**20)
+    kw.setdefault("backoff", 0.01)
+    return PrefetchCache(tmp_path / "cache", **kw)
+
+
+def _temps(folder):
+    folder = Path(folder)
+    return [p for p in folder.iterdir() if p.name.startswith(".tmp")] if folder.exists() else []
+
+
+def _written(path):
+    try:
+        return path.stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
+def test_downloads_once_into_a_hashed_private_folder(tmp_path, shards):
+    with LocalHTTPServer(shards) as server:
+        cache = _cache(tmp_path)
+        url = server.url("shard-1.bin")
+        path = cache.get(url)
+        assert path.read_bytes() == (shards / "shard-1.bin").read_bytes()
+        assert cache.get(url) == path and server.gets["shard-1.bin"] == 1
+    assert path.parent == tmp_path / "cache" and path.name == hashlib.sha256(url.encode()).hexdigest()[:40]
+    assert os.stat(tmp_path / "cache").st_mode & 0o777 == 0o700
+    assert _temps(tmp_path / "cache") == []
+
+
+def test_local_paths_and_file_urls(tmp_path, shards):
+    cache = _cache(tmp_path)
+    src = shards / "shard-2.bin"
+    assert cache.get(str(src)).read_bytes() == src.read_bytes()
+    assert cache.get(f"file://{src}").read_bytes() == src.read_bytes()
+
+
+def test_retries_after_two_503s(tmp_path, shards):
+    with LocalHTTPServer(shards, fail_first=2) as server:
+        path = _cache(tmp_path).get(server.url("shard-0.bin"))
+        assert path.read_bytes() == (shards / "shard-0.bin").read_bytes()
+        assert server.gets["shard-0.bin"] == 3
+
+
+def test_a_body_cut_short_is_retried_never_cached(tmp_path, shards):
+    cache = _cache(tmp_path)
+    with LocalHTTPServer(shards, truncate_first=1, bandwidth=2_000_000) as server:
+        url = server.url("shard-1.bin")
+        seen, done = [], threading.Event()
+
+        def poll():
+            final = cache.path_for(url)
+            while not done.is_set():
+                if final.exists():
+                    seen.append(final.stat().st_size)
+                time.sleep(0.001)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        path = cache.get(url)
+        done.set()
+        poller.join()
+        assert path.read_bytes() == (shards / "shard-1.bin").read_bytes()
+        assert server.gets["shard-1.bin"] == 2
+    assert set(seen) <= {250_000}  # the final path never showed a partial file
+
+
+def test_the_final_error_names_the_url_and_attempts(tmp_path, shards):
+    with LocalHTTPServer(shards, fail_first=100) as server:
+        url = server.url("shard-0.bin")
+        with pytest.raises(DownloadError, match=rf"{url}: failed after 3 attempts; last error: .*503"):
+            _cache(tmp_path, retries=2).get(url)
+    cache_dir = tmp_path / "cache"
+    assert _temps(cache_dir) == [] and not PrefetchCache.path_for(_cache(tmp_path), url).exists()
+
+
+def test_missing_objects_fail_fast(tmp_path, shards):
+    with LocalHTTPServer(shards) as server:
+        with pytest.raises(FileNotFoundError):
+            _cache(tmp_path).get(server.url("nope.bin"))
+        assert server.gets["nope.bin"] <= 1
+
+
+def test_objects_larger_than_the_budget_are_refused(tmp_path, shards):
+    with LocalHTTPServer(shards) as server:
+        with pytest.raises(ValueError, match="over the cache's max_bytes=100,000"):
+            _cache(tmp_path, max_bytes=100_000).get(server.url("shard-1.bin"))
+        assert server.gets["shard-1.bin"] == 0
+    with pytest.raises(ValueError, match="`max_bytes` must be positive"):
+        _cache(tmp_path, max_bytes=0)
+
+
+def test_sha256_is_verified(tmp_path, shards):
+    data = (shards / "shard-2.bin").read_bytes()
+    with LocalHTTPServer(shards) as server:
+        url = server.url("shard-2.bin")
+        with pytest.raises(DownloadError, match="sha256"):
+            _cache(tmp_path, retries=1).get(url, sha256="0" * 64)
+        assert _cache(tmp_path).get(url, sha256=hashlib.sha256(data).hexdigest()).read_bytes() == data
+
+
+def test_disk_full_removes_the_temp_file_and_raises(tmp_path, shards, monkeypatch):
+    import errno
+
+    import fsspec.implementations.local as local
+
+    def full_disk(self, rpath, lpath, **kw):
+        with open(lpath, "wb") as f:
+            f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(local.LocalFileSystem, "get_file", full_disk)
+    cache = _cache(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        cache.get(str(shards / "shard-0.bin"))
+    assert _temps(tmp_path / "cache") == [] and not cache.path_for(str(shards / "shard-0.bin")).exists()
+
+
+def test_refused_urls_and_safe_names(tmp_path, shards):
+    cache = _cache(tmp_path)
+    for url in ("pipe:curl http://x | tar x", "simplecache::http://x/a", "ftp://host/a", "data:text/plain,hi"):
+        with pytest.raises(ValueError, match="Refusing"):
+            cache.get(url)
+    evil = f"file://{shards}/../remote/shard-0.bin"
+    assert cache.get(evil).parent == tmp_path / "cache"
+
+
+def test_eviction_keeps_the_budget_and_spares_pinned_files(tmp_path, shards):
+    with LocalHTTPServer(shards) as server:
+        cache = _cache(tmp_path, max_bytes=400_000)
+        urls = [server.url(f"shard-{i}.bin") for i in range(4)]
+        with cache.pinned(urls[0]) as pinned_path:
+            for url in urls[1:] * 2:
+                cache.get(url)
+                assert cache.used_bytes() <= 400_000
+            assert pinned_path.exists()  # in use: never evicted
+        assert cache.used_bytes() <= 400_000
+
+
+def test_prefetch_downloads_in_the_background(tmp_path, shards):
+    with LocalHTTPServer(shards, latency=0.05) as server:
+        cache = _cache(tmp_path, prefetch=4)
+        urls = [server.url(f"shard-{i}.bin") for i in range(4)]
+        start = time.perf_counter()
+        futures = cache.prefetch(urls + [server.url("missing.bin")])
+        for f in futures:
+            f.result(timeout=30)  # a failed prefetch does not raise here
+        assert time.perf_counter() - start < 4 * 0.1  # in parallel, not one after another
+        assert all(cache.path_for(u).exists() for u in urls)
+        assert all(server.gets[f"shard-{i}.bin"] == 1 for i in range(4))
+        with pytest.raises(FileNotFoundError):
+            cache.get(server.url("missing.bin"))  # ...it surfaces on demand
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys
+    from recipes.common import PrefetchCache
+    PrefetchCache(sys.argv[1], max_bytes=2**30).get(sys.argv[2])
+""")
+
+
+def test_sigkill_mid_download_leaves_no_final_file(tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    data = np.random.default_rng(1).integers(0, 256, 4 * 2**20, dtype=np.uint8).tobytes()
+    (remote / "big.bin").write_bytes(data)
+    with LocalHTTPServer(remote, bandwidth=1_000_000) as server:  # 4 s for the whole object
+        url = server.url("big.bin")
+        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "cache"), url])
+        deadline = time.time() + 60
+        while not any(_written(p) for p in _temps(tmp_path / "cache")):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        cache_dir = tmp_path / "cache"
+        assert _temps(cache_dir), "the dead downloader left its temp file"
+        server.bandwidth = None
+        cache = PrefetchCache(cache_dir, max_bytes=2**30)  # sweeps the dead process's temp file
+        assert _temps(cache_dir) == []
+        assert not cache.path_for(url).exists()
+        assert cache.get(url).read_bytes() == data
+
+
+RACE_SCRIPT = textwrap.dedent("""
+    import hashlib, sys, threading
+    from recipes.common import PrefetchCache
+    cache = PrefetchCache(sys.argv[1], max_bytes=2**30)
+    digests = []
+    def worker():
+        digests.append(hashlib.sha256(cache.get(sys.argv[2]).read_bytes()).hexdigest())
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print(" ".join(digests))
+""")
+
+
+def test_two_processes_three_threads_download_once(tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    data = np.random.default_rng(2).integers(0, 256, 2 * 2**20, dtype=np.uint8).tobytes()
+    (remote / "shared.bin").write_bytes(data)
+    with LocalHTTPServer(remote, bandwidth=4_000_000, latency=0.05) as server:
+        url = server.url("shared.bin")
+        final = PrefetchCache(tmp_path / "cache", max_bytes=2**30).path_for(url)
+        seen, done = [], threading.Event()
+
+        def poll():
+            while not done.is_set():
+                if final.exists():
+                    seen.append(final.stat().st_size)
+                time.sleep(0.001)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        procs = [subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, str(tmp_path / "cache"), url],
+                                  stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        outputs = [p.communicate(timeout=120)[0].split() for p in procs]
+        done.set()
+        poller.join()
+        assert [p.returncode for p in procs] == [0, 0]
+        assert {d for out in outputs for d in out} == {hashlib.sha256(data).hexdigest()}
+        assert sum(len(out) for out in outputs) == 6
+        assert server.gets["shared.bin"] == 1  # one download for the whole node
+        assert set(seen) <= {len(data)}  # never a partial file at the final path
+        assert _temps(tmp_path / "cache") == []
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
+    yield options
+    server.stop()
+
+
+def test_s3_through_s3fs_against_moto(tmp_path, s3):
+    import boto3
+    import s3fs
+
+    boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                 **s3["client_kwargs"]).create_bucket(Bucket="bucket")
+    fs = s3fs.S3FileSystem(**s3)
+    data = np.random.default_rng(3).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    fs.pipe("bucket/shards/a.bin", data)
+    cache = _cache(tmp_path, storage_options=s3)
+    assert cache.get("s3://bucket/shards/a.bin").read_bytes() == data
+    with pytest.raises(FileNotFoundError):
+        cache.get("s3://bucket/shards/missing.bin")
+
+
+def _write_record_shards(folder, count, per_shard, size):
+    rng = np.random.default_rng(4)
+    for s in range(count):
+        records = rng.integers(0, 256, (per_shard, size), dtype=np.uint8)
+        records[:, :4] = np.frombuffer(np.arange(s * per_shard, (s + 1) * per_shard, dtype="<u4").tobytes(),
+                                       np.uint8).reshape(per_shard, 4)
+        (folder / f"rec-{s:03d}.bin").write_bytes(records.tobytes())
+
+
+def read_records(path, size=1000):
+    data = Path(path).read_bytes()
+    for i in range(0, len(data), size):
+        yield int.from_bytes(data[i : i + 4], "little")
+
+
+def test_sharded_dataset_with_the_cache_over_several_epochs(tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    _write_record_shards(remote, count=8, per_shard=50, size=1000)  # 50 KB shards
+    with LocalHTTPServer(remote, latency=0.01) as server:
+        urls = [server.url(f"rec-{s:03d}.bin") for s in range(8)]
+        cache = PrefetchCache(tmp_path / "cache", max_bytes=220_000, prefetch=2, backoff=0.01)  # 4 of 8 shards
+        ds = ShardedIterableDataset(urls, read_records, shard_lengths=[50] * 8, cache=cache, seed=1)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        peak, done = [0], threading.Event()
+
+        def watch():
+            while not done.is_set():
+                peak[0] = max(peak[0], cache.used_bytes())
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            assert sorted(int(x) for x in loader) == list(range(400))
+        done.set()
+        watcher.join()
+        assert peak[0] <= 220_000  # eviction held the budget throughout
+        assert sum(server.gets.values()) >= 8
