@@ -92,12 +92,12 @@ class ChunkedAudioDataset(Dataset):
     # ---- the index ---------------------------------------------------------------------
     def _windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(file, start frame, valid frames) per item, in source frames, as numpy arrays."""
+        if self.chunk_seconds is None:  # utterances: one item per non-empty file
+            keep = np.flatnonzero(self.file_frames > 0)
+            return keep.astype(np.int32), np.zeros(len(keep), np.int64), self.file_frames[keep].copy()
         files, starts, frames = [], [], []
         for f, (total, rate) in enumerate(zip(self.file_frames.tolist(), self.file_rates.tolist(), strict=True)):
             if total == 0:
-                continue
-            if self.chunk_seconds is None:
-                files.append(f), starts.append(0), frames.append(total)
                 continue
             chunk = max(1, round(self.chunk_seconds * rate))
             hop = max(1, round(self.hop_seconds * rate))
@@ -111,8 +111,6 @@ class ChunkedAudioDataset(Dataset):
             files.append(np.full(len(file_starts), f, dtype=np.int32))
             starts.append(file_starts)
             frames.append(file_frames)
-        if self.chunk_seconds is None:
-            return (np.asarray(files, np.int32), np.asarray(starts, np.int64), np.asarray(frames, np.int64))
         if not files:
             return np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(files), np.concatenate(starts), np.concatenate(frames)

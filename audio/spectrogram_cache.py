@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common.atomic import replace_dir, write_synced
+from recipes.common.cache_header import check_size, read_header
 
 FORMAT = "recipes-spectrogram-cache"
 FORMAT_VERSION = 1
@@ -66,30 +67,19 @@ class SpectrogramCache(Dataset):
             SpectrogramCacheError: missing, truncated, corrupt, another version or other inputs.
         """
         path = Path(cache_dir)
-        try:
-            header = json.loads((path / "header.json").read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise SpectrogramCacheError(f"No readable spectrogram cache at {path} ({error}); build it with "
-                                        "build_spectrogram_cache() or `recipes cache audio`.") from None
-        if not isinstance(header, dict):
-            raise SpectrogramCacheError(f"{path}/header.json is not a cache header; rebuild the cache.")
-        if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
-            raise SpectrogramCacheError(f"{path} holds format {header.get('format')} v{header.get('version')}, "
-                                        f"expected {FORMAT} v{FORMAT_VERSION}; rebuild it.")
-        if fingerprint is not None and header.get("fingerprint") != fingerprint:
-            raise SpectrogramCacheError(f"{path} was built from other audio or settings; rebuild it.")
+        header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
+                             error=SpectrogramCacheError,
+                             build_hint="build_spectrogram_cache() or `recipes cache audio`",
+                             fields=("count", "total_frames", "n_mels", "dtype", "layout"))
         try:
             count, total = int(header["count"]), int(header["total_frames"])
             itemsize = np.dtype(header["dtype"]).itemsize
-            expected = {"features.bin": total * int(header["n_mels"]) * itemsize,
-                        "offsets.bin": (count + 1) * 8, "info.bin": count * _INFO.itemsize}
-        except (KeyError, TypeError, ValueError):
-            raise SpectrogramCacheError(f"{path}/header.json lacks fields; rebuild the cache.") from None
-        for name, size in expected.items():
-            actual = (path / name).stat().st_size if (path / name).exists() else -1
-            if actual != size:
-                raise SpectrogramCacheError(f"{path / name} is {actual} bytes, expected {size} (truncated or "
-                                            "corrupt); rebuild the cache.")
+            features_bytes = total * int(header["n_mels"]) * itemsize
+        except (TypeError, ValueError):
+            raise SpectrogramCacheError(f"{path}/header.json has invalid fields; rebuild the cache.") from None
+        check_size(path / "features.bin", features_bytes, SpectrogramCacheError)
+        check_size(path / "offsets.bin", (count + 1) * 8, SpectrogramCacheError)
+        check_size(path / "info.bin", count * _INFO.itemsize, SpectrogramCacheError)
         offsets = np.fromfile(path / "offsets.bin", dtype="<i8")
         if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
             raise SpectrogramCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")

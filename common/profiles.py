@@ -57,6 +57,12 @@ class LoaderRecipe:
     settings: dict[str, Any] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
 
+    def memory_estimate(self, sample_bytes: int) -> int:
+        """`estimate_loader_memory` for these settings and samples of `sample_bytes`."""
+        s = self.settings
+        return estimate_loader_memory(num_workers=s["num_workers"], batch_size=s["batch_size"],
+                                      sample_bytes=sample_bytes, prefetch_factor=s.get("prefetch_factor"))
+
     def __str__(self) -> str:
         lines = [f"profile: {self.profile}"]
         for key, value in self.settings.items():
@@ -118,13 +124,7 @@ def _auto(res: Resources, ranks: int, sample_bytes: int | None, cuda: bool) -> L
     production = _workers_profile("production", res, ranks, None, cuda)
     if sample_bytes is None:
         return _with_reason(production, "profile", "auto: sample size unknown, production chosen")
-    settings = production.settings
-    estimate = estimate_loader_memory(
-        num_workers=settings["num_workers"],
-        batch_size=settings["batch_size"],
-        sample_bytes=sample_bytes,
-        prefetch_factor=settings.get("prefetch_factor"),
-    )
+    estimate = production.memory_estimate(sample_bytes)
     budget = loader_memory_budget(res, local_world_size=ranks)
     if estimate <= budget:
         production = _workers_profile("production", res, ranks, sample_bytes, cuda)

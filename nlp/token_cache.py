@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common.atomic import replace_dir, write_synced
+from recipes.common.cache_header import check_size, read_header
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"
@@ -80,25 +81,16 @@ class TokenCache(Dataset):
                 `fingerprint`) built from other inputs; the message says to rebuild.
         """
         path = Path(cache_dir)
-        try:
-            header = json.loads((path / "header.json").read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise TokenCacheError(f"No readable token cache at {path} ({error}); build it with "
-                                  "build_token_cache() or `recipes cache nlp`.") from None
-        if not isinstance(header, dict):
-            raise TokenCacheError(f"{path}/header.json is not a cache header; rebuild the cache.")
-        if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
-            raise TokenCacheError(f"{path} holds format {header.get('format')} v{header.get('version')}, "
-                                  f"expected {FORMAT} v{FORMAT_VERSION}; rebuild it.")
-        if fingerprint is not None and header.get("fingerprint") != fingerprint:
-            raise TokenCacheError(f"{path} was built from another tokenizer, settings or data; rebuild it.")
+        header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
+                             error=TokenCacheError, build_hint="build_token_cache() or `recipes cache nlp`",
+                             fields=("count", "num_tokens", "dtype"))
         try:
             count, num_tokens = int(header["count"]), int(header["num_tokens"])
             itemsize = np.dtype(header["dtype"]).itemsize
-        except (KeyError, TypeError, ValueError):
-            raise TokenCacheError(f"{path}/header.json lacks fields; rebuild the cache.") from None
-        _check_size(path / "tokens.bin", num_tokens * itemsize)
-        _check_size(path / "offsets.bin", (count + 1) * 8)
+        except (TypeError, ValueError):
+            raise TokenCacheError(f"{path}/header.json has invalid fields; rebuild the cache.") from None
+        check_size(path / "tokens.bin", num_tokens * itemsize, TokenCacheError)
+        check_size(path / "offsets.bin", (count + 1) * 8, TokenCacheError)
         offsets = np.fromfile(path / "offsets.bin", dtype="<i8")
         if offsets[0] != 0 or offsets[-1] != num_tokens or (count and (np.diff(offsets) < 0).any()):
             raise TokenCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
@@ -153,16 +145,6 @@ class TokenCache(Dataset):
     def __repr__(self) -> str:
         return (f"TokenCache({str(self.path)!r}, n={len(self)}, tokens={self.header['num_tokens']:,}, "
                 f"dtype={self.header['dtype']})")
-
-
-def _check_size(path: Path, expected: int) -> None:
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise TokenCacheError(f"{path} is missing; rebuild the cache.") from None
-    if size != expected:
-        raise TokenCacheError(f"{path} is {size} bytes, expected {expected} (truncated or corrupt); "
-                              "rebuild the cache.")
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:

@@ -62,14 +62,8 @@ def build_report(
         recipe = profile_settings(
             name, resources, local_world_size=ranks, cuda_available=cuda_available
         )
-        s = recipe.settings
-        estimate = estimate_loader_memory(
-            num_workers=s["num_workers"],
-            batch_size=s["batch_size"],
-            sample_bytes=sample_bytes,
-            prefetch_factor=s.get("prefetch_factor"),
-        )
-        profiles[name] = {"settings": s, "reasons": recipe.reasons, "memory_estimate_bytes": estimate}
+        profiles[name] = {"settings": recipe.settings, "reasons": recipe.reasons,
+                          "memory_estimate_bytes": recipe.memory_estimate(sample_bytes)}
     report = {
         "cpus": {
             "logical": resources.cpus_logical,

@@ -282,11 +282,12 @@ class ImageFolderFast(Dataset):
         return digest.hexdigest()
 
     def _open_cache(self) -> None:
-        path = ImageCache.file_for(self.cache_dir, self.cache_fingerprint())
+        fingerprint = self.cache_fingerprint()
+        path = ImageCache.file_for(self.cache_dir, fingerprint)
         if not path.exists():
             return
         try:
-            self.attach_cache(ImageCache.open(path, fingerprint=self.cache_fingerprint()))
+            self.attach_cache(ImageCache.open(path, fingerprint=fingerprint))
         except CacheMismatch as why:
             warnings.warn(f"Not using the image cache: {why}. Decoding from files; rebuild it "
                           "with build_image_cache() or `recipes cache vision`.", stacklevel=3)

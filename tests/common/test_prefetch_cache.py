@@ -1,3 +1,4 @@
+import contextlib
 import hashlib
 import os
 import signal
@@ -38,6 +39,26 @@ def _temps(folder):
     return [p for p in folder.iterdir() if p.name.startswith(".tmp")] if folder.exists() else []
 
 
+@contextlib.contextmanager
+def _sizes_seen_at(path):
+    """Records every size `path` shows while the block runs (a partial file would show up)."""
+    seen, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                seen.append(path.stat().st_size)
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        poller.join()
+
+
 def _written(path):
     try:
         return path.stat().st_size > 0
@@ -75,20 +96,8 @@ def test_a_body_cut_short_is_retried_never_cached(tmp_path, shards):
     cache = _cache(tmp_path)
     with LocalHTTPServer(shards, truncate_first=1, bandwidth=2_000_000) as server:
         url = server.url("shard-1.bin")
-        seen, done = [], threading.Event()
-
-        def poll():
-            final = cache.path_for(url)
-            while not done.is_set():
-                if final.exists():
-                    seen.append(final.stat().st_size)
-                time.sleep(0.001)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        path = cache.get(url)
-        done.set()
-        poller.join()
+        with _sizes_seen_at(cache.path_for(url)) as seen:
+            path = cache.get(url)
         assert path.read_bytes() == (shards / "shard-1.bin").read_bytes()
         assert server.gets["shard-1.bin"] == 2
     assert set(seen) <= {250_000}  # the final path never showed a partial file
@@ -233,21 +242,10 @@ def test_two_processes_three_threads_download_once(tmp_path):
     with LocalHTTPServer(remote, bandwidth=4_000_000, latency=0.05) as server:
         url = server.url("shared.bin")
         final = PrefetchCache(tmp_path / "cache", max_bytes=2**30).path_for(url)
-        seen, done = [], threading.Event()
-
-        def poll():
-            while not done.is_set():
-                if final.exists():
-                    seen.append(final.stat().st_size)
-                time.sleep(0.001)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        procs = [subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, str(tmp_path / "cache"), url],
-                                  stdout=subprocess.PIPE, text=True) for _ in range(2)]
-        outputs = [p.communicate(timeout=120)[0].split() for p in procs]
-        done.set()
-        poller.join()
+        with _sizes_seen_at(final) as seen:
+            procs = [subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, str(tmp_path / "cache"), url],
+                                      stdout=subprocess.PIPE, text=True) for _ in range(2)]
+            outputs = [p.communicate(timeout=120)[0].split() for p in procs]
         assert [p.returncode for p in procs] == [0, 0]
         assert {d for out in outputs for d in out} == {hashlib.sha256(data).hexdigest()}
         assert sum(len(out) for out in outputs) == 6
