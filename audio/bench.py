@@ -113,17 +113,30 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
 
 
 def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
-    """Peak RSS growth while reading one window of `path`: whole-file baseline vs chunked."""
+    """Peak RSS growth while reading one window of `path`: whole-file baseline vs chunked,
+    each measured in a fresh process (a used heap would hide the growth)."""
+    import json
+    import subprocess
+    import sys
+
+    out = {}
+    for kind in ("baseline", "chunked"):
+        code = f"from recipes.audio.bench import _probe; _probe({str(path)!r}, {chunk_seconds!r}, {kind!r})"
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        out[kind] = json.loads(result.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _probe(path: str, chunk_seconds: float, kind: str) -> None:
     from recipes.audio import ChunkedAudioDataset
     from recipes.audio.spectrogram_cache import featurizer
     from recipes.common.benchmark import peak_rss_growth
 
     chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
-    middle = len(chunked) // 2
+    reader = WholeFileWindows(chunked, features) if kind == "baseline" else OnTheFly(chunked, features)
     OnTheFly(chunked, features)[0]  # warm up allocators and the mel filterbank
-    return {"baseline": peak_rss_growth(lambda: WholeFileWindows(chunked, features)[middle]),
-            "chunked": peak_rss_growth(lambda: OnTheFly(chunked, features)[middle])}
+    print(peak_rss_growth(lambda: reader[len(chunked) // 2]))
 
 
 def run(args: argparse.Namespace) -> int:

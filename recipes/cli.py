@@ -55,11 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_all(args: argparse.Namespace) -> int:
-    """`recipes bench` without a domain: every domain with its defaults."""
+    """`recipes bench` without a domain: every domain with its defaults, each in a fresh
+    process so one benchmark's memory and threads do not colour the next one's figures."""
+    import subprocess
+
     status = 0
     for name in BENCHES:
-        sub = build_parser().parse_args(["bench", name])
-        status = max(status, sub.handler(sub))
+        result = subprocess.run([sys.executable, "-m", "recipes", "bench", name], check=False)
+        status = max(status, result.returncode)
     return status
 
 
