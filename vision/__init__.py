@@ -8,9 +8,9 @@ from recipes.vision.image_folder import ImageFolderFast
 from recipes.vision.progressive import ProgressiveResolution
 
 __all__ = [
+    "DeviceNormalize",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
-    "DeviceNormalize",
     "ImageCache",
     "ImageDecodeError",
     "ImageFolderFast",
