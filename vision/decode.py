@@ -157,7 +157,7 @@ def decode_image(
         raise ValueError(f"`reduce` must be one of 1, 2, 4, 8, but is {reduce!r} instead.")
     header = header or read_header(data, path=path, index=index)
     is_jpeg = header.format in ("JPEG", "MPO")
-    if is_jpeg and data.rfind(_JPEG_EOI) < data.rfind(_JPEG_SOS):
+    if is_jpeg and not _ends_with_eoi(data) and data.rfind(_JPEG_EOI) < data.rfind(_JPEG_SOS):
         raise ImageDecodeError(
             f"{_where(path, index)} is a truncated JPEG (no end-of-image marker after the last scan); "
             "re-download it, or pass on_error='skip'."
@@ -200,6 +200,11 @@ def resize_uint8(image: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
         return tensor  # a view; collate copies it into the batch
     out = torch.nn.functional.interpolate(tensor[None], size=size, mode="bilinear", antialias=True)
     return out[0]
+
+
+def _ends_with_eoi(data: bytes) -> bool:
+    """The common case of a complete JPEG: the end-of-image marker, maybe then zero padding."""
+    return data[-2:] == _JPEG_EOI or data.rstrip(b"\x00")[-2:] == _JPEG_EOI
 
 
 def _where(path: str, index: int | None) -> str:

@@ -23,9 +23,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacks `(uint8 [3, H, W], target)` items into `uint8 [B, 3, H, W]` and `int64 [B]`.
 
-    The batch is `channels_last` in memory (`[B, H, W, 3]` underneath), the layout decoders
-    and the cache produce, so filling it copies rows instead of transposing pixels; use
-    `DeviceNormalize(channels_last=...)` or `.contiguous()` on the device for NCHW. Inside a
+    The batch keeps the items' memory layout (channels-last items, as the cache produces, give
+    a `channels_last` batch; contiguous items a contiguous one), so filling it copies rows
+    instead of transposing pixels; `DeviceNormalize(channels_last=...)` picks the layout the
+    model wants on the device. Inside a
     worker it is allocated in shared memory directly (as `default_collate` does), so it
     crosses to the main process without another copy; the loader's pin-memory thread pins it
     when `pin_memory=True`.
@@ -49,21 +50,26 @@ def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tens
     whole = _batch_of_rows(rows)
     if whole is not None:  # the dataset already filled one batch tensor (ImageFolderFast.__getitems__)
         return whole, targets
-    images = new_uint8_batch(len(batch), *first.shape)
+    channels, _, width = first.shape
+    channels_last = first.stride() == (1, width * channels, channels)  # keep the items' layout: no transposes
+    images = new_uint8_batch(len(batch), *first.shape, channels_last=channels_last)
     for position, image in enumerate(rows):
         images[position].copy_(image)
     return images, targets
 
 
-def new_uint8_batch(batch_size: int, channels: int, height: int, width: int) -> torch.Tensor:
-    """An empty `uint8 [B, C, H, W]` batch, channels_last in memory, in shared memory inside a
-    DataLoader worker (so it crosses to the main process without a copy)."""
+def new_uint8_batch(batch_size: int, channels: int, height: int, width: int, *,
+                    channels_last: bool = True) -> torch.Tensor:
+    """An empty `uint8 [B, C, H, W]` batch (channels_last in memory by default), in shared
+    memory inside a DataLoader worker (so it crosses to the main process without a copy)."""
     numel = batch_size * channels * height * width
     if get_worker_info() is not None:
         storage = torch.UntypedStorage._new_shared(numel, device="cpu")
         flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     else:
         flat = torch.empty(numel, dtype=torch.uint8)
+    if not channels_last:
+        return flat.view(batch_size, channels, height, width)
     return flat.view(batch_size, height, width, channels).permute(0, 3, 1, 2)
 
 

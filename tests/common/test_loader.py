@@ -186,3 +186,34 @@ def test_auto_probes_a_sample_and_picks_memory_for_huge_samples():
 def test_invalid_values_get_the_style_error(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         make_loader(Squares(), **kwargs)
+
+
+EARLY_EXIT = """
+import torch
+from recipes.common import make_loader
+
+class Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        return torch.tensor([i * i])
+
+loader = make_loader(Squares(), profile="production", num_workers=2, batch_size=4, pin_memory=False)
+assert loader.persistent_workers
+for epoch in range(2):
+    for batch in loader:
+        break  # the pytorch#1551 / #72269 pattern: leave mid-epoch with persistent workers
+print("left")
+"""
+
+
+def test_breaking_out_with_persistent_workers_exits_promptly():
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", EARLY_EXIT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "left" in out.stdout and time.monotonic() - start < 20
+    assert "Traceback" not in out.stderr and "leaked semaphore" not in out.stderr

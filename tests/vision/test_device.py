@@ -17,7 +17,14 @@ def test_uint8_collate_stacks_like_torch_stack():
     assert images.dtype == torch.uint8 and images.shape == (3, 3, 8, 6)
     assert torch.equal(images, torch.stack([x for x, _ in items]))
     assert targets.dtype == torch.int64 and targets.tolist() == [0, 1, 2]
+    assert images.is_contiguous()  # the first item's layout (contiguous) is kept
+
+
+def test_uint8_collate_keeps_channels_last_items_channels_last():
+    items = [(x.permute(1, 2, 0).contiguous().permute(2, 0, 1), t) for x, t in _items()]
+    images, _ = uint8_collate(items)
     assert images.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(images, torch.stack([x for x, _ in items]))
 
 
 @pytest.mark.parametrize("bad, message", [
