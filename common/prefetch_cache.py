@@ -84,12 +84,16 @@ class PrefetchCache:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid: int | None = None
         self._inflight: dict[str, Future] = {}
+        self._paths: dict[str, Path] = {}
         self.sweep()
 
     # ---- public API --------------------------------------------------------------------
     def path_for(self, url: str) -> Path:
         """Where `url` is cached: a hash of the URL, inside the cache folder."""
-        return self.dir / _key(url)
+        path = self._paths.get(url)
+        if path is None:
+            path = self._paths[url] = self.dir / _key(url)
+        return path
 
     def get(self, url: str, *, sha256: str | None = None) -> Path:
         """A local, complete copy of `url`, downloading it first if needed.
@@ -124,7 +128,7 @@ class PrefetchCache:
         """Starts background downloads (at most `prefetch` at once); errors surface on `get`."""
         futures = []
         for url in urls:
-            if self.path_for(url).exists():
+            if os.path.exists(self.path_for(url)):
                 continue
             pool = self._executor()
             running = self._inflight.get(url)

@@ -4,7 +4,7 @@ Use when: deciding how to read training shards from object storage.
 Cost: generates `--shards` shards of `--shard-mb` MB once; serves them from a local HTTP
 server with `--latency` per request and `--bandwidth` per connection (object stores cap a
 single stream's throughput); one epoch per remote reader; the second PrefetchCache epoch and
-local disk, a fraction of a second each, are the best of three.
+local disk, a fraction of a second each, are the best of five runs taken in turns.
 Adapt here: latency and bandwidth to your store's; `--prefetch` downloads at once.
 Trade-off: loopback has no packet loss or jitter; real stores add both, which favours
 prefetching more.
@@ -97,15 +97,22 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
             run("fsspec streaming (baseline)", urls, read_records),
             run("fsspec simplecache, epoch 1", urls, _simplecache_reader(str(Path(tmp) / "simple"))),
             run("PrefetchCache, epoch 1", urls, read_records, cache=cache),
-            # warm rows take ~0.1 s an epoch: best of 3 so scheduling noise does not decide them
-            _best(lambda: run("PrefetchCache, epoch 2", urls, read_records, cache=cache, epoch=0)),
-            _best(lambda: run("local disk", [str(folder / n) for n in names], read_records)),
+            *_best_interleaved(
+                lambda: run("PrefetchCache, epoch 2", urls, read_records, cache=cache, epoch=0),
+                lambda: run("local disk", [str(folder / n) for n in names], read_records),
+            ),
         ]
     return rows
 
 
-def _best(measure_once, repeat: int = 3):
-    return max((measure_once() for _ in range(repeat)), key=lambda m: m.items_per_s)
+def _best_interleaved(*measurers, repeat: int = 5):
+    """Best of `repeat` runs of each, taken in turns: warm epochs last ~0.1 s, so scheduling
+    noise and drifting clocks would otherwise decide the comparison."""
+    runs = [[] for _ in measurers]
+    for _ in range(repeat):
+        for results, measure_once in zip(runs, measurers, strict=True):
+            results.append(measure_once())
+    return [max(results, key=lambda m: m.items_per_s) for results in runs]
 
 
 def run(args: argparse.Namespace) -> int:
