@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -45,9 +46,13 @@ def worker_init(worker_id: int) -> None:
 def _single_threaded_libraries() -> None:
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        import cv2
-    except ImportError:
+    cv2 = sys.modules.get("cv2")
+    if cv2 is None:
+        # The parent never loaded OpenCV, so no pool was copied: nothing to repair, and no
+        # import here (it costs 20 ms to a second in a fresh worker, wasted on text loaders).
+        # If the dataset imports cv2 later, these make it start single-threaded, without OpenCL.
+        os.environ["OPENCV_FOR_THREADS_NUM"] = "1"
+        os.environ["OPENCV_OPENCL_RUNTIME"] = "disabled"
         return
     cv2.setNumThreads(0)
     cv2.ocl.setUseOpenCL(False)

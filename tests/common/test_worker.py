@@ -71,3 +71,35 @@ def test_worker_init_in_the_main_process_is_harmless(monkeypatch):
     finally:
         torch.set_num_threads(before)
         cv2.setNumThreads(-1)
+
+
+LAZY = """
+import sys
+import torch
+from torch.utils.data import DataLoader
+from recipes.common import worker_init
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        imported_before = "cv2" in sys.modules
+        import cv2  # first use, inside the worker
+        return torch.tensor([int(imported_before), cv2.getNumThreads(), int(cv2.ocl.useOpenCL())])
+
+assert "cv2" not in sys.modules
+rows = torch.cat(list(DataLoader(Probe(), batch_size=2, num_workers=2, worker_init_fn=worker_init,
+                                 multiprocessing_context="fork")))
+print(rows.tolist())
+"""
+
+
+def test_workers_that_import_opencv_later_are_single_threaded_too():
+    """worker_init does not import cv2 when the parent never did, and a later import is single-threaded."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # each worker's first item found cv2 not yet imported; every item saw one thread, no OpenCL
+    assert out.stdout.strip().splitlines()[-1] == str([[0, 1, 0], [1, 1, 0]] * 2)
