@@ -93,6 +93,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)
+        self._begin = 0  # where the current pass over `self.epoch` began
         self._yielded = 0  # local batches yielded in the current iteration
         self._iterated_epoch: int | None = None
         self._warned_long = False
@@ -164,11 +165,11 @@ class LengthBucketSampler(Sampler[list[int]]):
                           "epoch repeats the same order on every rank.", stacklevel=2)
         self._iterated_epoch = self.epoch
         plan = self._plan(self.epoch, self._start)
+        self._begin, self._start = self._start, 0  # a resumed epoch continues only once
         self._yielded = 0
         for batch in plan:
             self._yielded += 1
             yield batch.tolist()
-        self._start = 0  # a resumed epoch continues only once
 
     def __len__(self) -> int:
         return len(self._plan(self.epoch, self._start))
@@ -176,7 +177,7 @@ class LengthBucketSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Reshuffles for `epoch` (call before each epoch, as with DistributedSampler)."""
         self.epoch = int(epoch)
-        self._start = 0
+        self._start = self._begin = 0
         self._yielded = 0
 
     # ---- resume ------------------------------------------------------------------------
@@ -190,9 +191,10 @@ class LengthBucketSampler(Sampler[list[int]]):
         """
         done = self._yielded if batches_done is None else batches_done
         total = len(self.global_batches())
+        begin = self._start if self._start else self._begin  # a pending resume, or where this pass began
         return {
             "epoch": self.epoch,
-            "global_batches_done": min(total, self._start + done * self.num_replicas),
+            "global_batches_done": min(total, begin + done * self.num_replicas),
             "seed": self.seed,
             "num_samples": len(self.lengths),
         }
@@ -206,6 +208,7 @@ class LengthBucketSampler(Sampler[list[int]]):
             )
         self.epoch = int(state["epoch"])
         self._start = int(state["global_batches_done"])
+        self._begin = 0
         self._yielded = 0
 
 

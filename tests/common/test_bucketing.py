@@ -180,3 +180,23 @@ def test_pickles():
     s = LengthBucketSampler(np.arange(1, 100), max_tokens=256, num_replicas=2, rank=1, seed=4)
     s.set_epoch(2)
     assert list(pickle.loads(pickle.dumps(s))) == list(s)
+
+
+def test_state_after_a_resumed_pass_counts_the_resumed_part():
+    lengths = list(range(1, 80))
+    first = LengthBucketSampler(lengths, max_tokens=150, num_replicas=2, rank=0, seed=2)
+    head = []
+    for batch in first:
+        head.append(batch)
+        if len(head) == 3:
+            break
+    saved = first.state_dict(batches_done=3)
+    resumed = LengthBucketSampler(lengths, max_tokens=150, num_replicas=2, rank=0, seed=2)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict(batches_done=0) == saved  # before iterating: the pending position
+    rest = list(resumed)
+    total = len(resumed.global_batches())
+    assert resumed.state_dict()["global_batches_done"] == min(total, saved["global_batches_done"] + 2 * len(rest))
+    again = LengthBucketSampler(lengths, max_tokens=150, num_replicas=2, rank=0, seed=2)
+    again.load_state_dict(resumed.state_dict())
+    assert list(again) == []  # the epoch is done; nothing repeats
