@@ -131,6 +131,8 @@ class PrefetchCache:
             if os.path.exists(self.path_for(url)):
                 continue
             pool = self._executor()
+            if len(self._inflight) > 8 * self.depth:  # forget finished downloads
+                self._inflight = {u: f for u, f in self._inflight.items() if not f.done()}
             running = self._inflight.get(url)
             if running is None or running.done():
                 self._inflight[url] = running = pool.submit(self._quiet_get, url)
@@ -208,10 +210,11 @@ class PrefetchCache:
             time.sleep(0.2)
 
     def _evict_until(self, budget: int) -> bool:
-        if self.used_bytes() <= budget:
+        used = self.used_bytes()
+        if used <= budget:
             return True
         files = [e for e in os.scandir(self.dir) if e.is_file() and not e.name.startswith(".")]
-        for entry in sorted(files, key=lambda e: e.stat().st_mtime_ns):
+        for entry in sorted(files, key=lambda e: e.stat().st_mtime_ns):  # least recently used first
             lock = open(self.dir / ".locks" / f"{entry.name}.lock", "a")  # noqa: SIM115
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not pinned, not downloading
@@ -219,11 +222,14 @@ class PrefetchCache:
                 lock.close()
                 continue
             try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+                size = entry.stat().st_size
+                os.unlink(entry.path)
+                used -= size
+            except FileNotFoundError:
+                pass
             finally:
                 lock.close()
-            if self.used_bytes() <= budget:
+            if used <= budget:
                 return True
         return False
 
