@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common import PackedStrings
+from recipes.common.indexing import resolve_index
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".aiff", ".aif")
 _OPEN_FILES = 16  # per process
@@ -126,11 +127,7 @@ class ChunkedAudioDataset(Dataset):
 
     # ---- reading -----------------------------------------------------------------------
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict]:
-        n = len(self)
-        i = int(index)
-        if not -n <= i < n:
-            raise IndexError(f"index {index} is out of range for {n} audio items")
-        i %= n
+        i = resolve_index(index, len(self), f"the {len(self)} audio items")
         f = int(self.item_file[i])
         start, valid = int(self.item_start[i]), int(self.item_frames[i])
         rate = int(self.file_rates[f])

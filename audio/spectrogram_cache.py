@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 
 from recipes.common.atomic import replace_dir, write_synced
 from recipes.common.cache_header import check_size, read_header
+from recipes.common.indexing import resolve_index, resolve_indices
 
 FORMAT = "recipes-spectrogram-cache"
 FORMAT_VERSION = 1
@@ -114,11 +115,7 @@ class SpectrogramCache(Dataset):
         return {"file": int(row["file"]), "start": float(row["start"]), "frames": int(row["frames"])}
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict]:
-        n = len(self)
-        i = int(index)
-        if not -n <= i < n:
-            raise IndexError(f"index {index} is out of range for the {n} items in {self.path}")
-        i %= n
+        i = resolve_index(index, len(self), f"the {len(self)} items in {self.path}")
         block = self._map()[self.offsets[i] * self.n_mels : self.offsets[i + 1] * self.n_mels]
         features = torch.from_numpy(block.astype(np.float32)).view(self.n_mels, -1)
         return features, self._info(i)
@@ -127,11 +124,7 @@ class SpectrogramCache(Dataset):
         """A batch with one gather from the memory map (fixed layout) and one float32 conversion."""
         if self.header["layout"] != "fixed":
             return [self[i] for i in indices]
-        n = len(self)
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            raise IndexError(f"an index in {indices[:8]} is out of range for the {n} items in {self.path}")
-        idx %= n
+        idx = resolve_indices(indices, len(self), f"the {len(self)} items in {self.path}")
         order = np.argsort(idx, kind="stable")
         gathered = np.empty((len(idx), self.n_mels, int(self.lengths[0])), np.float32)
         gathered[order] = self.features[idx[order]]  # ascending file order, then float32

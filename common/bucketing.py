@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from recipes.common.sharding import distributed_world
+
 
 class LengthBucketSampler(Sampler[list[int]]):
     """Yields lists of indices of similar length, within a sample count and/or token budget.
@@ -80,7 +82,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or (self.lengths < 0).any():
             raise ValueError("`lengths` must be a 1-D sequence of non-negative integers.")
-        world, here = _distributed_defaults()
+        world, here = distributed_world()
         self.num_replicas = world if num_replicas is None else num_replicas
         self.rank = here if rank is None else rank
         if not 0 <= self.rank < self.num_replicas:
@@ -226,8 +228,3 @@ def _batch_end(padded: np.ndarray, start: int, hi: int, budget: int) -> int:
             hi = mid
     return lo
 
-
-def _distributed_defaults() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0

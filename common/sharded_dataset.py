@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.packed_strings import PackedStrings
-from recipes.common.sharding import _block, shard_indices
+from recipes.common.sharding import _block, distributed_world, shard_indices
 
 Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
 
@@ -81,7 +81,7 @@ class ShardedIterableDataset(IterableDataset):
         if self.shard_lengths is not None and (self.shard_lengths.shape != (len(self.shards),)
                                                or (self.shard_lengths < 0).any()):
             raise ValueError(f"`shard_lengths` must hold one non-negative count per shard ({len(self.shards)}).")
-        world, here = _distributed_defaults()
+        world, here = distributed_world()
         self.world_size = world if world_size is None else world_size
         self.rank = here if rank is None else rank
         if not 0 <= self.rank < self.world_size:
@@ -188,8 +188,3 @@ def _takes_range(fn) -> bool:
         return False
     return len(params) >= 3
 
-
-def _distributed_defaults() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(), torch.distributed.get_rank()
-    return 1, 0

@@ -59,6 +59,15 @@ def shard_indices(n: int, *, rank: int, world_size: int, worker: int, num_worker
     return rank_indices[lo:hi]
 
 
+def distributed_world() -> tuple[int, int]:
+    """(world_size, rank) of the initialised `torch.distributed` group, else (1, 0)."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return 1, 0
+
+
 def _block(n: int, parts: int, part: int) -> tuple[int, int]:
     """[lo, hi) of `part` when `range(n)` is cut into `parts` contiguous blocks (sizes differ by <= 1)."""
     base, extra = divmod(n, parts)

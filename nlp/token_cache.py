@@ -40,6 +40,7 @@ from torch.utils.data import Dataset
 
 from recipes.common.atomic import replace_dir, write_synced
 from recipes.common.cache_header import check_size, read_header
+from recipes.common.indexing import resolve_index, resolve_indices
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"
@@ -114,22 +115,13 @@ class TokenCache(Dataset):
         return self._tokens
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        n = len(self)
-        i = int(index)
-        if not -n <= i < n:
-            raise IndexError(f"index {index} is out of range for the {n} samples in {self.path}")
-        i %= n
+        i = resolve_index(index, len(self), f"the {len(self)} samples in {self.path}")
         ids = self._map()[self.offsets[i] : self.offsets[i + 1]]
         return {"input_ids": torch.from_numpy(ids.astype(np.int64))}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """A whole batch with one gather from the memory map; items are views of one tensor."""
-        n = len(self)
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            bad = int(idx[(idx < -n) | (idx >= n)][0])
-            raise IndexError(f"index {bad} is out of range for the {n} samples in {self.path}")
-        idx %= max(n, 1)
+        idx = resolve_indices(indices, len(self), f"the {len(self)} samples in {self.path}")
         starts, lengths = self.offsets[idx], self.lengths[idx]
         # positions of every token of the batch: each start, then +1 within its sample
         shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)

@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common import PackedStrings
+from recipes.common.indexing import resolve_index
 from recipes.vision import crops
 from recipes.vision.decode import (
     ImageDecodeError,
@@ -197,11 +198,7 @@ class ImageFolderFast(Dataset):
         return self._scratch_buf
 
     def _check_index(self, index) -> int:
-        n = len(self)
-        i = int(index)
-        if not -n <= i < n:
-            raise IndexError(f"index {index} is out of range for {n} images under {self.root}")
-        return i % n
+        return resolve_index(index, len(self), f"the {len(self)} images under {self.root}")
 
     def _load_or_skip(self, index: int, load):
         """`load(i)` for `index`, or with on_error="skip" the next good index after it."""

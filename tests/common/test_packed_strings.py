@@ -57,3 +57,15 @@ def test_copy_on_read_is_avoided_in_forked_workers():
     # The list's str objects are ~80 MB; each worker touches half of them.
     assert list_mean > 20 * 2**20, list_growth
     assert packed_mean * 10 < list_mean, (list_growth, packed_growth)
+
+
+def test_index_resolution_shared_by_the_datasets():
+    from recipes.common.indexing import resolve_index, resolve_indices
+
+    assert resolve_index(-1, 5, "x") == 4
+    assert resolve_indices([0, -1, 4], 5, "x").tolist() == [0, 4, 4]
+    for bad in (5, -6):
+        with pytest.raises(IndexError, match=f"index {bad} is out of range for the 5 things"):
+            resolve_indices([0, bad], 5, "the 5 things")
+        with pytest.raises(IndexError, match=f"index {bad} is out of range"):
+            resolve_index(bad, 5, "the 5 things")
