@@ -12,7 +12,12 @@ per-loader switch); it is done only when `ulimit -n` is too low for `file_descri
 Traps handled:
 - `prefetch_factor` / `persistent_workers` with 0 workers make DataLoader raise: never passed.
 - Pinning without CUDA only warns and wastes a thread: pinned only when CUDA is available.
-- Forking after CUDA is initialised breaks CUDA in workers (pytorch#40403): `forkserver`.
+- The start method stays `fork`, also after CUDA is initialised: forking is safe while the
+  workers themselves never touch CUDA (PyTorch's own default relies on it), and `forkserver`
+  or `spawn` re-import torch in every worker (a 15-54 s first batch on a 16-core GPU node)
+  and crash scripts without an `if __name__ == "__main__":` guard. A dataset whose workers do
+  use CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and
+  the dataset's module preloaded into the fork server.
 - `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata",
   pytorch#973) under a low `ulimit -n`: `file_system` instead.
 - The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
@@ -21,6 +26,8 @@ Traps handled:
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,7 +93,7 @@ def make_loader(
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
-    _apply_safety_rules(settings, reasons, res, user_keys=set(overrides))
+    _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
     loader = DataLoader(dataset, **settings)
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
@@ -107,7 +114,7 @@ def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:
 
 
 def _apply_safety_rules(
-    settings: dict[str, Any], reasons: dict[str, str], res: Resources, *, user_keys: set[str]
+    dataset, settings: dict[str, Any], reasons: dict[str, str], res: Resources, *, user_keys: set[str]
 ) -> None:
     if "batch_sampler" in settings:
         # DataLoader's batch_sampler is exclusive with batch_size, shuffle, sampler, drop_last.
@@ -121,15 +128,53 @@ def _apply_safety_rules(
         return
     settings["worker_init_fn"] = ChainedWorkerInit(settings.get("worker_init_fn"))
     reasons["worker_init_fn"] = "worker_init (OpenCV fork fix, 1 torch thread, seeded RNGs), then yours"
-    if "multiprocessing_context" not in user_keys and torch.cuda.is_initialized():
-        settings["multiprocessing_context"] = "forkserver"
-        reasons["multiprocessing_context"] = "forkserver: CUDA is initialised here and fork would break it in workers"
+    _choose_start_method(dataset, settings, reasons, user_keys)
     if res.nofile_limit < LOW_NOFILE and torch.multiprocessing.get_sharing_strategy() != "file_system":
         torch.multiprocessing.set_sharing_strategy("file_system")
         reasons["sharing_strategy"] = (
             f"file_system: ulimit -n is {res.nofile_limit} (< {LOW_NOFILE}); file_descriptor "
             "sharing would run out of descriptors"
         )
+
+
+def _choose_start_method(dataset, settings: dict[str, Any], reasons: dict[str, str], user_keys: set[str]) -> None:
+    """`fork` unless the dataset's workers use CUDA or the user chose otherwise (see the module doc)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "multiprocessing_context" in user_keys:
+        context = settings["multiprocessing_context"]
+        name = context if isinstance(context, str) else context.get_start_method()
+        if name == "forkserver":
+            _preload_forkserver(dataset)
+            reasons["multiprocessing_context"] = "override; torch and the dataset's module preloaded in the fork server"
+        return
+    if getattr(dataset, "uses_cuda_in_workers", False):
+        if "forkserver" in methods:
+            _preload_forkserver(dataset)
+            settings["multiprocessing_context"] = "forkserver"
+            reasons["multiprocessing_context"] = (
+                "forkserver: the dataset sets uses_cuda_in_workers, and CUDA cannot be used in a "
+                "forked child; torch and the dataset's module are preloaded so each worker starts "
+                "from a warm fork server instead of importing torch")
+        else:
+            settings["multiprocessing_context"] = "spawn"
+            reasons["multiprocessing_context"] = "spawn: the dataset sets uses_cuda_in_workers and forkserver is unavailable"
+        return
+    if "fork" in methods and sys.platform.startswith("linux"):
+        # Explicit, so Python 3.14's forkserver default does not bring back the slow start.
+        settings["multiprocessing_context"] = "fork"
+        cuda = " (CUDA is initialised here; safe since workers do not use it)" if torch.cuda.is_initialized() else ""
+        reasons["multiprocessing_context"] = (
+            f"fork: workers start in milliseconds with the parent's imports{cuda}; a dataset "
+            "that uses CUDA in workers sets uses_cuda_in_workers = True")
+
+
+def _preload_forkserver(dataset) -> None:
+    """Imports done once in the fork server, inherited by every worker it forks."""
+    modules = ["torch", "numpy"]
+    module = type(dataset).__module__
+    if module and module not in ("__main__", "builtins"):
+        modules.append(module)
+    multiprocessing.set_forkserver_preload(modules)
 
 
 def _printable(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,6 @@
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,7 +77,7 @@ def test_overrides_win_and_the_recipe_says_why():
 
 def test_production_defaults_on_this_machine():
     loader = make_loader(Squares(8), profile="production", resources=_res(cpus=8))
-    assert loader.num_workers == 4
+    assert loader.num_workers == 6  # 8 CPUs - 2 reserved
     assert loader.prefetch_factor == 2 and loader.persistent_workers
     assert loader.pin_memory == torch.cuda.is_available()
     assert loader.batch_size == 32
@@ -89,21 +91,59 @@ def test_pins_only_when_cuda_is_available(monkeypatch):
     assert make_loader(Squares(), profile="text", resources=_res()).pin_memory is False
 
 
-def test_forkserver_when_cuda_is_initialised(monkeypatch):
+class CudaInWorkers(Squares):
+    uses_cuda_in_workers = True
+
+
+def test_fork_stays_when_cuda_is_initialised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     loader = make_loader(Squares(), profile="production", num_workers=1, resources=_res())
+    assert loader.multiprocessing_context.get_start_method() == "fork"
+    assert "CUDA is initialised" in loader.recipe.reasons["multiprocessing_context"]
+    assert torch.cat(list(loader)).flatten().tolist() == [i * i for i in range(10)]
+
+
+def test_forkserver_only_when_the_dataset_uses_cuda_in_workers(monkeypatch):
+    preloaded = []
+    monkeypatch.setattr(multiprocessing, "set_forkserver_preload", preloaded.extend)
+    loader = make_loader(CudaInWorkers(), profile="production", num_workers=1, resources=_res())
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
-    assert "CUDA" in loader.recipe.reasons["multiprocessing_context"]
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    plain = make_loader(Squares(), profile="production", num_workers=1, resources=_res())
-    assert plain.multiprocessing_context is None
+    assert "uses_cuda_in_workers" in loader.recipe.reasons["multiprocessing_context"]
+    assert "torch" in preloaded and CudaInWorkers.__module__ in preloaded
 
 
-def test_user_context_wins_over_forkserver(monkeypatch):
+def test_user_context_wins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     loader = make_loader(Squares(), profile="production", num_workers=1, resources=_res(),
                          multiprocessing_context=multiprocessing.get_context("spawn"))
     assert loader.multiprocessing_context.get_start_method() == "spawn"
+    assert loader.recipe.reasons["multiprocessing_context"] == "override"
+
+
+UNGUARDED_SCRIPT = """
+import torch
+from torch.utils.data import Dataset
+from recipes.common import make_loader
+torch.cuda.is_initialized = lambda: True  # as in a training script with the model on the GPU
+
+class Squares(Dataset):
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        return torch.tensor([i * i])
+
+loader = make_loader(Squares(), profile="production", batch_size=4, num_workers=2)
+print(sorted(torch.cat(list(loader)).flatten().tolist()))
+"""
+
+
+def test_a_script_without_a_main_guard_runs(tmp_path):
+    script = tmp_path / "train.py"  # no `if __name__ == "__main__":`, as users write them
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str([i * i for i in range(10)])
 
 
 def test_low_ulimit_switches_to_file_system_sharing(restore_sharing_strategy):

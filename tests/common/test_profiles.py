@@ -36,14 +36,16 @@ def test_memory_profile_two_to_four_workers():
     s = profile_settings("memory", BIG, cuda_available=True, local_world_size=1).settings
     assert s["num_workers"] == 4 and s["prefetch_factor"] == 1 and s["batch_size"] == 16
     small = profile_settings("memory", _res(cpus=4, memory_gib=64, gpus=1), cuda_available=True, local_world_size=1)
-    assert small.settings["num_workers"] == 2  # smart gives 2; within the 2-4 range
+    assert small.settings["num_workers"] == 3  # smart gives 4 - 1 reserved; within the 2-4 range
 
 
 def test_throughput_profile_eight_to_sixteen_within_resources():
     s = profile_settings("throughput", BIG, cuda_available=True, local_world_size=1).settings
     assert s["num_workers"] == 16 and s["prefetch_factor"] == 1 and s["batch_size"] == 64
     mid = profile_settings("throughput", _res(cpus=12, gpus=1), cuda_available=True, local_world_size=1)
-    assert mid.settings["num_workers"] == 8
+    assert mid.settings["num_workers"] == 10  # smart's 12 - 2 reserved is above the floor of 8
+    low = profile_settings("throughput", _res(cpus=9, gpus=1), cuda_available=True, local_world_size=1)
+    assert low.settings["num_workers"] == 8  # smart gives 7: raised to the profile's floor
     tiny = profile_settings("throughput", _res(cpus=4, gpus=1), cuda_available=True, local_world_size=1)
     assert tiny.settings["num_workers"] == 3  # bounded: one CPU stays with the main process
 
@@ -73,7 +75,7 @@ def test_workers_are_lowered_to_fit_memory():
 def test_ranks_divide_the_node():
     one = profile_settings("production", BIG, cuda_available=True, local_world_size=1).settings
     eight = profile_settings("production", BIG, cuda_available=True, local_world_size=8).settings
-    assert one["num_workers"] == 16 and eight["num_workers"] == 2
+    assert one["num_workers"] == 16 and eight["num_workers"] == 3  # 4 CPUs per rank - 1 reserved
 
 
 def test_unknown_profile_error_shape():

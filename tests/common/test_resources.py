@@ -104,9 +104,10 @@ def _res(cpus=32, memory_gib=256, gpus=0, **kw):
 @pytest.mark.parametrize(
     "cpus, memory_gib, gpus, ranks, expected",
     [
-        (32, 256, 8, 1, 16),  # cpus//2 = 16, 8 gpus*4 = 32, 128 -> 16 (also max_workers)
-        (32, 256, 8, 8, 2),  # torchrun: 4 CPUs per rank -> 2
-        (32, 256, 0, 1, 4),  # no GPU counts as 1 -> 4 workers
+        (32, 256, 8, 1, 16),  # 32 - 5 reserved = 27 -> max_workers 16
+        (32, 256, 8, 8, 3),  # torchrun: 4 CPUs per rank, 1 reserved -> 3
+        (16, 128, 1, 1, 13),  # the 16-core, 1-GPU node of issue #9: 16 - 3 reserved
+        (32, 256, 0, 1, 16),  # no GPU term: CPU machines are sized by CPUs and memory
         (8, 4, 1, 1, 2),  # memory: 4 GiB // 2 GiB = 2
         (8, 1, 1, 1, 1),  # memory term is 0, but a CPU is free -> at least 1
         (1, 64, 1, 1, 0),  # one CPU: the main process needs it
@@ -122,7 +123,7 @@ def test_smart_num_workers_table(cpus, memory_gib, gpus, ranks, expected):
 def test_smart_num_workers_reads_local_world_size(monkeypatch):
     res = _res(cpus=32, gpus=8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert smart_num_workers(res) == smart_num_workers(res, local_world_size=4) == 4
+    assert smart_num_workers(res) == smart_num_workers(res, local_world_size=4) == 6
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "nope")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         smart_num_workers(res)
@@ -142,6 +143,12 @@ def test_smart_num_workers_follows_real_affinity(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "0"]
+
+
+def test_smart_num_workers_optional_gpu_cap():
+    res = _res(cpus=16, gpus=1)
+    assert smart_num_workers(res, local_world_size=1, workers_per_gpu=4) == 4
+    assert smart_num_workers(_res(cpus=32, gpus=8), local_world_size=1, workers_per_gpu=1) == 8
 
 
 def test_smart_num_workers_rejects_bad_arguments():
