@@ -2,6 +2,7 @@
 
 from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
+from recipes.common.monitor import LoaderMonitor, LoaderWarning
 from recipes.common.packed_strings import PackedStrings
 from recipes.common.prefetch_cache import DownloadError, PrefetchCache
 from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings
@@ -9,13 +10,16 @@ from recipes.common.resources import Resources, detect_resources
 from recipes.common.sharded_dataset import ShardedIterableDataset
 from recipes.common.sharding import shard_indices
 from recipes.common.sizing import estimate_loader_memory, max_workers_for_memory, smart_num_workers
+from recipes.common.trace import profile_trace
 from recipes.common.worker import worker_init
 from recipes.common.worker_memory import measure_worker_memory_growth
 
 __all__ = [
     "DownloadError",
     "LengthBucketSampler",
+    "LoaderMonitor",
     "LoaderRecipe",
+    "LoaderWarning",
     "PROFILES",
     "PackedStrings",
     "PrefetchCache",
@@ -27,6 +31,7 @@ __all__ = [
     "max_workers_for_memory",
     "measure_worker_memory_growth",
     "profile_settings",
+    "profile_trace",
     "shard_indices",
     "smart_num_workers",
     "worker_init",

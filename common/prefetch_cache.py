@@ -32,10 +32,13 @@ import os
 import random
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+import torch
 
 from recipes.common.atomic import fsync_dir, pid_alive
 
@@ -85,6 +88,10 @@ class PrefetchCache:
         self._pool_pid: int | None = None
         self._inflight: dict[str, Future] = {}
         self._paths: dict[str, Path] = {}
+        # hits, misses, bytes downloaded: shared memory, so forked and spawned DataLoader
+        # workers add to the counts the main process reads (`stats()`, `LoaderMonitor`).
+        self._counts = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._count_lock = threading.Lock()
         self.sweep()
 
     # ---- public API --------------------------------------------------------------------
@@ -106,12 +113,27 @@ class PrefetchCache:
         check_url(url)
         final = self.path_for(url)
         if _touch(final):
+            self._count(hits=1)
             return final
         with self._key_lock(final.name, fcntl.LOCK_EX):
             if _touch(final):  # another process or thread finished it while we waited
+                self._count(hits=1)
                 return final
             self._download(url, final, sha256)
+        self._count(misses=1, downloaded=final.stat().st_size)
         return final
+
+    def stats(self) -> dict[str, int]:
+        """`{"hits", "misses", "bytes_downloaded"}` of every `get` so far, in this process and
+        the DataLoader workers that share this object (a miss is a download)."""
+        hits, misses, downloaded = self._counts.tolist()
+        return {"hits": hits, "misses": misses, "bytes_downloaded": downloaded}
+
+    def _count(self, *, hits: int = 0, misses: int = 0, downloaded: int = 0) -> None:
+        # Not atomic across processes: two workers finishing in the same nanoseconds can lose
+        # one increment. Good enough for monitoring, never used for correctness.
+        with self._count_lock:
+            self._counts += torch.tensor([hits, misses, downloaded])
 
     @contextlib.contextmanager
     def pinned(self, url: str, *, sha256: str | None = None):
@@ -255,8 +277,12 @@ class PrefetchCache:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_pool=None, _pool_pid=None, _inflight={})
+        state.update(_pool=None, _pool_pid=None, _inflight={}, _count_lock=None)
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._count_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=65536)

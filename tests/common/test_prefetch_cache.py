@@ -73,6 +73,7 @@ def test_downloads_once_into_a_hashed_private_folder(tmp_path, shards):
         path = cache.get(url)
         assert path.read_bytes() == (shards / "shard-1.bin").read_bytes()
         assert cache.get(url) == path and server.gets["shard-1.bin"] == 1
+        assert cache.stats() == {"hits": 1, "misses": 1, "bytes_downloaded": 250_000}
     assert path.parent == tmp_path / "cache" and path.name == hashlib.sha256(url.encode()).hexdigest()[:40]
     assert os.stat(tmp_path / "cache").st_mode & 0o777 == 0o700
     assert _temps(tmp_path / "cache") == []
@@ -331,3 +332,8 @@ def test_sharded_dataset_with_the_cache_over_several_epochs(tmp_path):
         watcher.join()
         assert peak[0] <= 220_000  # eviction held the budget throughout
         assert sum(server.gets.values()) >= 8
+        # The workers' counts reach the main process: every GET the server saw is a miss.
+        stats = cache.stats()
+        assert stats["misses"] == sum(server.gets.values())
+        assert stats["bytes_downloaded"] == sum(n * (remote / name).stat().st_size for name, n in server.gets.items())
+        assert stats["hits"] >= 8 * 3 - stats["misses"]
