@@ -1,5 +1,6 @@
 """Common loader layer: resource detection, worker sizing, loader profiles, worker init."""
 
+from recipes.common.autotune import TuneResult, autotune
 from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
 from recipes.common.monitor import LoaderMonitor, LoaderWarning
@@ -25,6 +26,8 @@ __all__ = [
     "PrefetchCache",
     "Resources",
     "ShardedIterableDataset",
+    "TuneResult",
+    "autotune",
     "detect_resources",
     "estimate_loader_memory",
     "make_loader",

@@ -50,6 +50,7 @@ def make_loader(
     profile: str = "auto",
     batch_size: int | None = None,
     resources: Resources | None = None,
+    tuned: bool = True,
     **overrides: Any,
 ) -> DataLoader:
     """A DataLoader with the settings of `profile`, corrected for this machine.
@@ -63,6 +64,8 @@ def make_loader(
         batch_size: samples per batch; the profile's default when None. Not passed when
             `batch_sampler` is given.
         resources: a `Resources` snapshot; `detect_resources()` when None.
+        tuned: use the workers and prefetch factor that `autotune` / `recipes tune` stored for
+            this dataset, batch size and machine, when there are such (overrides still win).
         **overrides: any DataLoader keyword argument; overrides win over the profile.
 
     Returns:
@@ -90,6 +93,8 @@ def make_loader(
     if batch_size is not None:
         settings["batch_size"] = batch_size
         reasons["batch_size"] = "given"
+    if tuned and not {"num_workers", "prefetch_factor"} & set(overrides):
+        _apply_tuned(dataset, settings, reasons, res, batch_sampler="batch_sampler" in overrides)
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
@@ -97,6 +102,28 @@ def make_loader(
     loader = DataLoader(dataset, **settings)
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
+
+
+def _apply_tuned(dataset, settings: dict[str, Any], reasons: dict[str, str], res: Resources, *,
+                 batch_sampler: bool) -> None:
+    from recipes.common.tune_store import load_tuned
+
+    record = load_tuned(dataset, res)
+    if record is None:
+        return
+    stored = record["settings"]
+    if not batch_sampler and stored.get("batch_size") != settings.get("batch_size"):
+        return  # tuned for another batch size: the figures do not transfer
+    why = (f"autotuned {record.get('when', '')}: {record.get('samples_per_s', 0):,.0f} samples/s measured "
+           "on this machine (recipes tune; tuned=False ignores it)")
+    for key in ("num_workers", "prefetch_factor", "persistent_workers"):
+        if key in stored:
+            settings[key] = stored[key]
+            reasons[key] = why
+    if stored.get("num_workers") == 0:
+        for key in ("prefetch_factor", "persistent_workers"):
+            settings.pop(key, None)
+            reasons.pop(key, None)
 
 
 def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:

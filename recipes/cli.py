@@ -1,4 +1,4 @@
-"""The `recipes` command line: `doctor`, `bench` (and `python -m recipes`)."""
+"""The `recipes` command line: `doctor`, `cache`, `tune`, `bench` (and `python -m recipes`)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     from recipes import cache_cmd
 
     cache_cmd.add_arguments(cache)
+
+    tune = commands.add_parser("tune", help="measure num_workers and prefetch_factor for your dataset")
+    from recipes import tune_cmd
+
+    tune_cmd.add_arguments(tune)
 
     bench = commands.add_parser(
         "bench", help="measure the recipes against plain torch baselines, in one run"

@@ -85,3 +85,40 @@ def test_bench_common_runs_and_prints_a_ratio(capsys):
     assert main(["bench", "common", "--paths", "200000"]) == 0
     out = capsys.readouterr().out
     assert "PackedStrings" in out and "vs baseline" in out
+
+
+TUNE_FACTORY = """
+import time
+import torch
+from torch.utils.data import Dataset
+
+class Busy(Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        end = time.perf_counter() + 0.004
+        while time.perf_counter() < end:
+            pass
+        return torch.tensor([i])
+
+def make():
+    return Busy()
+"""
+
+
+def test_tune_prints_the_table_and_writes_json(tmp_path):
+    (tmp_path / "mydata.py").write_text(TUNE_FACTORY)
+    out = subprocess.run([sys.executable, "-m", "recipes", "tune", "mydata:make", "--batch-size", "8",
+                          "--seconds-per-trial", "0.3", "--max-workers", "2", "--memory-budget", "64G",
+                          "--json", "out.json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "| workers | prefetch | samples/s |" in out.stdout and "make_loader(dataset, **{" in out.stdout
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["settings"]["batch_size"] == 8 and result["settings"]["num_workers"] in (0, 1, 2)
+    assert {t["num_workers"] for t in result["trials"]} >= {0, 1}
+
+
+def test_tune_names_a_bad_factory(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "recipes", "tune", "nothing_here"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode != 0 and "MODULE:NAME" in out.stderr

@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from recipes.common import LoaderMonitor, LoaderWarning, PrefetchCache, ShardedIterableDataset, profile_trace
+from recipes.common import (
+    LoaderMonitor,
+    LoaderWarning,
+    PrefetchCache,
+    ShardedIterableDataset,
+    profile_trace,
+)
 from recipes.common.testing import LocalHTTPServer
 
 
