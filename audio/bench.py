@@ -161,3 +161,75 @@ def run(args: argparse.Namespace) -> int:
         for key, name in (("baseline", "whole file (baseline)"), ("chunked", "ChunkedAudioDataset")):
             print(f"| {name} | {one[key] / 2**20:,.1f} | {thirty[key] / 2**20:,.1f} |")
     return 0
+
+
+# ---- `recipes bench train --domain audio` --------------------------------------------------
+def train_setup(args, device):
+    """A small CNN classifier on log-mels, fed by whole-file reads, ChunkedAudioDataset with
+    features on the fly (cold) and the SpectrogramCache (warm)."""
+    import tempfile
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
+    from recipes.audio.spectrogram_cache import featurizer
+    from recipes.common import make_loader, smart_num_workers, worker_init
+    from recipes.train_bench import TrainSetup
+
+    cuda = device.type == "cuda"
+    batch = args.batch_size or (64 if cuda else 16)
+    folder, _, _ = ensure_data()
+    chunked = ChunkedAudioDataset(folder, chunk_seconds=4.0)
+    features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
+    model_name = args.model or ("cnn" if cuda else "tiny")
+    step = _audio_step(model_name, device)
+    workers = smart_num_workers() if args.workers is None else args.workers
+    start = time.perf_counter()
+    cache = build_spectrogram_cache(chunked, tempfile.mkdtemp(prefix="recipes-train-bench-mel-"), progress=False)
+    build = time.perf_counter() - start
+    overrides = {} if args.workers is None else {"num_workers": args.workers}
+    common = dict(batch_size=batch, shuffle=True, drop_last=True, collate_fn=pad_collate)
+    plain = DataLoader(WholeFileWindows(chunked, features), num_workers=workers, persistent_workers=workers > 0,
+                       worker_init_fn=worker_init if workers else None, pin_memory=cuda, **common)
+
+    def to_device(b):
+        mels = b["inputs"].to(device, non_blocking=True)
+        return mels, torch.arange(len(mels), device=device) % 10  # throughput only: any labels do
+
+    resident = to_device(next(iter(DataLoader(cache, **common))))
+    notes = [f"{len(chunked)} windows of 4 s from {folder}, batch {batch}; spectrogram cache built in {build:.1f} s "
+             "(one-off)"]
+    return TrainSetup("windows", step, lambda b: len(b[0]), resident,
+                      [("whole file + slice + mel (plain)", plain, to_device),
+                       ("ChunkedAudioDataset + mel, make_loader", make_loader(OnTheFly(chunked, features), **common,
+                                                                             **overrides), to_device),
+                       ("SpectrogramCache, make_loader", make_loader(cache, **common, **overrides), to_device)],
+                      model_name, notes)
+
+
+def _audio_step(name: str, device):
+    import torch
+
+    widths = {"cnn": (64, 128, 256), "tiny": (8, 16, 32)}
+    if name not in widths:
+        raise ValueError(f"`--model` for audio must be cnn or tiny, but is {name!r} instead.")
+    layers, channels = [], 1
+    for width in widths[name]:
+        layers += [torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.BatchNorm2d(width),
+                   torch.nn.ReLU()]
+        channels = width
+    model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                torch.nn.Linear(channels, 10)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    autocast = device.type == "cuda"
+
+    def step(batch):
+        mels, targets = batch
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = torch.nn.functional.cross_entropy(model(mels.unsqueeze(1)), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step

@@ -88,20 +88,20 @@ class LoaderMonitor:
                 except StopIteration:
                     epoch.step_s += asked - handed_back if epoch.batches else 0.0
                     break
+                except RuntimeError:
+                    self._sample(epoch, iterator)  # record the deaths behind "worker exited unexpectedly"
+                    raise
                 got = time.perf_counter()
                 epoch.add(got - asked, asked - handed_back, items_in(batch))
                 if epoch.batches == 1 or got - epoch.last_sample >= self.sample_seconds:
                     epoch.last_sample = got
                     self._sample(epoch, iterator)
                     if epoch.batches == 1:
-                        epoch.first_batch_s = got - begin
+                        epoch.first_batch_s, epoch.first_items = got - begin, epoch.samples
                 yield batch
                 handed_back = time.perf_counter()
-        except RuntimeError as error:
-            self._sample(epoch, iterator)  # record the deaths behind "worker exited unexpectedly"
+        finally:  # also when the loop breaks out early (GeneratorExit) or a worker dies
             self._close(epoch, begin, net_before, caches_before)
-            raise error
-        self._close(epoch, begin, net_before, caches_before)
 
     # ---- readings --------------------------------------------------------------------------
     def _sample(self, epoch: _Epoch, iterator) -> None:
@@ -212,6 +212,7 @@ class _Epoch:
         self.wait_s = self.step_s = 0.0
         self.waits: list[float] = []
         self.first_batch_s = 0.0
+        self.first_items = 0
         self.last_sample = 0.0
         self.main_rss = self.workers_uss = self.workers_pss = self.workers = 0
         self.deaths: list[tuple[int, int]] = []
@@ -237,6 +238,7 @@ class _Epoch:
         return {
             "batches": self.batches, "samples": self.samples, "seconds": self.seconds,
             "samples_per_s": self.samples / self.seconds if self.seconds > 0 else 0.0,
+            "steady_samples_per_s": _ratio(self.samples - self.first_items, steady_s),
             "wait_s": self.wait_s, "step_s": self.step_s, "steady_wait_s": steady_wait, "steady_s": steady_s,
             "wait_fraction": _ratio(steady_wait, steady_s),
             "wait_fraction_with_start": _ratio(self.wait_s, self.wait_s + self.step_s),

@@ -147,3 +147,78 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ncache build: {built:,.0f} texts/s (hashing, tokenizing, writing) vs the tokenizer's own batch "
           f"encode {own:,.0f} texts/s = {built / own:.0%}")
     return 0
+
+
+# ---- `recipes bench train --domain nlp` ----------------------------------------------------
+def train_setup(args, device):
+    """A BERT masked-LM from a `BertConfig` (no weights; small on CUDA, tiny on CPU), fed by
+    tokenize-in-__getitem__ random batches and by TokenCache + LengthBucketSampler + PadCollate.
+    Counted in real (non-padding) tokens."""
+    import tempfile
+
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+    from transformers.utils import logging as hf_logging
+
+    from recipes.common import LengthBucketSampler, make_loader, smart_num_workers, worker_init
+    from recipes.common.testing import make_text_corpus, train_tokenizer
+    from recipes.nlp import PadCollate, build_token_cache
+    from recipes.train_bench import TrainSetup
+
+    hf_logging.set_verbosity_error()
+    cuda = device.type == "cuda"
+    batch = args.batch_size or (128 if cuda else 16)
+    texts = make_text_corpus(args.samples or (50_000 if cuda else 2_000), seed=0)
+    tokenizer = train_tokenizer(texts[:5000], vocab_size=8000)
+    model_name = args.model or ("bert-small" if cuda else "tiny")
+    step = _mlm_step(model_name, len(tokenizer), tokenizer.mask_token_id, device)
+    workers = smart_num_workers() if args.workers is None else args.workers
+    folder = tempfile.mkdtemp(prefix="recipes-train-bench-tokens-")
+    start = time.perf_counter()
+    cache = build_token_cache(texts, tokenizer, folder, max_length=512, progress=False)
+    build = time.perf_counter() - start
+    plain = DataLoader(_Tokenizing(texts, tokenizer, 512), batch_size=batch, shuffle=True,
+                       collate_fn=DataCollatorWithPadding(tokenizer), num_workers=workers,
+                       persistent_workers=workers > 0, worker_init_fn=worker_init if workers else None)
+    sampler = LengthBucketSampler(cache.lengths, max_tokens=batch * 256, seed=0)
+    overrides = {} if args.workers is None else {"num_workers": args.workers}
+    recipe = make_loader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id), **overrides)
+
+    def to_device(b):
+        return {k: b[k].to(device, non_blocking=True) for k in ("input_ids", "attention_mask")}
+
+    resident = to_device(next(iter(DataLoader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id)))))
+    notes = [f"{len(texts):,} generated texts, baseline batch {batch}, recipe max_tokens {batch * 256}; token cache "
+             f"built in {build:.1f} s (one-off). The recipe reads the cache only, so it has no separate cold row."]
+    return TrainSetup("tokens", step, lambda b: int(b["attention_mask"].sum()), resident,
+                      [("tokenize in __getitem__ + random batches (plain)", plain, to_device),
+                       ("TokenCache + LengthBucketSampler + PadCollate, make_loader", recipe, to_device)],
+                      model_name, notes)
+
+
+def _mlm_step(name: str, vocab: int, mask_id: int, device):
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    sizes = {"bert-small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048),
+             "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)}
+    if name not in sizes:
+        raise ValueError(f"`--model` for nlp must be bert-small or tiny, but is {name!r} instead.")
+    model = BertForMaskedLM(BertConfig(vocab_size=vocab, max_position_embeddings=512, **sizes[name])).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator(device).manual_seed(0)
+    autocast = device.type == "cuda"
+
+    def step(batch):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        chosen = (torch.rand(ids.shape, device=ids.device, generator=generator) < 0.15) & mask.bool()
+        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=torch.where(chosen, torch.full_like(ids, mask_id), ids), attention_mask=mask,
+                         labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step

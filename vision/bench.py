@@ -102,3 +102,108 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows, unit="images/s"))
     print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
     return 0
+
+
+# ---- `recipes bench train --domain vision` -------------------------------------------------
+def train_setup(args, device):
+    """resnet50 (channels_last, bf16 autocast, SGD) on CUDA, a tiny CNN on CPU, fed by the
+    torchvision way, ImageFolderFast cold and ImageFolderFast warm, all with `train=True`."""
+    import tempfile
+
+    import torch
+    import torchvision
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+
+    from recipes.common import make_loader, smart_num_workers, worker_init
+    from recipes.train_bench import TrainSetup
+    from recipes.vision import (
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        DeviceNormalize,
+        ImageFolderFast,
+        build_image_cache,
+        uint8_collate,
+    )
+
+    cuda = device.type == "cuda"
+    size = args.size or (224 if cuda else 96)
+    batch = args.batch_size or (256 if cuda else 32)
+    root = ensure_data(args.images or (6400 if cuda else 320))
+    model_name = args.model or ("resnet50" if cuda else "tiny")
+    step = _vision_step(model_name, device)
+    workers = smart_num_workers() if args.workers is None else args.workers
+    dtype = torch.bfloat16 if cuda else torch.float32
+    normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True)
+    overrides = {} if args.workers is None else {"num_workers": args.workers}
+
+    def to_device(b):
+        return normalize(b[0], b[1])
+
+    def plain_to_device(b):
+        return (b[0].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last),
+                b[1].to(device, non_blocking=True))
+
+    plain = torchvision.datasets.ImageFolder(root, transform=T.Compose([
+        T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
+    plain_loader = DataLoader(plain, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
+                              pin_memory=cuda, persistent_workers=workers > 0,
+                              worker_init_fn=worker_init if workers else None)
+    common = dict(batch_size=batch, shuffle=True, drop_last=True, collate_fn=uint8_collate, **overrides)
+    cold = ImageFolderFast(root, size=size, train=True)
+    warm = ImageFolderFast(root, size=size, train=True)
+    cache_dir = tempfile.mkdtemp(prefix="recipes-train-bench-")
+    start = time.perf_counter()
+    build_image_cache(warm, cache_dir, progress=False)
+    build = time.perf_counter() - start
+    loaders = [("torchvision ImageFolder + PIL (plain)", plain_loader, plain_to_device),
+               ("ImageFolderFast cold, make_loader", make_loader(cold, **common), to_device),
+               ("ImageFolderFast warm (cache), make_loader", make_loader(warm, **common), to_device)]
+    if args.autotune:
+        from recipes.common import autotune
+
+        def tuned_step(b):
+            step(to_device(b))
+            if cuda:
+                torch.cuda.synchronize()
+
+        for name, ds in (("cold", cold), ("warm", warm)):
+            tuned = autotune(ds, batch_size=batch, collate_fn=uint8_collate, step=tuned_step, max_seconds=90,
+                             seconds_per_trial=3.0, store=False)
+            loaders.append((f"ImageFolderFast {name}, autotuned", make_loader(
+                ds, **tuned, shuffle=True, drop_last=True, collate_fn=uint8_collate), to_device))
+    with torch.no_grad():
+        images, targets = next(iter(make_loader(warm, batch_size=batch, collate_fn=uint8_collate, num_workers=0)))
+    resident = normalize(images, targets)
+    notes = [f"{len(cold)} JPEGs under {root}, {size}px train crops, batch {batch}; decoded cache built in "
+             f"{build:.1f} s ({len(cold) / build:,.0f} images/s, one-off)"]
+    return TrainSetup("images", step, lambda b: len(b[0]), resident, loaders,
+                      model_name, notes)
+
+
+def _vision_step(name: str, device):
+    import torch
+    import torchvision
+
+    if name == "tiny":
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+    elif name in ("resnet50", "resnet18"):
+        model = getattr(torchvision.models, name)(weights=None, num_classes=1000)
+    else:
+        raise ValueError(f"`--model` for vision must be resnet50, resnet18 or tiny, but is {name!r} instead.")
+    model = model.to(device, memory_format=torch.channels_last).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    autocast = device.type == "cuda"
+
+    def step(batch):
+        images, targets = batch
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = torch.nn.functional.cross_entropy(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step

@@ -151,3 +151,12 @@ def test_profile_trace_marks_data_fetches(tmp_path):
     names = [e.get("name") for e in events]
     assert names.count("data_fetch") == 3 and names.count("train_step") == 3
     assert len(steps) == 3
+
+
+def test_breaking_out_early_still_records_the_epoch():
+    monitor = LoaderMonitor(DataLoader(Sleepy(40, fetch=0.002), batch_size=4), warn_wait_fraction=0.99)
+    for i, _ in enumerate(monitor):
+        if i == 4:
+            break
+    assert len(monitor.epochs) == 1 and monitor.summary()["batches"] == 5
+    assert monitor.summary()["steady_samples_per_s"] > 0

@@ -1,0 +1,167 @@
+"""`recipes bench train`: loaders feeding a real training step, against the model alone.
+
+Use when: deciding whether the input pipeline keeps the accelerator busy. A CPU micro-benchmark
+hides what matters here: the main process also launches the step's kernels, the pin-memory
+thread competes for it, and worker start-up delays the first step.
+Cost: per domain, one resident-batch run of the model alone, then `--steps` training steps per
+loader (the plain torch way, the recipe cold, the recipe warm), each step synchronised.
+Adapt here: each domain's `train_setup` in `recipes.<domain>.bench` (model, step, loaders).
+Trade-off: `--steps` short runs carry noise; each loader's first batch is reported apart and
+excluded from the steady rate, whose data wait is the share of time spent in `next(loader)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DOMAINS = ("vision", "nlp", "audio")
+
+
+@dataclass
+class TrainSetup:
+    """What a domain hands the runner.
+
+    `loaders` are `(name, DataLoader, to_device)` rows: `to_device(batch)` returns what
+    `step` takes, on the device, and `count` counts samples in that. `resident` is one such
+    batch, for the model alone.
+    """
+
+    unit: str
+    step: Callable[[Any], None]
+    count: Callable[[Any], int]
+    resident: Any
+    loaders: list[tuple[str, Any, Callable[[Any], Any]]]
+    model: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainRow:
+    name: str
+    rate: float
+    of_model: float
+    wait_fraction: float
+    first_batch_s: float
+    workers: int
+    gpu_util: float | None
+    steps: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--domain", choices=(*DOMAINS, "all"), default="vision")
+    parser.add_argument("--model", default=None, help="vision: resnet50|resnet18|tiny; nlp: bert-small|tiny; "
+                                                      "audio: cnn|tiny (default: the large one on CUDA, tiny on CPU)")
+    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="workers for every loader (default: make_loader's choice, the same for the baseline)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per loader (default 60 GPU, 8 CPU)")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--size", type=int, default=None, help="vision crop size (default 224 GPU, 96 CPU)")
+    parser.add_argument("--images", type=int, default=None, help="vision images generated (default 6400 GPU, 320 CPU)")
+    parser.add_argument("--samples", type=int, default=None, help="nlp texts generated (default 50000 GPU, 2000 CPU)")
+    parser.add_argument("--autotune", action="store_true", help="add rows with autotuned workers (measured first)")
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    steps = args.steps or (60 if cuda else 8)
+    results = {}
+    for domain in DOMAINS if args.domain == "all" else (args.domain,):
+        module = importlib.import_module(f"recipes.{domain}.bench")
+        setup = module.train_setup(args, device)
+        rows, alone = measure_setup(setup, device, steps)
+        _print(domain, setup, rows, alone, device, steps)
+        results[domain] = {"model_alone": alone, "unit": setup.unit, "model": setup.model,
+                           "rows": [asdict(r) for r in rows], "notes": setup.notes}
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": _device_name(device), "steps": steps, **results}, indent=1))
+    return 0
+
+
+def measure_setup(setup: TrainSetup, device, steps: int) -> tuple[list[TrainRow], float]:
+    alone = model_alone(setup, device, steps)
+    rows = []
+    for name, loader, to_device in setup.loaders:
+        rows.append(train_with(name, loader, to_device, setup, device, steps, alone))
+    return rows, alone
+
+
+def model_alone(setup: TrainSetup, device, steps: int) -> float:
+    """Samples per second of the step on one batch already on the device."""
+    for _ in range(3):  # warm-up: cuDNN autotuning, allocator growth
+        setup.step(setup.resident)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        setup.step(setup.resident)
+        _sync(device)
+    return setup.count(setup.resident) * steps / (time.perf_counter() - start)
+
+
+def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: int, alone: float) -> TrainRow:
+    """`steps` steps fed by `loader` (epochs repeat as needed), after one first step that is
+    timed apart; the data wait and GPU utilisation come from `LoaderMonitor`."""
+    from recipes.common.monitor import LoaderMonitor, LoaderWarning
+
+    monitor = LoaderMonitor(loader, sample_seconds=1.0)
+    done, counted, start = 0, 0, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LoaderWarning)  # the table says it
+        while done < steps + 1:
+            for batch in monitor:
+                on_device = to_device(batch)
+                setup.step(on_device)
+                _sync(device)
+                if start is None:  # the first step: worker start-up and warm-up, reported apart
+                    start = time.perf_counter()
+                else:
+                    counted += setup.count(on_device)
+                done += 1
+                if done >= steps + 1:
+                    break
+    rate = counted / (time.perf_counter() - start)
+    summary = monitor.summary()
+    return TrainRow(name, rate, rate / alone if alone else 0.0, summary["wait_fraction"],
+                    monitor.epochs[0]["first_batch_s"], getattr(loader, "num_workers", 0),
+                    summary.get("gpu_util"), done)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _print(domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, device, steps: int) -> None:
+    import os
+
+    print(f"\n## train/{domain}: {setup.model} on {_device_name(device)} ({os.cpu_count()} CPUs), "
+          f"{steps} steps per loader\n")
+    print(f"model alone (batch resident on the device): {alone:,.1f} {setup.unit}/s\n")
+    print(f"| loader | workers | {setup.unit}/s | of model alone | data wait | first batch (s) | GPU util |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        gpu = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}%"
+        print(f"| {r.name} | {r.workers} | {r.rate:,.1f} | {r.of_model:.0%} | {r.wait_fraction:.0%} | "
+              f"{r.first_batch_s:.2f} | {gpu} |")
+    for note in setup.notes:
+        print(f"\n{note}")
