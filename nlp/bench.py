@@ -156,7 +156,6 @@ def train_setup(args, device):
     Counted in real (non-padding) tokens."""
     import tempfile
 
-    import torch
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging

@@ -18,7 +18,7 @@ def test_bench_train_smoke_every_domain(tmp_path):
         assert f"## train/{domain}: tiny on cpu" in out.stdout
     result = json.loads((tmp_path / "train.json").read_text())
     assert result["device"] == "cpu" and result["steps"] == 3
-    expected_rows = {"vision": 3, "nlp": 2, "audio": 3}
+    expected_rows = {"vision": 4, "nlp": 2, "audio": 3}
     for domain, count in expected_rows.items():
         rows = result[domain]["rows"]
         assert len(rows) == count and result[domain]["model_alone"] > 0
@@ -27,4 +27,5 @@ def test_bench_train_smoke_every_domain(tmp_path):
             assert row["rate"] > 0 and 0.0 <= row["wait_fraction"] <= 1.0
             assert abs(row["of_model"] - row["rate"] / result[domain]["model_alone"]) < 1e-9
             assert row["first_batch_s"] > 0
-    assert "plain" in result["vision"]["rows"][0]["name"] and "warm" in result["vision"]["rows"][2]["name"]
+    names = [row["name"] for row in result["vision"]["rows"]]
+    assert "plain" in names[0] and "cold" in names[1] and "warm" in names[2] and "DeviceCropLoader" in names[3]

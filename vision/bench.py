@@ -107,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
 # ---- `recipes bench train --domain vision` -------------------------------------------------
 def train_setup(args, device):
     """resnet50 (channels_last, bf16 autocast, SGD) on CUDA, a tiny CNN on CPU, fed by the
-    torchvision way, ImageFolderFast cold and ImageFolderFast warm, all with `train=True`."""
+    torchvision way, ImageFolderFast cold, ImageFolderFast warm through make_loader and warm
+    through DeviceCropLoader, all with `train=True`."""
     import tempfile
 
     import torch
@@ -120,6 +121,7 @@ def train_setup(args, device):
     from recipes.vision import (
         IMAGENET_MEAN,
         IMAGENET_STD,
+        DeviceCropLoader,
         DeviceNormalize,
         ImageFolderFast,
         build_image_cache,
@@ -158,7 +160,9 @@ def train_setup(args, device):
     build = time.perf_counter() - start
     loaders = [("torchvision ImageFolder + PIL (plain)", plain_loader, plain_to_device),
                ("ImageFolderFast cold, make_loader", make_loader(cold, **common), to_device),
-               ("ImageFolderFast warm (cache), make_loader", make_loader(warm, **common), to_device)]
+               ("ImageFolderFast warm (cache), make_loader", make_loader(warm, **common), to_device),
+               ("ImageFolderFast warm (cache), DeviceCropLoader (4 threads, crops on the device)",
+                DeviceCropLoader(warm, batch_size=batch, drop_last=True, device=device, dtype=dtype), lambda b: b)]
     if args.autotune:
         from recipes.common import autotune
 
