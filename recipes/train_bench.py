@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", type=int, default=None, help="vision images generated (default 6400 GPU, 320 CPU)")
     parser.add_argument("--samples", type=int, default=None, help="nlp texts generated (default 50000 GPU, 2000 CPU)")
     parser.add_argument("--autotune", action="store_true", help="add rows with autotuned workers (measured first)")
+    parser.add_argument("--autotune-seconds", type=float, default=90.0, help="each autotune sweep's budget")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the rows as JSON")
 
 

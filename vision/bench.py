@@ -172,7 +172,7 @@ def train_setup(args, device):
                 torch.cuda.synchronize()
 
         for name, ds in (("cold", cold), ("warm", warm)):
-            tuned = autotune(ds, batch_size=batch, collate_fn=uint8_collate, step=tuned_step, max_seconds=90,
+            tuned = autotune(ds, batch_size=batch, collate_fn=uint8_collate, step=tuned_step, max_seconds=args.autotune_seconds,
                              seconds_per_trial=3.0, store=False)
             loaders.append((f"ImageFolderFast {name}, autotuned", make_loader(
                 ds, **tuned, shuffle=True, drop_last=True, collate_fn=uint8_collate), to_device))
