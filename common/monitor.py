@@ -111,6 +111,9 @@ class LoaderMonitor:
         main, workers = process_memory(list(self._known_workers))
         epoch.main_rss = max(epoch.main_rss, main)
         alive = {pid: mem for pid, mem in workers.items() if mem is not None}
+        for pid, (uss, pss) in alive.items():
+            peak = epoch.per_worker.get(pid, (0, 0))
+            epoch.per_worker[pid] = (max(peak[0], uss), max(peak[1], pss))
         if alive:
             epoch.workers_uss = max(epoch.workers_uss, sum(m[0] for m in alive.values()))
             epoch.workers_pss = max(epoch.workers_pss, sum(m[1] for m in alive.values()))
@@ -153,7 +156,8 @@ class LoaderMonitor:
         (steady state: after each epoch's first batch), `wait_fraction_with_start` (whole
         epochs), `first_batch_s` (the latest epoch's), `max_batch_s`, `batch_time_cv`
         (coefficient of variation of the batch waits), `worker_deaths`, and the latest
-        epoch's `main_rss_bytes`, `workers_uss_bytes`, `workers_pss_bytes`, `memory_growth`,
+        epoch's `main_rss_bytes`, `workers_uss_bytes`, `workers_pss_bytes` (peak sums),
+        `per_worker` (peak USS/PSS by pid), `memory_growth`,
         `shm_used_bytes`, `gpu_util` (%, mean), `gpu_memory_bytes`, `net_bytes_recv`,
         `prefetch` (None where not measurable).
         """
@@ -216,6 +220,7 @@ class _Epoch:
         self.last_sample = 0.0
         self.main_rss = self.workers_uss = self.workers_pss = self.workers = 0
         self.deaths: list[tuple[int, int]] = []
+        self.per_worker: dict[int, tuple[int, int]] = {}
         self.shm_used: int | None = None
         self.gpu_util: list[float] = []
         self.gpu_memory: int | None = None
@@ -247,6 +252,8 @@ class _Epoch:
             "batch_time_cv": math.sqrt(var) / mean if mean > 0 else 0.0,
             "main_rss_bytes": self.main_rss, "workers": self.workers,
             "workers_uss_bytes": self.workers_uss or None, "workers_pss_bytes": self.workers_pss or None,
+            "per_worker": [{"pid": pid, "uss_bytes": uss, "pss_bytes": pss}
+                           for pid, (uss, pss) in sorted(self.per_worker.items())],
             "worker_deaths": len(self.deaths), "worker_exit_codes": [code for _, code in self.deaths],
             "shm_used_bytes": self.shm_used,
             "gpu_util": sum(self.gpu_util) / len(self.gpu_util) if self.gpu_util else None,

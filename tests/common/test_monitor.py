@@ -96,6 +96,8 @@ def test_worker_memory_growth_between_epochs_warns():
         _run(monitor, epochs=2)
     first, second = monitor.epochs
     assert first["workers"] == 2 and first["workers_uss_bytes"] > 0
+    assert len(first["per_worker"]) == 2 and all(w["uss_bytes"] > 0 for w in first["per_worker"])
+    assert sum(w["uss_bytes"] for w in first["per_worker"]) >= first["workers_uss_bytes"]
     assert second["workers_uss_bytes"] > first["workers_uss_bytes"] + 16 * (4 << 20) * 0.5
     assert any("memory grew" in m and "PackedStrings" in m for m in _loader_warnings(record))
 
