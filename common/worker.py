@@ -17,6 +17,13 @@ Why each step:
   reproducible when the loader has a seeded `generator`).
 - Hugging Face tokenizers use a Rust thread pool; after fork it can deadlock, so parallelism
   is turned off in the worker (the parent's tokenizer stays parallel).
+- Workers die with their parent. PyTorch's worker watchdog only runs between batches: a worker
+  blocked writing a large (numpy, pickled) batch into a full pipe never gets back to it, and
+  outlives a SIGKILLed parent (the OOM killer's usual victim) for good, holding its memory
+  and the parent's stdout. On Linux `prctl(PR_SET_PDEATHSIG, SIGKILL)` has the kernel kill
+  the worker when its parent dies; elsewhere a daemon thread checks the parent every second.
+  (Linux ties the signal to the thread that started the worker: iterate loaders from a thread
+  that lives as long as the loader, as the main thread does.)
 """
 
 from __future__ import annotations
@@ -37,10 +44,40 @@ def worker_init(worker_id: int) -> None:
     Args:
         worker_id: the worker's index, as DataLoader passes it.
     """
+    die_with_parent()
     _single_threaded_libraries()
     seed = torch.initial_seed()  # base_seed + worker_id, set by DataLoader before this call
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def die_with_parent() -> None:
+    """Ends this (worker) process when its parent dies, even if it is blocked in a write."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return  # not a multiprocessing child (0 workers): nothing to tie
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    else:
+        import threading
+
+        threading.Thread(target=_exit_when_orphaned, args=(parent.pid,), daemon=True).start()
+    if os.getppid() != parent.pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    import time
+
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _single_threaded_libraries() -> None:

@@ -1,0 +1,94 @@
+"""Workers never outlive their parent (issue #10): SIGKILL the parent while its workers send
+large batches, then no worker may be alive 10 s later."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+LOADER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from recipes.common import make_loader
+
+    class Big:
+        def __len__(self):
+            return 100_000
+        def __getitem__(self, i):
+            return np.full((256, 256, 3), i % 251, np.uint8)
+
+    if __name__ == "__main__":
+        loader = make_loader(Big(), batch_size=32, num_workers=2, collate_fn=lambda items: np.stack(items))
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        print(" ".join(str(w.pid) for w in it._workers), flush=True)
+        time.sleep(600)  # the workers fill the pipe and block writing: the repro of issue #10
+""")
+
+CACHE_SCRIPT = textwrap.dedent("""
+    import sys, time, threading
+    from recipes.common.testing import make_image_folder
+    from recipes.vision import ImageFolderFast, build_image_cache
+    import psutil
+
+    if __name__ == "__main__":
+        root = make_image_folder(sys.argv[1], classes=2, per_class=150, size=(640, 480), seed=3)
+        ds = ImageFolderFast(root, size=224)
+        def report():
+            while not psutil.Process().children():
+                time.sleep(0.01)
+            time.sleep(0.5)
+            print(" ".join(str(c.pid) for c in psutil.Process().children()), flush=True)
+        threading.Thread(target=report, daemon=True).start()
+        build_image_cache(ds, sys.argv[2], num_workers=1, progress=False)
+        time.sleep(600)
+""")
+
+
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_parent_and_watch(script, tmp_path, *args):
+    path = tmp_path / "parent.py"
+    path.write_text(script)
+    parent = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        line = parent.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert pids, "the parent reported no worker"
+        assert all(_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        survivors = [p for p in pids if _alive(p)]
+        return survivors
+    finally:
+        for proc in psutil.Process().children(recursive=True):  # clean up whatever a failure left
+            if proc.pid != os.getpid():
+                proc.kill()
+        for pid in locals().get("pids", []):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_loader_workers_die_with_a_killed_parent(tmp_path):
+    assert _kill_parent_and_watch(LOADER_SCRIPT, tmp_path) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_cache_build_workers_die_with_a_killed_parent(tmp_path):
+    assert _kill_parent_and_watch(CACHE_SCRIPT, tmp_path, str(tmp_path / "tree"), str(tmp_path / "cache")) == []
