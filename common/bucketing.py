@@ -191,6 +191,17 @@ class LengthBucketSampler(Sampler[list[int]]):
                 to the batches this sampler yielded, which runs ahead of training by the
                 DataLoader's prefetch when `num_workers > 0`; pass your step count then.
         """
+        ahead = getattr(self, "_read_ahead_by", 0)  # set by StatefulLoader when it has workers
+        if batches_done is None and ahead and self._yielded:
+            import warnings
+
+            from recipes.common.monitor import LoaderWarning
+
+            warnings.warn(
+                f"LengthBucketSampler.state_dict() counts the {self._yielded} batches handed to the DataLoader's "
+                f"workers, up to {ahead} ahead of training; resuming from it loses those. Save "
+                "loader.state_dict() instead (make_loader's loader counts what the loop received), or pass "
+                "batches_done=step.", LoaderWarning, stacklevel=2)
         done = self._yielded if batches_done is None else batches_done
         total = len(self.global_batches())
         begin = self._start if self._start else self._begin  # a pending resume, or where this pass began

@@ -1,8 +1,9 @@
 """`make_loader`: a DataLoader built from a profile, with the known traps handled.
 
 Use when: you would otherwise hand-tune `num_workers`, `pin_memory`, `prefetch_factor` and
-`persistent_workers`. The returned object is a plain `torch.utils.data.DataLoader`; the
-chosen settings and the reason for each are in `loader.recipe`.
+`persistent_workers`. The returned object is a `torch.utils.data.DataLoader` (a
+`StatefulLoader`, whose state resumes exactly mid-epoch); the chosen settings and the reason
+for each are in `loader.recipe`.
 Cost: `detect_resources()` (a few file reads) and, for `profile="auto"` on a map-style
 dataset, one `dataset[0]` to measure a sample.
 Adapt here: `_apply_safety_rules` holds every rule; overrides always win.
@@ -20,6 +21,8 @@ Traps handled:
   the dataset's module preloaded into the fork server.
 - `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata",
   pytorch#973) under a low `ulimit -n`: `file_system` instead.
+- Copy-on-read growth: a dataset holding Python lists, dicts or tuples of more than 100k items
+  gets a `LoaderWarning` naming the attribute (`PackedStrings` or numpy instead).
 - The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
   before the user's own `worker_init_fn`.
 """
@@ -37,11 +40,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from recipes.common.profiles import LoaderRecipe, profile_settings
 from recipes.common.resources import Resources, detect_resources
+from recipes.common.stateful_loader import StatefulLoader
 from recipes.common.worker import ChainedWorkerInit
 
 # Below this soft `ulimit -n`, DataLoader's default `file_descriptor` sharing strategy runs
 # out of descriptors once a few hundred shared tensors are alive.
 LOW_NOFILE = 4096
+# Python containers larger than this on a dataset cost forked workers real memory (copy-on-read).
+COPY_ON_READ_ITEMS = 100_000
 
 
 def make_loader(
@@ -69,8 +75,9 @@ def make_loader(
         **overrides: any DataLoader keyword argument; overrides win over the profile.
 
     Returns:
-        A `DataLoader` with `loader.recipe`, a `LoaderRecipe` holding the final settings and
-        the reason for each.
+        A `StatefulLoader` (a `DataLoader` whose `state_dict()`/`load_state_dict()` resume at
+        the first batch the loop has not received) with `loader.recipe`, a `LoaderRecipe`
+        holding the final settings and the reason for each.
 
     Raises:
         ValueError: for an unknown profile or invalid sizes.
@@ -99,7 +106,13 @@ def make_loader(
         settings[key] = value
         reasons[key] = "override"
     _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
-    loader = DataLoader(dataset, **settings)
+    if settings.get("shuffle") and "generator" not in settings:
+        # A generator of the loader's own, seeded from torch's RNG (so torch.manual_seed still
+        # reproduces runs): its state at each epoch's start is what `state_dict` saves.
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        settings["generator"] = torch.Generator().manual_seed(seed)
+        reasons["generator"] = "seeded from torch's RNG; saved per epoch so state_dict() resumes the same order"
+    loader = StatefulLoader(dataset, **settings)
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
 
@@ -153,6 +166,7 @@ def _apply_safety_rules(
             if settings.pop(key, None) is not None and key in user_keys:
                 reasons[key] = "dropped: DataLoader rejects it with 0 workers"
         return
+    _warn_copy_on_read(dataset, workers)
     settings["worker_init_fn"] = ChainedWorkerInit(settings.get("worker_init_fn"))
     reasons["worker_init_fn"] = "worker_init (OpenCV fork fix, 1 torch thread, seeded RNGs), then yours"
     _choose_start_method(dataset, settings, reasons, user_keys)
@@ -162,6 +176,24 @@ def _apply_safety_rules(
             f"file_system: ulimit -n is {res.nofile_limit} (< {LOW_NOFILE}); file_descriptor "
             "sharing would run out of descriptors"
         )
+
+
+def _warn_copy_on_read(dataset, workers: int) -> None:
+    """Large Python containers on a dataset grow every forked worker's memory as it reads them
+    (reference counts write to every object's page: pytorch#13246)."""
+    import warnings
+
+    from recipes.common.monitor import LoaderWarning
+
+    for owner, prefix in ((dataset, ""), (getattr(dataset, "dataset", None), "dataset.")):
+        for name, value in (vars(owner).items() if hasattr(owner, "__dict__") else ()):
+            if isinstance(value, (list, dict, tuple)) and len(value) > COPY_ON_READ_ITEMS:
+                warnings.warn(
+                    f"{type(dataset).__name__}.{prefix}{name} is a Python {type(value).__name__} of "
+                    f"{len(value):,} items: each of the {workers} forked workers copies the pages it "
+                    "reads (reference counts write to them), so worker memory grows through the epoch "
+                    "until it equals the parent's. Hold it in numpy arrays, or PackedStrings "
+                    "(recipes.common.packed_strings) for strings.", LoaderWarning, stacklevel=4)
 
 
 def _choose_start_method(dataset, settings: dict[str, Any], reasons: dict[str, str], user_keys: set[str]) -> None:

@@ -27,6 +27,7 @@ Both need `shard_lengths` when `world_size > 1`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -158,17 +159,80 @@ class ShardedIterableDataset(IterableDataset):
             left -= min(size, left)
         return out
 
+    # ---- resuming ----------------------------------------------------------------------
+    def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
+                     num_workers: int = 0) -> ShardedIterableDataset:
+        """A copy whose next epoch starts after the first `batches_done` batches that a
+        DataLoader with these settings yields (`StatefulLoader` calls it).
+
+        DataLoader yields the workers' batches round-robin, skipping a worker once it is
+        exhausted; each worker works out from the plan how many of the first `batches_done`
+        were its own, and starts after them, and the roles rotate so that the worker due next
+        comes first. Exact when the pieces' lengths are known (`shard_lengths`); without
+        them, workers are assumed not to run out first.
+        """
+        resumed = copy.copy(self)
+        resumed._resume = (int(batches_done), batch_size, bool(drop_last), max(1, int(num_workers)))
+        return resumed
+
+    def _resume_position(self, epoch: int) -> tuple[list[int], int]:
+        """`(samples each worker skips, the worker that yields the next batch)` of a resume."""
+        done, batch_size, drop_last, workers = self._resume
+        per_batch = 1 if batch_size is None else batch_size
+        batches = []
+        for w in range(workers):
+            n = self._plan_samples(self.plan(epoch, w, workers))
+            batches.append(None if n is None else (n // per_batch if drop_last else -(-n // per_batch)))
+        skipped, round_ = [0] * workers, 0
+        active = lambda w: batches[w] is None or batches[w] > round_  # noqa: E731
+        while any(active(w) for w in range(workers)):
+            for w in range(workers):
+                if active(w):
+                    if done == 0:
+                        return [s * per_batch for s in skipped], w
+                    skipped[w] += 1
+                    done -= 1
+            round_ += 1
+        return [s * per_batch for s in skipped], 0
+
+    def _plan_samples(self, pieces: list[Piece]) -> int | None:
+        total = 0
+        for shard, start, stop in pieces:
+            if stop is None:
+                if self.shard_lengths is None:
+                    return None
+                stop = int(self.shard_lengths[shard])
+            total += stop - start
+        return total
+
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         epoch = self.epoch
+        skip = 0
+        if getattr(self, "_resume", None):
+            # DataLoader starts its round-robin at worker 0: rotate the roles so that the
+            # worker due next in the interrupted epoch comes first.
+            skips, first = self._resume_position(epoch)
+            worker = (worker + first) % num_workers
+            skip = skips[worker]
         pieces = self.plan(epoch, worker, num_workers)
         upcoming = pieces + (self.plan(epoch + 1, worker, num_workers) if self.cache is not None else [])
         for k, (shard, start, stop) in enumerate(pieces):
+            if skip:
+                length = self._plan_samples([(shard, start, stop)])
+                if length is not None and length <= skip:
+                    skip -= length
+                    continue
+                if length is not None:
+                    start, skip = start + skip, 0
             if self.cache is not None:  # the next shards, then the next epoch's first ones
                 self.cache.prefetch(self.shards[s] for s, _, _ in upcoming[k + 1 : k + 1 + self.cache.depth])
-            yield from self._read(shard, start, stop)
+            items = self._read(shard, start, stop)
+            if skip:  # a piece of unknown length: read past what was done
+                items, skip = _drop(items, skip)
+            yield from items
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator:
         url = self.shards[shard]
@@ -179,6 +243,18 @@ class ShardedIterableDataset(IterableDataset):
                 yield from itertools.islice(self.read_shard(path), start, stop)
             else:
                 yield from self.read_shard(path)
+
+def _drop(items: Iterator, count: int) -> tuple[Iterator, int]:
+    """`items` after its first `count`, and how many of `count` it could not supply."""
+    items = iter(items)
+    for dropped in range(count):
+        if next(items, _END) is _END:
+            return iter(()), count - dropped
+    return items, 0
+
+
+_END = object()
+
 
 def _takes_range(fn) -> bool:
     try:

@@ -257,3 +257,32 @@ def test_breaking_out_with_persistent_workers_exits_promptly():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "left" in out.stdout and time.monotonic() - start < 20
     assert "Traceback" not in out.stderr and "leaked semaphore" not in out.stderr
+
+
+class Indexed(Dataset):
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        return len(self.paths[i])
+
+
+def test_large_python_lists_on_a_dataset_warn_with_workers():
+    from recipes.common import LoaderWarning, PackedStrings
+
+    paths = [f"train/{i:07d}.jpg" for i in range(150_000)]
+    with pytest.warns(LoaderWarning, match=r"Indexed\.paths is a Python list of 150,000 items.*PackedStrings"):
+        make_loader(Indexed(paths), num_workers=1, resources=_res())
+    subset = torch.utils.data.Subset(Indexed(paths), range(10))
+    with pytest.warns(LoaderWarning, match=r"Subset\.dataset\.paths"):
+        make_loader(subset, num_workers=1, resources=_res())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoaderWarning)
+        make_loader(Indexed(paths), num_workers=0, resources=_res())  # no workers, no copies
+        make_loader(Indexed(PackedStrings(paths)), num_workers=1, resources=_res())
+        make_loader(Indexed(paths[:1000]), num_workers=1, resources=_res())
