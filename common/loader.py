@@ -162,7 +162,7 @@ def _apply_safety_rules(
         reasons.pop("batch_size", None)
     workers = settings.get("num_workers", 0)
     if workers == 0:
-        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context", "timeout"):
             if settings.pop(key, None) is not None and key in user_keys:
                 reasons[key] = "dropped: DataLoader rejects it with 0 workers"
         return

@@ -161,7 +161,7 @@ class ShardedIterableDataset(IterableDataset):
 
     # ---- resuming ----------------------------------------------------------------------
     def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
-                     num_workers: int = 0) -> ShardedIterableDataset:
+                     num_workers: int = 0, interleave: bool = False) -> ShardedIterableDataset:
         """A copy whose next epoch starts after the first `batches_done` batches that a
         DataLoader with these settings yields (`StatefulLoader` calls it).
 
@@ -169,15 +169,18 @@ class ShardedIterableDataset(IterableDataset):
         exhausted; each worker works out from the plan how many of the first `batches_done`
         were its own, and starts after them, and the roles rotate so that the worker due next
         comes first. Exact when the pieces' lengths are known (`shard_lengths`); without
-        them, workers are assumed not to run out first.
+        them, workers are assumed not to run out first. With `interleave=True` (the resuming
+        loader has another worker count, as after a `RobustLoader` step down), the copy yields
+        the rest of the epoch in one process, as whole batches (lists) in the old order: read
+        it with `batch_size=None` and the old collate function.
         """
         resumed = copy.copy(self)
-        resumed._resume = (int(batches_done), batch_size, bool(drop_last), max(1, int(num_workers)))
+        resumed._resume = (int(batches_done), batch_size, bool(drop_last), max(1, int(num_workers)), interleave)
         return resumed
 
     def _resume_position(self, epoch: int) -> tuple[list[int], int]:
         """`(samples each worker skips, the worker that yields the next batch)` of a resume."""
-        done, batch_size, drop_last, workers = self._resume
+        done, batch_size, drop_last, workers, _ = self._resume
         per_batch = 1 if batch_size is None else batch_size
         batches = []
         for w in range(workers):
@@ -210,13 +213,21 @@ class ShardedIterableDataset(IterableDataset):
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         epoch = self.epoch
-        skip = 0
-        if getattr(self, "_resume", None):
-            # DataLoader starts its round-robin at worker 0: rotate the roles so that the
-            # worker due next in the interrupted epoch comes first.
-            skips, first = self._resume_position(epoch)
-            worker = (worker + first) % num_workers
-            skip = skips[worker]
+        if not getattr(self, "_resume", None):
+            yield from self._stream(epoch, worker, num_workers)
+            return
+        skips, first = self._resume_position(epoch)
+        workers = self._resume[3]
+        if self._resume[4]:  # other worker count than the interrupted epoch: replay its order here
+            yield from self._interleaved(epoch, skips, first)
+            return
+        # DataLoader starts its round-robin at worker 0: rotate the roles so that the worker due
+        # next in the interrupted epoch comes first.
+        worker = (worker + first) % workers
+        yield from self._stream(epoch, worker, workers, skips[worker])
+
+    def _stream(self, epoch: int, worker: int, num_workers: int, skip: int = 0) -> Iterator:
+        """The samples of consumer (rank, worker) in `epoch`, after the first `skip`."""
         pieces = self.plan(epoch, worker, num_workers)
         upcoming = pieces + (self.plan(epoch + 1, worker, num_workers) if self.cache is not None else [])
         for k, (shard, start, stop) in enumerate(pieces):
@@ -233,6 +244,22 @@ class ShardedIterableDataset(IterableDataset):
             if skip:  # a piece of unknown length: read past what was done
                 items, skip = _drop(items, skip)
             yield from items
+
+    def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
+        """The rest of an interrupted epoch in the order its DataLoader would have yielded it:
+        the old workers' batches round-robin, as lists (or single samples without batching)."""
+        _, batch_size, drop_last, workers, _ = self._resume
+        order = [(first + j) % workers for j in range(workers)]
+        streams = {w: self._stream(epoch, w, workers, skips[w]) for w in order}
+        while streams:
+            for w in order:
+                if w not in streams:
+                    continue
+                batch = list(itertools.islice(streams[w], batch_size or 1))
+                if not batch or (drop_last and batch_size and len(batch) < batch_size):
+                    del streams[w]
+                    continue
+                yield batch if batch_size else batch[0]
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator:
         url = self.shards[shard]

@@ -14,7 +14,8 @@ LengthBucketSampler) are; `shuffle=True` gets a seeded generator from `make_load
 state at the start of the epoch is saved. An iterable dataset without `resume_after` is read
 and discarded up to the resume point.
 
-The state is plain JSON: `{"version", "batches_yielded", "epoch_rng", "sampler_epoch"}`.
+The state is plain JSON: `{"version", "batches_yielded", "epoch_rng", "sampler_epoch",
+"num_workers"}`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class StatefulLoader(DataLoader):
         self._skip_next = 0
         self._epoch_rng: str | None = None
         self._resume_rng: str | None = None
+        self._skip_workers: int | None = None  # the worker count of the interrupted epoch
 
     # DataLoader's iterators read `_index_sampler` once, and again on each persistent reset.
     @property
@@ -74,7 +76,7 @@ class StatefulLoader(DataLoader):
         """Where the loop is: batches yielded in the current epoch (JSON-serialisable)."""
         epoch = getattr(self._epoch_holder(), "epoch", None)
         return {"version": STATE_VERSION, "batches_yielded": int(self._yielded), "epoch_rng": self._epoch_rng,
-                "sampler_epoch": None if epoch is None else int(epoch)}
+                "sampler_epoch": None if epoch is None else int(epoch), "num_workers": int(self.num_workers)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes at the first batch not yielded when `state` was taken (on the next `iter`).
@@ -90,6 +92,7 @@ class StatefulLoader(DataLoader):
         self._resume_rng = state.get("epoch_rng") if self.generator is not None else None
         self._skip_next = int(state["batches_yielded"])
         self._yielded = self._skip_next
+        self._skip_workers = state.get("num_workers")
 
     def _epoch_holder(self):
         """What carries the epoch: the batch sampler, the sampler, or an iterable dataset."""
@@ -157,6 +160,13 @@ def _resumed_iterable(loader: StatefulLoader, skip: int):
             if next(iterator, _END) is _END:
                 break
         return iterator
+    before = loader._skip_workers if loader._skip_workers is not None else loader.num_workers
+    loader._skip_workers = None
+    if before != loader.num_workers:  # the epoch began with other workers: replay its order in-process
+        rest = resume(skip, batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=before,
+                      interleave=True)
+        whole = loader.collate_fn if loader.batch_size is not None else None
+        return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
     rest = resume(skip, batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers)
     kwargs = dict(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
                   collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,

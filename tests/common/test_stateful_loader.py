@@ -112,3 +112,18 @@ def test_a_foreign_state_is_refused():
     assert isinstance(loader, StatefulLoader)
     with pytest.raises(ValueError, match="not a StatefulLoader state"):
         loader.load_state_dict({"epoch": 3})
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "sharded"])
+@pytest.mark.parametrize("before, after", [(2, 0), (2, 1), (0, 2), (3, 2)])
+def test_resume_with_another_worker_count(kind, before, after, shard_files):
+    """As after a RobustLoader step down: the order of the interrupted epoch is kept."""
+    full = [_ids(b) for b in _build(kind, before, None if before == 0 else 2, shard_files)]
+    first = _build(kind, before, None if before == 0 else 2, shard_files)
+    iterator = iter(first)
+    prefix = [_ids(next(iterator)) for _ in range(4)]
+    state = first.state_dict()
+    del iterator, first
+    second = _build(kind, after, None if after == 0 else 2, shard_files, seed=9)
+    second.load_state_dict(state)
+    assert prefix + [_ids(b) for b in second] == full

@@ -1,0 +1,189 @@
+"""RobustLoader: an epoch survives dead, hung or unstartable workers, with nothing lost or repeated.
+
+Use when: a long run must not lose an epoch to the OOM killer taking a worker, a bus error
+from a full `/dev/shm`, a worker that hangs on a bad file system, or a fork that fails.
+PyTorch raises in all of these and the epoch is gone; so is the run, unless it restarts.
+Cost: nothing until a failure (it iterates a `make_loader` loader). On a failure: the broken
+workers are shut down and a new loader is built one step down the ladder, resumed at the
+first batch the loop has not received (`StatefulLoader` state: index-level skip, no data
+re-read for map-style datasets).
+Adapt here: `ladder=` (a list of setting changes, applied cumulatively), `_cause` for error
+texts of other failure kinds.
+Trade-off: restarts cost a worker start-up each; after `max_restarts` the error is raised.
+Errors raised by the dataset itself (a bad file, a bug) are never retried: they would fail
+again.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+from recipes.common.monitor import LoaderWarning
+
+# What a failure of the loading machinery (not of the dataset's code) says.
+_SHM = ("no space left on device", "unable to write to file </torch_", "unable to allocate shared memory",
+        "bus error", "out of shared memory")
+_DEATH = ("exited unexpectedly", "is killed by signal")
+_HANG = ("timed out after",)
+_START = ("cannot allocate memory", "resource temporarily unavailable", "too many open files")
+_POLL_SECONDS = 1.0
+
+
+class RobustLoader:
+    """Iterates like the `make_loader` loader it wraps, restarting it lower on a ladder on failure.
+
+    Args:
+        dataset: a map-style or iterable Dataset.
+        batch_size, sampler, batch_sampler, collate_fn: as for DataLoader.
+        ladder: setting changes to try in turn, cumulatively; by default fewer workers
+            (halved), then `prefetch_factor=1`, then `pin_memory=False`, finally 0 workers.
+        max_restarts: failures survived per epoch before the error is raised.
+        timeout: seconds a batch may take before its worker counts as hung (with workers).
+        **loader_kwargs: passed to `make_loader` (`num_workers`, `shuffle`, `profile`, ...).
+
+    Example:
+        >>> loader = RobustLoader(dataset, batch_size=64, shuffle=True, timeout=120)
+        >>> for batch in loader:   # a worker SIGKILLed mid-epoch costs a restart, not the epoch
+        ...     step(batch)
+        >>> loader.restarts        # [(cause, settings), ...]
+    """
+
+    def __init__(self, dataset, *, batch_size: int | None = None, sampler=None, batch_sampler=None,
+                 collate_fn=None, ladder: list[dict[str, Any]] | None = None, max_restarts: int = 3,
+                 timeout: float = 300.0, **loader_kwargs: Any):
+        if max_restarts < 0 or timeout <= 0:
+            raise ValueError(f"`max_restarts` must be non-negative and `timeout` positive, but are "
+                             f"{max_restarts!r} and {timeout!r} instead.")
+        given = {"sampler": sampler, "batch_sampler": batch_sampler, "collate_fn": collate_fn}
+        self._kwargs = {k: v for k, v in given.items() if v is not None} | loader_kwargs
+        self.dataset, self.batch_size, self.timeout = dataset, batch_size, timeout
+        self.max_restarts, self._ladder = max_restarts, ladder
+        self.restarts: list[tuple[str, dict[str, Any]]] = []
+        self.loader = self._build({})
+
+    def _build(self, changes: dict[str, Any]):
+        from recipes.common.loader import make_loader
+
+        # DataLoader's own timeout is a poll (it ignores it without workers): each expiry is a
+        # chance to notice a dead worker inside next(); `self.timeout` bounds the whole wait.
+        kwargs = {**self._kwargs, **changes, "timeout": min(_POLL_SECONDS, self.timeout)}
+        return make_loader(self.dataset, batch_size=self.batch_size, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def __iter__(self):
+        failures = 0
+        iterator = _own_failures(iter(self.loader))
+        while True:
+            try:
+                batch = self._next(iterator)
+            except StopIteration:
+                return
+            except (RuntimeError, OSError) as error:
+                cause = _cause(error)
+                if cause is None or failures >= self.max_restarts:
+                    raise
+                failures += 1
+                state = self.loader.state_dict()
+                _shut_down(iterator)
+                self._step_down(cause, state["batches_yielded"])
+                self.loader.load_state_dict(state)
+                iterator = _own_failures(iter(self.loader))
+                continue
+            yield batch
+
+    def _next(self, iterator):
+        """`next(iterator)`, polling: a dead worker is found within a poll, a hang after `timeout`."""
+        waited = 0.0
+        while True:
+            start = time.monotonic()
+            try:
+                return next(iterator)
+            except RuntimeError as error:
+                if "timed out after" not in str(error):
+                    raise
+                waited += time.monotonic() - start
+                if waited >= self.timeout:
+                    raise RuntimeError(f"DataLoader timed out after {self.timeout:g} seconds waiting for one "
+                                       "batch (RobustLoader)") from error
+
+    def _step_down(self, cause: str, resume_at: int) -> None:
+        settings = self.loader.recipe.settings
+        changes = _next_rung(self._ladder, self.restarts, settings, cause)
+        self.loader = self._build({k: v for step in [*(c for _, c in self.restarts), changes] for k, v in step.items()})
+        self.restarts.append((cause, changes))
+        hint = (" /dev/shm is too small for the batches in flight: run the container with --shm-size=8g "
+                "(or --ipc=host)." if cause == "shm" else "")
+        warnings.warn(f"RobustLoader: {_DESCRIBE[cause]}; restarting with {changes} and resuming at batch "
+                      f"{resume_at} of the epoch.{hint}", LoaderWarning, stacklevel=3)
+
+
+_DESCRIBE = {"death": "a DataLoader worker died (OOM killer, segfault, or a signal)",
+             "hang": "a DataLoader worker hung past the timeout",
+             "shm": "shared memory failed (/dev/shm full: bus error or no space)",
+             "start": "DataLoader workers could not start"}
+
+
+def _cause(error: BaseException) -> str | None:
+    """The kind of loading failure `error` is, or None for an error of the dataset's own."""
+    text = str(error).lower()
+    if any(s in text for s in _SHM):
+        return "shm"
+    if any(s in text for s in _DEATH):
+        return "death"
+    if any(s in text for s in _HANG):
+        return "hang"
+    if isinstance(error, OSError) and any(s in text for s in _START):
+        return "start"
+    return None
+
+
+def _next_rung(ladder, restarts, settings: dict[str, Any], cause: str) -> dict[str, Any]:
+    """The next change: the user's ladder in order, else fewer workers, prefetch 1, no pinning, 0 workers."""
+    if ladder is not None:
+        if len(restarts) >= len(ladder):
+            return {"num_workers": 0}
+        return dict(ladder[len(restarts)])
+    workers = settings.get("num_workers", 0)
+    if cause == "shm" or workers == 0:
+        return {"num_workers": 0}  # shared memory cannot be fixed from here: no IPC at all
+    if workers > 1:
+        return {"num_workers": workers // 2}
+    if settings.get("prefetch_factor", 2) > 1:
+        return {"prefetch_factor": 1}
+    if settings.get("pin_memory"):
+        return {"pin_memory": False}
+    return {"num_workers": 0}
+
+
+def _own_failures(iterator):
+    """Takes the iterator's workers off PyTorch's SIGCHLD handler, which would raise a worker's
+    death in whatever the main thread runs at that moment (the training step, beyond any
+    retry); the iterator itself notices the death within 5 s, inside `next()`."""
+    inner = getattr(iterator, "_inner", iterator)
+    if getattr(inner, "_worker_pids_set", False):
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(inner))
+        inner._worker_pids_set = False
+    return iterator
+
+
+def _shut_down(iterator) -> None:
+    """Ends the broken iterator's workers now (a hung one is terminated)."""
+    inner = getattr(iterator, "_inner", iterator)
+    shutdown = getattr(inner, "_shutdown_workers", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # already half torn down by the failure
+            pass

@@ -1,0 +1,158 @@
+"""RobustLoader: an epoch survives a killed worker, a hang and a full /dev/shm, yielding every
+planned batch exactly once, in order (issue #10)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, DistributedSampler, get_worker_info
+
+from recipes.common import (
+    LengthBucketSampler,
+    LoaderWarning,
+    RobustLoader,
+    ShardedIterableDataset,
+    make_loader,
+)
+
+
+class Faulty(Dataset):
+    """Index i; in a worker, the first time `fault_at` is fetched: `kill` (SIGKILL), `hang`, or `raise`."""
+
+    def __init__(self, n, marker, fault_at=None, fault="kill"):
+        self.n, self.marker, self.fault_at, self.fault = n, Path(marker), fault_at, fault
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fault_at and (self.fault == "raise" or get_worker_info() is not None) and _first(self.marker):
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.fault == "hang":
+                time.sleep(120)
+            else:
+                raise RuntimeError(f"record {i} is corrupt")  # the dataset's own error
+        return i
+
+
+def _first(marker):
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def read_ints(path, marker=None, kill_value=None):
+    values = [int(x) for x in Path(path).read_text().split()]
+    if kill_value in values and get_worker_info() is not None and _first(marker):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return values
+
+
+class KillingReader:
+    def __init__(self, marker, kill_value):
+        self.marker, self.kill_value = marker, kill_value
+
+    def __call__(self, path):
+        return read_ints(path, self.marker, self.kill_value)
+
+
+def _setup(kind, marker, tmp_path):
+    """(dataset, loader kwargs) with a worker that dies the first time it meets its fault."""
+    if kind == "sharded":
+        paths, start = [], 0
+        for k, size in enumerate([9, 14, 6, 11, 8, 12]):
+            path = tmp_path / f"s{k}.txt"
+            path.write_text(" ".join(str(i) for i in range(start, start + size)))
+            paths.append(str(path))
+            start += size
+        ds = ShardedIterableDataset(paths, KillingReader(marker, 33), shard_lengths=[9, 14, 6, 11, 8, 12],
+                                    seed=2, rank=0, world_size=1)
+        ds.set_epoch(1)
+        return ds, {"batch_size": 4}
+    ds = Faulty(80, marker, fault_at=37)
+    if kind == "shuffle":
+        return ds, {"batch_size": 4, "shuffle": True}
+    if kind == "distributed":
+        sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=1)
+        sampler.set_epoch(3)
+        ds.fault_at = list(sampler)[20]  # an index of this rank
+        return ds, {"batch_size": 3, "sampler": sampler}
+    lengths = np.random.default_rng(1).integers(4, 50, 80)
+    sampler = LengthBucketSampler(lengths, max_tokens=160, seed=2)
+    sampler.set_epoch(1)
+    return ds, {"batch_sampler": sampler}
+
+
+def _ids(batch):
+    return batch.flatten().tolist()
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "distributed", "bucket", "sharded"])
+def test_a_killed_worker_costs_a_restart_not_the_epoch(kind, tmp_path):
+    marker = tmp_path / "fired"
+    ds, kwargs = _setup(kind, marker, tmp_path)
+    marker.touch()  # the reference epoch runs without the fault
+    torch.manual_seed(0)
+    expected = [_ids(b) for b in make_loader(ds, num_workers=2, **kwargs)]
+    marker.unlink()
+    torch.manual_seed(0)
+    loader = RobustLoader(ds, num_workers=2, persistent_workers=False, timeout=60, **kwargs)
+    with pytest.warns(LoaderWarning, match="worker died.*restarting with \\{'num_workers': 1\\}"):
+        got = [_ids(b) for b in loader]
+    assert marker.exists()  # the fault did fire
+    assert got == expected  # every planned batch exactly once, in order
+    assert [cause for cause, _ in loader.restarts] == ["death"]
+
+
+def test_a_hung_worker_times_out_and_the_epoch_completes(tmp_path):
+    ds = Faulty(40, tmp_path / "fired", fault_at=13, fault="hang")
+    loader = RobustLoader(ds, batch_size=4, num_workers=2, timeout=2)
+    start = time.monotonic()
+    with pytest.warns(LoaderWarning, match="hung past the timeout"):
+        got = [i for b in loader for i in _ids(b)]
+    assert got == list(range(40)) and time.monotonic() - start < 60
+    assert loader.restarts[0][0] == "hang"
+
+
+def shm_failing_collate(items):
+    if get_worker_info() is not None:  # what a full /dev/shm makes torch raise in a worker
+        raise RuntimeError("unable to write to file </torch_4242_123_0>: No space left on device (28)")
+    return torch.tensor(items)
+
+
+def test_a_full_dev_shm_falls_back_to_no_workers_and_names_shm_size(tmp_path):
+    loader = RobustLoader(Faulty(30, tmp_path / "unused"), batch_size=5, num_workers=2,
+                          collate_fn=shm_failing_collate)
+    with pytest.warns(LoaderWarning, match=r"--shm-size"):
+        got = [i for b in loader for i in _ids(b)]
+    assert got == list(range(30))
+    assert loader.restarts == [("shm", {"num_workers": 0})] and loader.loader.num_workers == 0
+
+
+def test_errors_of_the_dataset_itself_are_not_retried(tmp_path):
+    loader = RobustLoader(Faulty(30, tmp_path / "fired", fault_at=7, fault="raise"), batch_size=5, num_workers=2)
+    with pytest.raises(RuntimeError, match="record 7 is corrupt"):
+        list(loader)
+    assert loader.restarts == []
+
+
+def test_the_ladder_steps_down_in_order():
+    from recipes.common.robust_loader import _next_rung
+
+    settings = {"num_workers": 8, "prefetch_factor": 2, "pin_memory": True}
+    assert _next_rung(None, [], settings, "death") == {"num_workers": 4}
+    assert _next_rung(None, [], {**settings, "num_workers": 1}, "death") == {"prefetch_factor": 1}
+    assert _next_rung(None, [], {"num_workers": 1, "prefetch_factor": 1, "pin_memory": True}, "hang") == {
+        "pin_memory": False}
+    assert _next_rung(None, [], {"num_workers": 1, "prefetch_factor": 1, "pin_memory": False}, "hang") == {
+        "num_workers": 0}
+    assert _next_rung(None, [], settings, "shm") == {"num_workers": 0}
+    assert _next_rung([{"num_workers": 3}], [], settings, "death") == {"num_workers": 3}
