@@ -147,8 +147,13 @@ def tokenizer_fingerprint(tokenizer) -> dict:
             "truncation_side": getattr(tokenizer, "truncation_side", None),
             "padding_side": getattr(tokenizer, "padding_side", None)}
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # fast tokenizer: its full tokenizer.json (model, normalizer, ...)
-        info["tokenizer_json"] = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+    if backend is not None:  # fast tokenizer: its tokenizer.json (model, normalizer, ...)
+        config = json.loads(backend.to_str())
+        # Calling the tokenizer with truncation= or padding= leaves that runtime state in the
+        # backend; the build sets its own, so it must not change the key (issue #10).
+        config.pop("truncation", None)
+        config.pop("padding", None)
+        info["tokenizer_json"] = hashlib.sha256(json.dumps(config, sort_keys=True).encode("utf-8")).hexdigest()
     else:
         vocab = sorted(tokenizer.get_vocab().items())
         info["vocab"] = hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest()

@@ -79,6 +79,23 @@ def test_same_inputs_reuse_and_different_inputs_rebuild(corpus, tokenizer, tmp_p
     assert shorter.fingerprint not in (first.fingerprint, changed.fingerprint)
 
 
+@pytest.mark.parametrize("call", [
+    dict(truncation=True, max_length=512),
+    dict(truncation=True, max_length=7, padding="max_length"),
+    dict(padding=True),
+    dict(),
+])
+def test_reuse_survives_direct_tokenizer_calls(corpus, tmp_path, call):
+    tokenizer = train_tokenizer(corpus[:200], vocab_size=500)
+    first = build_token_cache(corpus, tokenizer, tmp_path / "c", progress=False, max_length=64)
+    stamp = (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns
+    tokenizer(corpus[:3], **call)  # leaves truncation/padding state in the Rust backend
+    again = build_token_cache(corpus, tokenizer, tmp_path / "c", progress=False, max_length=64)
+    assert again.fingerprint == first.fingerprint
+    assert (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns == stamp  # reused, not tokenized again
+    assert again[5]["input_ids"].tolist() == tokenizer(corpus[5], truncation=True, max_length=64)["input_ids"]
+
+
 def test_tokenizers_differing_in_one_special_token_never_share(corpus, tmp_path):
     a = train_tokenizer(corpus, vocab_size=600)
     b = train_tokenizer(corpus, vocab_size=600, special_tokens={"mask_token": "[MSK]"})
