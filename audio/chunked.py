@@ -18,6 +18,8 @@ reported ("pad", so a loss can mask), returned shorter ("keep"), or dropped ("dr
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import struct
 import warnings
@@ -35,6 +37,11 @@ from recipes.common.indexing import resolve_index
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".aiff", ".aif")
 _OPEN_FILES = 16  # per process
+# Header sanity bounds: what a real recording can claim (a corrupt header claims anything).
+MIN_RATE, MAX_RATE = 1_000, 768_000
+MAX_CHANNELS = 256
+MAX_SECONDS = 7 * 24 * 3600
+MAX_RESAMPLE_TAPS = 4_000_000  # 16 MiB of float32 kernel
 
 
 class AudioDecodeError(ValueError):
@@ -85,6 +92,10 @@ class ChunkedAudioDataset(Dataset):
         self.last_chunk = last_chunk
         self.file_frames, self.file_rates, self.file_channels = _read_headers(self.files)
         self.sample_rate = sample_rate if sample_rate is not None else _common_rate(self.files, self.file_rates)
+        for rate in np.unique(self.file_rates).tolist():
+            if rate != self.sample_rate:
+                f = int(np.flatnonzero(self.file_rates == rate)[0])
+                check_resampling(self.files[f], int(rate), self.sample_rate)
         self.item_file, self.item_start, self.item_frames = self._windows()
         self._handles: OrderedDict | None = None
         self._handles_pid: int | None = None
@@ -131,7 +142,7 @@ class ChunkedAudioDataset(Dataset):
         f = int(self.item_file[i])
         start, valid = int(self.item_start[i]), int(self.item_frames[i])
         rate = int(self.file_rates[f])
-        wave = self._read(f, start, valid)
+        wave = self._read(f, start, valid, i)
         if rate != self.sample_rate:
             wave = self._resampler(rate)(wave)
         out_valid = wave.shape[-1]
@@ -143,19 +154,21 @@ class ChunkedAudioDataset(Dataset):
             out_valid = min(out_valid, target)
         return wave, {"file": f, "start": start / rate, "frames": out_valid}
 
-    def _read(self, f: int, start: int, frames: int) -> torch.Tensor:
+    def _read(self, f: int, start: int, frames: int, index: int) -> torch.Tensor:
         import soundfile as sf
 
-        handle = self._handle(f)
+        where = f"audio file {self.files[f]!r} (item {index})"
         try:
+            handle = self._handle(f)
             handle.seek(start)
             data = handle.read(frames, dtype="float32", always_2d=True)
-        except (sf.LibsndfileError, RuntimeError) as error:
-            raise AudioDecodeError(f"audio file {self.files[f]!r}: reading frames {start}-{start + frames} "
-                                   f"failed ({error}); the file may be truncated or corrupt.") from None
+        except (sf.LibsndfileError, RuntimeError, OSError) as error:
+            self._forget(f)
+            raise AudioDecodeError(f"{where}: reading frames {start}-{start + frames} failed ({error}); the file "
+                                   "may have been removed, truncated or changed since indexing.") from None
         if len(data) != frames:
-            raise AudioDecodeError(f"audio file {self.files[f]!r}: {len(data)} of {frames} frames at {start} "
-                                   "could be read; the file is truncated or changed since indexing.")
+            raise AudioDecodeError(f"{where}: {len(data)} of {frames} frames at {start} could be read; the file "
+                                   "is truncated or changed since indexing.")
         wave = torch.from_numpy(data.T.copy())  # [C, T]
         return wave.mean(dim=0, keepdim=True) if self.mono and wave.shape[0] > 1 else wave
 
@@ -173,6 +186,12 @@ class ChunkedAudioDataset(Dataset):
             handles.popitem(last=False)[1].close()
         handles[f] = sf.SoundFile(self.files[f])
         return handles[f]
+
+    def _forget(self, f: int) -> None:
+        """Drops a failed file's handle, so a later read reopens it."""
+        if self._handles is not None and f in self._handles:
+            with contextlib.suppress(Exception):
+                self._handles.pop(f).close()
 
     def _resampler(self, rate: int):
         """One `torchaudio.transforms.Resample` (kernel computed once) per rate pair."""
@@ -224,10 +243,36 @@ def _read_headers(files: PackedStrings) -> tuple[np.ndarray, np.ndarray, np.ndar
             raise AudioDecodeError(f"audio file {path!r} cannot be read ({error}); is it audio "
                                    "(WAV, FLAC, OGG)?") from None
         frames[i], rates[i], channels[i] = info.frames, info.samplerate, info.channels
+        _check_header(path, info)
         _check_complete(path, info)
         if info.frames == 0:
             warnings.warn(f"audio file {path!r} has no frames; it contributes no items.", stacklevel=3)
     return frames, rates, channels
+
+
+def _check_header(path: str, info) -> None:
+    """Header fields a corrupt file can claim and a reader would trust: a sample rate of
+    16 MHz once made the resampler ask for 519 GB (issue #10)."""
+    if not MIN_RATE <= info.samplerate <= MAX_RATE:
+        raise AudioDecodeError(f"audio file {path!r} claims a sample rate of {info.samplerate:,} Hz, outside "
+                               f"{MIN_RATE:,}-{MAX_RATE:,} Hz: its header is corrupt.")
+    if not 1 <= info.channels <= MAX_CHANNELS:
+        raise AudioDecodeError(f"audio file {path!r} claims {info.channels} channels (1-{MAX_CHANNELS} expected): "
+                               "its header is corrupt.")
+    if info.frames < 0 or info.frames > MAX_SECONDS * info.samplerate:
+        raise AudioDecodeError(f"audio file {path!r} claims {info.frames:,} frames ({info.frames / info.samplerate:,.0f} "
+                               f"s, over {MAX_SECONDS // 3600} hours): its header is corrupt.")
+
+
+def check_resampling(path: str, rate: int, target: int) -> None:
+    """Refuses a rate pair whose resampling kernel (`rate/g x target/g` taps, g = gcd) would not
+    fit in memory: 44,101 -> 16,000 Hz already needs 2.8 GB."""
+    g = math.gcd(rate, target)
+    taps = (rate // g) * (target // g)
+    if taps > MAX_RESAMPLE_TAPS:
+        raise AudioDecodeError(f"audio file {path!r}: resampling {rate:,} Hz to {target:,} Hz needs a "
+                               f"{taps * 4 / 2**20:,.0f} MiB kernel; the rate is unusual or corrupt. Resample the "
+                               "file offline (e.g. with sox) or pass sample_rate=None.")
 
 
 def _check_complete(path: str, info) -> None:

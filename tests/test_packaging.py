@@ -53,3 +53,15 @@ def test_the_repository_passes_ruff():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_s3fs_and_fsspec_come_from_one_release_family():
+    """s3fs pins the fsspec it was released with; an old boto-based s3fs (0.4.x), which a
+    resolver squeezed by moto's botocore once chose, is not what `recipes[cloud]` installs."""
+    import fsspec
+    import s3fs
+
+    s3fs_release = tuple(int(v) for v in s3fs.__version__.split(".")[:2])
+    fsspec_release = tuple(int(v) for v in fsspec.__version__.split(".")[:2])
+    assert s3fs_release == fsspec_release, (s3fs.__version__, fsspec.__version__)
+    assert s3fs_release >= (2024, 2)

@@ -124,6 +124,40 @@ def test_bad_files_fail_at_index_time_naming_the_file(tmp_path):
         assert isinstance(error.value, ValueError) and path.name in str(error.value), path
 
 
+def _with_wav_rate(path, rate):
+    data = bytearray(path.read_bytes())
+    assert data[12:16] == b"fmt "
+    data[24:28] = int(rate).to_bytes(4, "little")  # fmt chunk: sample rate
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_header_rate_is_refused_at_index_time(tmp_path):
+    [good, corrupt] = make_audio_files(tmp_path, count=2, seconds=1.0, format="WAV")
+    _with_wav_rate(corrupt, 16_209_442)  # the fuzz case of issue #10: 519 GB asked for
+    with pytest.raises(AudioDecodeError, match=r"audio_0001.wav.*16,209,442 Hz.*corrupt"):
+        ChunkedAudioDataset([good, corrupt], chunk_seconds=0.5, sample_rate=16000)
+    _with_wav_rate(corrupt, 44_101)  # plausible, but resampling to 16 kHz needs a 2.7 GB kernel
+    with pytest.raises(AudioDecodeError, match=r"audio_0001.wav.*44,101 Hz to 16,000 Hz.*MiB kernel"):
+        ChunkedAudioDataset([good, corrupt], chunk_seconds=0.5, sample_rate=16000)
+
+
+@pytest.mark.parametrize("damage", ["remove", "truncate", "garble"])
+def test_a_file_damaged_after_indexing_raises_the_project_error(tmp_path, damage):
+    paths = make_audio_files(tmp_path, count=2, seconds=2.0, format="FLAC")
+    ds = ChunkedAudioDataset(paths, chunk_seconds=0.5)
+    victim = paths[1]
+    if damage == "remove":
+        victim.unlink()
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:200])
+    else:
+        victim.write_bytes(b"\0" * 4000)
+    index = int(np.flatnonzero(ds.item_file == 1)[-1])
+    with pytest.raises(AudioDecodeError, match=rf"audio_0001.flac' \(item {index}\)"):
+        ds[index]
+    assert ds[0][0].shape[-1] == 8000  # the other file still reads
+
+
 def test_zero_frame_file_warns_and_contributes_nothing(tmp_path):
     [good] = make_audio_files(tmp_path, count=1, seconds=2.0, format="WAV")
     sf.write(tmp_path / "silent.wav", np.zeros((0,), np.float32), 16000)
