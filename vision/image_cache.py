@@ -140,7 +140,7 @@ class ImageCache:
         return state
 
 
-def write_cache(path: Path, fingerprint: str, count: int, side: int, fill) -> None:
+def write_cache(path: Path, fingerprint: str, count: int, side: int, fill, *, root: str | None = None) -> None:
     """Writes a cache atomically: `fill(images_memmap) -> (labels, skipped)` fills the pixels
     of a temp file, which is then fsynced and renamed to `path`. Concurrent writers each
     rename a complete file, so readers see one whole cache or the other.
@@ -156,7 +156,7 @@ def write_cache(path: Path, fingerprint: str, count: int, side: int, fill) -> No
         images.flush()
         del images
         header = {"version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-                  "side": side, "skipped": sorted(int(i) for i in skipped)}
+                  "side": side, "skipped": sorted(int(i) for i in skipped), "root": root}
         blob = MAGIC + json.dumps(header).encode("utf-8")
         if len(blob) > HEADER_BYTES:  # many skipped files: keep the count only
             header["skipped"] = []
@@ -207,16 +207,21 @@ def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int
             the next good image is stored in its place and the index is recorded).
     """
     from recipes.common import smart_num_workers
+    from recipes.vision.cache_manifest import remove_cache, stale_caches, write_sidecar
 
-    fingerprint = dataset.cache_fingerprint()
+    fingerprint, _, table = dataset.cache_inputs()
     path = ImageCache.file_for(cache_dir, fingerprint)
+    root = os.path.abspath(dataset.root)
     try:
         cache = ImageCache.open(path, fingerprint=fingerprint)
     except CacheMismatch:
         workers = smart_num_workers() if num_workers is None else num_workers
         write_cache(path, fingerprint, len(dataset), dataset.cache_side,
-                    lambda images: _decode_into(dataset, images, workers, progress))
+                    lambda images: _decode_into(dataset, images, workers, progress), root=root)
+        write_sidecar(path, table)
         cache = ImageCache.open(path, fingerprint=fingerprint)
+    for stale in stale_caches(Path(cache_dir), root, fingerprint):  # replaced, not left beside it
+        remove_cache(stale)
     dataset.attach_cache(cache)
     return cache
 

@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 from recipes.common import PackedStrings
 from recipes.common.indexing import resolve_index
 from recipes.vision import crops
+from recipes.vision.cache_manifest import describe_change, file_table, stale_caches
 from recipes.vision.decode import (
     ImageDecodeError,
     dct_reduction,
@@ -44,7 +45,7 @@ from recipes.vision.decode import (
     resize_uint8,
 )
 from recipes.vision.device import new_uint8_batch
-from recipes.vision.image_cache import FORMAT_VERSION, CacheMismatch, ImageCache
+from recipes.vision.image_cache import FORMAT_VERSION, CacheMismatch, ImageCache, sweep_dead_temps
 
 
 class ImageFolderFast(Dataset):
@@ -264,6 +265,10 @@ class ImageFolderFast(Dataset):
 
     def cache_fingerprint(self) -> str:
         """sha256 of the inputs: relative paths, sizes, mtimes, targets, S and decode settings."""
+        return self.cache_inputs()[0]
+
+    def cache_inputs(self) -> tuple[str, list[str], np.ndarray]:
+        """`(fingerprint, relative paths, file table)`: one `stat` per file (see `cache_manifest`)."""
         import hashlib
 
         import cv2
@@ -272,16 +277,28 @@ class ImageFolderFast(Dataset):
         settings = (f"v{FORMAT_VERSION}|S={self.cache_side}|size={self.size}|crop=tier|resize=bilinear-aa"
                     f"|cv2={cv2.__version__}")
         digest.update(settings.encode())
+        rels, sizes, mtimes = [], [], []
         for path, target in zip(self._paths, self._targets.tolist(), strict=True):
             st = os.stat(path)
             rel = os.path.relpath(path, self.root)
             digest.update(f"\n{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{target}".encode("utf-8", "surrogateescape"))
-        return digest.hexdigest()
+            rels.append(rel)
+            sizes.append(st.st_size)
+            mtimes.append(st.st_mtime_ns)
+        return digest.hexdigest(), rels, file_table(rels, sizes, mtimes)
 
     def _open_cache(self) -> None:
-        fingerprint = self.cache_fingerprint()
+        fingerprint, rels, table = self.cache_inputs()
         path = ImageCache.file_for(self.cache_dir, fingerprint)
+        if self.cache_dir.is_dir():
+            sweep_dead_temps(self.cache_dir)  # a build killed midway leaves its temp file
         if not path.exists():
+            stale = stale_caches(self.cache_dir, os.path.abspath(self.root), fingerprint) if self.cache_dir.is_dir() else []
+            if stale:
+                warnings.warn(f"Not using the image cache in {self.cache_dir}: it was built from other inputs "
+                              f"({describe_change(stale[-1], rels, table)}). Decoding from files, about 10x slower; "
+                              "rebuild with build_image_cache() or `recipes cache vision`, which replaces it.",
+                              stacklevel=3)
             return
         try:
             self.attach_cache(ImageCache.open(path, fingerprint=fingerprint))

@@ -10,6 +10,7 @@ import torchvision
 import torchvision.transforms as T
 from torch.utils.data import DataLoader
 
+from recipes.common.testing import make_image_folder
 from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 from recipes.vision.image_cache import HEADER_BYTES, ImageCache
 
@@ -97,9 +98,39 @@ def test_two_processes_building_the_same_cache(own_tree, tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None
-    assert len([p for p in tmp_path.iterdir() if p.is_file()]) == 1  # one complete file, no temp files
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())  # one complete cache, no temp files
+    assert names == [ds.cache.path.name, ds.cache.path.name.removesuffix(".bin") + ".files.npy"]
     single = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "single", num_workers=0, progress=False)
     assert ds.cache.path.read_bytes() == single.path.read_bytes()
+
+
+def test_a_stale_cache_is_named_then_replaced(own_tree, tmp_path):
+    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False)
+    [old] = tmp_path.glob("images-*.bin")
+    images = sorted(own_tree.rglob("*.jpg"))
+    os.utime(images[0], ns=(1, 10**18))  # an edited image
+    extra = images[1].parent / "new_one.jpg"
+    extra.write_bytes(images[1].read_bytes())  # and an added one
+    rel_changed = os.path.relpath(images[0], own_tree)
+    with pytest.warns(UserWarning, match=rf"built from other inputs \(images-.*: 6 files when built, 7 now; "
+                                         rf"1 added: .*new_one.jpg; 1 changed \(size or mtime\): {rel_changed}"):
+        ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is None
+    # A build of another root in the same folder is left alone; this root's old cache is replaced.
+    other = make_image_folder(tmp_path / "other", classes=2, per_class=2, seed=9)
+    build_image_cache(ImageFolderFast(other, size=64), tmp_path, num_workers=0, progress=False)
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+    caches = sorted(tmp_path.glob("images-*.bin"))
+    assert len(caches) == 2 and old not in caches and not old.with_name(old.stem + ".files.npy").exists()
+
+
+def test_opening_sweeps_the_temp_file_of_a_killed_build(own_tree, tmp_path):
+    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    temp = tmp_path / f".images-abc.bin.{int(dead.stdout)}.0badcafe.tmp"
+    temp.write_bytes(b"x" * 1000)
+    ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert not temp.exists()
 
 
 def test_train_crops_come_from_the_cached_image(own_tree, tmp_path):
