@@ -17,8 +17,6 @@ Why each step:
   reproducible when the loader has a seeded `generator`).
 - Hugging Face tokenizers use a Rust thread pool; after fork it can deadlock, so parallelism
   is turned off in the worker (the parent's tokenizer stays parallel).
-- A bounded heap: glibc's dynamic mmap threshold sends per-sample buffers to a heap that
-  fragments and never shrinks (worker memory creeping up each epoch); `bound_malloc` fixes it.
 - Workers die with their parent. PyTorch's worker watchdog only runs between batches: a worker
   blocked writing a large (numpy, pickled) batch into a full pipe never gets back to it, and
   outlives a SIGKILLed parent (the OOM killer's usual victim) for good, holding its memory
@@ -47,7 +45,6 @@ def worker_init(worker_id: int) -> None:
         worker_id: the worker's index, as DataLoader passes it.
     """
     die_with_parent()
-    bound_malloc()
     _single_threaded_libraries()
     seed = torch.initial_seed()  # base_seed + worker_id, set by DataLoader before this call
     random.seed(seed)
@@ -73,32 +70,6 @@ def die_with_parent() -> None:
         threading.Thread(target=_exit_when_orphaned, args=(parent.pid,), daemon=True).start()
     if os.getppid() != parent.pid:  # the parent died before the signal was armed
         os._exit(1)
-
-
-def bound_malloc() -> None:
-    """Keeps a worker's heap from creeping up epoch after epoch (glibc only).
-
-    glibc serves allocations above its mmap threshold (128 KiB) with `mmap`, but every time
-    such a block is freed it raises the threshold to that block's size. After the first few
-    150 KB items and 560 KB decode buffers, all of them come from the brk heap, which
-    fragments between long-lived Python objects and never shrinks: worker USS grew 13% from
-    epoch 2 to 10 with ImageFolderFast, and 42% with a dataset returning zeros (issue #10).
-    A fixed threshold of 64 KiB keeps per-sample buffers in `mmap`, returned to the system on
-    free: flat within 2-3%.
-    """
-    import ctypes
-    import platform
-
-    if platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        m_mmap_threshold = -3
-        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, MMAP_THRESHOLD)
-    except (OSError, AttributeError):
-        pass
-
-
-MMAP_THRESHOLD = 64 * 1024
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
