@@ -80,6 +80,27 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
+def trim_heap() -> None:
+    """Returns the free pages inside this process's heap to the system (glibc `malloc_trim`).
+
+    Call it once per batch in code that allocates many mid-sized buffers (decoded images,
+    resized tensors): glibc reuses such heap memory instead of `mmap`ing it (page faults are
+    costly), but the heap fragments between long-lived objects and never shrinks by itself,
+    so worker memory creeps up epoch after epoch (issue #10). A trim per batch costs ~0.1 ms.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import platform
+
+        _LIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
+
+
 def _single_threaded_libraries() -> None:
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 
 from recipes.common import PackedStrings
 from recipes.common.indexing import resolve_index
+from recipes.common.worker import trim_heap
 from recipes.vision import crops
 from recipes.vision.cache_manifest import describe_change, file_table, stale_caches
 from recipes.vision.decode import (
@@ -170,7 +171,9 @@ class ImageFolderFast(Dataset):
         memory in a worker); the items are rows of that tensor, which `uint8_collate` returns
         without another copy."""
         if self.cache is None:
-            return [self[i] for i in indices]
+            items = [self[i] for i in indices]
+            trim_heap()  # decode buffers fragment the heap; keep worker memory flat across epochs
+            return items
         indices = [self._check_index(i) for i in indices]
         labels = self.cache.labels[indices]
         if self.transform is not None:  # the transform may change shapes: separate tensors
