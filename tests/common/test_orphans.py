@@ -75,10 +75,9 @@ def _kill_parent_and_watch(script, tmp_path, *args):
             time.sleep(0.1)
         survivors = [p for p in pids if _alive(p)]
         return survivors
-    finally:
-        for proc in psutil.Process().children(recursive=True):  # clean up whatever a failure left
-            if proc.pid != os.getpid():
-                proc.kill()
+    finally:  # clean up what a failure left: only this test's processes (other tests' workers live here too)
+        if parent.poll() is None:
+            parent.kill()
         for pid in locals().get("pids", []):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
