@@ -37,7 +37,8 @@ class LoaderMonitor:
         loader: a DataLoader (or any iterable of batches).
         warn_batch_seconds: warn when a batch (after an epoch's first) takes longer to arrive.
         warn_memory_growth: warn when main or worker memory grows more than this fraction
-            from one epoch to the next.
+            (and at least 16 MiB) from one epoch to the next, from the second epoch on (the
+            first is the workers' warm-up).
         warn_wait_fraction: warn when the loop waits for data more than this fraction of the
             steady-state epoch time.
         sample_seconds: the least time between resource readings within an epoch.
@@ -142,7 +143,9 @@ class LoaderMonitor:
             for key, value in cache.stats().items():
                 prefetch[key] += value - before.get(key, 0)
         row = epoch.row(prefetch if caches_before else None)
-        previous = self.epochs[-1] if self.epochs else None
+        # The first epoch is the workers' warm-up (forked, then touching what they use): growth
+        # is judged from the second epoch on.
+        previous = self.epochs[-1] if len(self.epochs) >= 2 else None
         row["memory_growth"] = _growth(previous, row)
         self.epochs.append(row)
         for message in _diagnose(row, self):
@@ -301,14 +304,19 @@ def _diagnose(row: dict[str, Any], monitor: LoaderMonitor) -> list[str]:
 
 
 def _growth(previous: dict | None, row: dict) -> float | None:
+    """The larger relative growth of main RSS and workers' USS since `previous`, counting only
+    growth of at least `MIN_GROWTH_BYTES` (a few MiB of a young worker are not a leak)."""
     if previous is None:
         return None
-    growths = []
+    growths = [0.0]
     for key in ("main_rss_bytes", "workers_uss_bytes"):
         before, now = previous.get(key), row.get(key)
-        if before and now:
+        if before and now and now - before >= MIN_GROWTH_BYTES:
             growths.append(now / before - 1.0)
-    return max(growths) if growths else None
+    return max(growths)
+
+
+MIN_GROWTH_BYTES = 16 * 2**20
 
 
 def _net_bytes() -> int | None:

@@ -1,4 +1,4 @@
-"""The `recipes` command line: `doctor`, `cache`, `tune`, `bench` (and `python -m recipes`)."""
+"""The `recipes` command line: `doctor`, `cache`, `template`, `tune`, `bench` (and `python -m recipes`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     from recipes import cache_cmd
 
     cache_cmd.add_arguments(cache)
+
+    template = commands.add_parser("template", help="print a training template to copy (recipes template vision > train.py)")
+    from recipes import template_cmd
+
+    template_cmd.add_arguments(template)
 
     tune = commands.add_parser("tune", help="measure num_workers and prefetch_factor for your dataset")
     from recipes import tune_cmd

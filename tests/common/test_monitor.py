@@ -93,8 +93,10 @@ def test_worker_memory_growth_between_epochs_warns():
     monitor = LoaderMonitor(leaky, sample_seconds=0.001, warn_wait_fraction=0.99)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _run(monitor, epochs=2)
-    first, second = monitor.epochs
+        _run(monitor, epochs=3)
+    warm_up, first, second = monitor.epochs
+    assert warm_up["memory_growth"] is None and first["memory_growth"] is None  # judged from epoch 2 on
+    assert second["memory_growth"] > 0.2
     assert first["workers"] == 2 and first["workers_uss_bytes"] > 0
     assert len(first["per_worker"]) == 2 and all(w["uss_bytes"] > 0 for w in first["per_worker"])
     assert sum(w["uss_bytes"] for w in first["per_worker"]) >= first["workers_uss_bytes"]
@@ -105,7 +107,7 @@ def test_worker_memory_growth_between_epochs_warns():
     control = LoaderMonitor(steady, sample_seconds=0.001, warn_wait_fraction=0.99)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _run(control, epochs=2)
+        _run(control, epochs=3)
     assert not any("memory grew" in m for m in _loader_warnings(record))
 
 
