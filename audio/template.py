@@ -98,7 +98,7 @@ def prepare_data(args, rank: int, world: int):
     if args.smoke:
         args.audio, args.cache = args.workdir / "audio", args.workdir / "mels"
         if rank == 0 and not (args.audio / ".complete").exists():
-            from recipes.common.testing import make_audio_files
+            from recipes.testing import make_audio_files
 
             make_audio_files(args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0)
             (args.audio / ".complete").touch()

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, Sampler
 
-from recipes.common.benchmark import PeakMemory
+from recipes.common.probes import PeakMemory
 from recipes.common.tune_store import save_tuned
 
 GAIN = 1.05  # a setting helps when it is at least 5% faster than the best so far

@@ -6,6 +6,8 @@ sandbox), so callers never need a try.
 Cost: `process_memory` reads `/proc/<pid>/smaps_rollup` of each process (a few ms each);
 `gpu_reading` one NVML query after a one-off init.
 Adapt here: `prefetch_caches` for datasets that hold their cache deeper than one attribute.
+`PeakMemory` samples the process tree's PSS in a thread (every 200 ms: a reading costs
+~10 ms of CPU, so sampling faster would slow what it measures on 2 cores).
 Trade-off: USS (memory only this process holds) shows a worker's own growth; PSS splits shared
 pages fairly, so the sum over processes is the real total.
 """
@@ -13,6 +15,7 @@ pages fairly, so the sum over processes is the real total.
 from __future__ import annotations
 
 import os
+import threading
 
 _NVML: dict = {}
 
@@ -79,3 +82,45 @@ def prefetch_caches(loader) -> list:
                 seen.add(id(value))
                 found.append(value)
     return found
+
+
+def tree_memory_bytes() -> int:
+    """PSS of this process and all its children (RSS where PSS is unavailable)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            info = proc.memory_full_info()
+            total += getattr(info, "pss", info.rss)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+class PeakMemory:
+    """Context manager sampling `tree_memory_bytes()` in a thread; `.peak` after exit."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_memory_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self.peak = tree_memory_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, tree_memory_bytes())

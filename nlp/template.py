@@ -94,7 +94,7 @@ def prepare_data(args, rank: int, world: int):
         args.texts, args.tokenizer, args.cache = (str(args.workdir / "corpus.txt"), args.workdir / "tokenizer",
                                                   args.workdir / "tokens")
         if rank == 0 and not args.tokenizer.exists():
-            from recipes.common.testing import make_text_corpus, train_tokenizer
+            from recipes.testing import make_text_corpus, train_tokenizer
 
             texts = make_text_corpus(240, seed=0)
             Path(args.texts).write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")

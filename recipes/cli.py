@@ -10,12 +10,12 @@ from recipes import __version__
 
 # Benchmarks by domain, run in this order by a bare `recipes bench`.
 BENCHES = {
-    "common": "recipes.common.bench",
-    "vision": "recipes.vision.bench",
-    "nlp": "recipes.nlp.bench",
-    "audio": "recipes.audio.bench",
-    "remote": "recipes.common.remote_bench",
-    "train": "recipes.train_bench",
+    "common": "recipes.bench.common",
+    "vision": "recipes.bench.vision",
+    "nlp": "recipes.bench.nlp",
+    "audio": "recipes.bench.audio",
+    "remote": "recipes.bench.remote",
+    "train": "recipes.bench.train",
 }
 
 

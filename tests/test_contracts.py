@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from recipes.common.testing import (
+from recipes.testing import (
     make_audio_files,
     make_image_folder,
     make_text_corpus,

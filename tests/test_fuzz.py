@@ -49,7 +49,7 @@ HARNESS = textwrap.dedent('''
             except BaseException as error:
                 outcomes["other"].append(f"{name}: {type(error).__name__}: {error}"[:300])
         if modality == "vision":
-            from recipes.common.testing import make_image_folder
+            from recipes.testing import make_image_folder
             from recipes.vision import ImageDecodeError, ImageFolderFast
             import cv2
             src = make_image_folder(folder / "src", classes=1, per_class=2, seed=1)
@@ -69,7 +69,7 @@ HARNESS = textwrap.dedent('''
                 record(Path(ds.paths[i]).name, item, ImageDecodeError)
         elif modality == "audio":
             from recipes.audio import AudioDecodeError, ChunkedAudioDataset
-            from recipes.common.testing import make_audio_files
+            from recipes.testing import make_audio_files
             originals = make_audio_files(folder / "src", count=1, seconds=1.5, format="WAV", seed=1)
             originals += make_audio_files(folder / "src2", count=1, seconds=1.5, format="FLAC", seed=2)
             originals += make_audio_files(folder / "src3", count=1, seconds=1.5, format="OGG", seed=3)
@@ -84,7 +84,7 @@ HARNESS = textwrap.dedent('''
                             assert wave.shape == (1, 8000) and np.isfinite(wave.numpy()).all()
                     record(path.name, items, AudioDecodeError)
         else:
-            from recipes.common.testing import make_text_corpus, train_tokenizer
+            from recipes.testing import make_text_corpus, train_tokenizer
             from recipes.nlp import build_token_cache
             texts = make_text_corpus(60, seed=1)
             tokenizer = train_tokenizer(texts, vocab_size=300)

@@ -101,7 +101,7 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
     if args.smoke:
         args.data, args.cache = args.workdir / "data", args.workdir / "cache"
         if rank == 0 and not (args.data / ".complete").exists():
-            from recipes.common.testing import make_image_folder
+            from recipes.testing import make_image_folder
 
             make_image_folder(args.data, classes=48, per_class=1, size=(160, 120), seed=0)
             (args.data / ".complete").touch()

@@ -1,6 +1,6 @@
 import pytest
 
-from recipes.common.testing import make_audio_files
+from recipes.testing import make_audio_files
 
 
 @pytest.fixture(scope="session")

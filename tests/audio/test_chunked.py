@@ -8,9 +8,9 @@ import torchaudio
 from torch.utils.data import DataLoader
 
 from recipes.audio import AudioDecodeError, ChunkedAudioDataset, pad_collate
+from recipes.bench.measure import peak_rss_growth
 from recipes.common import PackedStrings
-from recipes.common.benchmark import peak_rss_growth
-from recipes.common.testing import make_audio_files
+from recipes.testing import make_audio_files
 
 
 def _expected_windows(paths, chunk, hop, last):

@@ -37,7 +37,7 @@ def test_mismatched_channels_name_the_item():
 
 
 def test_duration_budget_counts_padded_frames(tmp_path):
-    from recipes.common.testing import make_audio_files
+    from recipes.testing import make_audio_files
 
     seconds = [0.3, 0.5, 0.8, 1.0, 2.0, 3.5, 6.0, 0.4, 1.2, 2.5]
     ds = ChunkedAudioDataset(make_audio_files(tmp_path, seconds=seconds, sample_rate=8000))

@@ -69,7 +69,7 @@ def test_reused_when_inputs_match_and_rebuilt_when_not(audio_files, tmp_path):
 
 
 def test_changed_audio_file_invalidates(tmp_path):
-    from recipes.common.testing import make_audio_files
+    from recipes.testing import make_audio_files
 
     paths = make_audio_files(tmp_path / "a", count=2, seconds=2.0)
     first = build_spectrogram_cache(ChunkedAudioDataset(paths), tmp_path / "c", num_workers=0, progress=False)

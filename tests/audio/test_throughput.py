@@ -1,7 +1,7 @@
 """A small `recipes bench audio` in the default run, with conservative ratios."""
 
-from recipes.audio.bench import compare
-from recipes.common.testing import make_audio_files
+from recipes.bench.audio import compare
+from recipes.testing import make_audio_files
 
 
 def test_chunked_and_cached_beat_whole_file_loading(tmp_path):

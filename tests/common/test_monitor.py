@@ -15,7 +15,7 @@ from recipes.common import (
     ShardedIterableDataset,
     profile_trace,
 )
-from recipes.common.testing import LocalHTTPServer
+from recipes.testing import LocalHTTPServer
 
 
 class Sleepy(Dataset):

@@ -33,7 +33,7 @@ LOADER_SCRIPT = textwrap.dedent("""
 
 CACHE_SCRIPT = textwrap.dedent("""
     import sys, time, threading
-    from recipes.common.testing import make_image_folder
+    from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast, build_image_cache
     import psutil
 

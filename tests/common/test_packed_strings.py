@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from recipes.bench.common import PathsDataset, _fake_paths
 from recipes.common import PackedStrings, measure_worker_memory_growth
-from recipes.common.bench import PathsDataset, _fake_paths
 
 
 @given(st.lists(st.text()))

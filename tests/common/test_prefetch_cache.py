@@ -15,7 +15,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from recipes.common import DownloadError, PrefetchCache, ShardedIterableDataset
-from recipes.common.testing import LocalHTTPServer
+from recipes.testing import LocalHTTPServer
 
 
 @pytest.fixture

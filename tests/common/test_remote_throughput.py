@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from recipes.common.remote_bench import RECORD_BYTES, compare
+from recipes.bench.remote import RECORD_BYTES, compare
 
 
 def test_prefetching_beats_simplecache_and_warm_epochs_approach_local_disk(tmp_path):

@@ -4,7 +4,7 @@ import cv2
 import numpy as np
 import soundfile as sf
 
-from recipes.common.testing import (
+from recipes.testing import (
     make_audio_files,
     make_image_folder,
     make_text_corpus,

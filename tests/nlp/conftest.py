@@ -1,6 +1,6 @@
 import pytest
 
-from recipes.common.testing import make_text_corpus, train_tokenizer
+from recipes.testing import make_text_corpus, train_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ SCRIPT = textwrap.dedent("""
     import os
     import torch
     from recipes.common import make_loader
-    from recipes.common.testing import make_text_corpus, train_tokenizer
+    from recipes.testing import make_text_corpus, train_tokenizer
 
     texts = make_text_corpus(400, seed=1)
     tok = train_tokenizer(texts, vocab_size=500)

@@ -1,7 +1,7 @@
 """A small `recipes bench nlp` in the default run, with conservative ratios."""
 
-from recipes.common.testing import make_text_corpus, train_tokenizer
-from recipes.nlp.bench import compare
+from recipes.bench.nlp import compare
+from recipes.testing import make_text_corpus, train_tokenizer
 
 
 def test_cache_and_bucketing_beat_tokenizing_per_item():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from recipes.common.testing import LocalHTTPServer, train_tokenizer
 from recipes.nlp import TokenCache, TokenCacheError, build_token_cache
+from recipes.testing import LocalHTTPServer, train_tokenizer
 
 
 def _direct(tokenizer, texts, **kw):

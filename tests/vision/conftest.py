@@ -1,6 +1,6 @@
 import pytest
 
-from recipes.common.testing import make_image_folder
+from recipes.testing import make_image_folder
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from recipes.common.testing import make_image_folder
+from recipes.testing import make_image_folder
 from recipes.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,

@@ -10,7 +10,7 @@ import torchvision
 import torchvision.transforms as T
 from torch.utils.data import DataLoader
 
-from recipes.common.testing import make_image_folder
+from recipes.testing import make_image_folder
 from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 from recipes.vision.image_cache import HEADER_BYTES, ImageCache
 

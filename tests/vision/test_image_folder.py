@@ -116,7 +116,7 @@ def _record_reductions(monkeypatch):
 
 
 def test_large_jpegs_decode_at_reduced_dct_scale(tmp_path, monkeypatch):
-    from recipes.common.testing import natural_image
+    from recipes.testing import natural_image
 
     (tmp_path / "c").mkdir()
     photo = natural_image(1500, 2000, np.random.default_rng(0))
@@ -145,7 +145,7 @@ def _pil_bytes(image: Image.Image, fmt, **kw):
 
 
 def _mode_files(tmp_path):
-    from recipes.common.testing import natural_image
+    from recipes.testing import natural_image
 
     rgb = Image.fromarray(natural_image(300, 400, np.random.default_rng(1))[..., ::-1].copy())
     files = {

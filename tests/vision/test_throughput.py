@@ -2,8 +2,8 @@
 
 import pytest
 
-from recipes.common.testing import make_image_folder
-from recipes.vision.bench import compare
+from recipes.bench.vision import compare
+from recipes.testing import make_image_folder
 
 
 @pytest.fixture(scope="module")

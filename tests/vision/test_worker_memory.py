@@ -4,7 +4,7 @@ persistent workers; USS from epoch 2 to epoch 10 grows under 5%."""
 import psutil
 
 from recipes.common import make_loader
-from recipes.common.testing import make_image_folder
+from recipes.testing import make_image_folder
 from recipes.vision import ImageFolderFast, uint8_collate
 
 

@@ -12,10 +12,11 @@ memory map read by all workers counts once; polling can miss a spike shorter tha
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from recipes.common.probes import PeakMemory, tree_memory_bytes  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -40,48 +41,6 @@ class Measurement:
         if steady_items > 0 and steady_seconds > 0:
             return steady_items / steady_seconds
         return self.items / self.seconds if self.seconds > 0 else float("inf")
-
-
-def tree_memory_bytes() -> int:
-    """PSS of this process and all its children (RSS where PSS is unavailable)."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0
-    for proc in [me, *me.children(recursive=True)]:
-        try:
-            info = proc.memory_full_info()
-            total += getattr(info, "pss", info.rss)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return total
-
-
-class PeakMemory:
-    """Context manager sampling `tree_memory_bytes()` in a thread; `.peak` after exit."""
-
-    def __init__(self, interval: float = 0.2):
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, tree_memory_bytes())
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> PeakMemory:
-        self.peak = tree_memory_bytes()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.peak = max(self.peak, tree_memory_bytes())
 
 
 def count_items(batch) -> int:

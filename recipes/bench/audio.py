@@ -71,7 +71,7 @@ def _data_root() -> Path:
 
 def ensure_data() -> tuple[Path, Path, Path]:
     """(folder of 4 x 5-minute FLACs, a 1-minute FLAC, a 30-minute FLAC), generated once."""
-    from recipes.common.testing import make_audio_files
+    from recipes.testing import make_audio_files
 
     root = _data_root()
     if not (root / ".complete").exists():
@@ -89,8 +89,8 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
 
     from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
     from recipes.audio.spectrogram_cache import featurizer
+    from recipes.bench.measure import measure
     from recipes.common import worker_init
-    from recipes.common.benchmark import measure
 
     chunked = ChunkedAudioDataset(folder, chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
@@ -121,7 +121,7 @@ def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
 
     out = {}
     for kind in ("baseline", "chunked"):
-        code = f"from recipes.audio.bench import _probe; _probe({str(path)!r}, {chunk_seconds!r}, {kind!r})"
+        code = f"from recipes.bench.audio import _probe; _probe({str(path)!r}, {chunk_seconds!r}, {kind!r})"
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         out[kind] = json.loads(result.stdout.strip().splitlines()[-1])
     return out
@@ -130,7 +130,7 @@ def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
 def _probe(path: str, chunk_seconds: float, kind: str) -> None:
     from recipes.audio import ChunkedAudioDataset
     from recipes.audio.spectrogram_cache import featurizer
-    from recipes.common.benchmark import peak_rss_growth
+    from recipes.bench.measure import peak_rss_growth
 
     chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
@@ -140,8 +140,8 @@ def _probe(path: str, chunk_seconds: float, kind: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from recipes.bench.measure import format_table
     from recipes.common import smart_num_workers
-    from recipes.common.benchmark import format_table
 
     if args.data is not None:
         folder, short, long = args.data, None, None
@@ -174,8 +174,8 @@ def train_setup(args, device):
 
     from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
     from recipes.audio.spectrogram_cache import featurizer
+    from recipes.bench.train import TrainSetup
     from recipes.common import make_loader, smart_num_workers, worker_init
-    from recipes.train_bench import TrainSetup
 
     cuda = device.type == "cuda"
     batch = args.batch_size or (64 if cuda else 16)

@@ -5,7 +5,7 @@ hides what matters here: the main process also launches the step's kernels, the 
 thread competes for it, and worker start-up delays the first step.
 Cost: per domain, one resident-batch run of the model alone, then `--steps` training steps per
 loader (the plain torch way, the recipe cold, the recipe warm), each step synchronised.
-Adapt here: each domain's `train_setup` in `recipes.<domain>.bench` (model, step, loaders).
+Adapt here: each domain's `train_setup` in `recipes.bench.<domain>` (model, step, loaders).
 Trade-off: `--steps` short runs carry noise; each loader's first batch is reported apart and
 excluded from the steady rate, whose data wait is the share of time spent in `next(loader)`.
 """
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps or (60 if cuda else 8)
     results = {}
     for domain in DOMAINS if args.domain == "all" else (args.domain,):
-        module = importlib.import_module(f"recipes.{domain}.bench")
+        module = importlib.import_module(f"recipes.bench.{domain}")
         setup = module.train_setup(args, device)
         rows, alone = measure_setup(setup, device, steps)
         _print(domain, setup, rows, alone, device, steps)

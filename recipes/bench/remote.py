@@ -75,9 +75,9 @@ def ensure_shards(count: int, shard_mb: float) -> tuple[Path, int]:
 def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, prefetch=4, workers=1):
     from torch.utils.data import DataLoader
 
+    from recipes.bench.measure import measure
     from recipes.common import PrefetchCache, ShardedIterableDataset, worker_init
-    from recipes.common.benchmark import measure
-    from recipes.common.testing import LocalHTTPServer
+    from recipes.testing import LocalHTTPServer
 
     names = sorted(p.name for p in folder.glob("shard-*.bin"))
     lengths = [per_shard] * len(names)
@@ -116,8 +116,8 @@ def _best_interleaved(*measurers, repeat: int = 5):
 
 
 def run(args: argparse.Namespace) -> int:
+    from recipes.bench.measure import format_table
     from recipes.common import smart_num_workers
-    from recipes.common.benchmark import format_table
 
     folder, per_shard = ensure_shards(args.shards, args.shard_mb)
     workers = smart_num_workers() if args.workers is None else args.workers

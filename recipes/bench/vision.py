@@ -36,7 +36,7 @@ def default_data_root(images: int, image_size: tuple[int, int]) -> Path:
 
 def ensure_data(images: int, image_size: tuple[int, int] = (500, 375)) -> Path:
     """The generated ImageFolder for `images` images (10 classes), built once and reused."""
-    from recipes.common.testing import make_image_folder
+    from recipes.testing import make_image_folder
 
     root = default_data_root(images, image_size)
     if (root / ".complete").exists():
@@ -64,8 +64,8 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
+    from recipes.bench.measure import measure
     from recipes.common import worker_init
-    from recipes.common.benchmark import measure
     from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 
     settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=torch.cuda.is_available(),
@@ -89,8 +89,8 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
 
 
 def run(args: argparse.Namespace) -> int:
+    from recipes.bench.measure import format_table
     from recipes.common import smart_num_workers
-    from recipes.common.benchmark import format_table
 
     root = args.data or ensure_data(args.images, _parse_size(args.image_size))
     workers = smart_num_workers() if args.workers is None else args.workers
@@ -116,8 +116,8 @@ def train_setup(args, device):
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
+    from recipes.bench.train import TrainSetup
     from recipes.common import make_loader, smart_num_workers, worker_init
-    from recipes.train_bench import TrainSetup
     from recipes.vision import (
         IMAGENET_MEAN,
         IMAGENET_STD,

@@ -64,7 +64,7 @@ class _TokenCounter:
 
 
 def _inputs(args):
-    from recipes.common.testing import make_text_corpus, train_tokenizer
+    from recipes.testing import make_text_corpus, train_tokenizer
 
     if args.texts is not None:
         from recipes.nlp.texts import TextSource
@@ -88,8 +88,8 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
+    from recipes.bench.measure import measure
     from recipes.common import LengthBucketSampler, worker_init
-    from recipes.common.benchmark import measure
     from recipes.nlp import PadCollate, build_token_cache
 
     hf_logging.set_verbosity_error()
@@ -160,10 +160,10 @@ def train_setup(args, device):
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
+    from recipes.bench.train import TrainSetup
     from recipes.common import LengthBucketSampler, make_loader, smart_num_workers, worker_init
-    from recipes.common.testing import make_text_corpus, train_tokenizer
     from recipes.nlp import PadCollate, build_token_cache
-    from recipes.train_bench import TrainSetup
+    from recipes.testing import make_text_corpus, train_tokenizer
 
     hf_logging.set_verbosity_error()
     cuda = device.type == "cuda"
