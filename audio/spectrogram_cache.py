@@ -225,7 +225,8 @@ def build_spectrogram_cache(dataset, cache_dir: str | os.PathLike, *, n_fft: int
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from recipes.common import smart_num_workers, worker_init
+    from recipes.common.sizing import smart_num_workers
+    from recipes.common.worker import worker_init
 
     if dtype not in ("float16", "float32"):
         raise ValueError(f"`dtype` must be 'float16' or 'float32', but is {dtype!r} instead.")

@@ -3,7 +3,8 @@
 from recipes.common.autotune import TuneResult, autotune
 from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
-from recipes.common.monitor import LoaderMonitor, LoaderWarning
+from recipes.common.loader_warning import LoaderWarning
+from recipes.common.monitor import LoaderMonitor
 from recipes.common.packed_strings import PackedStrings
 from recipes.common.prefetch_cache import DownloadError, PrefetchCache
 from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings

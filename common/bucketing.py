@@ -195,7 +195,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         if batches_done is None and ahead and self._yielded:
             import warnings
 
-            from recipes.common.monitor import LoaderWarning
+            from recipes.common.loader_warning import LoaderWarning
 
             warnings.warn(
                 f"LengthBucketSampler.state_dict() counts the {self._yielded} batches handed to the DataLoader's "

@@ -183,7 +183,7 @@ def _warn_copy_on_read(dataset, workers: int) -> None:
     (reference counts write to every object's page: pytorch#13246)."""
     import warnings
 
-    from recipes.common.monitor import LoaderWarning
+    from recipes.common.loader_warning import LoaderWarning
 
     for owner, prefix in ((dataset, ""), (getattr(dataset, "dataset", None), "dataset.")):
         for name, value in (vars(owner).items() if hasattr(owner, "__dict__") else ()):

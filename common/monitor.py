@@ -23,11 +23,8 @@ import time
 import warnings
 from typing import Any
 
+from recipes.common.loader_warning import LoaderWarning
 from recipes.common.probes import gpu_reading, prefetch_caches, process_memory
-
-
-class LoaderWarning(UserWarning):
-    """The loader is starving the step, too slow, growing, or losing workers."""
 
 
 class LoaderMonitor:

@@ -20,7 +20,7 @@ import time
 import warnings
 from typing import Any
 
-from recipes.common.monitor import LoaderWarning
+from recipes.common.loader_warning import LoaderWarning
 
 # What a failure of the loading machinery (not of the dataset's code) says.
 _SHM = ("no space left on device", "unable to write to file </torch_", "unable to allocate shared memory",

@@ -206,7 +206,7 @@ def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int
         ImageDecodeError: a bad image when the dataset has `on_error="raise"` (with "skip",
             the next good image is stored in its place and the index is recorded).
     """
-    from recipes.common import smart_num_workers
+    from recipes.common.sizing import smart_num_workers
     from recipes.vision.cache_manifest import remove_cache, stale_caches, write_sidecar
 
     fingerprint, _, table = dataset.cache_inputs()
@@ -248,7 +248,7 @@ def _decode_into(dataset, images: np.ndarray, workers: int, progress: bool):
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from recipes.common import worker_init
+    from recipes.common.worker import worker_init
 
     labels = np.empty(len(dataset), np.int64)
     skipped: list[int] = []

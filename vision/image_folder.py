@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common import PackedStrings
 from recipes.common.indexing import resolve_index
+from recipes.common.packed_strings import PackedStrings
 from recipes.common.worker import trim_heap
 from recipes.vision import crops
 from recipes.vision.cache_manifest import describe_change, file_table, stale_caches
