@@ -141,9 +141,9 @@ class ImageCache:
 
 
 def write_cache(path: Path, fingerprint: str, count: int, side: int, fill, *, root: str | None = None) -> None:
-    """Writes a cache atomically: `fill(images_memmap) -> (labels, skipped)` fills the pixels
-    of a temp file, which is then fsynced and renamed to `path`. Concurrent writers each
-    rename a complete file, so readers see one whole cache or the other.
+    """Writes a cache atomically: `fill(images_memmap, temp_path) -> (labels, skipped)` fills
+    the pixels of a temp file, which is then fsynced and renamed to `path`. Concurrent writers
+    each rename a complete file, so readers see one whole cache or the other.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_dead_temps(path.parent)
@@ -152,7 +152,7 @@ def write_cache(path: Path, fingerprint: str, count: int, side: int, fill, *, ro
         with open(tmp, "wb") as f:
             f.truncate(HEADER_BYTES + 8 * count + count * side * side * 3)
         images = np.memmap(tmp, np.uint8, "r+", HEADER_BYTES + 8 * count, (count, side, side, 3))
-        labels, skipped = fill(images)
+        labels, skipped = fill(images, tmp)
         images.flush()
         del images
         header = {"version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
@@ -212,18 +212,85 @@ def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int
     fingerprint, _, table = dataset.cache_inputs()
     path = ImageCache.file_for(cache_dir, fingerprint)
     root = os.path.abspath(dataset.root)
+    workers = smart_num_workers() if num_workers is None else num_workers
+    rank, world = _distributed()
+    if world > 1:
+        cache = _build_distributed(dataset, path, fingerprint, root, table, workers, progress, rank, world)
+        dataset.attach_cache(cache)
+        return cache
     try:
         cache = ImageCache.open(path, fingerprint=fingerprint)
     except CacheMismatch:
-        workers = smart_num_workers() if num_workers is None else num_workers
         write_cache(path, fingerprint, len(dataset), dataset.cache_side,
-                    lambda images: _decode_into(dataset, images, workers, progress), root=root)
+                    lambda images, _: _decode_into(dataset, images, workers, progress), root=root)
         write_sidecar(path, table)
         cache = ImageCache.open(path, fingerprint=fingerprint)
     for stale in stale_caches(Path(cache_dir), root, fingerprint):  # replaced, not left beside it
         remove_cache(stale)
     dataset.attach_cache(cache)
     return cache
+
+
+def _distributed() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _build_distributed(dataset, path, fingerprint, root, table, workers, progress, rank, world) -> ImageCache:
+    """Every rank decodes its block of images into rank 0's temp file; rank 0 gathers the
+    labels, writes the header and publishes (rename) once all blocks are in; then all open it.
+    A rank that dies breaks the collectives before the rename: nothing is published, and the
+    temp file is removed by rank 0 (or swept as a dead writer's). `cache_dir` must be a folder
+    every rank can write: node-local for one node, a shared file system across nodes."""
+    import torch.distributed as dist
+
+    from recipes.vision.cache_manifest import remove_cache, stale_caches, write_sidecar
+
+    n, side = len(dataset), dataset.cache_side
+    block = range(n * rank // world, n * (rank + 1) // world)
+    decision = [None]
+    if rank == 0:
+        try:
+            ImageCache.open(path, fingerprint=fingerprint)
+            decision[0] = "reuse"
+        except CacheMismatch:
+            decision[0] = "build"
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] == "build":
+        def fill(images, tmp):  # rank 0's share, and the others' results
+            dist.broadcast_object_list([str(tmp)], src=0)
+            return _gather_blocks(_decode_into(dataset, images, workers, progress, block), block, world)
+
+        if rank == 0:
+            write_cache(path, fingerprint, n, side, fill, root=root)
+            write_sidecar(path, table)
+            for stale in stale_caches(path.parent, root, fingerprint):
+                remove_cache(stale)
+        else:
+            where = [None]
+            dist.broadcast_object_list(where, src=0)
+            images = np.memmap(where[0], np.uint8, "r+", HEADER_BYTES + 8 * n, (n, side, side, 3))
+            result = _decode_into(dataset, images, workers, False, block)
+            images.flush()  # in the page cache before rank 0's fsync
+            del images
+            _gather_blocks(result, block, world)
+    dist.barrier()  # rank 0 has published
+    return ImageCache.open(path, fingerprint=fingerprint)
+
+
+def _gather_blocks(result, block: range, world: int):
+    """All ranks' (labels, skipped) of their blocks, assembled (identical on every rank)."""
+    import torch.distributed as dist
+
+    labels, skipped = result
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (block.start, labels[block.start:block.stop].tolist(), list(skipped)))
+    for start, block_labels, _ in gathered:
+        labels[start:start + len(block_labels)] = block_labels
+    return labels, sorted(i for _, _, s in gathered for i in s)
 
 
 class _CacheSource:
@@ -244,17 +311,18 @@ def _as_numpy_batch(batch):
     return np.asarray(index), np.stack(arrays), np.asarray(targets), np.asarray(skipped, bool)
 
 
-def _decode_into(dataset, images: np.ndarray, workers: int, progress: bool):
-    from torch.utils.data import DataLoader
+def _decode_into(dataset, images: np.ndarray, workers: int, progress: bool, block: range | None = None):
+    from torch.utils.data import DataLoader, Subset
     from tqdm import tqdm
 
     from recipes.common.worker import worker_init
 
-    labels = np.empty(len(dataset), np.int64)
+    labels = np.zeros(len(dataset), np.int64)
     skipped: list[int] = []
-    loader = DataLoader(_CacheSource(dataset), batch_size=16, num_workers=workers,
+    source = _CacheSource(dataset) if block is None else Subset(_CacheSource(dataset), block)
+    loader = DataLoader(source, batch_size=16, num_workers=workers,
                         collate_fn=_as_numpy_batch, worker_init_fn=worker_init if workers else None)
-    with tqdm(total=len(dataset), disable=not progress, desc="decoding images", unit="img") as bar:
+    with tqdm(total=len(source), disable=not progress, desc="decoding images", unit="img") as bar:
         for index, arrays, targets, was_skipped in loader:
             images[index] = arrays
             labels[index] = targets
