@@ -185,7 +185,7 @@ def sweep_dead_temps(folder: Path) -> None:
 
 
 def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int | None = None,
-                      progress: bool = True) -> ImageCache:
+                      progress: bool = True, distributed: bool = False) -> ImageCache:
     """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
 
     Images are decoded in parallel DataLoader workers (with `worker_init`) at the dataset's
@@ -198,6 +198,8 @@ def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int
         cache_dir: the folder for cache files (created).
         num_workers: decode workers; `smart_num_workers()` when None.
         progress: show a progress bar.
+        distributed: split the decoding over the ranks of the initialised process group; every
+            rank must make the same call.
 
     Returns:
         The opened `ImageCache`.
@@ -213,7 +215,7 @@ def build_image_cache(dataset, cache_dir: str | os.PathLike, *, num_workers: int
     path = ImageCache.file_for(cache_dir, fingerprint)
     root = os.path.abspath(dataset.root)
     workers = smart_num_workers() if num_workers is None else num_workers
-    rank, world = _distributed()
+    rank, world = _distributed() if distributed else (0, 1)
     if world > 1:
         cache = _build_distributed(dataset, path, fingerprint, root, table, workers, progress, rank, world)
         dataset.attach_cache(cache)

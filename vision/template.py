@@ -96,7 +96,7 @@ def build_model(num_classes: int, smoke: bool) -> torch.nn.Module:
 
 
 def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
-    """The dataset, with its decoded cache built once (rank 0) and opened by every rank."""
+    """The dataset, with its decoded cache built once (split across the ranks) and opened by all."""
     size = 64 if args.smoke else SIZE
     if args.smoke:
         args.data, args.cache = args.workdir / "data", args.workdir / "cache"
@@ -107,11 +107,9 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
             (args.data / ".complete").touch()
     barrier(world)
     dataset = ImageFolderFast(args.data, size=size, train=True, cache_dir=args.cache, on_error="skip")
-    if rank == 0 and dataset.cache is None:
-        build_image_cache(dataset, args.cache)
-    barrier(world)  # every rank calls the same collectives, whatever it found on disk
-    if dataset.cache is None:
-        dataset = ImageFolderFast(args.data, size=size, train=True, cache_dir=args.cache, on_error="skip")
+    # Every rank makes this call: the ranks split the decoding and rank 0 publishes the file
+    # (an existing valid cache is reused, as rank 0 finds it).
+    build_image_cache(dataset, args.cache, distributed=world > 1)
     return dataset
 
 

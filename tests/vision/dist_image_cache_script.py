@@ -21,7 +21,7 @@ def main(root: str, cache_dir: str, mode: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     kind = DiesMidway if mode == "die" else ImageFolderFast
     ds = kind(root, size=64)
-    cache = build_image_cache(ds, cache_dir, num_workers=0, progress=False)
+    cache = build_image_cache(ds, cache_dir, num_workers=0, progress=False, distributed=True)
     assert ds.cache is cache and ds[0][0].shape == (3, 64, 64)
     dist.barrier()
     dist.destroy_process_group()
