@@ -21,6 +21,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, Sampler
 
+from recipes.common.monitor import items_in
 from recipes.common.probes import PeakMemory
 from recipes.common.tune_store import save_tuned
 
@@ -151,7 +152,7 @@ def _trial(dataset, batch_size, collate_fn, workers, prefetch, stepper, seconds)
             asked = time.perf_counter()
             batch = next(batches)
             wait += time.perf_counter() - asked
-            samples += _items(batch)
+            samples += items_in(batch)
             if stepper is not None:
                 stepper(batch)
         elapsed = time.perf_counter() - start
@@ -237,12 +238,6 @@ def _sleeper(seconds: float) -> Callable[[Any], None]:
         time.sleep(seconds)
 
     return step
-
-
-def _items(batch) -> int:
-    from recipes.common.monitor import items_in
-
-    return items_in(batch)
 
 
 def _check(batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget) -> None:
