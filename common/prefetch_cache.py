@@ -178,7 +178,8 @@ class PrefetchCache:
             if match:
                 total += int(match.group(2))
             elif entry.is_file() and not entry.name.startswith("."):
-                total += entry.stat().st_size
+                with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
+                    total += entry.stat().st_size
         return total
 
     # ---- downloading -------------------------------------------------------------------

@@ -88,8 +88,8 @@ class RobustLoader:
                 batch = self._next(iterator)
             except StopIteration:
                 return
-            except (RuntimeError, OSError) as error:
-                cause = _cause(error)
+            except (RuntimeError, OSError, EOFError) as error:
+                cause = _cause(error) or _worker_died(iterator)
                 if cause is None or failures >= self.max_restarts:
                     raise
                 failures += 1
@@ -144,6 +144,21 @@ def _cause(error: BaseException) -> str | None:
         return "hang"
     if isinstance(error, OSError) and any(s in text for s in _START):
         return "start"
+    return None
+
+
+def _worker_died(iterator) -> str | None:
+    """"death" when one of the iterator's workers has exited: the error was a symptom (a batch
+    whose shared memory its dead sender was still serving: ConnectionResetError, EOFError)."""
+    inner = getattr(iterator, "_inner", iterator)
+    workers = getattr(inner, "_workers", ())
+    deadline = time.monotonic() + _POLL_SECONDS  # its sockets close a moment before it is reaped
+    while workers:
+        if any(w.exitcode is not None for w in workers):
+            return "death"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
     return None
 
 

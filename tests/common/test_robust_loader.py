@@ -156,3 +156,27 @@ def test_the_ladder_steps_down_in_order():
         "num_workers": 0}
     assert _next_rung(None, [], settings, "shm") == {"num_workers": 0}
     assert _next_rung([{"num_workers": 3}], [], settings, "death") == {"num_workers": 3}
+
+
+def test_a_reset_connection_counts_as_a_death_once_its_worker_is_reaped():
+    """A batch whose sender died while the main process fetched its shared memory raises
+    ConnectionResetError a moment before the worker can be reaped (the socket closes first):
+    that error is a death when a worker exits within the poll, and not one otherwise."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from recipes.common.robust_loader import _worker_died
+
+    ctx = multiprocessing.get_context("fork")
+    dying, living = ctx.Process(target=time.sleep, args=(0.3,)), ctx.Process(target=time.sleep, args=(30,))
+    dying.start()
+    living.start()
+    try:
+        assert _worker_died(SimpleNamespace(_workers=[living, dying])) == "death"
+        start = time.monotonic()
+        assert _worker_died(SimpleNamespace(_workers=[living])) is None
+        assert time.monotonic() - start < 5
+    finally:
+        living.kill()
+        living.join()
+        dying.join()
