@@ -8,12 +8,15 @@ Adapt here: `_featurizer` (e.g. add deltas), the dtype.
 Trade-off: features are fixed at build time; waveform augmentations (speed, noise) must
 happen before the cache or be replaced by feature-space ones (SpecAugment).
 
-Layout of `cache_dir` (built in a temp folder, fsynced, renamed into place):
+Layout of `cache_dir` (the `recipes.common.storage` protocol: built in a temp folder, fsynced,
+renamed into place; split over the ranks of a process group with `distributed=True`):
   header.json    {"format": "recipes-spectrogram-cache", "version", "fingerprint", "count",
                   "n_mels", "layout": "fixed" | "ragged", "dtype", ...}
   features.bin   every item's [n_mels, F_i] block back to back (a fixed layout is [N, n_mels, F])
   offsets.bin    int64 x (N + 1), in frames: item i is frames offsets[i]:offsets[i + 1]
   info.bin       int64 file index, float64 start second, int64 valid frames, per item
+
+Copy this file with `recipes/common/storage.py` and `recipes/audio/chunked.py`.
 """
 
 from __future__ import annotations
@@ -21,17 +24,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.atomic import replace_dir, write_synced
-from recipes.common.cache_header import check_size, read_header
-from recipes.common.indexing import resolve_index, resolve_indices
+from recipes.audio.chunked import ChunkedAudioDataset
+from recipes.common.storage import (
+    FolderBuild,
+    LazyMap,
+    build_loader,
+    check_size,
+    read_header,
+    resolve_index,
+    resolve_indices,
+    write_synced,
+)
 
 FORMAT = "recipes-spectrogram-cache"
 FORMAT_VERSION = 1
@@ -57,8 +66,8 @@ class SpectrogramCache(Dataset):
         self.offsets = offsets
         self.lengths = np.diff(offsets)
         self.info = info
-        self._pid: int | None = None
-        self._features: np.ndarray | None = None
+        size = int(header["total_frames"]) * self.n_mels
+        self._features = LazyMap(self.path / "features.bin", np.dtype(header["dtype"]).newbyteorder("<"), (size,))
 
     @classmethod
     def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> SpectrogramCache:
@@ -102,13 +111,7 @@ class SpectrogramCache(Dataset):
         return flat
 
     def _map(self) -> np.ndarray:
-        if self._pid != os.getpid():
-            dtype = np.dtype(self.header["dtype"])
-            size = int(self.header["total_frames"]) * self.n_mels
-            self._features = (np.memmap(self.path / "features.bin", dtype=dtype, mode="r", shape=(size,))
-                              if size else np.zeros(0, dtype))
-            self._pid = os.getpid()
-        return self._features
+        return self._features.array
 
     def _info(self, i: int) -> dict:
         row = self.info[i]
@@ -130,11 +133,6 @@ class SpectrogramCache(Dataset):
         gathered[order] = self.features[idx[order]]  # ascending file order, then float32
         batch = torch.from_numpy(gathered)
         return [(batch[k], self._info(int(i))) for k, i in enumerate(idx)]
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.update(_pid=None, _features=None)
-        return state
 
     def __repr__(self) -> str:
         return (f"SpectrogramCache({str(self.path)!r}, n={len(self)}, n_mels={self.n_mels}, "
@@ -175,17 +173,17 @@ def _settings(dataset, n_fft, hop_length, n_mels, log, dtype) -> dict:
 
 
 class _Features:
-    """Items `(index, [n_mels, F] features, valid feature frames)` for the cache build."""
+    """Items `(index, [n_mels, F] features, valid feature frames, info)` of `block`, for the build."""
 
-    def __init__(self, dataset, settings):
-        self.dataset = dataset
-        self.settings = settings
+    def __init__(self, dataset, settings, block: range):
+        self.dataset, self.settings, self.block = dataset, settings, block
         self._features = None
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.block)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, position: int):
+        index = self.block[position]
         if self._features is None:
             s = self.settings
             self._features = featurizer(s["sample_rate"], n_fft=s["n_fft"], hop_length=s["hop_length"],
@@ -200,14 +198,15 @@ def _identity(batch):
     return batch
 
 
-def build_spectrogram_cache(dataset, cache_dir: str | os.PathLike, *, n_fft: int = 400, hop_length: int = 160,
-                            n_mels: int = 80, log: bool = True, dtype: str = "float16",
-                            num_workers: int | None = None, progress: bool = True) -> SpectrogramCache:
+def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.PathLike, *, n_fft: int = 400,
+                            hop_length: int = 160, n_mels: int = 80, log: bool = True, dtype: str = "float16",
+                            num_workers: int | None = None, progress: bool = True,
+                            distributed: bool = False) -> SpectrogramCache:
     """Computes (log-)mel features of every item of a `ChunkedAudioDataset` once.
 
-    Features are computed in DataLoader workers (with `worker_init`) with a tqdm bar, into a
-    temp folder renamed into place when complete. A valid cache with the same fingerprint
-    (files with sizes and mtimes, chunking, rate, feature parameters, format version) is reused.
+    Features are computed in DataLoader workers with a tqdm bar, into a temp folder renamed
+    into place when complete. A valid cache with the same fingerprint (files with sizes and
+    mtimes, chunking, rate, feature parameters, format version) is reused.
 
     Args:
         dataset: a `ChunkedAudioDataset`.
@@ -215,19 +214,24 @@ def build_spectrogram_cache(dataset, cache_dir: str | os.PathLike, *, n_fft: int
         n_fft, hop_length, n_mels: `torchaudio.transforms.MelSpectrogram` parameters.
         log: store `log(mel + 1e-6)`.
         dtype: "float16" (default) or "float32".
-        num_workers: feature workers; `smart_num_workers()` when None.
-        progress: show a progress bar.
+        num_workers: feature workers per rank; `smart_num_workers()` when None.
+        progress: show a progress bar (on rank 0).
+        distributed: split the items over the ranks of the initialised process group (every
+            rank must make the same call); rank 0 joins the parts and publishes. `cache_dir`
+            must be writable by every rank. The result is byte-identical to one process's.
 
     Returns:
         The opened `SpectrogramCache`: fixed `[N, n_mels, F]` when every item has the same
         length (padded or dropped windows), ragged otherwise (utterances, kept windows).
+
+    Raises:
+        TypeError: `dataset` is not a `ChunkedAudioDataset`.
     """
-    from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from recipes.common.sizing import smart_num_workers
-    from recipes.common.worker import worker_init
-
+    if not isinstance(dataset, ChunkedAudioDataset):
+        raise TypeError(f"`dataset` must be a ChunkedAudioDataset (its windows and files are the cache's "
+                        f"inputs), but is {type(dataset).__name__} instead.")
     if dtype not in ("float16", "float32"):
         raise ValueError(f"`dtype` must be 'float16' or 'float32', but is {dtype!r} instead.")
     for name, value in (("n_fft", n_fft), ("hop_length", hop_length), ("n_mels", n_mels)):
@@ -236,35 +240,43 @@ def build_spectrogram_cache(dataset, cache_dir: str | os.PathLike, *, n_fft: int
     settings = _settings(dataset, n_fft, hop_length, n_mels, log, dtype)
     fingerprint = cache_fingerprint(dataset, settings)
     target = Path(cache_dir)
-    try:
-        return SpectrogramCache.open(target, fingerprint=fingerprint)
-    except SpectrogramCacheError:
-        pass
-    workers = smart_num_workers() if num_workers is None else num_workers
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        loader = DataLoader(_Features(dataset, settings), batch_size=8, num_workers=workers,
-                            collate_fn=_identity, worker_init_fn=worker_init if workers else None)
-        lengths, info = np.zeros(len(dataset), np.int64), np.zeros(len(dataset), _INFO)
-        with open(tmp / "features.bin", "wb") as out, \
-                tqdm(total=len(dataset), disable=not progress, desc="computing features", unit="item") as bar:
+    build = FolderBuild(target, distributed=distributed)
+    if build.needed(lambda: _is_valid(target, fingerprint)):
+        block = build.block(len(dataset))
+        loader = build_loader(_Features(dataset, settings, block), num_workers=num_workers, batch_size=8,
+                              collate_fn=_identity)
+        lengths, info = np.zeros(len(block), np.int64), np.zeros(len(block), _INFO)
+        with build, open(build.part("features.bin"), "wb") as out, \
+                tqdm(total=len(dataset), disable=not progress or build.rank != 0, desc="computing features",
+                     unit="item") as bar:
             for batch in loader:  # in index order
                 for index, feats, valid, item_info in batch:
                     out.write(np.ascontiguousarray(feats, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
-                    lengths[index] = feats.shape[-1]
-                    info[index] = (item_info["file"], item_info["start"], valid)
-                bar.update(len(batch))
+                    lengths[index - block.start] = feats.shape[-1]
+                    info[index - block.start] = (item_info["file"], item_info["start"], valid)
+                bar.update(len(batch) * build.world)
             out.flush()
             os.fsync(out.fileno())
-        offsets = np.concatenate(([0], np.cumsum(lengths))).astype("<i8")
-        write_synced(tmp / "offsets.bin", offsets.tobytes())
-        write_synced(tmp / "info.bin", info.tobytes())
-        layout = "fixed" if len(np.unique(lengths)) <= 1 else "ragged"
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": len(dataset),
-                  "total_frames": int(offsets[-1]), "layout": layout, **settings}
-        write_synced(tmp / "header.json", json.dumps(header, indent=1).encode())
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            write_synced(build.part("lengths.bin"), lengths.astype("<i8").tobytes())
+            write_synced(build.part("info.bin"), info.tobytes())
+            for name in ("features.bin", "lengths.bin", "info.bin"):
+                build.concat(name)
+            header = None
+            if build.rank == 0:
+                all_lengths = np.fromfile(build.path / "lengths.bin", "<i8")
+                (build.path / "lengths.bin").unlink()
+                offsets = np.concatenate(([0], np.cumsum(all_lengths))).astype("<i8")
+                write_synced(build.path / "offsets.bin", offsets.tobytes())
+                layout = "fixed" if len(np.unique(all_lengths)) <= 1 else "ragged"
+                header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
+                          "count": len(dataset), "total_frames": int(offsets[-1]), "layout": layout, **settings}
+            build.publish(header)
     return SpectrogramCache.open(target, fingerprint=fingerprint)
+
+
+def _is_valid(path: Path, fingerprint: str) -> bool:
+    try:
+        SpectrogramCache.open(path, fingerprint=fingerprint)
+    except SpectrogramCacheError:
+        return False
+    return True

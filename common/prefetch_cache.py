@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.common.atomic import fsync_dir, pid_alive
+from recipes.common.storage import fsync_dir, pid_alive
 
 _ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 _TEMP = re.compile(r"^\.tmp\.(\d+)\.[0-9a-f]+\.(\d+)\.[0-9a-f]+$")

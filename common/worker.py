@@ -35,6 +35,8 @@ import sys
 import numpy as np
 import torch
 
+from recipes.common.storage import die_with_parent
+
 
 def worker_init(worker_id: int) -> None:
     """Makes a DataLoader worker fork-safe and seeds its random generators.
@@ -49,56 +51,6 @@ def worker_init(worker_id: int) -> None:
     seed = torch.initial_seed()  # base_seed + worker_id, set by DataLoader before this call
     random.seed(seed)
     np.random.seed(seed % 2**32)
-
-
-def die_with_parent() -> None:
-    """Ends this (worker) process when its parent dies, even if it is blocked in a write."""
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return  # not a multiprocessing child (0 workers): nothing to tie
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    else:
-        import threading
-
-        threading.Thread(target=_exit_when_orphaned, args=(parent.pid,), daemon=True).start()
-    if os.getppid() != parent.pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    import time
-
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def trim_heap() -> None:
-    """Returns the free pages inside this process's heap to the system (glibc `malloc_trim`).
-
-    Call it once per batch in code that allocates many mid-sized buffers (decoded images,
-    resized tensors): glibc reuses such heap memory instead of `mmap`ing it (page faults are
-    costly), but the heap fragments between long-lived objects and never shrinks by itself,
-    so worker memory creeps up epoch after epoch (issue #10). A trim per batch costs ~0.1 ms.
-    """
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import platform
-
-        _LIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None
 
 
 def _single_threaded_libraries() -> None:

@@ -48,9 +48,13 @@ class TextSource:
                     digest.update(block)
         return digest.hexdigest()
 
-    def batches(self, batch_size: int) -> Iterator[list[str]]:
+    def batches(self, batch_size: int, *, part: int = 0, parts: int = 1) -> Iterator[list[str]]:
+        """Samples in batches of `batch_size` (the last may be shorter). With `parts > 1`, only
+        the batches `k` with `k % parts == part`; lines of the others are not parsed."""
         batch: list[str] = []
-        for text in self._samples():
+        for k, text in enumerate(self._samples(lambda k: k // batch_size % parts == part)):
+            if k // batch_size % parts != part:
+                continue
             batch.append(text)
             if len(batch) == batch_size:
                 yield batch
@@ -58,13 +62,14 @@ class TextSource:
         if batch:
             yield batch
 
-    def _samples(self) -> Iterator[str]:
+    def _samples(self, wanted=lambda k: True) -> Iterator[str | None]:
+        """Every sample in order; `None` for a line of a file that `wanted(k)` rejects."""
         if self.strings is not None:
             yield from self.strings
             return
         with self._open() as f:
             for number, raw in enumerate(f, start=1):
-                yield self._parse_line(raw, number)
+                yield self._parse_line(raw, number) if wanted(number - 1) else None
 
     def _parse_line(self, raw: bytes, number: int) -> str:
         line = raw[:-1] if raw.endswith(b"\n") else raw

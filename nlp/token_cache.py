@@ -11,7 +11,8 @@ Trade-off: the cache is tied to one tokenizer configuration and one corpus; chan
 and it is rebuilt (never silently reused: the key hashes the tokenizer's full serialized
 content, its special tokens and the data, unlike a random fingerprint).
 
-Layout of `cache_dir` (built in a temp folder, fsynced, renamed into place):
+Layout of `cache_dir` (the `recipes.common.storage` protocol: built in a temp folder, fsynced,
+renamed into place; split over the ranks of a process group with `distributed=True`):
   header.json   {"format": "recipes-token-cache", "version", "fingerprint", "count",
                  "num_tokens", "dtype", ...}
   tokens.bin    uint16/uint32 x num_tokens, all samples back to back
@@ -21,6 +22,8 @@ The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in th
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
 workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
+
+Copy this file with `recipes/common/storage.py` and `recipes/nlp/texts.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -38,9 +40,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.atomic import replace_dir, write_synced
-from recipes.common.cache_header import check_size, read_header
-from recipes.common.indexing import resolve_index, resolve_indices
+from recipes.common.storage import (
+    FolderBuild,
+    LazyMap,
+    check_size,
+    read_header,
+    resolve_index,
+    resolve_indices,
+)
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"
@@ -70,8 +77,9 @@ class TokenCache(Dataset):
         self.header = header
         self.offsets = offsets
         self.lengths = np.diff(offsets)
-        self._pid: int | None = None
-        self._tokens: np.ndarray | None = None
+        # copy-on-write: writable views for torch, the file is never written
+        self._tokens = LazyMap(self.path / "tokens.bin", np.dtype(header["dtype"]).newbyteorder("<"),
+                               (int(header["num_tokens"]),), mode="c")
 
     @classmethod
     def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> TokenCache:
@@ -105,14 +113,7 @@ class TokenCache(Dataset):
         return len(self.lengths)
 
     def _map(self) -> np.ndarray:
-        if self._pid != os.getpid():
-            num_tokens = int(self.header["num_tokens"])
-            dtype = np.dtype(self.header["dtype"])
-            # copy-on-write: writable views for torch, the file is never written
-            self._tokens = (np.memmap(self.path / "tokens.bin", dtype=dtype, mode="c", shape=(num_tokens,))
-                            if num_tokens else np.zeros(0, dtype))
-            self._pid = os.getpid()
-        return self._tokens
+        return self._tokens.array
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         i = resolve_index(index, len(self), f"the {len(self)} samples in {self.path}")
@@ -128,11 +129,6 @@ class TokenCache(Dataset):
         flat = self._map()[shift + np.arange(int(lengths.sum()))].astype(np.int64)
         rows = torch.from_numpy(flat).split(lengths.tolist())
         return [{"input_ids": row} for row in rows]
-
-    def __getstate__(self):
-        state = dict(self.__dict__)
-        state.update(_pid=None, _tokens=None)
-        return state
 
     def __repr__(self) -> str:
         return (f"TokenCache({str(self.path)!r}, n={len(self)}, tokens={self.header['num_tokens']:,}, "
@@ -179,6 +175,7 @@ def build_token_cache(
     text_field: str = "text",
     batch_size: int = 1000,
     progress: bool = True,
+    distributed: bool = False,
 ) -> TokenCache:
     """Tokenizes `texts` once into `cache_dir`, or reuses the cache there when it matches.
 
@@ -192,7 +189,11 @@ def build_token_cache(
         add_special_tokens: frame samples with the tokenizer's special tokens.
         text_field: the JSON field holding the text, for `.jsonl`.
         batch_size: texts per batch-encode call.
-        progress: show a progress bar.
+        progress: show a progress bar (on rank 0).
+        distributed: split the batches over the ranks of the initialised process group (every
+            rank must make the same call); rank 0 joins the parts and publishes. `cache_dir`
+            must be writable by every rank (a shared file system across nodes). The result is
+            byte-identical to a single-process build.
 
     Returns:
         The opened `TokenCache`.
@@ -214,25 +215,29 @@ def build_token_cache(
     fingerprint = cache_fingerprint(source, tokenizer, max_length=max_length,
                                     add_special_tokens=add_special_tokens)
     target = Path(cache_dir)
-    try:
-        return TokenCache.open(target, fingerprint=fingerprint)
-    except TokenCacheError:
-        pass
-    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        count, num_tokens = _write_tokens(source, tokenizer, tmp, dtype, max_length, add_special_tokens,
-                                          batch_size, tqdm(disable=not progress, desc="tokenizing", unit="text"))
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-                  "num_tokens": num_tokens, "dtype": np.dtype(dtype).name, "max_length": max_length,
-                  "add_special_tokens": add_special_tokens, "vocab_size": len(tokenizer),
-                  "tokenizer": type(tokenizer).__name__, "source": source.describe()}
-        write_synced(tmp / "header.json", json.dumps(header, indent=1).encode("utf-8"))
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build = FolderBuild(target, distributed=distributed)
+    if build.needed(lambda: _is_valid(target, fingerprint)):
+        dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32).newbyteorder("<")
+        with build, tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar:
+            _write_part(source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar)
+            count, num_tokens = map(sum, zip(*build.gather(_part_totals(build)), strict=True))
+            build.barrier()  # every part is complete
+            if build.rank == 0:
+                _join_parts(build, batch_size, dtype)
+            build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
+                           "count": int(count), "num_tokens": int(num_tokens), "dtype": dtype.name,
+                           "max_length": max_length, "add_special_tokens": add_special_tokens,
+                           "vocab_size": len(tokenizer), "tokenizer": type(tokenizer).__name__,
+                           "source": source.describe()})
     return TokenCache.open(target, fingerprint=fingerprint)
+
+
+def _is_valid(path: Path, fingerprint: str) -> bool:
+    try:
+        TokenCache.open(path, fingerprint=fingerprint)
+    except TokenCacheError:
+        return False
+    return True
 
 
 def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool):
@@ -263,21 +268,64 @@ def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool
     return encode_fast
 
 
-def _write_tokens(source, tokenizer, folder: Path, dtype, max_length, add_special_tokens, batch_size, bar):
-    offsets = [np.zeros(1, np.int64)]
-    total = 0
+def _write_part(source, tokenizer, build: FolderBuild, dtype, max_length, add_special_tokens, batch_size, bar):
+    """This rank's batches (`k % world == rank`): tokens and per-sample lengths, in order."""
     encode = batch_encoder(tokenizer, max_length=max_length, add_special_tokens=add_special_tokens)
-    with open(folder / "tokens.bin", "wb") as tokens_file, bar:
-        for batch in source.batches(batch_size):
+    with open(build.part("tokens.bin"), "wb") as tokens_file, open(build.part("lengths.bin"), "wb") as lengths_file:
+        for batch in source.batches(batch_size, part=build.rank, parts=build.world):
             ids = encode(batch)
             lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum()))
-            tokens_file.write(flat.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
-            offsets.append(total + np.cumsum(lengths))
-            total += int(lengths.sum())
-            bar.update(len(batch))
-        tokens_file.flush()
-        os.fsync(tokens_file.fileno())
-    offsets_all = np.concatenate(offsets)
-    write_synced(folder / "offsets.bin", offsets_all.astype("<i8").tobytes())
-    return len(offsets_all) - 1, total
+            tokens_file.write(np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())).tobytes())
+            lengths_file.write(lengths.astype("<i8").tobytes())
+            bar.update(len(batch) * build.world)
+        for f in (tokens_file, lengths_file):
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _part_totals(build: FolderBuild) -> tuple[int, int]:
+    lengths = np.fromfile(build.part("lengths.bin"), "<i8")
+    return len(lengths), int(lengths.sum())
+
+
+def _join_parts(build: FolderBuild, batch_size: int, dtype) -> None:
+    """Rank 0: the parts' batches back in source order (k = 0, 1, ...: rank k % world) into
+    `tokens.bin` and `offsets.bin`, as one process would have written them."""
+    lengths = [np.fromfile(build.part("lengths.bin", r), "<i8") for r in range(build.world)]
+    parts = [open(build.part("tokens.bin", r), "rb") for r in range(build.world)]  # noqa: SIM115
+    order = []
+    try:
+        with open(build.path / "tokens.bin", "wb") as out:
+            for k in itertools.count():
+                rank, j = k % build.world, k // build.world
+                seg = lengths[rank][j * batch_size:(j + 1) * batch_size]
+                if not len(seg):
+                    break
+                shutil.copyfileobj(_Limited(parts[rank], int(seg.sum()) * dtype.itemsize), out, 1 << 24)
+                order.append(seg)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        for f in parts:
+            f.close()
+    all_lengths = np.concatenate([np.zeros(1, np.int64), *order])
+    with open(build.path / "offsets.bin", "wb") as f:
+        f.write(np.cumsum(all_lengths).astype("<i8").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    for r in range(build.world):
+        build.part("tokens.bin", r).unlink()
+        build.part("lengths.bin", r).unlink()
+
+
+class _Limited:
+    """The next `size` bytes of a file object, for `shutil.copyfileobj`."""
+
+    def __init__(self, f, size: int):
+        self.f, self.left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data

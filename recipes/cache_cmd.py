@@ -40,7 +40,7 @@ def run_vision(args: argparse.Namespace) -> int:
 
     dataset = ImageFolderFast(args.root, size=args.size, on_error="skip" if args.skip_bad else "raise")
     cache = build_image_cache(dataset, args.cache_dir, num_workers=args.workers, progress=True)
-    skipped = f", {cache.skipped_count} bad images replaced" if cache.skipped_count else ""
+    skipped = f", {len(cache.skipped)} bad images replaced" if cache.skipped else ""
     print(f"{cache.path}: {cache.count} images at {cache.side}x{cache.side}{skipped}")
     return 0
 

@@ -4,8 +4,12 @@ progressive resolution and device-side normalisation."""
 from recipes.vision.decode import ImageDecodeError, dct_reduction, decode_image, read_header
 from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, uint8_collate
 from recipes.vision.device_crop import DeviceCropLoader
-from recipes.vision.image_cache import ImageCache, build_image_cache
-from recipes.vision.image_folder import ImageFolderFast
+from recipes.vision.image_folder import (
+    ImageCache,
+    ImageCacheError,
+    ImageFolderFast,
+    build_image_cache,
+)
 from recipes.vision.progressive import ProgressiveResolution
 
 __all__ = [
@@ -14,6 +18,7 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ImageCache",
+    "ImageCacheError",
     "ImageDecodeError",
     "ImageFolderFast",
     "ProgressiveResolution",

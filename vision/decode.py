@@ -1,4 +1,4 @@
-"""Image decoding with OpenCV at reduced resolution, bad-input checks, and uint8 resizing.
+"""Image decoding with OpenCV at reduced resolution, crop geometry, and uint8 output buffers.
 
 Use when: decoding JPEGs (or PNG, BMP, WebP, TIFF) into RGB uint8 arrays for training.
 Cost: a header read (the JPEG frame marker, or Pillow for other formats; no pixel decoded)
@@ -10,6 +10,17 @@ Adapt here: `decode_image(..., reduce=)`; `resize_uint8` for the interpolation.
 Trade-off: the DCT scale is a power of two, so a 500x375 photo for a 224 crop (1.46x) decodes
 at full size; a finer scale (3/4, 5/8) needs TurboJPEG directly (e.g. `simplejpeg`).
 
+Crop geometry (torchvision's eval resize-and-centre-crop and random-resized-crop, in source
+pixels) says which pixels an output needs before decoding, so the decoder skips the rest
+and the resize touches only the crop. It differs from torchvision's resize-then-crop only at
+the crop border and by rounding the box to whole pixels: under 2 grey levels of mean
+difference on photos.
+
+OpenCV's thread pool is not fork-safe: a parent that used cv2 with threads can hand forked
+workers a pool lock that is never released (pytorch#1355, #45198). `decode_image` makes cv2
+single-threaded in each DataLoader worker before its first decode there (as
+`recipes.common.worker_init` does), so this file is safe on its own.
+
 Every mode comes out as 3-channel RGB: grayscale is replicated, alpha dropped, palettes
 expanded, 16-bit scaled to 8-bit, CMYK converted. EXIF orientation is ignored, as
 torchvision's `ImageFolder` (Pillow) ignores it, so both give the same pixels.
@@ -18,6 +29,8 @@ torchvision's `ImageFolder` (Pillow) ignores it, so both give the same pixels.
 from __future__ import annotations
 
 import io
+import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,8 +164,7 @@ def decode_image(
     Raises:
         ImageDecodeError: truncated, corrupt, empty or non-image data, or a decompression bomb.
     """
-    import cv2
-
+    cv2 = _opencv()
     if reduce not in _REDUCED_BITS:
         raise ValueError(f"`reduce` must be one of 1, 2, 4, 8, but is {reduce!r} instead.")
     header = header or read_header(data, path=path, index=index)
@@ -209,3 +221,152 @@ def _ends_with_eoi(data: bytes) -> bool:
 
 def _where(path: str, index: int | None) -> str:
     return f"image {path!r}" + (f" (index {index})" if index is not None else "")
+
+
+def _opencv():
+    """cv2, single-threaded and without OpenCL in a DataLoader worker (once per process)."""
+    global _CV2_PID
+    import cv2
+
+    if _CV2_PID != os.getpid():
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None:
+            cv2.setNumThreads(0)
+            cv2.ocl.setUseOpenCL(False)
+        _CV2_PID = os.getpid()
+    return cv2
+
+
+_CV2_PID: int | None = None
+
+
+# ---- crop geometry, in source pixels ------------------------------------------------------
+CROP_PCT = 0.875  # Resize(256) + CenterCrop(224)
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+
+Box = tuple[int, int, int, int]  # top, left, height, width
+
+
+def resize_side(size: tuple[int, int], crop_pct: float = CROP_PCT) -> int:
+    """The shorter-side target of the eval resize: `floor(max(size) / crop_pct)` (224 -> 256)."""
+    return int(math.floor(max(size) / crop_pct + 1e-9))
+
+
+def eval_box(height: int, width: int, size: tuple[int, int], crop_pct: float = CROP_PCT) -> Box:
+    """The source box that torchvision's `Resize(side) + CenterCrop(size)` keeps.
+
+    Resize maps the shorter side to `side` and the longer to `int(side * long / short)`;
+    CenterCrop then takes `size` at `round((resized - size) / 2)`. Mapped back to source pixels.
+    """
+    side = resize_side(size, crop_pct)
+    new_h, new_w = _resized(height, width, side)
+    sy, sx = height / new_h, width / new_w
+    top = int(round((new_h - size[0]) / 2.0))
+    left = int(round((new_w - size[1]) / 2.0))
+    return _clip_box(top * sy, left * sx, size[0] * sy, size[1] * sx, height, width)
+
+
+def cache_tier_box(height: int, width: int, size: tuple[int, int], crop_pct: float = CROP_PCT) -> Box:
+    """The source box of a cache tier: a `side x side` square of the eval-resized image
+    (side = `resize_side(size)`), placed so that the eval crop taken from its centre
+    (`eval_box(side, side, size)`) is exactly the eval crop of the full image. A plain centre
+    square would be off by a pixel whenever the two centrings round differently.
+    """
+    side = resize_side(size, crop_pct)
+    new_h, new_w = _resized(height, width, side)
+    sy, sx = height / new_h, width / new_w
+    top = int(round((new_h - size[0]) / 2.0)) - int(round((side - size[0]) / 2.0))
+    left = int(round((new_w - size[1]) / 2.0)) - int(round((side - size[1]) / 2.0))
+    top, left = min(max(top, 0), new_h - side), min(max(left, 0), new_w - side)
+    return _clip_box(top * sy, left * sx, side * sy, side * sx, height, width)
+
+
+def _resized(height: int, width: int, side: int) -> tuple[int, int]:
+    """torchvision's `Resize(side)` output size: shorter side to `side`, longer truncated."""
+    if height <= width:
+        return side, int(side * width / height)
+    return int(side * height / width), side
+
+
+def random_resized_box(
+    height: int,
+    width: int,
+    rng: np.random.Generator,
+    scale: tuple[float, float] = SCALE,
+    ratio: tuple[float, float] = RATIO,
+) -> Box:
+    """torchvision's `RandomResizedCrop.get_params`, drawn from a NumPy generator."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return top, left, h, w
+    in_ratio = width / height  # fallback: the central crop with the ratio clamped
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def scale_box(box: Box, sy: float, sx: float, height: int, width: int) -> Box:
+    """`box` mapped onto an image scaled by (sy, sx), e.g. a DCT-reduced decode."""
+    top, left, h, w = box
+    return _clip_box(top * sy, left * sx, h * sy, w * sx, height, width)
+
+
+def _clip_box(top: float, left: float, h: float, w: float, height: int, width: int) -> Box:
+    t, lft = int(round(top)), int(round(left))
+    b, r = int(round(top + h)), int(round(left + w))
+    t, lft = min(max(t, 0), height - 1), min(max(lft, 0), width - 1)
+    b, r = min(max(b, t + 1), height), min(max(r, lft + 1), width)
+    return t, lft, b - t, r - lft
+
+
+# ---- output buffers and worker memory -----------------------------------------------------
+def new_uint8_batch(batch_size: int, channels: int, height: int, width: int, *,
+                    channels_last: bool = True) -> torch.Tensor:
+    """An empty `uint8 [B, C, H, W]` batch (channels_last in memory by default), in shared
+    memory inside a DataLoader worker (so it crosses to the main process without a copy)."""
+    from torch.utils.data import get_worker_info
+
+    numel = batch_size * channels * height * width
+    if get_worker_info() is not None:
+        storage = torch.UntypedStorage._new_shared(numel, device="cpu")
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    else:
+        flat = torch.empty(numel, dtype=torch.uint8)
+    if not channels_last:
+        return flat.view(batch_size, channels, height, width)
+    return flat.view(batch_size, height, width, channels).permute(0, 3, 1, 2)
+
+
+def trim_heap() -> None:
+    """Returns the free pages inside this process's heap to the system (glibc `malloc_trim`).
+
+    Call it once per batch of decodes: glibc reuses the heap for such mid-sized buffers
+    instead of `mmap`ing them (page faults are costly), but the heap fragments between
+    long-lived objects and never shrinks by itself, so worker memory creeps up epoch after
+    epoch (issue #10). A trim per batch costs ~0.1 ms.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import platform
+
+        _LIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None

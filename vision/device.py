@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.utils.data import get_worker_info
+
+from recipes.vision.decode import new_uint8_batch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -56,21 +57,6 @@ def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tens
     for position, image in enumerate(rows):
         images[position].copy_(image)
     return images, targets
-
-
-def new_uint8_batch(batch_size: int, channels: int, height: int, width: int, *,
-                    channels_last: bool = True) -> torch.Tensor:
-    """An empty `uint8 [B, C, H, W]` batch (channels_last in memory by default), in shared
-    memory inside a DataLoader worker (so it crosses to the main process without a copy)."""
-    numel = batch_size * channels * height * width
-    if get_worker_info() is not None:
-        storage = torch.UntypedStorage._new_shared(numel, device="cpu")
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-    else:
-        flat = torch.empty(numel, dtype=torch.uint8)
-    if not channels_last:
-        return flat.view(batch_size, channels, height, width)
-    return flat.view(batch_size, height, width, channels).permute(0, 3, 1, 2)
 
 
 def _batch_of_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:

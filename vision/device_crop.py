@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from recipes.vision import crops
+from recipes.vision.decode import random_resized_box
 from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD
 
 
@@ -138,7 +138,7 @@ class DeviceCropLoader:
         dataset's random-resized-crop and flip for `train`, else its eval crop."""
         ds = self.dataset
         if ds.train:
-            boxes = np.array([crops.random_resized_box(side, side, rng, ds.SCALE, ds.RATIO) for _ in range(n)])
+            boxes = np.array([random_resized_box(side, side, rng, ds.SCALE, ds.RATIO) for _ in range(n)])
             return boxes, rng.random(n) < 0.5
         h, w = ds.size  # the cache tier's inner `size` square is the eval crop (as ImageFolderFast)
         box = (int(round((side - h) / 2.0)), int(round((side - w) / 2.0)), h, w)

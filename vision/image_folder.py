@@ -1,4 +1,4 @@
-"""ImageFolderFast: torchvision's ImageFolder indexing, OpenCV decoding, uint8 output, optional cache.
+"""ImageFolderFast: torchvision's ImageFolder indexing, OpenCV decoding, uint8 output, a decoded cache.
 
 Use when: an ImageFolder tree (`root/<class>/<image>`) feeds a CNN/ViT and the CPU cannot
 decode fast enough. Drop-in for `ImageFolder` + `Resize(256)` + `CenterCrop(224)` +
@@ -19,6 +19,22 @@ hangs with no error (pytorch#1355, #45198). `recipes.common.worker_init` (instal
 
 The index (paths, targets) is held in `PackedStrings` and numpy arrays: no per-sample Python
 objects for forked workers to copy on read.
+
+The decoded cache (`build_image_cache`): every image decoded once, at the eval resize side S
+(shorter side to S, a centred S x S square), into one uint8 file; warm epochs read
+`[S, S, 3]` arrays from the page cache. `N * S * S * 3` bytes of disk (196 KB per image at
+S=256: 250 GB for ImageNet-1k, so use it for subsets, smaller S, or fast local NVMe). Random
+crops cannot reach the far ends of the longer side (as in FFCV's `max_resolution` stores).
+Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.storage` protocol):
+  header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count", "side",
+                 "skipped", "root"}
+  labels.bin    int64 x N
+  images.bin    uint8 x N x S x S x 3
+  files.npy     per input file: path hash, size, mtime (names what changed in a stale cache)
+The fingerprint covers the relative paths, sizes, mtimes, targets, S and decode settings; a
+cache built from other inputs is never served: a warning names the changed files.
+
+Copy this file with `recipes/common/storage.py` and `recipes/vision/decode.py`.
 """
 
 from __future__ import annotations
@@ -33,20 +49,30 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.indexing import resolve_index
-from recipes.common.packed_strings import PackedStrings
-from recipes.common.worker import trim_heap
-from recipes.vision import crops
-from recipes.vision.cache_manifest import describe_change, file_table, stale_caches
+from recipes.common.storage import (
+    FolderBuild,
+    LazyMap,
+    PackedStrings,
+    build_loader,
+    check_size,
+    read_header,
+    resolve_index,
+    sweep_dead_temps,
+    write_synced,
+)
+from recipes.vision import decode as pixels
 from recipes.vision.decode import (
     ImageDecodeError,
     dct_reduction,
     decode_image,
-    read_header,
+    new_uint8_batch,
     resize_uint8,
+    trim_heap,
 )
-from recipes.vision.device import new_uint8_batch
-from recipes.vision.image_cache import FORMAT_VERSION, CacheMismatch, ImageCache, sweep_dead_temps
+
+FORMAT = "recipes-image-cache"
+FORMAT_VERSION = 2
+_BUILD_HINT = "build_image_cache() or `recipes cache vision`"
 
 
 class ImageFolderFast(Dataset):
@@ -73,9 +99,9 @@ class ImageFolderFast(Dataset):
         >>> image, target = ds[0]  # uint8 [3, 224, 224]
     """
 
-    CROP_PCT = crops.CROP_PCT
-    SCALE = crops.SCALE
-    RATIO = crops.RATIO
+    CROP_PCT = pixels.CROP_PCT
+    SCALE = pixels.SCALE
+    RATIO = pixels.RATIO
 
     def __init__(
         self,
@@ -225,15 +251,15 @@ class ImageFolderFast(Dataset):
                 data = f.read()
         except OSError as error:
             raise ImageDecodeError(f"image {path!r} (index {index}) cannot be read: {error}") from None
-        return path, data, read_header(data, path=path, index=index)
+        return path, data, pixels.read_header(data, path=path, index=index)
 
     def _output_image(self, index: int) -> tuple[torch.Tensor, int]:
         path, data, header = self._read(index)
         out = self.resolution
         if self.train:
-            box = crops.random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
+            box = pixels.random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
         else:
-            box = crops.eval_box(header.height, header.width, out, self.CROP_PCT)
+            box = pixels.eval_box(header.height, header.width, out, self.CROP_PCT)
         image = self._decode_box(data, header, box, out, path, index)
         return self._finish(resize_uint8(image, out)), int(self._targets[index])
 
@@ -243,19 +269,15 @@ class ImageFolderFast(Dataset):
         decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index)
         h, w = decoded.shape[:2]
         if (h, w) != (header.height, header.width):
-            box = crops.scale_box(box, h / header.height, w / header.width, h, w)
+            box = pixels.scale_box(box, h / header.height, w / header.width, h, w)
         top, left, bh, bw = box
         return decoded[top : top + bh, left : left + bw]
 
-    def decode_for_cache(self, index: int) -> tuple[np.ndarray, int, bool]:
-        """`([S, S, 3] uint8, target, skipped)` at the cache geometry (for `build_image_cache`)."""
-        index = self._check_index(index)
-        return self._load_or_skip(index, self._cache_image)
-
     def _cache_image(self, index: int) -> tuple[np.ndarray, int]:
+        """`([S, S, 3] uint8, target)` at the cache geometry."""
         path, data, header = self._read(index)
         side = self.cache_side
-        box = crops.cache_tier_box(header.height, header.width, self.size, self.CROP_PCT)
+        box = pixels.cache_tier_box(header.height, header.width, self.size, self.CROP_PCT)
         image = self._decode_box(data, header, box, (side, side), path, index)
         array = resize_uint8(image, (side, side)).permute(1, 2, 0).contiguous().numpy()
         return array, int(self._targets[index])
@@ -264,14 +286,14 @@ class ImageFolderFast(Dataset):
     @property
     def cache_side(self) -> int:
         """S of the cache: the eval resize side of the constructor's `size` (224 -> 256)."""
-        return crops.resize_side(self.size, self.CROP_PCT)
+        return pixels.resize_side(self.size, self.CROP_PCT)
 
     def cache_fingerprint(self) -> str:
         """sha256 of the inputs: relative paths, sizes, mtimes, targets, S and decode settings."""
-        return self.cache_inputs()[0]
+        return self._cache_inputs()[0]
 
-    def cache_inputs(self) -> tuple[str, list[str], np.ndarray]:
-        """`(fingerprint, relative paths, file table)`: one `stat` per file (see `cache_manifest`)."""
+    def _cache_inputs(self) -> tuple[str, list[str], np.ndarray]:
+        """`(fingerprint, relative paths, file table)`: one `stat` per file."""
         import hashlib
 
         import cv2
@@ -288,28 +310,27 @@ class ImageFolderFast(Dataset):
             rels.append(rel)
             sizes.append(st.st_size)
             mtimes.append(st.st_mtime_ns)
-        return digest.hexdigest(), rels, file_table(rels, sizes, mtimes)
+        return digest.hexdigest(), rels, _file_table(rels, sizes, mtimes)
 
     def _open_cache(self) -> None:
-        fingerprint, rels, table = self.cache_inputs()
-        path = ImageCache.file_for(self.cache_dir, fingerprint)
+        fingerprint, rels, table = self._cache_inputs()
+        path = ImageCache.folder_for(self.cache_dir, fingerprint)
         if self.cache_dir.is_dir():
-            sweep_dead_temps(self.cache_dir)  # a build killed midway leaves its temp file
+            sweep_dead_temps(self.cache_dir, path.name)  # a build killed midway leaves its temp folder
         if not path.exists():
-            stale = stale_caches(self.cache_dir, os.path.abspath(self.root), fingerprint) if self.cache_dir.is_dir() else []
+            stale = _stale_caches(self.cache_dir, os.path.abspath(self.root), fingerprint) if self.cache_dir.is_dir() else []
             if stale:
                 warnings.warn(f"Not using the image cache in {self.cache_dir}: it was built from other inputs "
-                              f"({describe_change(stale[-1], rels, table)}). Decoding from files, about 10x slower; "
+                              f"({_describe_change(stale[-1], rels, table)}). Decoding from files, about 10x slower; "
                               "rebuild with build_image_cache() or `recipes cache vision`, which replaces it.",
                               stacklevel=3)
             return
         try:
-            self.attach_cache(ImageCache.open(path, fingerprint=fingerprint))
-        except CacheMismatch as why:
-            warnings.warn(f"Not using the image cache: {why}. Decoding from files; rebuild it "
-                          "with build_image_cache() or `recipes cache vision`.", stacklevel=3)
+            self._serve(ImageCache.open(path, fingerprint=fingerprint))
+        except ImageCacheError as why:
+            warnings.warn(f"Not using the image cache: {why} Decoding from files.", stacklevel=3)
 
-    def attach_cache(self, cache: ImageCache) -> None:
+    def _serve(self, cache: ImageCache) -> None:
         """Serves items from `cache` (checked against this dataset's size)."""
         if cache.count != len(self):
             raise ValueError(f"the cache holds {cache.count} images but the dataset has {len(self)}.")
@@ -324,7 +345,7 @@ class ImageFolderFast(Dataset):
         out = self.resolution
         side = array.shape[0]
         if self.train:
-            box = crops.random_resized_box(side, side, self._generator(), self.SCALE, self.RATIO)
+            box = pixels.random_resized_box(side, side, self._generator(), self.SCALE, self.RATIO)
         else:  # the tier's inner `size` crop is the eval crop; other resolutions resize it
             h, w = self.size
             box = (int(round((side - h) / 2.0)), int(round((side - w) / 2.0)), h, w)
@@ -362,3 +383,267 @@ def _as_size(size) -> tuple[int, int]:
             or not all(isinstance(v, int) and v > 0 for v in size)):
         raise ValueError(f"`size` must be a positive int or an (h, w) tuple of them, but is {size!r} instead.")
     return size
+
+
+# ---- the decoded cache -------------------------------------------------------------------
+class ImageCacheError(ValueError):
+    """A decoded-image cache that is missing, truncated, corrupt or built from other inputs."""
+
+
+class ImageCache:
+    """An opened, validated decoded-image cache folder; its files are mapped lazily per process."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.header = Path(path), header
+        self.count, self.side = int(header["count"]), int(header["side"])
+        self.fingerprint: str = header["fingerprint"]
+        self.skipped: tuple[int, ...] = tuple(header["skipped"])
+        # copy-on-write maps: writable views for torch.from_numpy; the files are never written
+        self._labels = LazyMap(self.path / "labels.bin", "<i8", (self.count,), mode="c")
+        self._images = LazyMap(self.path / "images.bin", np.uint8, (self.count, self.side, self.side, 3), mode="c")
+
+    @staticmethod
+    def folder_for(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
+        return Path(cache_dir) / f"images-{fingerprint[:24]}"
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, fingerprint: str | None = None) -> ImageCache:
+        """Opens and validates a cache folder (header, file sizes).
+
+        Raises:
+            ImageCacheError: missing, truncated, corrupt, another format version, or (with
+                `fingerprint`) built from other inputs; the message says to rebuild.
+        """
+        path = Path(path)
+        header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
+                             error=ImageCacheError, build_hint=_BUILD_HINT,
+                             fields=("fingerprint", "count", "side", "skipped"))
+        try:
+            count, side = int(header["count"]), int(header["side"])
+            skipped = [int(i) for i in header["skipped"]]
+        except (TypeError, ValueError):
+            raise ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.") from None
+        if count < 0 or side <= 0 or any(not 0 <= i < count for i in skipped):
+            raise ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.")
+        check_size(path / "labels.bin", 8 * count, ImageCacheError)
+        check_size(path / "images.bin", count * side * side * 3, ImageCacheError)
+        return cls(path, header)
+
+    def read_into(self, index: int, out: np.ndarray, *, first_row: int = 0) -> np.ndarray:
+        """Reads rows `first_row : first_row + len(out)` of image `index` into `out`
+        (`uint8 [rows, S, 3]`, C-contiguous) with one `preadv`; returns `out`."""
+        row_bytes = self.side * 3
+        return self._images.read_into(out, (int(index) * self.side + first_row) * row_bytes)
+
+    def read_batch(self, indices) -> np.ndarray:
+        """Images `[B, S, S, 3]` for `indices`, copied by `preadv` into one fresh array.
+
+        A read copies from the page cache in the kernel; touching a memory map instead costs
+        a page fault per 4 KiB in every new worker process, which is slower on warm epochs.
+        """
+        per_image = self.side * self.side * 3
+        out = np.empty((len(indices), self.side, self.side, 3), np.uint8)
+        for row, index in enumerate(indices):
+            self._images.read_into(out[row], int(index) * per_image)
+        return out
+
+    @property
+    def images(self) -> np.ndarray:
+        """`uint8 [N, S, S, 3]` memory map."""
+        return self._images.array
+
+    @property
+    def labels(self) -> np.ndarray:
+        """`int64 [N]` memory map."""
+        return self._labels.array
+
+    def __repr__(self) -> str:
+        return f"ImageCache({str(self.path)!r}, n={self.count}, side={self.side})"
+
+
+def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *, num_workers: int | None = None,
+                      progress: bool = True, distributed: bool = False) -> ImageCache:
+    """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
+
+    Images are decoded in parallel DataLoader workers at the dataset's `cache_side` S (shorter
+    side resized to S, a centred S x S square), with a tqdm bar, into a temp folder renamed
+    into place when complete. An existing valid cache is reused; caches of the same tree
+    built from other inputs are removed. The dataset reads the cache from then on.
+
+    Args:
+        dataset: an `ImageFolderFast`.
+        cache_dir: the folder for caches (created).
+        num_workers: decode workers per rank; `smart_num_workers()` when None.
+        progress: show a progress bar (on rank 0).
+        distributed: split the decoding over the ranks of the initialised process group (every
+            rank must make the same call); rank 0 publishes once all have written their share.
+            `cache_dir` must be writable by every rank (a shared file system across nodes).
+
+    Returns:
+        The opened `ImageCache`.
+
+    Raises:
+        ImageDecodeError: a bad image when the dataset has `on_error="raise"` (with "skip",
+            the next good image is stored in its place and the index is recorded).
+    """
+    fingerprint, _, table = dataset._cache_inputs()
+    target = ImageCache.folder_for(cache_dir, fingerprint)
+    build = FolderBuild(target, distributed=distributed)
+    if build.needed(lambda: _is_valid(target, fingerprint)):
+        n, side = len(dataset), dataset.cache_side
+        with build:
+            if build.rank == 0:
+                with open(build.path / "images.bin", "wb") as f:
+                    f.truncate(n * side * side * 3)
+            build.barrier()  # the file exists at full size: each rank writes its block in place
+            images = np.memmap(build.path / "images.bin", np.uint8, "r+", shape=(n, side, side, 3))
+            block = build.block(n)
+            labels, skipped = _decode_into(dataset, images, block, num_workers, progress and build.rank == 0)
+            images.flush()
+            del images
+            write_synced(build.part("labels.bin"), labels.astype("<i8").tobytes())
+            build.concat("labels.bin")
+            skipped = sorted(i for part in build.gather(skipped) for i in part)
+            if build.rank == 0:
+                _fsync_file(build.path / "images.bin")
+                with open(build.path / "files.npy", "wb") as f:
+                    np.save(f, table, allow_pickle=False)
+            build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": n,
+                           "side": side, "skipped": skipped, "root": os.path.abspath(dataset.root)})
+    if build.rank == 0:  # replaced, not left beside it
+        for stale in _stale_caches(Path(cache_dir), os.path.abspath(dataset.root), fingerprint):
+            _remove_cache(stale)
+    cache = ImageCache.open(target, fingerprint=fingerprint)
+    dataset._serve(cache)
+    return cache
+
+
+def _is_valid(path: Path, fingerprint: str) -> bool:
+    try:
+        ImageCache.open(path, fingerprint=fingerprint)
+    except ImageCacheError:
+        return False
+    return True
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _CacheItems:
+    """Items `(index, [S, S, 3] array, target, skipped)` of `block`, for the cache build."""
+
+    def __init__(self, dataset: ImageFolderFast, block: range):
+        self.dataset, self.block = dataset, block
+
+    def __len__(self) -> int:
+        return len(self.block)
+
+    def __getitem__(self, position: int):
+        index = self.block[position]
+        return (index, *self.dataset._load_or_skip(index, self.dataset._cache_image))
+
+
+def _as_numpy_batch(batch):
+    index, arrays, targets, skipped = zip(*batch, strict=True)
+    return np.asarray(index), np.stack(arrays), np.asarray(targets), np.asarray(skipped, bool)
+
+
+def _decode_into(dataset, images: np.ndarray, block: range, num_workers: int | None, progress: bool):
+    """Decodes `block` into `images`; returns `(labels of the block, skipped indices)`."""
+    from tqdm import tqdm
+
+    labels = np.zeros(len(block), np.int64)
+    skipped: list[int] = []
+    loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16,
+                          collate_fn=_as_numpy_batch)
+    with tqdm(total=len(block), disable=not progress, desc="decoding images", unit="img") as bar:
+        for index, arrays, targets, was_skipped in loader:
+            images[index] = arrays
+            labels[index - block.start] = targets
+            skipped.extend(index[was_skipped].tolist())
+            bar.update(len(index))
+    return labels, skipped
+
+
+# ---- which files a cache was built from (to name what changed in a stale one) ----------
+_MAX_NAMED = 5
+_FILES = np.dtype([("path", "<i8"), ("size", "<i8"), ("mtime", "<i8")])
+_LEGACY_MAGIC = b"RCPIMG01"  # format 1: one file `images-<fp>.bin` with a 4 KiB header
+
+
+def _file_table(rel_paths: list[str], sizes: list[int], mtimes: list[int]) -> np.ndarray:
+    """One row per input file: a hash of its relative path, its size and mtime (ns)."""
+    import hashlib
+
+    table = np.empty(len(rel_paths), _FILES)
+    table["path"] = [int.from_bytes(hashlib.blake2b(p.encode("utf-8", "surrogateescape"), digest_size=8).digest(),
+                                    "little", signed=True) for p in rel_paths]
+    table["size"], table["mtime"] = sizes, mtimes
+    return table
+
+
+def _stale_caches(cache_dir: Path, root: str, fingerprint: str) -> list[Path]:
+    """Caches in `cache_dir` built from this `root` but from other inputs (or an older format)."""
+    import json
+
+    found = []
+    for path in sorted(Path(cache_dir).glob("images-*")):
+        try:
+            if path.is_dir():
+                header = json.loads((path / "header.json").read_text())
+            elif path.suffix == ".bin":
+                with open(path, "rb") as f:
+                    raw = f.read(4096)
+                header = json.loads(raw[len(_LEGACY_MAGIC):].decode("utf-8")) if raw.startswith(_LEGACY_MAGIC) else {}
+            else:
+                continue
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(header, dict) and header.get("root") == root and (
+                header.get("fingerprint") != fingerprint or not path.is_dir()):
+            found.append(path)
+    return found
+
+
+def _sidecar(cache: Path) -> Path:
+    return cache / "files.npy" if cache.is_dir() else cache.with_name(cache.name.removesuffix(".bin") + ".files.npy")
+
+
+def _remove_cache(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        for p in (path, _sidecar(path)):
+            p.unlink(missing_ok=True)
+
+
+def _describe_change(old_cache: Path, rel_paths: list[str], table: np.ndarray) -> str:
+    """What differs between the files `old_cache` was built from and the current ones."""
+    try:
+        old = np.load(_sidecar(old_cache), allow_pickle=False)
+    except (OSError, ValueError):
+        return f"{old_cache.name} was built from other inputs (no file list to compare)"
+    before = {int(h): (int(s), int(m)) for h, s, m in zip(old["path"], old["size"], old["mtime"], strict=True)}
+    added, changed = [], []
+    for rel, (h, s, m) in zip(rel_paths, table.tolist(), strict=True):
+        if h not in before:
+            added.append(rel)
+        elif before.pop(h) != (s, m):
+            changed.append(rel)
+    parts = [f"{len(old):,} files when built, {len(table):,} now"]
+    for label, names in (("added", added), ("changed (size or mtime)", changed)):
+        if names:
+            shown = ", ".join(names[:_MAX_NAMED]) + (", ..." if len(names) > _MAX_NAMED else "")
+            parts.append(f"{len(names):,} {label}: {shown}")
+    if before:
+        parts.append(f"{len(before):,} removed")
+    if len(parts) == 1:
+        parts.append("the same files, but other labels, decode settings or an older cache format")
+    return f"{old_cache.name}: " + "; ".join(parts)

@@ -10,9 +10,19 @@ import torchvision
 import torchvision.transforms as T
 from torch.utils.data import DataLoader
 
+from recipes.common.storage import _host
 from recipes.testing import make_image_folder
-from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
-from recipes.vision.image_cache import HEADER_BYTES, ImageCache
+from recipes.vision import ImageCache, ImageFolderFast, build_image_cache, uint8_collate
+
+
+def _files(folder):
+    """Every file of a cache folder: name -> bytes."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _dead_pid():
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
 
 
 def _mad(a, b):
@@ -40,9 +50,9 @@ def test_a_new_dataset_serves_a_matching_cache(own_tree, tmp_path):
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None and "from cache" in repr(ds)
     # building again reuses the file
-    before = ds.cache.path.stat().st_mtime_ns
+    before = (ds.cache.path / "images.bin").stat().st_mtime_ns
     build_image_cache(ds, tmp_path, progress=False, num_workers=0)
-    assert ds.cache.path.stat().st_mtime_ns == before
+    assert (ds.cache.path / "images.bin").stat().st_mtime_ns == before
 
 
 def test_getitems_equals_getitem(own_tree, tmp_path):
@@ -63,30 +73,40 @@ def test_stale_cache_is_not_served(own_tree, tmp_path):
     assert other_size.cache is None
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "version", "not_an_object"])
+@pytest.mark.parametrize("damage", ["truncate", "labels", "header", "version", "not_an_object", "skipped"])
 def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
     cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
-    data = bytearray(cache.path.read_bytes())
+    header = cache.path / "header.json"
     if damage == "truncate":
-        data = data[: len(data) - 1000]
+        images = cache.path / "images.bin"
+        images.write_bytes(images.read_bytes()[:-1000])
+    elif damage == "labels":
+        (cache.path / "labels.bin").write_bytes(b"\0" * 7)
     elif damage == "header":
-        data[10:20] = b"\xff" * 10
+        header.write_bytes(b"\xff" * 10 + header.read_bytes()[10:])
     elif damage == "not_an_object":
-        data[8:HEADER_BYTES] = b"[1, 2]".ljust(HEADER_BYTES - 8)
+        header.write_text("[1, 2]")
+    elif damage == "skipped":
+        header.write_text(header.read_text().replace('"skipped": []', '"skipped": [99]'))
     else:
-        data[: HEADER_BYTES] = data[: HEADER_BYTES].replace(b'"version": 1', b'"version": 9')
-    cache.path.write_bytes(bytes(data))
+        header.write_text(header.read_text().replace('"version": 2', '"version": 9'))
     with pytest.warns(UserWarning, match="Not using the image cache"):
         ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is None
     rebuilt = build_image_cache(ds, tmp_path, progress=False, num_workers=0)
-    assert ds.cache is rebuilt and rebuilt.path.stat().st_size == HEADER_BYTES + 8 * 6 + 6 * 73 * 73 * 3
+    assert ds.cache is rebuilt and (rebuilt.path / "images.bin").stat().st_size == 6 * 73 * 73 * 3
 
 
 def test_writes_are_atomic_and_leave_no_temp_files(own_tree, tmp_path):
-    (tmp_path / ".images-x.bin.999999.ab.tmp").write_bytes(b"left by a dead builder")
-    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    ds = ImageFolderFast(own_tree, size=64)
+    name = ImageCache.folder_for(tmp_path, ds.cache_fingerprint()).name
+    left = tmp_path / f".{name}.{_host()}.{_dead_pid()}.ab.tmp"  # by a builder killed midway
+    left.mkdir()
+    (left / "images.bin").write_bytes(b"partial")
+    elsewhere = tmp_path / f".{name}.another-node.{_dead_pid()}.cd.tmp"  # a live build on another node?
+    elsewhere.mkdir()
+    build_image_cache(ds, tmp_path, progress=False, num_workers=0)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == [elsewhere.name]
 
 
 def test_two_processes_building_the_same_cache(own_tree, tmp_path):
@@ -98,15 +118,15 @@ def test_two_processes_building_the_same_cache(own_tree, tmp_path):
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None
-    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())  # one complete cache, no temp files
-    assert names == [ds.cache.path.name, ds.cache.path.name.removesuffix(".bin") + ".files.npy"]
+    assert [p.name for p in tmp_path.iterdir() if p != own_tree] == [ds.cache.path.name]  # one cache, no temp
+    assert sorted(_files(ds.cache.path)) == ["files.npy", "header.json", "images.bin", "labels.bin"]
     single = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "single", num_workers=0, progress=False)
-    assert ds.cache.path.read_bytes() == single.path.read_bytes()
+    assert _files(ds.cache.path) == _files(single.path)
 
 
 def test_a_stale_cache_is_named_then_replaced(own_tree, tmp_path):
     build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False)
-    [old] = tmp_path.glob("images-*.bin")
+    [old] = tmp_path.glob("images-*")
     images = sorted(own_tree.rglob("*.jpg"))
     os.utime(images[0], ns=(1, 10**18))  # an edited image
     extra = images[1].parent / "new_one.jpg"
@@ -120,15 +140,28 @@ def test_a_stale_cache_is_named_then_replaced(own_tree, tmp_path):
     other = make_image_folder(tmp_path / "other", classes=2, per_class=2, seed=9)
     build_image_cache(ImageFolderFast(other, size=64), tmp_path, num_workers=0, progress=False)
     build_image_cache(ds, tmp_path, num_workers=0, progress=False)
-    caches = sorted(tmp_path.glob("images-*.bin"))
-    assert len(caches) == 2 and old not in caches and not old.with_name(old.stem + ".files.npy").exists()
+    caches = sorted(tmp_path.glob("images-*"))
+    assert len(caches) == 2 and old not in caches and not old.exists()
 
 
-def test_opening_sweeps_the_temp_file_of_a_killed_build(own_tree, tmp_path):
-    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    temp = tmp_path / f".images-abc.bin.{int(dead.stdout)}.0badcafe.tmp"
-    temp.write_bytes(b"x" * 1000)
+def test_a_cache_of_the_old_single_file_format_is_named_then_replaced(own_tree, tmp_path):
+    """Format 1 was one file `images-<fp>.bin` (magic, JSON header padded to 4 KiB, data)."""
+    import json
+
+    legacy = tmp_path / "images-0123456789abcdef01234567.bin"
+    header = json.dumps({"version": 1, "fingerprint": "0" * 64, "count": 6, "side": 73, "root": str(own_tree)})
+    legacy.write_bytes(b"RCPIMG01" + header.encode().ljust(4088) + b"\0" * 1000)
+    with pytest.warns(UserWarning, match="images-0123456789abcdef01234567.bin was built from other inputs"):
+        ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+    assert not legacy.exists() and [p.name for p in tmp_path.iterdir() if p != own_tree] == [ds.cache.path.name]
+
+
+def test_opening_sweeps_the_temp_folder_of_a_killed_build(own_tree, tmp_path):
+    cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False)
+    temp = tmp_path / f".{cache.path.name}.{_host()}.{_dead_pid()}.0badcafe.tmp"
+    temp.mkdir()
+    (temp / "images.bin").write_bytes(b"x" * 1000)
     ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert not temp.exists()
 
@@ -161,7 +194,7 @@ def test_skip_build_stores_the_replacement_and_counts(own_tree, tmp_path):
     ds = ImageFolderFast(own_tree, size=64, on_error="skip")
     index = [p for p, _ in ds.samples].index(str(bad))
     cache = build_image_cache(ds, tmp_path, progress=False, num_workers=2)
-    assert cache.skipped == (index,) and cache.skipped_count == 1
+    assert cache.skipped == (index,)
     reopened = ImageFolderFast(own_tree, size=64, on_error="skip", cache_dir=tmp_path)
     assert reopened.skipped == 1
     replacement = ImageFolderFast(own_tree, size=64)[(index + 1) % len(ds)]
