@@ -93,7 +93,7 @@ def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
 
 
 def prepare_data(args, rank: int, world: int):
-    """The spectrogram cache: built by rank 0 from chunked windows, then opened by every rank."""
+    """The spectrogram cache of chunked windows, its features computed by every rank's share."""
     chunk = 1.0 if args.smoke else CHUNK_SECONDS
     if args.smoke:
         args.audio, args.cache = args.workdir / "audio", args.workdir / "mels"
@@ -105,10 +105,7 @@ def prepare_data(args, rank: int, world: int):
     barrier(world)
     windows = ChunkedAudioDataset(args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep")
     n_mels = 40 if args.smoke else 80
-    if rank == 0:
-        build_spectrogram_cache(windows, args.cache, n_mels=n_mels)
-    barrier(world)  # the other ranks find rank 0's cache (same fingerprint) and only open it
-    return build_spectrogram_cache(windows, args.cache, n_mels=n_mels, progress=False), n_mels
+    return build_spectrogram_cache(windows, args.cache, n_mels=n_mels, distributed=world > 1), n_mels
 
 
 def save_checkpoint(path: Path, **state) -> None:

@@ -161,7 +161,8 @@ class ShardedIterableDataset(IterableDataset):
 
     # ---- resuming ----------------------------------------------------------------------
     def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
-                     num_workers: int = 0, interleave: bool = False) -> ShardedIterableDataset:
+                     num_workers: int = 0, interleave: bool = False,
+                     world_size: int | None = None) -> ShardedIterableDataset:
         """A copy whose next epoch starts after the first `batches_done` batches that a
         DataLoader with these settings yields (`StatefulLoader` calls it).
 
@@ -173,9 +174,20 @@ class ShardedIterableDataset(IterableDataset):
         loader has another worker count, as after a `RobustLoader` step down), the copy yields
         the rest of the epoch in one process, as whole batches (lists) in the old order: read
         it with `batch_size=None` and the old collate function.
+
+        Elastic: `world_size` is the number of ranks of the interrupted epoch, when it differs
+        from this dataset's. Every old rank had done `batches_done` batches (DDP ranks step
+        together); this rank replays, in-process as with `interleave`, the rests of the old
+        ranks `r` with `r % world_size == rank` (2 -> 1: both; 4 -> 2: two each, so the new
+        ranks stay equal when the old count is a multiple of the new one).
         """
+        if world_size is not None and world_size != self.world_size:
+            if world_size <= 0:
+                raise ValueError(f"`world_size` must be positive, but is {world_size!r} instead.")
+            interleave = True
         resumed = copy.copy(self)
         resumed._resume = (int(batches_done), batch_size, bool(drop_last), max(1, int(num_workers)), interleave)
+        resumed._resume_world = world_size if world_size is not None else self.world_size
         return resumed
 
     def _resume_position(self, epoch: int) -> tuple[list[int], int]:
@@ -215,6 +227,13 @@ class ShardedIterableDataset(IterableDataset):
         epoch = self.epoch
         if not getattr(self, "_resume", None):
             yield from self._stream(epoch, worker, num_workers)
+            return
+        old_world = getattr(self, "_resume_world", self.world_size)
+        if old_world != self.world_size:  # other ranks than the interrupted epoch: replay their rests
+            for old_rank in range(self.rank, old_world, self.world_size):
+                former = copy.copy(self)
+                former.rank, former.world_size = old_rank, old_world
+                yield from former._interleaved(epoch, *former._resume_position(epoch))
             return
         skips, first = self._resume_position(epoch)
         workers = self._resume[3]

@@ -15,7 +15,9 @@ state at the start of the epoch is saved. An iterable dataset without `resume_af
 and discarded up to the resume point.
 
 The state is plain JSON: `{"version", "batches_yielded", "epoch_rng", "sampler_epoch",
-"num_workers"}`.
+"num_workers"}`, plus `"sampler"` (a `LengthBucketSampler`'s global position) and `"world_size"`
+(an iterable dataset's ranks) where they apply: these two make a resume elastic, from N ranks
+to M.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class StatefulLoader(DataLoader):
         self._epoch_rng: str | None = None
         self._resume_rng: str | None = None
         self._skip_workers: int | None = None  # the worker count of the interrupted epoch
+        self._skip_world: int | None = None  # its number of ranks
 
     # DataLoader's iterators read `_index_sampler` once, and again on each persistent reset.
     @property
@@ -73,10 +76,22 @@ class StatefulLoader(DataLoader):
         return _Counting(self, super().__iter__())
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the loop is: batches yielded in the current epoch (JSON-serialisable)."""
+        """Where the loop is: batches yielded in the current epoch (JSON-serialisable).
+
+        With a batch sampler that keeps its own global position (`LengthBucketSampler`), its
+        state for the batches the loop received is included, and resuming goes through it:
+        on another number of ranks too. An iterable dataset's `world_size` is recorded, so a
+        `ShardedIterableDataset` resumes on another number of ranks as well.
+        """
         epoch = getattr(self._epoch_holder(), "epoch", None)
-        return {"version": STATE_VERSION, "batches_yielded": int(self._yielded), "epoch_rng": self._epoch_rng,
-                "sampler_epoch": None if epoch is None else int(epoch), "num_workers": int(self.num_workers)}
+        state = {"version": STATE_VERSION, "batches_yielded": int(self._yielded), "epoch_rng": self._epoch_rng,
+                 "sampler_epoch": None if epoch is None else int(epoch), "num_workers": int(self.num_workers)}
+        sampler = self._positioned_sampler()
+        if sampler is not None:
+            state["sampler"] = sampler.state_dict(batches_done=int(self._yielded))
+        if isinstance(self.dataset, IterableDataset) and getattr(self.dataset, "world_size", None) is not None:
+            state["world_size"] = int(self.dataset.world_size)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resumes at the first batch not yielded when `state` was taken (on the next `iter`).
@@ -91,8 +106,25 @@ class StatefulLoader(DataLoader):
             holder.set_epoch(int(state["sampler_epoch"]))
         self._resume_rng = state.get("epoch_rng") if self.generator is not None else None
         self._skip_next = int(state["batches_yielded"])
+        sampler = self._positioned_sampler()
+        if sampler is not None and state.get("sampler") is not None:
+            sampler.load_state_dict(state["sampler"])  # the sampler resumes, on any number of ranks
+            self._skip_next = 0
         self._yielded = self._skip_next
         self._skip_workers = state.get("num_workers")
+        self._skip_world = state.get("world_size")
+
+    def _positioned_sampler(self):
+        """The batch sampler, when it saves its own global position (`state_dict(batches_done=)`)."""
+        import inspect
+
+        holder = self.batch_sampler
+        if not (hasattr(holder, "state_dict") and hasattr(holder, "load_state_dict")):
+            return None
+        try:
+            return holder if "batches_done" in inspect.signature(holder.state_dict).parameters else None
+        except (TypeError, ValueError):
+            return None
 
     def _epoch_holder(self):
         """What carries the epoch: the batch sampler, the sampler, or an iterable dataset."""
@@ -161,7 +193,13 @@ def _resumed_iterable(loader: StatefulLoader, skip: int):
                 break
         return iterator
     before = loader._skip_workers if loader._skip_workers is not None else loader.num_workers
-    loader._skip_workers = None
+    world = loader._skip_world
+    loader._skip_workers = loader._skip_world = None
+    if world is not None and world != getattr(dataset, "world_size", world):  # other ranks: replay here
+        rest = resume(skip, batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=before,
+                      interleave=True, world_size=world)
+        whole = loader.collate_fn if loader.batch_size is not None else None
+        return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
     if before != loader.num_workers:  # the epoch began with other workers: replay its order in-process
         rest = resume(skip, batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=before,
                       interleave=True)

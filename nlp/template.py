@@ -87,7 +87,7 @@ def build_model(vocab_size: int, smoke: bool) -> torch.nn.Module:
 
 
 def prepare_data(args, rank: int, world: int):
-    """(tokenizer, token cache): the cache is built by rank 0, then opened by every rank."""
+    """(tokenizer, token cache): the corpus is tokenized once, split over the ranks."""
     from transformers import AutoTokenizer
 
     if args.smoke:
@@ -101,11 +101,9 @@ def prepare_data(args, rank: int, world: int):
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
     barrier(world)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
-    if rank == 0:
-        build_token_cache(args.texts, tokenizer, args.cache, max_length=MAX_LENGTH, text_field=args.text_field)
-    barrier(world)  # the other ranks find rank 0's cache (same fingerprint) and only open it
+    # Every rank tokenizes its share of the batches; rank 0 joins them and publishes the cache.
     cache = build_token_cache(args.texts, tokenizer, args.cache, max_length=MAX_LENGTH, text_field=args.text_field,
-                              progress=False)
+                              distributed=world > 1)
     return tokenizer, cache
 
 

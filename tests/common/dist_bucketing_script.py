@@ -1,28 +1,80 @@
-"""Run under torchrun (2 processes, gloo): LengthBucketSampler takes the world from torch.distributed."""
+"""Run under torchrun (gloo), or plain python for one rank: LengthBucketSampler or
+ShardedIterableDataset through `make_loader` with 2 workers per rank and an all-reduce per step
+(a rank with fewer batches would hang the others). Modes: `epoch` (a whole epoch), `stop` (3
+steps, then rank 0 saves the loader state), `resume` (the rest of that epoch, on this world)."""
 
+import datetime
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
-from recipes.common import LengthBucketSampler
+from recipes.common import LengthBucketSampler, ShardedIterableDataset, make_loader
 
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-lengths = np.random.default_rng(0).integers(1, 300, 1001)
-sampler = LengthBucketSampler(lengths, max_tokens=1024, seed=7)  # no num_replicas / rank given
-assert (sampler.num_replicas, sampler.rank) == (world, rank)
-sampler.set_epoch(1)
-batches = list(sampler)
-gathered = [None] * world
-dist.all_gather_object(gathered, batches)
-if rank == 0:
-    counts = [len(b) for b in gathered]
-    seen = [i for rank_batches in gathered for b in rank_batches for i in b]
-    report = {"world": world, "counts": counts, "covered": sorted(set(seen)) == list(range(len(lengths))),
-              "extra": len(seen) - len(lengths)}
-    with open(sys.argv[1], "w") as f:
-        json.dump(report, f)
-dist.barrier()
-dist.destroy_process_group()
+LENGTHS = np.random.default_rng(0).integers(1, 300, 301)
+SHARDS = [13, 22, 30]  # samples per shard: fewer shards than 2 ranks x 2 workers, so sample ranges
+
+
+class Ids(Dataset):
+    def __len__(self):
+        return len(LENGTHS)
+
+    def __getitem__(self, i):
+        return i
+
+
+def read_shard(path, start, stop):
+    return [int(x) for x in Path(path).read_text().split()[start:stop]]
+
+
+def loader_for(kind, folder, world):
+    if kind == "bucket":
+        sampler = LengthBucketSampler(LENGTHS, max_tokens=1024, seed=7)  # the world from torch.distributed
+        sampler.set_epoch(1)
+        return make_loader(Ids(), batch_sampler=sampler, num_workers=2, collate_fn=torch.tensor), sampler
+    paths = [str(folder / f"s{k}.txt") for k in range(len(SHARDS))]
+    ds = ShardedIterableDataset(paths, read_shard, shard_lengths=SHARDS, seed=3)
+    ds.set_epoch(1)
+    return make_loader(ds, batch_size=4, num_workers=2), ds
+
+
+def main(kind, folder, mode):
+    folder = Path(folder)
+    distributed = "LOCAL_RANK" in __import__("os").environ
+    if distributed:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    loader, holder = loader_for(kind, folder, world)
+    assert (getattr(holder, "num_replicas", None) or holder.world_size) == world
+    if mode == "resume":
+        loader.load_state_dict(json.loads((folder / "state.json").read_text()))
+    seen = []
+    for step, batch in enumerate(loader):
+        if distributed:
+            total = torch.tensor([len(batch)])
+            dist.all_reduce(total)  # one collective per step, as DDP's gradient all-reduce
+        seen.append(batch.tolist())
+        if mode == "stop" and step == 2:
+            state = loader.state_dict()
+            break
+    gathered = [seen]
+    if distributed:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, seen)
+    if rank == 0:
+        (folder / f"{mode}.json").write_text(json.dumps({"world": world, "batches": gathered}))
+        if mode == "stop":
+            (folder / "state.json").write_text(json.dumps(state))
+        if kind == "bucket" and mode == "epoch":
+            (folder / "plan.json").write_text(json.dumps([b.tolist() for b in holder.global_batches(1)]))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

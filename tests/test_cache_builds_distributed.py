@@ -1,0 +1,64 @@
+"""build_token_cache and build_spectrogram_cache under torchrun (2 gloo processes, issue #11):
+the ranks split the work, rank 0 publishes folders byte-identical to single-process builds,
+and a rank that dies mid-build leaves nothing published (the next build sweeps its temp)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache
+from recipes.nlp import build_token_cache
+from recipes.testing import make_audio_files, make_text_corpus, train_tokenizer
+
+SCRIPT = Path(__file__).with_name("dist_cache_builds_script.py")
+
+
+@pytest.fixture
+def work(tmp_path):
+    texts = make_text_corpus(101, median_words=15, seed=3)
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    train_tokenizer(texts, vocab_size=500).save_pretrained(tmp_path / "tokenizer")
+    make_audio_files(tmp_path / "audio", seconds=[2.5, 1.2, 3.0], sample_rate=8000, seed=2)
+    return tmp_path
+
+
+def _torchrun(work, mode):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(SCRIPT), str(work), mode], capture_output=True, text=True, timeout=240)
+
+
+def _single_builds(work, out):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer", local_files_only=True)
+    tokens = build_token_cache(work / "texts.txt", tokenizer, out / "tokens", batch_size=7, progress=False)
+    audio = ChunkedAudioDataset(sorted(map(str, (work / "audio").iterdir())), chunk_seconds=1.0, last_chunk="keep")
+    features = build_spectrogram_cache(audio, out / "features", n_mels=32, num_workers=0, progress=False)
+    return tokens, features
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_distributed_builds_equal_single_process_builds(work):
+    out = _torchrun(work, "ok")
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens, features = _single_builds(work, work / "single")
+    assert features.header["layout"] == "ragged"  # windows of unequal length: the harder join
+    for name in ("tokens", "features"):
+        assert _files(work / "split" / name) == _files(work / "single" / name), name
+    assert sorted(p.name for p in (work / "split").iterdir()) == ["features", "tokens"]  # no temp left
+
+
+@pytest.mark.parametrize("domain", ["nlp", "audio"])
+def test_a_rank_that_dies_mid_build_publishes_nothing(work, domain):
+    out = _torchrun(work, f"die-{domain}")
+    assert out.returncode != 0
+    published = {p.name for p in (work / "split").iterdir() if not p.name.startswith(".")}
+    assert published == ({"tokens"} if domain == "audio" else set())  # the build that died is not there
+    tokens, features = _single_builds(work, work / "split")  # the next build sweeps the dead temp
+    assert len(features) and len(tokens)
+    assert sorted(p.name for p in (work / "split").iterdir()) == ["features", "tokens"]
