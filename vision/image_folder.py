@@ -60,15 +60,23 @@ from recipes.common.storage import (
     sweep_dead_temps,
     write_synced,
 )
-from recipes.vision import decode as pixels
 from recipes.vision.decode import (
+    CROP_PCT,
+    RATIO,
+    SCALE,
     ImageDecodeError,
+    cache_tier_box,
     dct_reduction,
     decode_image,
+    eval_box,
     new_uint8_batch,
+    random_resized_box,
+    resize_side,
     resize_uint8,
+    scale_box,
     trim_heap,
 )
+from recipes.vision.decode import read_header as read_image_header
 
 FORMAT = "recipes-image-cache"
 FORMAT_VERSION = 2
@@ -99,9 +107,9 @@ class ImageFolderFast(Dataset):
         >>> image, target = ds[0]  # uint8 [3, 224, 224]
     """
 
-    CROP_PCT = pixels.CROP_PCT
-    SCALE = pixels.SCALE
-    RATIO = pixels.RATIO
+    CROP_PCT = CROP_PCT
+    SCALE = SCALE
+    RATIO = RATIO
 
     def __init__(
         self,
@@ -251,15 +259,15 @@ class ImageFolderFast(Dataset):
                 data = f.read()
         except OSError as error:
             raise ImageDecodeError(f"image {path!r} (index {index}) cannot be read: {error}") from None
-        return path, data, pixels.read_header(data, path=path, index=index)
+        return path, data, read_image_header(data, path=path, index=index)
 
     def _output_image(self, index: int) -> tuple[torch.Tensor, int]:
         path, data, header = self._read(index)
         out = self.resolution
         if self.train:
-            box = pixels.random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
+            box = random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
         else:
-            box = pixels.eval_box(header.height, header.width, out, self.CROP_PCT)
+            box = eval_box(header.height, header.width, out, self.CROP_PCT)
         image = self._decode_box(data, header, box, out, path, index)
         return self._finish(resize_uint8(image, out)), int(self._targets[index])
 
@@ -269,7 +277,7 @@ class ImageFolderFast(Dataset):
         decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index)
         h, w = decoded.shape[:2]
         if (h, w) != (header.height, header.width):
-            box = pixels.scale_box(box, h / header.height, w / header.width, h, w)
+            box = scale_box(box, h / header.height, w / header.width, h, w)
         top, left, bh, bw = box
         return decoded[top : top + bh, left : left + bw]
 
@@ -277,7 +285,7 @@ class ImageFolderFast(Dataset):
         """`([S, S, 3] uint8, target)` at the cache geometry."""
         path, data, header = self._read(index)
         side = self.cache_side
-        box = pixels.cache_tier_box(header.height, header.width, self.size, self.CROP_PCT)
+        box = cache_tier_box(header.height, header.width, self.size, self.CROP_PCT)
         image = self._decode_box(data, header, box, (side, side), path, index)
         array = resize_uint8(image, (side, side)).permute(1, 2, 0).contiguous().numpy()
         return array, int(self._targets[index])
@@ -286,7 +294,7 @@ class ImageFolderFast(Dataset):
     @property
     def cache_side(self) -> int:
         """S of the cache: the eval resize side of the constructor's `size` (224 -> 256)."""
-        return pixels.resize_side(self.size, self.CROP_PCT)
+        return resize_side(self.size, self.CROP_PCT)
 
     def cache_fingerprint(self) -> str:
         """sha256 of the inputs: relative paths, sizes, mtimes, targets, S and decode settings."""
@@ -345,7 +353,7 @@ class ImageFolderFast(Dataset):
         out = self.resolution
         side = array.shape[0]
         if self.train:
-            box = pixels.random_resized_box(side, side, self._generator(), self.SCALE, self.RATIO)
+            box = random_resized_box(side, side, self._generator(), self.SCALE, self.RATIO)
         else:  # the tier's inner `size` crop is the eval crop; other resolutions resize it
             h, w = self.size
             box = (int(round((side - h) / 2.0)), int(round((side - w) / 2.0)), h, w)
