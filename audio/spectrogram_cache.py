@@ -241,7 +241,7 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.Pa
     fingerprint = cache_fingerprint(dataset, settings)
     target = Path(cache_dir)
     build = FolderBuild(target, distributed=distributed)
-    if build.needed(lambda: _is_valid(target, fingerprint)):
+    if build.needed(lambda: SpectrogramCache.open(target, fingerprint=fingerprint), SpectrogramCacheError):
         block = build.block(len(dataset))
         loader = build_loader(_Features(dataset, settings, block), num_workers=num_workers, batch_size=8,
                               collate_fn=_identity)
@@ -272,11 +272,3 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.Pa
                           "count": len(dataset), "total_frames": int(offsets[-1]), "layout": layout, **settings}
             build.publish(header)
     return SpectrogramCache.open(target, fingerprint=fingerprint)
-
-
-def _is_valid(path: Path, fingerprint: str) -> bool:
-    try:
-        SpectrogramCache.open(path, fingerprint=fingerprint)
-    except SpectrogramCacheError:
-        return False
-    return True

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.common.storage import fsync_dir, pid_alive
+from recipes.common.storage import fsync_path, pid_alive
 
 _ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 _TEMP = re.compile(r"^\.tmp\.(\d+)\.[0-9a-f]+\.(\d+)\.[0-9a-f]+$")
@@ -201,7 +201,7 @@ class PrefetchCache:
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
-                fsync_dir(self.dir)
+                fsync_path(self.dir)
                 return
             except BaseException as error:
                 if tmp is not None:

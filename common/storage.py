@@ -173,9 +173,9 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def fsync_dir(folder: Path) -> None:
-    """Makes a rename inside `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Makes a file's data durable, or for a folder, the renames inside it."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -185,13 +185,13 @@ def fsync_dir(folder: Path) -> None:
 def replace_dir(new: Path, target: Path) -> None:
     """Moves the complete folder `new` to `target`. An old `target` is moved aside first and
     deleted after, so a reader sees the old folder, none, or the new one, never a mix."""
-    fsync_dir(new)
+    fsync_path(new)
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
     os.replace(new, target)
-    fsync_dir(target.parent)
+    fsync_path(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -313,7 +313,7 @@ class FolderBuild:
 
     Example:
         >>> build = FolderBuild(cache_dir, distributed=True)
-        >>> if build.needed(lambda: is_valid(cache_dir)):
+        >>> if build.needed(lambda: MyCache.open(cache_dir, fingerprint=fp), MyCacheError):
         ...     with build:
         ...         for i in build.block(n): ...write to build.part("data.bin")...
         ...         build.concat("data.bin")
@@ -326,9 +326,17 @@ class FolderBuild:
         self.path: Path | None = None
         self._published = False
 
-    def needed(self, valid: Callable[[], bool]) -> bool:
-        """Whether to build: rank 0 runs `valid()` and every rank gets its answer."""
-        return not self._from_rank_0(valid() if self.rank == 0 else None)
+    def needed(self, open_cache: Callable[[], object], error: type[Exception]) -> bool:
+        """Whether to build: rank 0 tries `open_cache()`, which raises `error` for a missing,
+        stale or damaged cache, and every rank gets the answer."""
+        answer = None
+        if self.rank == 0:
+            try:
+                open_cache()
+                answer = False
+            except error:
+                answer = True
+        return self._from_rank_0(answer)
 
     def __enter__(self) -> FolderBuild:
         where = None

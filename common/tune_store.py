@@ -62,7 +62,7 @@ def _path(dataset, res=None) -> Path:
 
 def save_tuned(dataset, settings: dict[str, Any], measured: dict[str, Any]) -> Path:
     """Stores `settings` for `dataset` on this machine (atomically: temp file, fsync, rename)."""
-    from recipes.common.storage import fsync_dir, write_synced
+    from recipes.common.storage import fsync_path, write_synced
 
     path = _path(dataset)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def save_tuned(dataset, settings: dict[str, Any], measured: dict[str, Any]) -> P
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     write_synced(tmp, json.dumps(record, indent=1).encode())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
 
 

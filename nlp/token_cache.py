@@ -216,7 +216,7 @@ def build_token_cache(
                                     add_special_tokens=add_special_tokens)
     target = Path(cache_dir)
     build = FolderBuild(target, distributed=distributed)
-    if build.needed(lambda: _is_valid(target, fingerprint)):
+    if build.needed(lambda: TokenCache.open(target, fingerprint=fingerprint), TokenCacheError):
         dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32).newbyteorder("<")
         with build, tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar:
             _write_part(source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar)
@@ -230,14 +230,6 @@ def build_token_cache(
                            "vocab_size": len(tokenizer), "tokenizer": type(tokenizer).__name__,
                            "source": source.describe()})
     return TokenCache.open(target, fingerprint=fingerprint)
-
-
-def _is_valid(path: Path, fingerprint: str) -> bool:
-    try:
-        TokenCache.open(path, fingerprint=fingerprint)
-    except TokenCacheError:
-        return False
-    return True
 
 
 def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool):

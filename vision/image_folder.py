@@ -55,6 +55,7 @@ from recipes.common.storage import (
     PackedStrings,
     build_loader,
     check_size,
+    fsync_path,
     read_header,
     resolve_index,
     sweep_dead_temps,
@@ -497,7 +498,7 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
     fingerprint, _, table = dataset._cache_inputs()
     target = ImageCache.folder_for(cache_dir, fingerprint)
     build = FolderBuild(target, distributed=distributed)
-    if build.needed(lambda: _is_valid(target, fingerprint)):
+    if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint), ImageCacheError):
         n, side = len(dataset), dataset.cache_side
         with build:
             if build.rank == 0:
@@ -513,7 +514,7 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
             build.concat("labels.bin")
             skipped = sorted(i for part in build.gather(skipped) for i in part)
             if build.rank == 0:
-                _fsync_file(build.path / "images.bin")
+                fsync_path(build.path / "images.bin")
                 with open(build.path / "files.npy", "wb") as f:
                     np.save(f, table, allow_pickle=False)
             build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": n,
@@ -524,22 +525,6 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
     cache = ImageCache.open(target, fingerprint=fingerprint)
     dataset._serve(cache)
     return cache
-
-
-def _is_valid(path: Path, fingerprint: str) -> bool:
-    try:
-        ImageCache.open(path, fingerprint=fingerprint)
-    except ImageCacheError:
-        return False
-    return True
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _CacheItems:

@@ -78,7 +78,10 @@ def test_a_folder_build_publishes_whole_or_not_at_all(tmp_path):
 
     target = tmp_path / "cache"
     build = FolderBuild(target)
-    assert build.needed(lambda: False) and not FolderBuild(target).needed(lambda: True)
+    def missing():
+        raise KeyError("no cache")
+
+    assert build.needed(missing, KeyError) and not FolderBuild(target).needed(lambda: None, KeyError)
     with pytest.raises(RuntimeError, match="disk on fire"), build:
         (build.path / "data.bin").write_bytes(b"half")
         raise RuntimeError("disk on fire")
