@@ -1,5 +1,6 @@
 """The copy-and-adapt templates run as printed: with python, under torchrun (2 gloo processes),
-and a killed-and-resumed run trains on the same samples as an uninterrupted one."""
+and a killed-and-resumed run trains on the same samples as an uninterrupted one, also when it
+resumes on fewer ranks (nlp: 2 -> 1)."""
 
 import collections
 import os
@@ -60,3 +61,7 @@ def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, tmp_path):
     assert sum(_samples(tmp_path / "crashed").values()) < sum(_samples(tmp_path / "whole").values())
     _run(script, "--workdir", "crashed", "--log-samples", ranks=ranks)  # resumes from its checkpoint
     assert _samples(tmp_path / "crashed") == _samples(tmp_path / "whole")
+    if domain == "nlp":  # elastic: crashed on 2 ranks, resumed on 1 (LengthBucketSampler's global position)
+        _run(script, "--workdir", "elastic", "--log-samples", "--stop-after", "3", ranks=2)
+        _run(script, "--workdir", "elastic", "--log-samples", ranks=1)
+        assert _samples(tmp_path / "elastic") == _samples(tmp_path / "whole")
