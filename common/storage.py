@@ -268,18 +268,30 @@ class LazyMap:
             self._pid = os.getpid()
         return self._array
 
-    def read_into(self, out: np.ndarray, offset: int) -> np.ndarray:
-        """Copies `out.nbytes` bytes from byte `offset` into `out` (C-contiguous) with one
-        `preadv`: a kernel copy from the page cache, no page faults in a fresh worker."""
+    def read_into(self, out, offset: int):
+        """Copies bytes from byte `offset` into `out` (a C-contiguous array, or a list of them
+        filled in turn) with one `preadv`: a kernel copy from the page cache, no page faults
+        in a fresh worker. Returns `out`."""
         self.array  # noqa: B018 (the per-process reopen)
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        if os.preadv(self._fd, [out], offset) != out.nbytes:
-            raise OSError(f"short read from {self.path} at byte {offset}: the cache file shrank; rebuild it.")
+        buffers = out if isinstance(out, list) else [out]
+        wanted = sum(b.nbytes for b in buffers)
+        done = 0
+        while done < wanted:  # at most IOV_MAX buffers per call
+            chunk = buffers[: _IOV_MAX]
+            got = os.preadv(self._fd, chunk, offset + done)
+            if got != sum(b.nbytes for b in chunk):
+                raise OSError(f"short read from {self.path} at byte {offset + done}: the cache file shrank; "
+                              "rebuild it.")
+            done, buffers = done + got, buffers[_IOV_MAX:]
         return out
 
     def __getstate__(self):
         return {**self.__dict__, "_pid": None, "_array": None, "_fd": None}
+
+
+_IOV_MAX = 1024
 
 
 def sweep_dead_temps(folder: Path, name: str) -> int:

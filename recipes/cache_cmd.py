@@ -41,7 +41,7 @@ def run_vision(args: argparse.Namespace) -> int:
     dataset = ImageFolderFast(args.root, size=args.size, on_error="skip" if args.skip_bad else "raise")
     cache = build_image_cache(dataset, args.cache_dir, num_workers=args.workers, progress=True)
     skipped = f", {len(cache.skipped)} bad images replaced" if cache.skipped else ""
-    print(f"{cache.path}: {cache.count} images at {cache.side}x{cache.side}{skipped}")
+    print(f"{cache.path}: {cache.count} images, longer side at most {cache.max_side}{skipped}")
     return 0
 
 

@@ -268,21 +268,6 @@ def eval_box(height: int, width: int, size: tuple[int, int], crop_pct: float = C
     return _clip_box(top * sy, left * sx, size[0] * sy, size[1] * sx, height, width)
 
 
-def cache_tier_box(height: int, width: int, size: tuple[int, int], crop_pct: float = CROP_PCT) -> Box:
-    """The source box of a cache tier: a `side x side` square of the eval-resized image
-    (side = `resize_side(size)`), placed so that the eval crop taken from its centre
-    (`eval_box(side, side, size)`) is exactly the eval crop of the full image. A plain centre
-    square would be off by a pixel whenever the two centrings round differently.
-    """
-    side = resize_side(size, crop_pct)
-    new_h, new_w = _resized(height, width, side)
-    sy, sx = height / new_h, width / new_w
-    top = int(round((new_h - size[0]) / 2.0)) - int(round((side - size[0]) / 2.0))
-    left = int(round((new_w - size[1]) / 2.0)) - int(round((side - size[1]) / 2.0))
-    top, left = min(max(top, 0), new_h - side), min(max(left, 0), new_w - side)
-    return _clip_box(top * sy, left * sx, side * sy, side * sx, height, width)
-
-
 def _resized(height: int, width: int, side: int) -> tuple[int, int]:
     """torchvision's `Resize(side)` output size: shorter side to `side`, longer truncated."""
     if height <= width:

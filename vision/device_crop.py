@@ -5,17 +5,18 @@ A DataLoader moves each batch through a fresh shared-memory segment (created and
 the worker, mapped and faulted in again by the pin-memory thread, then unmapped): for 256
 images at 224 px that is 38 MB and ~9,400 page faults per batch on the main-process side,
 whatever the worker count. On a 16-core H200 node the warm cache stayed at 3,500 img/s with 4
-or 12 workers. Here threads of the main process `preadv` each cached `[S, S, 3]` image
-straight from the page cache into a reused (pinned, with CUDA) batch buffer, one copy moves
-it to the device, and random-resized-crop, resize, flip and normalisation run there for the
+or 12 workers. Here threads of the main process `preadv` each cached image straight from the
+page cache into the corner of a reused `[M, M, 3]` slot (M = the cache's `max_side`) of a
+(pinned, with CUDA) batch buffer, one copy moves it to the device, and random-resized-crop
+(over each whole image, as torchvision's), resize, flip and normalisation run there for the
 whole batch (`torchvision.ops.roi_align`: bilinear with area averaging when shrinking).
-Cost: per image one `preadv` of S*S*3 bytes (196 KB at S=256) in a thread (the GIL is
-released during the read); per batch one host-to-device copy and four kernels. No IPC, no
+Cost: per image one `preadv` of h*w*3 bytes in a thread (the GIL is released during the
+read); per batch one host-to-device copy of B*M*M*3 bytes and four kernels. No IPC, no
 per-batch allocation on the host, no pickling.
 Adapt here: `MEAN`/`STD`, `threads`, or subclass and override `boxes` for other crops.
-Trade-off: the whole cached square crosses to the device (S*S instead of size*size bytes per
-image, 1.3x at 224/256); crops come from the cache's square, as with the cached CPU path.
-Pixels match the CPU path's `resize_uint8` within ~0.3 grey levels on average.
+Trade-off: whole padded slots cross to the device (M*M instead of size*size bytes per image,
+4x at max_side = 2 x size). Pixels match the CPU path's `resize_uint8` within ~0.3 grey
+levels on average.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from recipes.vision.decode import random_resized_box
+from recipes.vision.decode import eval_box, random_resized_box
 from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD
 
 
@@ -109,7 +110,7 @@ class DeviceCropLoader:
             batches.pop()
         cache = self.dataset.cache
         labels = np.asarray(cache.labels)  # opens the cache file in this process before the threads do
-        buffers = [_Buffer(self.batch_size, cache.side, self.device) for _ in range(self.threads + 1)]
+        buffers = [_Buffer(self.batch_size, cache.max_side, self.device) for _ in range(self.threads + 1)]
         pending: collections.deque = collections.deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="device-crop") as pool:
             for k, indices in enumerate(batches):
@@ -127,26 +128,26 @@ class DeviceCropLoader:
         images = buffer.host[:n].to(self.device, non_blocking=True)
         buffer.mark_in_use()
         rng = np.random.default_rng([self.seed, self.epoch, k])
-        boxes, flips = self.boxes(n, self.dataset.cache.side, rng)
+        boxes, flips = self.boxes(self.dataset.cache.shapes[indices], rng)
         out = crop_resize(images, boxes, self.dataset.resolution, flips)
         out = torch.addcmul(self._shift, out, self._scale).to(self.dtype)
         targets = torch.from_numpy(labels[indices]).to(self.device, non_blocking=True)
         return out.contiguous(memory_format=torch.channels_last), targets
 
-    def boxes(self, n: int, side: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """`(int [n, 4] top/left/height/width boxes in the cached square, bool [n] flips)`: the
-        dataset's random-resized-crop and flip for `train`, else its eval crop."""
+    def boxes(self, shapes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """`(int [n, 4] top/left/height/width boxes, bool [n] flips)` for images of `shapes`
+        (`[n, 2]` h, w): the dataset's random-resized-crop and flip for `train`, else its eval
+        crop at the current resolution."""
         ds = self.dataset
         if ds.train:
-            boxes = np.array([random_resized_box(side, side, rng, ds.SCALE, ds.RATIO) for _ in range(n)])
-            return boxes, rng.random(n) < 0.5
-        h, w = ds.size  # the cache tier's inner `size` square is the eval crop (as ImageFolderFast)
-        box = (int(round((side - h) / 2.0)), int(round((side - w) / 2.0)), h, w)
-        return np.array([box] * n), np.zeros(n, bool)
+            boxes = np.array([random_resized_box(int(h), int(w), rng, ds.SCALE, ds.RATIO) for h, w in shapes])
+            return boxes, rng.random(len(shapes)) < 0.5
+        out = ds.resolution
+        return np.array([eval_box(int(h), int(w), out, ds.CROP_PCT) for h, w in shapes]), np.zeros(len(shapes), bool)
 
 
 def crop_resize(images: torch.Tensor, boxes: np.ndarray, out: tuple[int, int], flips: np.ndarray) -> torch.Tensor:
-    """Crops `boxes` (top, left, height, width) of `uint8 [B, S, S, 3]` images and resizes each
+    """Crops `boxes` (top, left, height, width) of `uint8 [B, M, M, 3]` images and resizes each
     to `out`, on the images' device: `float [B, 3, H, W]` in 0..255, rounded like a uint8 resize."""
     from torchvision.ops import roi_align
 
@@ -163,7 +164,15 @@ def crop_resize(images: torch.Tensor, boxes: np.ndarray, out: tuple[int, int], f
 
 def _read(cache, indices: np.ndarray, host: torch.Tensor) -> None:
     for row, index in enumerate(indices):
-        cache.read_into(int(index), host[row].numpy())
+        slot = host[row].numpy()
+        h, w = cache.read_padded(int(index), slot)
+        # Replicate the last column and row: bilinear samples at a crop's far edge reach one
+        # pixel past the image, which must be the edge (as at a real border), not the slot's
+        # stale bytes from another image.
+        if w < slot.shape[1]:
+            slot[:h, w] = slot[:h, w - 1]
+        if h < slot.shape[0]:
+            slot[h, : w + 1] = slot[h - 1, : w + 1]
 
 
 class _Buffer:

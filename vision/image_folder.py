@@ -20,19 +20,23 @@ hangs with no error (pytorch#1355, #45198). `recipes.common.worker_init` (instal
 The index (paths, targets) is held in `PackedStrings` and numpy arrays: no per-sample Python
 objects for forked workers to copy on read.
 
-The decoded cache (`build_image_cache`): every image decoded once, at the eval resize side S
-(shorter side to S, a centred S x S square), into one uint8 file; warm epochs read
-`[S, S, 3]` arrays from the page cache. `N * S * S * 3` bytes of disk (196 KB per image at
-S=256: 250 GB for ImageNet-1k, so use it for subsets, smaller S, or fast local NVMe). Random
-crops cannot reach the far ends of the longer side (as in FFCV's `max_resolution` stores).
+The decoded cache (`build_image_cache`): every image decoded once and stored whole, its aspect
+kept and its longer side at most `max_side` (FFCV's `max_resolution`; default 2 x size), in one
+uint8 file of variable-size records. Train crops are drawn over the whole stored image, so they
+follow torchvision's `RandomResizedCrop` on the original (scale and ratio relative to its area
+and aspect) and reach its borders; eval crops come from the same record. Only a crop's rows
+are read. About `max_side^2 * 3 * 0.75` bytes per 4:3 image (450 KB at 448: use local NVMe,
+or a smaller `max_side` for large datasets).
 Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.storage` protocol):
-  header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count", "side",
-                 "skipped", "root"}
+  header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count",
+                 "max_side", "skipped", "root"}
   labels.bin    int64 x N
-  images.bin    uint8 x N x S x S x 3
+  shapes.bin    int32 x N x 2 (h, w of each stored image)
+  offsets.bin   int64 x (N + 1): image i is bytes offsets[i]:offsets[i + 1], [h, w, 3] uint8
+  images.bin    the images back to back
   files.npy     per input file: path hash, size, mtime (names what changed in a stale cache)
-The fingerprint covers the relative paths, sizes, mtimes, targets, S and decode settings; a
-cache built from other inputs is never served: a warning names the changed files.
+The fingerprint covers the relative paths, sizes, mtimes, targets, `max_side` and decode
+settings; a cache built from other inputs is never served: a warning names the changed files.
 
 Copy this file with `recipes/common/storage.py` and `recipes/vision/decode.py`.
 """
@@ -55,7 +59,6 @@ from recipes.common.storage import (
     PackedStrings,
     build_loader,
     check_size,
-    fsync_path,
     read_header,
     resolve_index,
     sweep_dead_temps,
@@ -66,13 +69,11 @@ from recipes.vision.decode import (
     RATIO,
     SCALE,
     ImageDecodeError,
-    cache_tier_box,
     dct_reduction,
     decode_image,
     eval_box,
     new_uint8_batch,
     random_resized_box,
-    resize_side,
     resize_uint8,
     scale_box,
     trim_heap,
@@ -80,7 +81,7 @@ from recipes.vision.decode import (
 from recipes.vision.decode import read_header as read_image_header
 
 FORMAT = "recipes-image-cache"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _BUILD_HINT = "build_image_cache() or `recipes cache vision`"
 
 
@@ -98,6 +99,8 @@ class ImageFolderFast(Dataset):
         transform: a callable on the uint8 tensor, applied last.
         on_error: `"raise"` an `ImageDecodeError` for a bad file, or `"skip"` it: the item is
             replaced by the next good one (deterministically) and counted in `skipped`.
+        max_side: the decoded cache stores each whole image, aspect kept, with its longer side
+            at most this (FFCV's `max_resolution`); default 2 x the larger side of `size`.
 
     Raises:
         FileNotFoundError: no class folders or no valid files (torchvision's errors).
@@ -123,6 +126,7 @@ class ImageFolderFast(Dataset):
         is_valid_file: Callable[[str], bool] | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         on_error: Literal["raise", "skip"] = "raise",
+        max_side: int | None = None,
     ):
         from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
@@ -130,6 +134,10 @@ class ImageFolderFast(Dataset):
             raise ValueError(f"`on_error` must be 'raise' or 'skip', but is {on_error!r} instead.")
         self.root = os.fspath(root)
         self.size = _as_size(size)
+        self.max_side = 2 * max(self.size) if max_side is None else max_side
+        if not isinstance(self.max_side, int) or self.max_side < max(self.size):
+            raise ValueError(f"`max_side` must be an int of at least the output side {max(self.size)}, but is "
+                             f"{max_side!r} instead.")
         self.train = train
         self.transform = transform
         self.on_error = on_error
@@ -212,29 +220,23 @@ class ImageFolderFast(Dataset):
         indices = [self._check_index(i) for i in indices]
         labels = self.cache.labels[indices]
         if self.transform is not None:  # the transform may change shapes: separate tensors
-            arrays = self.cache.read_batch(indices)
-            return [self._cached_item(a, int(t)) for a, t in zip(arrays, labels, strict=True)]
-        out_h, out_w = self.resolution
-        batch = new_uint8_batch(len(indices), 3, out_h, out_w)
-        scratch = self._scratch()
-        side = self.cache.side
-        pure_crop = not self.train and (out_h, out_w) == self.size
-        for row, index in enumerate(indices):
-            if pure_crop:  # read only the crop's rows, copy only its columns
-                top, left = int(round((side - out_h) / 2.0)), int(round((side - out_w) / 2.0))
-                rows = self.cache.read_into(index, scratch[:out_h], first_row=top)
-                batch[row].copy_(torch.from_numpy(rows[:, left : left + out_w]).permute(2, 0, 1))
-            else:
-                image, _ = self._cached_item(self.cache.read_into(index, scratch), 0)
-                batch[row].copy_(image)
-        return [(batch[row], int(t)) for row, t in enumerate(labels)]
+            items = [(self._cached_item(i), int(t)) for i, t in zip(indices, labels, strict=True)]
+        else:
+            out_h, out_w = self.resolution
+            batch = new_uint8_batch(len(indices), 3, out_h, out_w)
+            for row, index in enumerate(indices):
+                batch[row].copy_(self._cached_item(index))
+            items = [(batch[row], int(t)) for row, t in enumerate(labels)]
+        trim_heap()
+        return items
 
-    def _scratch(self) -> np.ndarray:
-        """A per-process `[S, S, 3]` read buffer (never handed out: items are copied from it)."""
-        if getattr(self, "_scratch_pid", None) != os.getpid():
-            self._scratch_buf = np.empty((self.cache.side, self.cache.side, 3), np.uint8)
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """A per-process read buffer of at least `nbytes` (never handed out: crops are resized
+        out of it)."""
+        if getattr(self, "_scratch_pid", None) != os.getpid() or self._scratch_buf.nbytes < nbytes:
+            self._scratch_buf = np.empty(max(nbytes, self.max_side * self.max_side * 3), np.uint8)
             self._scratch_pid = os.getpid()
-        return self._scratch_buf
+        return self._scratch_buf[:nbytes]
 
     def _check_index(self, index) -> int:
         return resolve_index(index, len(self), f"the {len(self)} images under {self.root}")
@@ -283,20 +285,16 @@ class ImageFolderFast(Dataset):
         return decoded[top : top + bh, left : left + bw]
 
     def _cache_image(self, index: int) -> tuple[np.ndarray, int]:
-        """`([S, S, 3] uint8, target)` at the cache geometry."""
+        """`([h, w, 3] uint8, target)`: the whole image, its longer side at most `max_side`."""
         path, data, header = self._read(index)
-        side = self.cache_side
-        box = cache_tier_box(header.height, header.width, self.size, self.CROP_PCT)
-        image = self._decode_box(data, header, box, (side, side), path, index)
-        array = resize_uint8(image, (side, side)).permute(1, 2, 0).contiguous().numpy()
-        return array, int(self._targets[index])
+        h, w = stored_shape(header.height, header.width, self.max_side)
+        decoded = decode_image(data, reduce=dct_reduction((header.height, header.width), (h, w)), header=header,
+                               path=path, index=index)
+        if decoded.shape[:2] != (h, w):
+            decoded = resize_uint8(decoded, (h, w)).permute(1, 2, 0).numpy()
+        return np.ascontiguousarray(decoded), int(self._targets[index])
 
     # ---- the decoded cache ------------------------------------------------------------
-    @property
-    def cache_side(self) -> int:
-        """S of the cache: the eval resize side of the constructor's `size` (224 -> 256)."""
-        return resize_side(self.size, self.CROP_PCT)
-
     def cache_fingerprint(self) -> str:
         """sha256 of the inputs: relative paths, sizes, mtimes, targets, S and decode settings."""
         return self._cache_inputs()[0]
@@ -308,8 +306,7 @@ class ImageFolderFast(Dataset):
         import cv2
 
         digest = hashlib.sha256()
-        settings = (f"v{FORMAT_VERSION}|S={self.cache_side}|size={self.size}|crop=tier|resize=bilinear-aa"
-                    f"|cv2={cv2.__version__}")
+        settings = f"v{FORMAT_VERSION}|max_side={self.max_side}|resize=bilinear-aa|cv2={cv2.__version__}"
         digest.update(settings.encode())
         rels, sizes, mtimes = [], [], []
         for path, target in zip(self._paths, self._targets.tolist(), strict=True):
@@ -348,18 +345,21 @@ class ImageFolderFast(Dataset):
             self._bad[i] = 1
 
     def _from_cache(self, index: int) -> tuple[torch.Tensor, int]:
-        return self._cached_item(self.cache.read_batch([index])[0], int(self.cache.labels[index]))
+        return self._cached_item(index), int(self.cache.labels[index])
 
-    def _cached_item(self, array: np.ndarray, target: int) -> tuple[torch.Tensor, int]:
+    def _cached_item(self, index: int) -> torch.Tensor:
+        """The output crop of cached image `index`: only the crop's rows are read."""
+        h, w = (int(v) for v in self.cache.shapes[index])
         out = self.resolution
-        side = array.shape[0]
-        if self.train:
-            box = random_resized_box(side, side, self._generator(), self.SCALE, self.RATIO)
-        else:  # the tier's inner `size` crop is the eval crop; other resolutions resize it
-            h, w = self.size
-            box = (int(round((side - h) / 2.0)), int(round((side - w) / 2.0)), h, w)
-        top, left, bh, bw = box
-        return self._finish(resize_uint8(array[top : top + bh, left : left + bw], out)), target
+        if self.train:  # relative to the whole image: torchvision's distribution on the original
+            top, left, bh, bw = random_resized_box(h, w, self._generator(), self.SCALE, self.RATIO)
+        else:
+            top, left, bh, bw = eval_box(h, w, out, self.CROP_PCT)
+        rows = self.cache.read_rows(index, top, bh, self._scratch(bh * w * 3).reshape(bh, w, 3))
+        image = resize_uint8(rows[:, left : left + bw], out)
+        if (bh, bw) == tuple(out):  # a view of the scratch buffer, which the next read reuses
+            image = image.clone()
+        return self._finish(image)
 
     # ---- shared tail ------------------------------------------------------------------
     def _finish(self, image: torch.Tensor) -> torch.Tensor:
@@ -399,17 +399,28 @@ class ImageCacheError(ValueError):
     """A decoded-image cache that is missing, truncated, corrupt or built from other inputs."""
 
 
-class ImageCache:
-    """An opened, validated decoded-image cache folder; its files are mapped lazily per process."""
+def stored_shape(height: int, width: int, max_side: int) -> tuple[int, int]:
+    """The cached size of a `height x width` image: aspect kept, longer side at most `max_side`."""
+    scale = min(1.0, max_side / max(height, width))
+    return max(1, round(height * scale)), max(1, round(width * scale))
 
-    def __init__(self, path: Path, header: dict):
+
+class ImageCache:
+    """An opened, validated decoded-image cache folder; its files are mapped lazily per process.
+
+    Image `i` is `shapes[i]` = (h, w) pixels, stored as `uint8 [h, w, 3]` at byte `offsets[i]`
+    of `images.bin`.
+    """
+
+    def __init__(self, path: Path, header: dict, shapes: np.ndarray, offsets: np.ndarray):
         self.path, self.header = Path(path), header
-        self.count, self.side = int(header["count"]), int(header["side"])
+        self.count, self.max_side = int(header["count"]), int(header["max_side"])
         self.fingerprint: str = header["fingerprint"]
         self.skipped: tuple[int, ...] = tuple(header["skipped"])
-        # copy-on-write maps: writable views for torch.from_numpy; the files are never written
+        self.shapes, self.offsets = shapes, offsets
+        # copy-on-write: writable views for torch.from_numpy; the file is never written
         self._labels = LazyMap(self.path / "labels.bin", "<i8", (self.count,), mode="c")
-        self._images = LazyMap(self.path / "images.bin", np.uint8, (self.count, self.side, self.side, 3), mode="c")
+        self._images = LazyMap(self.path / "images.bin", np.uint8, (int(offsets[-1]),))
 
     @staticmethod
     def folder_for(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
@@ -417,7 +428,7 @@ class ImageCache:
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, fingerprint: str | None = None) -> ImageCache:
-        """Opens and validates a cache folder (header, file sizes).
+        """Opens and validates a cache folder (header, file sizes, offsets).
 
         Raises:
             ImageCacheError: missing, truncated, corrupt, another format version, or (with
@@ -426,40 +437,43 @@ class ImageCache:
         path = Path(path)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
                              error=ImageCacheError, build_hint=_BUILD_HINT,
-                             fields=("fingerprint", "count", "side", "skipped"))
+                             fields=("fingerprint", "count", "max_side", "skipped"))
+        invalid = ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.")
         try:
-            count, side = int(header["count"]), int(header["side"])
+            count, max_side = int(header["count"]), int(header["max_side"])
             skipped = [int(i) for i in header["skipped"]]
         except (TypeError, ValueError):
-            raise ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.") from None
-        if count < 0 or side <= 0 or any(not 0 <= i < count for i in skipped):
-            raise ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.")
+            raise invalid from None
+        if count < 0 or max_side <= 0 or any(not 0 <= i < count for i in skipped):
+            raise invalid
         check_size(path / "labels.bin", 8 * count, ImageCacheError)
-        check_size(path / "images.bin", count * side * side * 3, ImageCacheError)
-        return cls(path, header)
+        check_size(path / "shapes.bin", 8 * count, ImageCacheError)
+        check_size(path / "offsets.bin", 8 * (count + 1), ImageCacheError)
+        shapes = np.fromfile(path / "shapes.bin", "<i4").reshape(count, 2)
+        offsets = np.fromfile(path / "offsets.bin", "<i8")
+        expected = np.concatenate(([0], np.cumsum(shapes[:, 0].astype(np.int64) * shapes[:, 1] * 3)))
+        if (shapes < 1).any() or (shapes > max_side).any() or not np.array_equal(offsets, expected):
+            raise ImageCacheError(f"{path}/shapes.bin or offsets.bin is corrupt; rebuild it with {_BUILD_HINT}.")
+        check_size(path / "images.bin", int(offsets[-1]), ImageCacheError)
+        return cls(path, header, shapes, offsets)
 
-    def read_into(self, index: int, out: np.ndarray, *, first_row: int = 0) -> np.ndarray:
-        """Reads rows `first_row : first_row + len(out)` of image `index` into `out`
-        (`uint8 [rows, S, 3]`, C-contiguous) with one `preadv`; returns `out`."""
-        row_bytes = self.side * 3
-        return self._images.read_into(out, (int(index) * self.side + first_row) * row_bytes)
+    def read(self, index: int) -> np.ndarray:
+        """Image `index` as a fresh `uint8 [h, w, 3]` array."""
+        h, w = (int(v) for v in self.shapes[index])
+        return self.read_rows(index, 0, h, np.empty((h, w, 3), np.uint8))
 
-    def read_batch(self, indices) -> np.ndarray:
-        """Images `[B, S, S, 3]` for `indices`, copied by `preadv` into one fresh array.
+    def read_rows(self, index: int, top: int, rows: int, out: np.ndarray) -> np.ndarray:
+        """Rows `top : top + rows` of image `index` into `out` (`uint8 [rows, w, 3]`,
+        C-contiguous) with one `preadv`; returns `out`."""
+        w = int(self.shapes[index][1])
+        return self._images.read_into(out, int(self.offsets[index]) + top * w * 3)
 
-        A read copies from the page cache in the kernel; touching a memory map instead costs
-        a page fault per 4 KiB in every new worker process, which is slower on warm epochs.
-        """
-        per_image = self.side * self.side * 3
-        out = np.empty((len(indices), self.side, self.side, 3), np.uint8)
-        for row, index in enumerate(indices):
-            self._images.read_into(out[row], int(index) * per_image)
-        return out
-
-    @property
-    def images(self) -> np.ndarray:
-        """`uint8 [N, S, S, 3]` memory map."""
-        return self._images.array
+    def read_padded(self, index: int, out: np.ndarray) -> tuple[int, int]:
+        """Image `index` into the top-left corner of `out` (`uint8 [M, M, 3]`, M >= max_side),
+        one `preadv` with a buffer per row; returns its `(h, w)`."""
+        h, w = (int(v) for v in self.shapes[index])
+        self._images.read_into([out[r, :w] for r in range(h)], int(self.offsets[index]))
+        return h, w
 
     @property
     def labels(self) -> np.ndarray:
@@ -467,17 +481,19 @@ class ImageCache:
         return self._labels.array
 
     def __repr__(self) -> str:
-        return f"ImageCache({str(self.path)!r}, n={self.count}, side={self.side})"
+        return f"ImageCache({str(self.path)!r}, n={self.count}, max_side={self.max_side})"
 
 
 def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *, num_workers: int | None = None,
                       progress: bool = True, distributed: bool = False) -> ImageCache:
     """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
 
-    Images are decoded in parallel DataLoader workers at the dataset's `cache_side` S (shorter
-    side resized to S, a centred S x S square), with a tqdm bar, into a temp folder renamed
-    into place when complete. An existing valid cache is reused; caches of the same tree
-    built from other inputs are removed. The dataset reads the cache from then on.
+    Each whole image is stored with its aspect ratio, its longer side resized to at most the
+    dataset's `max_side` (decoded at the coarsest DCT scale that allows it), by parallel
+    DataLoader workers with a tqdm bar, into a temp folder renamed into place when complete.
+    Train crops from the cache then follow torchvision's `RandomResizedCrop` over the original
+    image. An existing valid cache is reused; caches of the same tree built from other inputs
+    are removed. The dataset reads the cache from then on.
 
     Args:
         dataset: an `ImageFolderFast`.
@@ -485,7 +501,7 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
         num_workers: decode workers per rank; `smart_num_workers()` when None.
         progress: show a progress bar (on rank 0).
         distributed: split the decoding over the ranks of the initialised process group (every
-            rank must make the same call); rank 0 publishes once all have written their share.
+            rank must make the same call); rank 0 joins the ranks' parts and publishes.
             `cache_dir` must be writable by every rank (a shared file system across nodes).
 
     Returns:
@@ -499,26 +515,22 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
     target = ImageCache.folder_for(cache_dir, fingerprint)
     build = FolderBuild(target, distributed=distributed)
     if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint), ImageCacheError):
-        n, side = len(dataset), dataset.cache_side
         with build:
-            if build.rank == 0:
-                with open(build.path / "images.bin", "wb") as f:
-                    f.truncate(n * side * side * 3)
-            build.barrier()  # the file exists at full size: each rank writes its block in place
-            images = np.memmap(build.path / "images.bin", np.uint8, "r+", shape=(n, side, side, 3))
-            block = build.block(n)
-            labels, skipped = _decode_into(dataset, images, block, num_workers, progress and build.rank == 0)
-            images.flush()
-            del images
+            shapes, labels, skipped = _decode_part(dataset, build, num_workers, progress and build.rank == 0)
             write_synced(build.part("labels.bin"), labels.astype("<i8").tobytes())
-            build.concat("labels.bin")
+            write_synced(build.part("shapes.bin"), shapes.astype("<i4").tobytes())
+            for name in ("images.bin", "labels.bin", "shapes.bin"):
+                build.concat(name)
             skipped = sorted(i for part in build.gather(skipped) for i in part)
             if build.rank == 0:
-                fsync_path(build.path / "images.bin")
+                shapes = np.fromfile(build.path / "shapes.bin", "<i4").reshape(-1, 2).astype(np.int64)
+                offsets = np.concatenate(([0], np.cumsum(shapes[:, 0] * shapes[:, 1] * 3)))
+                write_synced(build.path / "offsets.bin", offsets.astype("<i8").tobytes())
                 with open(build.path / "files.npy", "wb") as f:
                     np.save(f, table, allow_pickle=False)
-            build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": n,
-                           "side": side, "skipped": skipped, "root": os.path.abspath(dataset.root)})
+            build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
+                           "count": len(dataset), "max_side": dataset.max_side, "skipped": skipped,
+                           "root": os.path.abspath(dataset.root)})
     if build.rank == 0:  # replaced, not left beside it
         for stale in _stale_caches(Path(cache_dir), os.path.abspath(dataset.root), fingerprint):
             _remove_cache(stale)
@@ -528,7 +540,7 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
 
 
 class _CacheItems:
-    """Items `(index, [S, S, 3] array, target, skipped)` of `block`, for the cache build."""
+    """Items `(index, [h, w, 3] array, target, skipped)` of `block`, for the cache build."""
 
     def __init__(self, dataset: ImageFolderFast, block: range):
         self.dataset, self.block = dataset, block
@@ -541,26 +553,32 @@ class _CacheItems:
         return (index, *self.dataset._load_or_skip(index, self.dataset._cache_image))
 
 
-def _as_numpy_batch(batch):
-    index, arrays, targets, skipped = zip(*batch, strict=True)
-    return np.asarray(index), np.stack(arrays), np.asarray(targets), np.asarray(skipped, bool)
+def _as_lists(batch):
+    return list(zip(*batch, strict=True))
 
 
-def _decode_into(dataset, images: np.ndarray, block: range, num_workers: int | None, progress: bool):
-    """Decodes `block` into `images`; returns `(labels of the block, skipped indices)`."""
+def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress: bool):
+    """This rank's block, decoded in index order into `part("images.bin")`; returns the
+    block's `(shapes [n, 2], labels [n], skipped indices)`."""
     from tqdm import tqdm
 
-    labels = np.zeros(len(block), np.int64)
+    block = build.block(len(dataset))
+    shapes, labels = np.zeros((len(block), 2), np.int64), np.zeros(len(block), np.int64)
     skipped: list[int] = []
-    loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16,
-                          collate_fn=_as_numpy_batch)
-    with tqdm(total=len(block), disable=not progress, desc="decoding images", unit="img") as bar:
-        for index, arrays, targets, was_skipped in loader:
-            images[index] = arrays
-            labels[index - block.start] = targets
-            skipped.extend(index[was_skipped].tolist())
-            bar.update(len(index))
-    return labels, skipped
+    loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=_as_lists)
+    with open(build.part("images.bin"), "wb") as out, \
+            tqdm(total=len(dataset), disable=not progress, desc="decoding images", unit="img") as bar:
+        for indices, arrays, targets, was_skipped in loader:
+            for index, array, target, skip in zip(indices, arrays, targets, was_skipped, strict=True):
+                out.write(array.tobytes())
+                shapes[index - block.start] = array.shape[:2]
+                labels[index - block.start] = target
+                if skip:
+                    skipped.append(index)
+            bar.update(len(indices) * build.world)
+        out.flush()
+        os.fsync(out.fileno())
+    return shapes, labels, skipped
 
 
 # ---- which files a cache was built from (to name what changed in a stale one) ----------

@@ -34,6 +34,11 @@ def _normalized(images_uint8):
     return DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device="cpu")(images_uint8)
 
 
+def _grey(a, b):
+    """|a - b| of normalised batches, in grey levels, per image."""
+    return ((a - b) * torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255).abs().flatten(1).mean(1)
+
+
 def test_eval_batches_equal_the_cached_cpu_path(cached):
     ds = _dataset(cached)
     loader = DeviceCropLoader(ds, batch_size=4, shuffle=False, device="cpu", threads=2)
@@ -43,19 +48,18 @@ def test_eval_batches_equal_the_cached_cpu_path(cached):
     targets = torch.cat([b[1] for b in got])
     expected = _normalized(torch.stack([ds[i][0] for i in range(len(ds))]))
     assert images.shape == (21, 3, 64, 64) and images.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(images, expected, atol=1e-5, rtol=0)
+    assert _grey(images, expected).mean() < 1.0  # the same eval crops, resized on the device
     assert targets.tolist() == ds.targets.tolist()
 
 
 def test_train_crops_match_a_cpu_resize_of_the_same_boxes(cached):
     ds = _dataset(cached, train=True)
     loader = DeviceCropLoader(ds, batch_size=5, shuffle=False, seed=3, device="cpu")
-    side = ds.cache.side
     for k, (images, _) in enumerate(loader):
         indices = range(5 * k, min(5 * k + 5, len(ds)))
-        boxes, flips = loader.boxes(len(indices), side, np.random.default_rng([3, 0, k]))
+        boxes, flips = loader.boxes(ds.cache.shapes[list(indices)], np.random.default_rng([3, 0, k]))
         for row, (i, (top, left, h, w), flip) in enumerate(zip(indices, boxes, flips, strict=True)):
-            reference = resize_uint8(ds.cache.images[i][top : top + h, left : left + w], (64, 64))
+            reference = resize_uint8(ds.cache.read(i)[top : top + h, left : left + w], (64, 64))
             if flip:
                 reference = reference.flip(-1)
             grey = (images[row] - _normalized(reference[None])[0]) * torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
@@ -87,7 +91,7 @@ def test_a_distributed_sampler_splits_the_dataset(cached):
         loader.set_epoch(2)
         order = list(sampler)
         images = torch.cat([b[0] for b in loader])
-        torch.testing.assert_close(images, _normalized(torch.stack([ds[i][0] for i in order])), atol=1e-5, rtol=0)
+        assert _grey(images, _normalized(torch.stack([ds[i][0] for i in order]))).max() < 1.5
         seen += order
     assert sorted(set(seen)) == list(range(len(ds))) and len(seen) == 22  # 21 + one padded repeat
 
