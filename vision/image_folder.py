@@ -69,6 +69,7 @@ from recipes.vision.decode import (
     RATIO,
     SCALE,
     ImageDecodeError,
+    copy_image,
     dct_reduction,
     decode_image,
     eval_box,
@@ -225,7 +226,7 @@ class ImageFolderFast(Dataset):
             out_h, out_w = self.resolution
             batch = new_uint8_batch(len(indices), 3, out_h, out_w)
             for row, index in enumerate(indices):
-                batch[row].copy_(self._cached_item(index))
+                copy_image(batch[row], self._cached_item(index))
             items = [(batch[row], int(t)) for row, t in enumerate(labels)]
         trim_heap()
         return items
