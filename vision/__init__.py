@@ -4,6 +4,7 @@ progressive resolution and device-side normalisation."""
 from recipes.vision.decode import ImageDecodeError, dct_reduction, decode_image, read_header
 from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, uint8_collate
 from recipes.vision.device_crop import DeviceCropLoader
+from recipes.vision.gpu_decode import GpuDecode, encoded_collate
 from recipes.vision.image_folder import (
     ImageCache,
     ImageCacheError,
@@ -15,6 +16,7 @@ from recipes.vision.progressive import ProgressiveResolution
 __all__ = [
     "DeviceCropLoader",
     "DeviceNormalize",
+    "GpuDecode",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "ImageCache",
@@ -25,6 +27,7 @@ __all__ = [
     "build_image_cache",
     "dct_reduction",
     "decode_image",
+    "encoded_collate",
     "read_header",
     "uint8_collate",
 ]

@@ -168,12 +168,7 @@ def decode_image(
     if reduce not in _REDUCED_BITS:
         raise ValueError(f"`reduce` must be one of 1, 2, 4, 8, but is {reduce!r} instead.")
     header = header or read_header(data, path=path, index=index)
-    is_jpeg = header.format in ("JPEG", "MPO")
-    if is_jpeg and not _ends_with_eoi(data) and data.rfind(_JPEG_EOI) < data.rfind(_JPEG_SOS):
-        raise ImageDecodeError(
-            f"{_where(path, index)} is a truncated JPEG (no end-of-image marker after the last scan); "
-            "re-download it, or pass on_error='skip'."
-        )
+    is_jpeg = check_encoded(data, header, path=path, index=index)
     rgb = getattr(cv2, "IMREAD_COLOR_RGB", None)
     flags = (rgb if rgb is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
     if is_jpeg:
@@ -184,6 +179,21 @@ def decode_image(
     if rgb is None:
         image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
     return image
+
+
+def check_encoded(data: bytes, header: ImageHeader, *, path: str = "<bytes>", index: int | None = None) -> bool:
+    """The checks that need no decode, beyond `read_header`'s; returns whether it is a JPEG.
+
+    Raises:
+        ImageDecodeError: a truncated JPEG (no end-of-image marker after the last scan).
+    """
+    is_jpeg = header.format in ("JPEG", "MPO")
+    if is_jpeg and not _ends_with_eoi(data) and data.rfind(_JPEG_EOI) < data.rfind(_JPEG_SOS):
+        raise ImageDecodeError(
+            f"{_where(path, index)} is a truncated JPEG (no end-of-image marker after the last scan); "
+            "re-download it, or pass on_error='skip'."
+        )
+    return is_jpeg
 
 
 def _decode_with_pillow(data: bytes, path: str, index: int | None) -> np.ndarray:

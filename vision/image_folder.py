@@ -69,6 +69,7 @@ from recipes.vision.decode import (
     RATIO,
     SCALE,
     ImageDecodeError,
+    check_encoded,
     copy_image,
     dct_reduction,
     decode_image,
@@ -102,6 +103,9 @@ class ImageFolderFast(Dataset):
             replaced by the next good one (deterministically) and counted in `skipped`.
         max_side: the decoded cache stores each whole image, aspect kept, with its longer side
             at most this (FFCV's `max_resolution`); default 2 x the larger side of `size`.
+        decode: "cpu" (uint8 crops from the workers), or "gpu": workers only read the file bytes
+            and draw the crop and flip (seeded, as on the CPU); `GpuDecode` decodes, crops,
+            resizes and normalises whole batches on the device (collate with `encoded_collate`).
 
     Raises:
         FileNotFoundError: no class folders or no valid files (torchvision's errors).
@@ -128,6 +132,7 @@ class ImageFolderFast(Dataset):
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         on_error: Literal["raise", "skip"] = "raise",
         max_side: int | None = None,
+        decode: Literal["cpu", "gpu"] = "cpu",
     ):
         from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
@@ -135,6 +140,15 @@ class ImageFolderFast(Dataset):
             raise ValueError(f"`on_error` must be 'raise' or 'skip', but is {on_error!r} instead.")
         self.root = os.fspath(root)
         self.size = _as_size(size)
+        if decode not in ("cpu", "gpu"):
+            raise ValueError(f"`decode` must be 'cpu' or 'gpu', but is {decode!r} instead.")
+        if decode == "gpu" and (transform is not None or cache_dir is not None):
+            raise ValueError("decode='gpu' decodes files on the device: a uint8 `transform` or a decoded cache "
+                             "(`cache_dir`) belongs to the CPU path (decode='cpu').")
+        if decode == "gpu" and not torch.cuda.is_available():
+            raise RuntimeError("decode='gpu' needs CUDA, which is not available here; use the CPU path "
+                               "(decode='cpu', the default), which is as fast as this machine's cores allow.")
+        self.decode = decode
         self.max_side = 2 * max(self.size) if max_side is None else max_side
         if not isinstance(self.max_side, int) or self.max_side < max(self.size):
             raise ValueError(f"`max_side` must be an int of at least the output side {max(self.size)}, but is "
@@ -204,6 +218,9 @@ class ImageFolderFast(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         index = self._check_index(index)
+        if self.decode == "gpu":
+            item, target, _ = self._load_or_skip(index, self._encoded_item)
+            return item, target
         if self.cache is not None:
             return self._from_cache(index)
         image, target, _ = self._load_or_skip(index, self._output_image)
@@ -216,7 +233,8 @@ class ImageFolderFast(Dataset):
         without another copy."""
         if self.cache is None:
             items = [self[i] for i in indices]
-            trim_heap()  # decode buffers fragment the heap; keep worker memory flat across epochs
+            if self.decode == "cpu":
+                trim_heap()  # decode buffers fragment the heap; keep worker memory flat across epochs
             return items
         indices = [self._check_index(i) for i in indices]
         labels = self.cache.labels[indices]
@@ -274,6 +292,21 @@ class ImageFolderFast(Dataset):
             box = eval_box(header.height, header.width, out, self.CROP_PCT)
         image = self._decode_box(data, header, box, out, path, index)
         return self._finish(resize_uint8(image, out)), int(self._targets[index])
+
+    def _encoded_item(self, index: int) -> tuple[dict, int]:
+        """decode="gpu": the file's bytes (checked as far as a header allows), its crop box in
+        source pixels and its flip, drawn as the CPU path draws them."""
+        path, data, header = self._read(index)
+        is_jpeg = check_encoded(data, header, path=path, index=index)
+        out = self.resolution
+        if self.train:
+            box = random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
+            flip = bool(self._generator().random() < 0.5)
+        else:
+            box, flip = eval_box(header.height, header.width, out, self.CROP_PCT), False
+        item = {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8), "box": torch.tensor(box, dtype=torch.int64),
+                "flip": flip, "jpeg": is_jpeg, "index": index, "size": out}
+        return item, int(self._targets[index])
 
     def _decode_box(self, data, header, box, out, path, index) -> np.ndarray:
         """Decodes at the coarsest DCT scale that keeps `box` at least `out`, then crops it."""
