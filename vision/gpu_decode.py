@@ -17,7 +17,7 @@ decoder and errors as the CPU path; a file whose damage only the decoder finds r
 `ImageDecodeError` here (`on_error="skip"` covers what the workers can check: unreadable,
 non-image, truncated, bombs).
 
-Copy this file with `recipes/vision/decode.py`.
+Copy this file with `recipes/vision/decode.py` and `recipes/vision/device.py`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ import itertools
 import torch
 
 from recipes.vision.decode import decode_image
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize
 
 
 def encoded_collate(batch: list[tuple[dict, int]]) -> dict[str, torch.Tensor]:
@@ -76,10 +74,8 @@ class GpuDecode:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("GpuDecode: device='cuda' but CUDA is not available here; decode on the CPU "
                                "instead (ImageFolderFast(decode='cpu'), the default, with make_loader).")
-        self.dataset, self.dtype = dataset, dtype
-        std = torch.tensor(self.STD, dtype=torch.float32)
-        self._scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1).to(self.device)
-        self._shift = (-torch.tensor(self.MEAN, dtype=torch.float32) / std).view(1, -1, 1, 1).to(self.device)
+        self.dataset = dataset
+        self._normalize = DeviceNormalize(self.MEAN, self.STD, device=self.device, dtype=dtype, channels_last=True)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = batch["offsets"].tolist()
@@ -93,9 +89,8 @@ class GpuDecode:
             resized = torch.nn.functional.interpolate(crop, size=out, mode="bilinear", antialias=True,
                                                       align_corners=False)[0]
             result[row] = resized.flip(-1) if flip else resized
-        result = torch.addcmul(self._shift, result.round_().clamp_(0, 255), self._scale)  # as uint8 crops would
-        targets = batch["targets"].to(self.device, non_blocking=True)
-        return result.to(self.dtype).contiguous(memory_format=torch.channels_last), targets
+        crops = result.round_().clamp_(0, 255).to(torch.uint8)  # the CPU path's uint8 crops, on the device
+        return self._normalize(crops, batch["targets"])
 
     def decode(self, encoded: list[torch.Tensor], jpeg: list[bool], indices: list[int]) -> list[torch.Tensor]:
         """`uint8 [3, H, W]` RGB images on the device: JPEGs in one batched device decode, the
