@@ -4,7 +4,7 @@
 #   echo /.devrun/ >> .git/info/exclude
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .devrun/whl soundfile cffi pycparser
+#     -d .devrun/whl soundfile cffi pycparser nvidia-nvimgcodec-cu12
 #   python3 -m pip wheel -q --no-deps . -w .devrun/whl
 # Then: run(command="bash .ci/gpu-check.sh", carry=[".devrun"], timeout_s=540)
 set -uo pipefail
@@ -14,6 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site
 cd /tmp  # no source folders here: the installed package is the one imported
 python3 -m recipes doctor > "$OUT/doctor.txt" 2>&1
+timeout 120 python3 -m recipes bench vision --images 1600 --workers 8 2>&1 | tee "$OUT/bench_vision.txt"
 timeout 300 python3 -m recipes bench train --domain vision --steps 60 --autotune --autotune-seconds 50 \
   --json "$OUT/train_vision.json" 2>&1 | tee "$OUT/train_vision.txt"
 timeout 90 python3 -m recipes bench train --domain nlp --steps 60 --json "$OUT/train_nlp.json" 2>&1 | tee "$OUT/train_nlp.txt"

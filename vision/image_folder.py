@@ -73,9 +73,11 @@ from recipes.vision.decode import (
     copy_image,
     dct_reduction,
     decode_image,
+    decode_region,
     eval_box,
     new_uint8_batch,
     random_resized_box,
+    region_decode_available,
     resize_uint8,
     scale_box,
     trim_heap,
@@ -106,6 +108,10 @@ class ImageFolderFast(Dataset):
         decode: "cpu" (uint8 crops from the workers), or "gpu": workers only read the file bytes
             and draw the crop and flip (seeded, as on the CPU); `GpuDecode` decodes, crops,
             resizes and normalises whole batches on the device (collate with `encoded_collate`).
+        region_decode: decode only the crop of a JPEG (libjpeg-turbo's cropped decode through
+            nvImageCodec's CPU backend, `pip install "recipes[roi]"`; same pixels). None: when
+            nvImageCodec is installed; True: require it. Crops small enough for a 1/4 or 1/8
+            DCT-scaled decode use that instead.
 
     Raises:
         FileNotFoundError: no class folders or no valid files (torchvision's errors).
@@ -133,6 +139,7 @@ class ImageFolderFast(Dataset):
         on_error: Literal["raise", "skip"] = "raise",
         max_side: int | None = None,
         decode: Literal["cpu", "gpu"] = "cpu",
+        region_decode: bool | None = None,
     ):
         from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
@@ -149,6 +156,10 @@ class ImageFolderFast(Dataset):
             raise RuntimeError("decode='gpu' needs CUDA, which is not available here; use the CPU path "
                                "(decode='cpu', the default), which is as fast as this machine's cores allow.")
         self.decode = decode
+        if region_decode and not region_decode_available():
+            raise ImportError('region_decode=True needs nvImageCodec: pip install "recipes[roi]" '
+                              "(nvidia-nvimgcodec-cu12; its CPU decoder needs no GPU).")
+        self.region_decode = region_decode
         self.max_side = 2 * max(self.size) if max_side is None else max_side
         if not isinstance(self.max_side, int) or self.max_side < max(self.size):
             raise ValueError(f"`max_side` must be an int of at least the output side {max(self.size)}, but is "
@@ -309,8 +320,14 @@ class ImageFolderFast(Dataset):
         return item, int(self._targets[index])
 
     def _decode_box(self, data, header, box, out, path, index) -> np.ndarray:
-        """Decodes at the coarsest DCT scale that keeps `box` at least `out`, then crops it."""
+        """Decodes only `box` (region decode), or at the coarsest DCT scale that keeps `box` at
+        least `out`, then crops it."""
         reduce = dct_reduction((box[2], box[3]), out)
+        if reduce <= 2 and self.region_decode is not False and header.format == "JPEG":
+            check_encoded(data, header, path=path, index=index)
+            region = decode_region(data, box)
+            if region is not None:
+                return region
         decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index)
         h, w = decoded.shape[:2]
         if (h, w) != (header.height, header.width):

@@ -1,4 +1,6 @@
-"""`recipes bench vision`: torchvision ImageFolder + PIL against ImageFolderFast, cold and warm.
+"""`recipes bench vision`: torchvision ImageFolder + PIL against ImageFolderFast, cold and warm
+(eval), then train-mode random-resized crops per worker: the torchvision way, a full decode,
+a region decode (only the crop, when nvImageCodec is installed) and, with CUDA, GPU decoding.
 
 Use when: checking what the recipe buys on your machine and your images (`--data ROOT`).
 Cost: generates `--images` ImageNet-like JPEGs once (about 500x375, quality 90) into a reusable
@@ -88,6 +90,59 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     return rows, build_seconds
 
 
+def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
+                  device: str | None = None):
+    """Train-mode rows on `root`: torchvision RandomResizedCrop + flip (baseline), ImageFolderFast
+    decoding whole images, decoding only the crop (region decode, when available) and, on CUDA,
+    `decode="gpu"` with `GpuDecode` (synchronised per batch). Returns the rows."""
+    import torch
+    import torchvision
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+
+    from recipes.bench.measure import measure
+    from recipes.common import worker_init
+    from recipes.vision import GpuDecode, ImageFolderFast, encoded_collate, uint8_collate
+    from recipes.vision.decode import region_decode_available
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=device == "cuda",
+                    worker_init_fn=worker_init if workers else None)
+    baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
+        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()]))
+    loaders = [("torchvision RandomResizedCrop + PIL (baseline)", DataLoader(baseline, **settings)),
+               ("ImageFolderFast train, whole-image decode", DataLoader(
+                   ImageFolderFast(root, size=size, train=True, region_decode=False), collate_fn=uint8_collate,
+                   **settings))]
+    if region_decode_available():
+        loaders.append(("ImageFolderFast train, region decode (crop only)", DataLoader(
+            ImageFolderFast(root, size=size, train=True, region_decode=True), collate_fn=uint8_collate, **settings)))
+    if device == "cuda":
+        gpu = ImageFolderFast(root, size=size, train=True, decode="gpu")
+        to_images = GpuDecode(gpu, device=device, dtype=torch.bfloat16)
+
+        def decoded(loader):
+            for batch in loader:
+                images, targets = to_images(batch)
+                torch.cuda.synchronize()
+                yield images, targets
+
+        loaders.append(("decode='gpu' + GpuDecode (bytes from workers, nvJPEG)",
+                        _Reiterable(DataLoader(gpu, collate_fn=encoded_collate, **settings), decoded)))
+    return [max((measure(name, loader) for _ in range(repeat)), key=lambda m: m.items_per_s)
+            for name, loader in loaders]
+
+
+class _Reiterable:
+    """`wrap(loader)` as an iterable that can be iterated more than once."""
+
+    def __init__(self, loader, wrap):
+        self.loader, self.wrap = loader, wrap
+
+    def __iter__(self):
+        return self.wrap(self.loader)
+
+
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.measure import format_table
     from recipes.common import smart_num_workers
@@ -101,6 +156,11 @@ def run(args: argparse.Namespace) -> int:
           f"batch {args.batch_size}, {workers} workers\n")
     print(format_table(rows, unit="images/s"))
     print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
+    train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
+                               repeat=args.repeat)
+    print(f"\n## vision train: random-resized crops + flips, {args.size}px, batch {args.batch_size}, "
+          f"{workers} workers (img/s per worker = rate / {max(workers, 1)})\n")
+    print(format_table(train_rows, unit="images/s"))
     return 0
 
 
@@ -123,10 +183,13 @@ def train_setup(args, device):
         IMAGENET_STD,
         DeviceCropLoader,
         DeviceNormalize,
+        GpuDecode,
         ImageFolderFast,
         build_image_cache,
+        encoded_collate,
         uint8_collate,
     )
+    from recipes.vision.decode import region_decode_available
 
     cuda = device.type == "cuda"
     size = args.size or (224 if cuda else 96)
@@ -158,11 +221,17 @@ def train_setup(args, device):
     start = time.perf_counter()
     build_image_cache(warm, cache_dir, progress=False)
     build = time.perf_counter() - start
+    decoder = "region decode" if region_decode_available() else "whole-image decode"
     loaders = [("torchvision ImageFolder + PIL (plain)", plain_loader, plain_to_device),
-               ("ImageFolderFast cold, make_loader", make_loader(cold, **common), to_device),
+               (f"ImageFolderFast cold ({decoder}), make_loader", make_loader(cold, **common), to_device),
                ("ImageFolderFast warm (cache), make_loader", make_loader(warm, **common), to_device),
                ("ImageFolderFast warm (cache), DeviceCropLoader (4 threads, crops on the device)",
                 DeviceCropLoader(warm, batch_size=batch, drop_last=True, device=device, dtype=dtype), lambda b: b)]
+    if cuda:
+        encoded = ImageFolderFast(root, size=size, train=True, decode="gpu")
+        loaders.append(("ImageFolderFast decode='gpu' (bytes from workers), GpuDecode (nvJPEG)",
+                        make_loader(encoded, **{**common, "collate_fn": encoded_collate}),
+                        GpuDecode(encoded, device=device, dtype=dtype)))
     if args.autotune:
         from recipes.common import autotune
 
