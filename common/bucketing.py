@@ -162,7 +162,7 @@ class LengthBucketSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         if (self._iterated_epoch == self.epoch and self.shuffle and self.num_replicas > 1
                 and self._start == 0):
-            warnings.warn("LengthBucketSampler is iterated again for epoch "
+            warnings.warn(f"{type(self).__name__} is iterated again for epoch "
                           f"{self.epoch}: call sampler.set_epoch(epoch) before each epoch, or every "
                           "epoch repeats the same order on every rank.", stacklevel=2)
         self._iterated_epoch = self.epoch
@@ -198,7 +198,7 @@ class LengthBucketSampler(Sampler[list[int]]):
             from recipes.common.loader_warning import LoaderWarning
 
             warnings.warn(
-                f"LengthBucketSampler.state_dict() counts the {self._yielded} batches handed to the DataLoader's "
+                f"{type(self).__name__}.state_dict() counts the {self._yielded} batches handed to the DataLoader's "
                 f"workers, up to {ahead} ahead of training; resuming from it loses those. Save "
                 "loader.state_dict() instead (make_loader's loader counts what the loop received), or pass "
                 "batches_done=step.", LoaderWarning, stacklevel=2)
