@@ -18,6 +18,7 @@ timeout 120 python3 -m recipes bench vision --images 1600 --workers 8 2>&1 | tee
 timeout 300 python3 -m recipes bench train --domain vision --steps 60 --autotune --autotune-seconds 50 \
   --json "$OUT/train_vision.json" 2>&1 | tee "$OUT/train_vision.txt"
 timeout 90 python3 -m recipes bench train --domain nlp --steps 60 --json "$OUT/train_nlp.json" 2>&1 | tee "$OUT/train_nlp.txt"
+timeout 90 python3 -m recipes bench train --domain lm --steps 40 --json "$OUT/train_lm.json" 2>&1 | tee "$OUT/train_lm.txt"
 timeout 90 python3 -m recipes bench train --domain audio --steps 40 --json "$OUT/train_audio.json" 2>&1 | tee "$OUT/train_audio.txt"
 mkdir -p /tmp/gputests && cp -r "$OLDPWD/tests" "$OLDPWD/pyproject.toml" /tmp/gputests/
 (cd /tmp/gputests && timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt")

@@ -14,11 +14,11 @@ def test_bench_train_smoke_every_domain(tmp_path):
          "--samples", "400", "--batch-size", "8", "--json", str(tmp_path / "train.json")],
         capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    for domain in ("vision", "nlp", "audio"):
+    for domain in ("vision", "nlp", "audio", "lm"):
         assert f"## train/{domain}: tiny on cpu" in out.stdout
     result = json.loads((tmp_path / "train.json").read_text())
     assert result["device"] == "cpu" and result["steps"] == 3
-    expected_rows = {"vision": 4, "nlp": 2, "audio": 3}
+    expected_rows = {"vision": 4, "nlp": 2, "audio": 3, "lm": 2}
     for domain, count in expected_rows.items():
         rows = result[domain]["rows"]
         assert len(rows) == count and result[domain]["model_alone"] > 0
@@ -29,3 +29,5 @@ def test_bench_train_smoke_every_domain(tmp_path):
             assert row["first_batch_s"] > 0
     names = [row["name"] for row in result["vision"]["rows"]]
     assert "plain" in names[0] and "cold" in names[1] and "warm" in names[2] and "DeviceCropLoader" in names[3]
+    names = [row["name"] for row in result["lm"]["rows"]]
+    assert "LengthBucketSampler" in names[0] and "packed_loader" in names[1]

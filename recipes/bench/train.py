@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DOMAINS = ("vision", "nlp", "audio")
+DOMAINS = ("vision", "nlp", "audio", "lm")
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TrainRow:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domain", choices=(*DOMAINS, "all"), default="vision")
     parser.add_argument("--model", default=None, help="vision: resnet50|resnet18|tiny; nlp: bert-small|tiny; "
-                                                      "audio: cnn|tiny (default: the large one on CUDA, tiny on CPU)")
+                                                      "audio: cnn|tiny; lm: gpt-small|tiny (default: the large one on CUDA, tiny on CPU)")
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     parser.add_argument("--workers", type=int, default=None,
                         help="workers for every loader (default: make_loader's choice, the same for the baseline)")
