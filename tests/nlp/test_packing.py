@@ -44,7 +44,7 @@ def _documents_from_batch(batch):
         ids, pos, labels = batch["input_ids"][r], batch["position_ids"][r], batch["labels"][r]
         used = int(batch["seq_lens"][r].sum())
         starts = [i for i in range(used) if pos[i] == 0] + [used]
-        for a, b in zip(starts, starts[1:]):
+        for a, b in zip(starts, starts[1:], strict=False):
             assert pos[a:b].tolist() == list(range(b - a))
             assert labels[a] == -100 and labels[a + 1 : b].tolist() == ids[a + 1 : b].tolist()
             docs.append(ids[a:b].tolist())
@@ -78,14 +78,14 @@ def test_seq_lens_and_cu_seqlens_describe_the_rows(cache):
     for r in range(b):
         lens = [x for x in batch["seq_lens"][r].tolist() if x]
         starts = [i for i in range(t) if batch["position_ids"][r, i] == 0 and i < sum(lens)]
-        assert [y - x for x, y in zip(starts, starts[1:] + [sum(lens)])] == lens
+        assert [y - x for x, y in zip(starts, starts[1:] + [sum(lens)], strict=False)] == lens
         assert cu[(r + 1) * (d + 1)] == (r + 1) * t  # every row ends at a multiple of T
 
 
 def test_workers_give_the_same_batches(cache):
     plain = [b["input_ids"] for b in packed_loader(cache, seq_len=64, batch_size=4, num_workers=0, seed=1)]
     forked = [b["input_ids"] for b in packed_loader(cache, seq_len=64, batch_size=4, num_workers=2, seed=1)]
-    assert len(plain) == len(forked) and all(torch.equal(a, b) for a, b in zip(plain, forked))
+    assert len(plain) == len(forked) and all(torch.equal(a, b) for a, b in zip(plain, forked, strict=False))
 
 
 def test_epochs_differ_and_repeat_from_the_seed(cache):
@@ -101,7 +101,7 @@ def test_epochs_differ_and_repeat_from_the_seed(cache):
 def test_long_documents_split_or_refused():
     lengths = [10, 300, 5]
     sampler = PackedBatchSampler(lengths, seq_len=128, batch_size=2, shuffle=False)
-    assert sorted(zip(sampler.piece_doc.tolist(), sampler.piece_start.tolist(), sampler.piece_len.tolist())) == [
+    assert sorted(zip(sampler.piece_doc.tolist(), sampler.piece_start.tolist(), sampler.piece_len.tolist(), strict=False)) == [
         (0, 0, 10), (1, 0, 128), (1, 128, 128), (1, 256, 44), (2, 0, 5)]
     with pytest.raises(ValueError, match=r"document 1 has 300 tokens.*split_long=True"):
         PackedBatchSampler(lengths, seq_len=128, batch_size=2, split_long=False)
@@ -118,7 +118,7 @@ def test_resume_through_the_loader_state(cache):
     resumed = packed_loader(cache, seq_len=64, batch_size=2, num_workers=0, seed=5)
     resumed.load_state_dict(state)
     rest = [b["input_ids"] for b in resumed]
-    assert len(rest) == len(full) - 3 and all(torch.equal(a, b) for a, b in zip(rest, full[3:]))
+    assert len(rest) == len(full) - 3 and all(torch.equal(a, b) for a, b in zip(rest, full[3:], strict=False))
     other = packed_loader(cache, seq_len=128, batch_size=2, num_workers=0, seed=5)
     with pytest.raises(ValueError, match="same settings"):
         other.batch_sampler.load_state_dict(state["sampler"])
