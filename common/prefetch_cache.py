@@ -7,7 +7,10 @@ or a concurrent reader sees a partial file (fsspec#639: 69 of 80 concurrent read
 Cost: one download per object per node; background threads (`prefetch` at a time) per process;
 an flock per access; a directory scan when space must be freed.
 Adapt here: `_ALLOWED` protocols, `_is_transient` for your storage's error types.
-Trade-off: whole-object downloads (no partial reads of huge objects); LRU by access time.
+Trade-off: whole objects are cached (no partial reads of huge objects); LRU by access time.
+An object larger than `range_bytes` is fetched as concurrent ranged GETs
+(`range_connections` at once, each range retried on its own), as s5cmd and the AWS CLI do:
+object stores cap each connection's bandwidth, not each client's.
 
 How it holds up:
 - download to `.tmp.<pid>.<nonce>.<size>.<key>` in the cache folder, fsync, `os.replace`;
@@ -71,8 +74,10 @@ class PrefetchCache:
     """
 
     def __init__(self, cache_dir, *, max_bytes: int, prefetch: int = 4, retries: int = 5,
-                 backoff: float = 0.5, storage_options: dict | None = None):
-        for name, value in (("max_bytes", max_bytes), ("prefetch", prefetch)):
+                 backoff: float = 0.5, storage_options: dict | None = None, range_bytes: int = 2 * 2**20,
+                 range_connections: int = 4):
+        for name, value in (("max_bytes", max_bytes), ("prefetch", prefetch), ("range_bytes", range_bytes),
+                            ("range_connections", range_connections)):
             if value <= 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
         if retries < 0 or backoff < 0:
@@ -80,6 +85,7 @@ class PrefetchCache:
         self.dir = Path(cache_dir)
         self.max_bytes, self.depth, self.retries, self.backoff = max_bytes, prefetch, retries, backoff
         self.storage_options = dict(storage_options or {})
+        self.range_bytes, self.range_connections = range_bytes, range_connections
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         (self.dir / ".locks").mkdir(exist_ok=True, mode=0o700)
@@ -196,7 +202,13 @@ class PrefetchCache:
                     raise ValueError(f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
                                      "raise max_bytes or read it without the cache.")
                 tmp = self._reserve(final.name, size or 0)
-                fs.get_file(remote, str(tmp))
+                if size is not None and size > self.range_bytes and self.range_connections > 1:
+                    try:
+                        self._ranged_get(fs, remote, url, tmp, size)
+                    except _NoRanges:  # the server ignores Range: one whole-object GET
+                        fs.get_file(remote, str(tmp))
+                else:
+                    fs.get_file(remote, str(tmp))
                 _verify(url, tmp, size, sha256)
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
@@ -214,6 +226,44 @@ class PrefetchCache:
                 time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
         raise DownloadError(f"{url}: failed after {attempts} attempts; last error: "
                             f"{type(last).__name__}: {last}") from last
+
+    def _ranged_get(self, fs, remote: str, url: str, tmp: Path, size: int) -> None:
+        """`size` bytes of `remote` into `tmp` as `range_bytes` ranges over `range_connections`
+        concurrent requests (object stores cap each connection, not each client), each
+        written at its offset and retried on its own; the caller verifies and renames."""
+        ranges = [(start, min(start + self.range_bytes, size)) for start in range(0, size, self.range_bytes)]
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+
+            def fetch(span):
+                start, end = span
+                for attempt in range(self.retries + 1):
+                    try:
+                        data = fs.cat_file(remote, start=start, end=end)
+                        if len(data) > end - start:
+                            raise _NoRanges(url)
+                        if len(data) < end - start:
+                            raise _ShortBody(f"{url}: range {start}-{end} gave {len(data):,} of {end - start:,} bytes")
+                        os.pwrite(fd, data, start)
+                        return
+                    except BaseException as error:
+                        if isinstance(error, _NoRanges) or not _is_transient(error) or attempt == self.retries:
+                            raise
+                    time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
+
+            with ThreadPoolExecutor(min(self.range_connections, len(ranges)),
+                                    thread_name_prefix="recipes-range") as pool:
+                futures = [pool.submit(fetch, span) for span in ranges]
+                try:
+                    for future in futures:
+                        future.result()
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+        finally:
+            os.close(fd)
 
     def _reserve(self, key: str, size: int) -> Path:
         """Frees room for `size` bytes (LRU, skipping pinned files) and creates the temp file
@@ -325,6 +375,10 @@ class _ShortBody(OSError):
 
 class _ChecksumMismatch(OSError):
     pass
+
+
+class _NoRanges(Exception):
+    """The server answered a range request with more than the range (no Range support)."""
 
 
 def _is_transient(error: BaseException) -> bool:

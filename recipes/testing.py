@@ -211,7 +211,10 @@ class LocalHTTPServer:
         fail_first: the first K GETs of each path answer 503.
         truncate_first: the first K full GETs of each path announce the full length but send half.
 
-    `gets[path]` and `heads[path]` count the requests per path (path as in the URL).
+    `gets[path]` and `heads[path]` count the requests per path (path as in the URL), and
+    `range_gets[(path, start)]` the ranged GETs per range start. Per range start, a test can
+    set `fail_range[start] = K` (the first K answer 503), `short_range[start] = K` (the first K
+    announce the range's length and send half) and `delay_range[start] = seconds`.
 
     Example:
         >>> with LocalHTTPServer(tmp_path, latency=0.02) as server:
@@ -227,6 +230,10 @@ class LocalHTTPServer:
         self.latency, self.bandwidth = latency, bandwidth
         self.fail_first, self.truncate_first = fail_first, truncate_first
         self.gets: collections.Counter = collections.Counter()
+        self.range_gets: collections.Counter = collections.Counter()
+        self.fail_range: dict[int, int] = {}
+        self.short_range: dict[int, int] = {}
+        self.delay_range: dict[int, float] = {}
         self.heads: collections.Counter = collections.Counter()
         self.lock = threading.Lock()
         self._server = None
@@ -295,8 +302,17 @@ def _handler_for(server: LocalHTTPServer):
                 return
             data = path.read_bytes()
             match = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            short = False
             if match:
                 start = int(match.group(1))
+                with server.lock:
+                    server.range_gets[(rel, start)] += 1
+                    ranged = server.range_gets[(rel, start)]
+                time.sleep(server.delay_range.get(start, 0.0))
+                if ranged <= server.fail_range.get(start, 0):
+                    self.send_error(503, "Slow Down")
+                    return
+                short = ranged <= server.fail_range.get(start, 0) + server.short_range.get(start, 0)
                 end = min(int(match.group(2)) + 1 if match.group(2) else len(data), len(data))
                 body = data[start:end]
                 self.send_response(206)
@@ -307,7 +323,7 @@ def _handler_for(server: LocalHTTPServer):
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
-            if not match and count <= server.fail_first + server.truncate_first:
+            if short or (not match and count <= server.fail_first + server.truncate_first):
                 body = body[: len(body) // 2]  # announce all, send half, hang up
             self._send(body)
 
