@@ -74,16 +74,24 @@ def measure(
     return Measurement(name, items, seconds, memory.peak, first_seconds, first_items)
 
 
-def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0) -> str:
-    """A Markdown table of the rows with each rate's ratio to `rows[baseline]`."""
+def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0,
+                 whole_epoch: bool = False) -> str:
+    """A Markdown table of the rows with each rate's ratio to `rows[baseline]`; with
+    `whole_epoch`, also each row's rate over the whole epoch, first batch included."""
     base = rows[baseline].items_per_s
+    whole_base = rows[baseline].items / rows[baseline].seconds if rows[baseline].seconds else 0.0
+    extra = f" whole epoch {unit} | vs baseline |" if whole_epoch else ""
     lines = [
-        f"| loader | {unit} | vs baseline | first batch (s) | peak memory (MiB) |",
-        "|---|---:|---:|---:|---:|",
+        f"| loader | {unit} | vs baseline |{extra} first batch (s) | peak memory (MiB) |",
+        "|---|---:|---:|" + ("---:|---:|" if whole_epoch else "") + "---:|---:|",
     ]
     for row in rows:
+        cells = ""
+        if whole_epoch:
+            whole = row.items / row.seconds if row.seconds else 0.0
+            cells = f" {whole:,.1f} | {whole / whole_base if whole_base else 0.0:.2f}x |"
         lines.append(
-            f"| {row.name} | {row.items_per_s:,.1f} | {row.items_per_s / base:.2f}x | "
+            f"| {row.name} | {row.items_per_s:,.1f} | {row.items_per_s / base:.2f}x |{cells} "
             f"{row.first_batch_seconds:.2f} | {row.peak_bytes / 2**20:,.0f} |"
         )
     return "\n".join(lines)
