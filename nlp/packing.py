@@ -40,9 +40,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
 from recipes.common.bucketing import LengthBucketSampler
+from recipes.nlp.collate import _new_int64  # one shared-memory buffer per batch in a worker
 
 IGNORE_INDEX = -100
 
@@ -356,9 +357,3 @@ def packed_loader(cache, *, seq_len: int, batch_size: int, shuffle: bool = True,
     return make_loader(PackedTokens(cache, sampler), batch_sampler=sampler, collate_fn=collate,
                        **make_loader_overrides)
 
-
-def _new_int64(numel: int) -> torch.Tensor:
-    if get_worker_info() is not None:
-        storage = torch.UntypedStorage._new_shared(numel * 8, device="cpu")
-        return torch.empty(0, dtype=torch.int64).set_(storage)
-    return torch.empty(numel, dtype=torch.int64)
