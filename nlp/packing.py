@@ -213,8 +213,9 @@ class PackedTokens(Dataset):
     def __getitems__(self, keys: list[int]) -> list[dict]:
         keys = np.asarray(keys, dtype=np.int64)
         p = len(self.piece_len)
-        if keys.size and (keys.min() < 0 or keys.max() // p >= np.iinfo(np.int32).max):
-            raise IndexError(f"PackedTokens: invalid keys {keys.tolist()[:5]}...; use the PackedBatchSampler's batches.")
+        if keys.size and keys.min() < 0:
+            raise IndexError(f"PackedTokens: negative key {int(keys.min())}; use the PackedBatchSampler's batches "
+                             "(keys are row * num_pieces + piece).")
         rows, pieces = np.divmod(keys, p)
         starts = self.offsets[self.piece_doc[pieces]] + self.piece_start[pieces]
         lengths = self.piece_len[pieces]
