@@ -8,15 +8,22 @@ Cost: one download per object per node; background threads (`prefetch` at a time
 an flock per access; a directory scan when space must be freed.
 Adapt here: `_ALLOWED` protocols, `_is_transient` for your storage's error types.
 Trade-off: whole objects are cached (no partial reads of huge objects); LRU by access time.
-An object larger than `range_bytes` is fetched as concurrent ranged GETs
-(`range_connections` at once, each range retried on its own), as s5cmd and the AWS CLI do:
-object stores cap each connection's bandwidth, not each client's.
+An object larger than `range_bytes` is fetched as concurrent ranged GETs (each range retried
+on its own), as s5cmd and the AWS CLI do: object stores cap each connection's bandwidth, not
+each client's. How many ranges of one object are in flight adapts: it starts at
+`range_connections` and doubles while each doubling raises the measured rate by 15%, up to
+`max_connections` (`concurrency()` reports the level chosen).
+One fsspec filesystem per process serves every download, its connection pool sized to
+`prefetch x max_connections` (s3fs's default pool of 10 would cap the ranges otherwise).
 
 How it holds up:
 - download to `.tmp.<pid>.<nonce>.<size>.<key>` in the cache folder, fsync, `os.replace`;
   sizes are checked against the remote's and an optional sha256 is verified;
 - one exclusive flock per key: the first process downloads, the others wait and read it;
 - readers pin a file with a shared flock (`pinned(url)`); eviction skips pinned files;
+- downloads may run in the main process's threads while DataLoader workers fork (the early
+  start of `ShardedIterableDataset.set_epoch`): the lock and temp-file descriptors those
+  threads hold are closed in the child at fork, so a worker never inherits a held lock;
 - transient errors (connection resets, timeouts, HTTP 5xx, short bodies) retry with
   exponential backoff and jitter; the final error names the URL and the attempts; a full
   disk removes the temp file and raises; temp files of dead processes are swept on start;
@@ -35,6 +42,7 @@ import os
 import random
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +54,42 @@ from recipes.common.storage import fsync_path, pid_alive
 
 _ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 _TEMP = re.compile(r"^\.tmp\.(\d+)\.[0-9a-f]+\.(\d+)\.[0-9a-f]+$")
+
+# Descriptors (flocks, temp files) this process's threads hold right now. A fork copies them
+# into the child, where no thread will close them: an inherited flock would then stay held for
+# the child's lifetime and deadlock the next `get` of that key. They are closed in the child.
+# Opening and registering (and unregistering and closing) happen under `_FORK_LOCK`, which a
+# fork takes first: no fork lands between a descriptor's `open` and its registration.
+_HELD: dict[int, object] = {}
+_FORK_LOCK = threading.Lock()
+
+
+def _close_held_after_fork() -> None:
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+    _FORK_LOCK.release()  # taken by the forking thread (`before`)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_FORK_LOCK.acquire, after_in_parent=_FORK_LOCK.release,
+                        after_in_child=_close_held_after_fork)
+
+
+def _open_held(path, flags: int) -> tuple[int, object]:
+    with _FORK_LOCK:
+        fd = os.open(path, flags, 0o600)
+        token = _HELD[fd] = object()
+    return fd, token
+
+
+def _release(fd: int, token: object) -> None:
+    """Closes `fd` unless a fork closed it already (then the number may be another file's)."""
+    with _FORK_LOCK:
+        if _HELD.get(fd) is token:
+            del _HELD[fd]
+            os.close(fd)
 
 
 class DownloadError(OSError):
@@ -62,6 +106,10 @@ class PrefetchCache:
         retries: retries after the first attempt for transient errors.
         backoff: the first retry's delay in seconds; doubled each retry, with jitter.
         storage_options: passed to fsspec (e.g. `{"client_kwargs": {"endpoint_url": ...}}`).
+        range_bytes: objects larger than this are fetched as ranges of this size.
+        range_connections: ranges of one object in flight at first.
+        max_connections: the most ranges of one object in flight once adapted
+            (`range_connections` disables adapting).
 
     Raises:
         ValueError: invalid arguments.
@@ -75,17 +123,21 @@ class PrefetchCache:
 
     def __init__(self, cache_dir, *, max_bytes: int, prefetch: int = 4, retries: int = 5,
                  backoff: float = 0.5, storage_options: dict | None = None, range_bytes: int = 2 * 2**20,
-                 range_connections: int = 4):
+                 range_connections: int = 4, max_connections: int = 16):
         for name, value in (("max_bytes", max_bytes), ("prefetch", prefetch), ("range_bytes", range_bytes),
-                            ("range_connections", range_connections)):
+                            ("range_connections", range_connections), ("max_connections", max_connections)):
             if value <= 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
+        if max_connections < range_connections:
+            raise ValueError(f"`max_connections` ({max_connections}) must be at least `range_connections` "
+                             f"({range_connections}).")
         if retries < 0 or backoff < 0:
             raise ValueError(f"`retries` and `backoff` must be non-negative, but are {retries!r} and {backoff!r}.")
         self.dir = Path(cache_dir)
         self.max_bytes, self.depth, self.retries, self.backoff = max_bytes, prefetch, retries, backoff
         self.storage_options = dict(storage_options or {})
         self.range_bytes, self.range_connections = range_bytes, range_connections
+        self.max_connections = max_connections
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.dir, 0o700)
         (self.dir / ".locks").mkdir(exist_ok=True, mode=0o700)
@@ -96,6 +148,11 @@ class PrefetchCache:
         # hits, misses, bytes downloaded: shared memory, so forked and spawned DataLoader
         # workers add to the counts the main process reads (`stats()`, `LoaderMonitor`).
         self._counts = torch.zeros(3, dtype=torch.int64).share_memory_()
+        # The adapted level (ranges of one object in flight), shared: workers forked later
+        # start from what the main process (or an earlier worker) learned.
+        self._level = torch.tensor([range_connections], dtype=torch.int64).share_memory_()
+        self._fs: dict = {}
+        self._adapt: _Adapt | None = None
         self.sweep()
 
     # ---- public API --------------------------------------------------------------------
@@ -133,6 +190,11 @@ class PrefetchCache:
         hits, misses, downloaded = self._counts.tolist()
         return {"hits": hits, "misses": misses, "bytes_downloaded": downloaded}
 
+    def concurrency(self) -> dict[str, int]:
+        """`{"objects", "ranges_per_object"}`: downloads at once (`prefetch`) and the ranges
+        of one object in flight, as adapted so far (the latest level any process chose)."""
+        return {"objects": self.depth, "ranges_per_object": int(self._level.item())}
+
     def _count(self, *, hits: int = 0, misses: int = 0, downloaded: int = 0) -> None:
         # The shared tensor's `+=` is a read-modify-write: an flock makes it exact across the
         # threads and processes that share it (~10 us, against a shard read).
@@ -156,6 +218,10 @@ class PrefetchCache:
         for url in urls:
             if os.path.exists(self.path_for(url)):
                 continue
+            # Imports and the client are made here, in the caller's thread: a fork (DataLoader
+            # workers) while a background thread is half-way through an import could leave
+            # the child a held import lock.
+            self._filesystem(url)
             pool = self._executor()
             if len(self._inflight) > 8 * self.depth:  # forget finished downloads
                 self._inflight = {u: f for u, f in self._inflight.items() if not f.done()}
@@ -190,9 +256,7 @@ class PrefetchCache:
 
     # ---- downloading -------------------------------------------------------------------
     def _download(self, url: str, final: Path, sha256: str | None) -> None:
-        import fsspec
-
-        fs, remote = fsspec.core.url_to_fs(url, **self.storage_options)
+        fs, remote = self._filesystem(url)
         attempts, last = self.retries + 1, None
         for attempt in range(attempts):
             tmp = None
@@ -227,12 +291,32 @@ class PrefetchCache:
         raise DownloadError(f"{url}: failed after {attempts} attempts; last error: "
                             f"{type(last).__name__}: {last}") from last
 
+    def _filesystem(self, url: str):
+        """(filesystem, path): one fsspec filesystem per process and protocol, reused."""
+        import fsspec
+
+        protocol = fsspec.utils.get_protocol(url)
+        key = (os.getpid(), protocol)
+        fs = self._fs.get(key)
+        if fs is None:
+            options = dict(self.storage_options)
+            if protocol in ("s3", "s3a"):  # botocore's pool (10) would queue the ranges
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("max_pool_connections", self.depth * self.max_connections)
+                options["config_kwargs"] = config
+            fs, _ = fsspec.core.url_to_fs(url, **options)
+            self._fs = {k: v for k, v in self._fs.items() if k[0] == os.getpid()}  # drop a parent's
+            self._fs[key] = fs
+        return fs, fs._strip_protocol(url)
+
     def _ranged_get(self, fs, remote: str, url: str, tmp: Path, size: int) -> None:
-        """`size` bytes of `remote` into `tmp` as `range_bytes` ranges over `range_connections`
-        concurrent requests (object stores cap each connection, not each client), each
+        """`size` bytes of `remote` into `tmp` as `range_bytes` ranges, the adapted number of
+        them in flight at once (object stores cap each connection, not each client), each
         written at its offset and retried on its own; the caller verifies and renames."""
         ranges = [(start, min(start + self.range_bytes, size)) for start in range(0, size, self.range_bytes)]
-        fd = os.open(tmp, os.O_RDWR)
+        level = int(self._level.item())
+        began = time.perf_counter()
+        fd, token = _open_held(tmp, os.O_RDWR)
         try:
             os.ftruncate(fd, size)
 
@@ -252,8 +336,7 @@ class PrefetchCache:
                             raise
                     time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
 
-            with ThreadPoolExecutor(min(self.range_connections, len(ranges)),
-                                    thread_name_prefix="recipes-range") as pool:
+            with ThreadPoolExecutor(min(level, len(ranges)), thread_name_prefix="recipes-range") as pool:
                 futures = [pool.submit(fetch, span) for span in ranges]
                 try:
                     for future in futures:
@@ -263,7 +346,14 @@ class PrefetchCache:
                         future.cancel()
                     raise
         finally:
-            os.close(fd)
+            _release(fd, token)
+        if len(ranges) > level:  # the level limited this download: its rate says whether more helps
+            self._adapter().observe(level, size / (time.perf_counter() - began))
+
+    def _adapter(self) -> _Adapt:
+        if self._adapt is None or self._adapt.pid != os.getpid():
+            self._adapt = _Adapt(self._level, self.max_connections)
+        return self._adapt
 
     def _reserve(self, key: str, size: int) -> Path:
         """Frees room for `size` bytes (LRU, skipping pinned files) and creates the temp file
@@ -286,11 +376,11 @@ class PrefetchCache:
             return True
         files = [e for e in os.scandir(self.dir) if e.is_file() and not e.name.startswith(".")]
         for entry in sorted(files, key=lambda e: e.stat().st_mtime_ns):  # least recently used first
-            lock = open(self.dir / ".locks" / f"{entry.name}.lock", "a")  # noqa: SIM115
+            lock, token = _open_held(self.dir / ".locks" / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not pinned, not downloading
             except BlockingIOError:
-                lock.close()
+                _release(lock, token)
                 continue
             try:
                 size = entry.stat().st_size
@@ -299,7 +389,7 @@ class PrefetchCache:
             except FileNotFoundError:
                 pass
             finally:
-                lock.close()
+                _release(lock, token)
             if used <= budget:
                 return True
         return False
@@ -307,12 +397,12 @@ class PrefetchCache:
     @contextlib.contextmanager
     def _key_lock(self, name: str, mode: int):
         # A new open file description per call: threads of one process exclude each other too.
-        fd = os.open(self.dir / ".locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd, token = _open_held(self.dir / ".locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, mode)
             yield
         finally:
-            os.close(fd)
+            _release(fd, token)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool_pid != os.getpid():  # threads do not survive fork
@@ -326,8 +416,40 @@ class PrefetchCache:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_pool=None, _pool_pid=None, _inflight={})
+        state.update(_pool=None, _pool_pid=None, _inflight={}, _fs={}, _adapt=None)
         return state
+
+
+class _Adapt:
+    """Raises the ranges in flight per object while it pays: each level is kept only if its
+    download rate beats the level below by 15%; the first level that does not is undone and
+    the search stops (rates at a stale level, from downloads begun before a change, are
+    ignored). Per process; the level itself lives in the cache's shared tensor."""
+
+    GAIN = 1.15
+
+    def __init__(self, level: torch.Tensor, cap: int):
+        self.level, self.cap, self.pid = level, cap, os.getpid()
+        self.lock = threading.Lock()
+        self.below: tuple[int, float] | None = None  # (level, rate) that the current one must beat
+        self.rates: dict[int, float] = {}
+        self.settled = int(level.item()) >= cap
+
+    def observe(self, level: int, rate: float) -> None:
+        with self.lock:
+            current = int(self.level.item())
+            if self.settled or level != current:
+                return
+            self.rates[level] = max(rate, self.rates.get(level, 0.0))
+            if self.below is not None and self.rates[level] < self.below[1] * self.GAIN:
+                self.level.fill_(self.below[0])  # no gain: back down, and stay
+                self.settled = True
+                return
+            self.below = (level, self.rates[level])
+            if level >= self.cap:
+                self.settled = True
+            else:
+                self.level.fill_(min(2 * level, self.cap))
 
 
 @functools.lru_cache(maxsize=65536)

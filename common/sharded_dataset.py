@@ -93,10 +93,36 @@ class ShardedIterableDataset(IterableDataset):
         self.shuffle, self.seed, self.even, self.cache = shuffle, seed, even, cache
         self._ranged = _takes_range(read_shard)
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
+        self._workers_seen = torch.zeros(1, dtype=torch.int64).share_memory_()  # written by workers
 
     def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch (in shared memory, so persistent workers see it); call before `iter`."""
+        """Sets the epoch (in shared memory, so persistent workers see it); call before `iter`.
+
+        With a `cache`, called in the main process, it also starts the epoch's first downloads
+        (`start_downloads`), so that they are in flight while the workers start.
+        """
         self._epoch.fill_(int(epoch))
+        if self.cache is not None and get_worker_info() is None:
+            self.start_downloads()
+
+    def start_downloads(self, num_workers: int | None = None) -> list:
+        """Starts downloading, in this process's background threads, the shards the workers
+        read first this epoch, in the order the DataLoader needs them: each worker's first
+        shard, then each one's second, up to `max(cache.prefetch, num_workers)` shards.
+
+        The workers find them in place or in flight: one download per object, under the
+        cache's per-key lock. `num_workers` is the DataLoader's (`make_loader`'s loader passes
+        it); by default, the count the workers reported last epoch, and without one only the
+        first shard, which is the same for every worker count. Returns the futures.
+        """
+        if self.cache is None or getattr(self, "_resume", None):  # a resume reads another order
+            return []
+        workers = num_workers or int(self._workers_seen.item())
+        plans = [self.plan(self.epoch, w, workers) for w in range(workers)] if workers else \
+            [self.plan(self.epoch)[:1]]
+        rounds = itertools.zip_longest(*plans)
+        firsts = dict.fromkeys(self.shards[p[0]] for r in rounds for p in r if p is not None)
+        return self.cache.prefetch(list(firsts)[: max(self.cache.depth, workers)])
 
     @property
     def epoch(self) -> int:
@@ -224,6 +250,7 @@ class ShardedIterableDataset(IterableDataset):
     def __iter__(self) -> Iterator:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        self._workers_seen.fill_(num_workers)
         epoch = self.epoch
         if not getattr(self, "_resume", None):
             yield from self._stream(epoch, worker, num_workers)

@@ -73,6 +73,9 @@ class StatefulLoader(DataLoader):
         if skip and isinstance(self.dataset, IterableDataset):
             return _Counting(self, _resumed_iterable(self, skip))
         self._pending_index_skip = skip
+        start = getattr(self.dataset, "start_downloads", None)
+        if not skip and callable(start):  # a PrefetchCache's first shards, before workers start
+            start(num_workers=max(1, self.num_workers))
         return _Counting(self, super().__iter__())
 
     def state_dict(self) -> dict[str, Any]:
