@@ -331,11 +331,11 @@ def _handler_for(server: LocalHTTPServer):
             step = 64 * 1024
             for i in range(0, len(body), step):
                 chunk = body[i : i + step]
+                if server.bandwidth:  # each chunk arrives when the capped link would deliver it
+                    time.sleep(len(chunk) / server.bandwidth)
                 try:
                     self.wfile.write(chunk)
                 except (BrokenPipeError, ConnectionResetError):
                     return
-                if server.bandwidth:
-                    time.sleep(len(chunk) / server.bandwidth)
 
     return Handler

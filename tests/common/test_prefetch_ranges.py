@@ -117,3 +117,47 @@ def test_two_processes_send_one_set_of_range_requests(tmp_path, big):
         assert [p.returncode for p in procs] == [0, 0]
         assert set(digests) == {hashlib.sha256(data).hexdigest()}
         assert _ranges(server) == list(range(0, len(data), RANGE))  # counted at the server: one set
+
+
+def test_ranges_in_flight_rise_while_the_rate_does(tmp_path):
+    """Each connection is capped (as object stores cap them): doubling the ranges in flight
+    doubles the rate until every range of an object is in flight at once."""
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    chunk = 64 * 1024
+    blobs = {f"o{i}.bin": np.random.default_rng(i).integers(0, 256, 16 * chunk, dtype=np.uint8).tobytes()
+             for i in range(5)}
+    for name, data in blobs.items():
+        (folder / name).write_bytes(data)
+    with LocalHTTPServer(folder, bandwidth=1 * 2**20) as server:  # 64 ms per range and connection
+        cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30, range_bytes=chunk, range_connections=2,
+                              max_connections=16)
+        levels = []
+        for name, data in blobs.items():
+            levels.append(cache.concurrency()["ranges_per_object"])
+            assert cache.get(server.url(name)).read_bytes() == data
+        assert levels[:4] == [2, 4, 8, 16]  # each doubling paid
+        assert cache.concurrency() == {"objects": 4, "ranges_per_object": 16}
+
+
+@pytest.mark.parametrize(("rates", "settled"), [
+    ({2: 100, 4: 200, 8: 205, 16: 400}, 4),   # 8 gains 2.5% over 4: back to 4, and stay
+    ({2: 100, 4: 110, 8: 400, 16: 800}, 2),   # 4 gains 10%: stays at 2 even if more would pay
+    ({2: 100, 4: 200, 8: 400, 16: 800}, 16),  # every doubling pays, up to the cap
+])
+def test_the_level_settles_where_a_doubling_stops_paying(rates, settled):
+    import torch
+
+    from recipes.common.prefetch_cache import _Adapt
+
+    level = torch.tensor([2])
+    adapt = _Adapt(level, cap=16)
+    for _ in range(6):
+        adapt.observe(4 if int(level) != 4 else 2, 1.0)  # a stale level's rate is ignored
+        adapt.observe(int(level), rates[int(level)])
+    assert int(level) == settled and adapt.settled
+
+
+def test_max_connections_below_range_connections_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_connections"):
+        PrefetchCache(tmp_path / "c", max_bytes=2**20, range_connections=8, max_connections=4)
