@@ -184,6 +184,20 @@ class PrefetchCache:
         self._count(misses=1, downloaded=final.stat().st_size)
         return final
 
+    def connect(self, url: str) -> None:
+        """Imports `url`'s filesystem and opens its client now (s3fs: ~0.3 s to import, ~0.1 s
+        to connect in a fresh process), so that the first download does not wait for them:
+        call it once at setup, e.g. before building the model. Optional: the first download
+        does it otherwise."""
+        check_url(url)
+        fs, _ = self._filesystem(url)
+        if hasattr(fs, "connect"):  # s3fs
+            fs.connect()
+        elif hasattr(fs, "set_session") and getattr(fs, "loop", None) is not None:  # http(s), gcsfs
+            from fsspec.asyn import sync
+
+            sync(fs.loop, fs.set_session)
+
     def stats(self) -> dict[str, int]:
         """`{"hits", "misses", "bytes_downloaded"}` of every `get` so far, in this process and
         the DataLoader workers that share this object (a miss is a download)."""

@@ -112,14 +112,14 @@ class ShardedIterableDataset(IterableDataset):
 
         The workers find them in place or in flight: one download per object, under the
         cache's per-key lock. `num_workers` is the DataLoader's (`make_loader`'s loader passes
-        it); by default, the count the workers reported last epoch, and without one only the
-        first shard, which is the same for every worker count. Returns the futures.
+        it); by default, the count the workers reported last epoch, and without one (the first
+        epoch of a plain DataLoader) this rank's first shards in order: each is read this epoch
+        by some worker, and the first is the first worker's. Returns the futures.
         """
         if self.cache is None or getattr(self, "_resume", None):  # a resume reads another order
             return []
         workers = num_workers or int(self._workers_seen.item())
-        plans = [self.plan(self.epoch, w, workers) for w in range(workers)] if workers else \
-            [self.plan(self.epoch)[:1]]
+        plans = [self.plan(self.epoch, w, max(workers, 1)) for w in range(max(workers, 1))]
         rounds = itertools.zip_longest(*plans)
         firsts = dict.fromkeys(self.shards[p[0]] for r in rounds for p in r if p is not None)
         return self.cache.prefetch(list(firsts)[: max(self.cache.depth, workers)])

@@ -11,6 +11,8 @@ photo; decode-speed ratios carry over, absolute accuracy numbers do not.
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import numpy as np
@@ -339,3 +341,164 @@ def _handler_for(server: LocalHTTPServer):
                     return
 
     return Handler
+
+
+class ThrottlingProxy:
+    """A TCP proxy on 127.0.0.1 in front of `target` that makes loopback look like a network
+    link to an object store: `latency` seconds before each request is forwarded (first-byte
+    latency) and `bandwidth` bytes per second per connection on the way back (stores cap each
+    connection, not each client).
+
+    For benchmarks of S3 clients against moto's server, which answers at memory speed.
+
+    Example:
+        >>> with MotoS3Server() as s3, ThrottlingProxy(s3.port, latency=0.02, bandwidth=16 * 2**20) as proxy:
+        ...     options = s3.storage_options(port=proxy.port)
+    """
+
+    def __init__(self, target_port: int, *, latency: float = 0.0, bandwidth: float | None = None,
+                 target_host: str = "127.0.0.1"):
+        self.target = (target_host, target_port)
+        self.latency, self.bandwidth = latency, bandwidth
+        self.connections = 0
+        self._listener = None
+        self._thread = None
+
+    def __enter__(self) -> ThrottlingProxy:
+        import socket
+        import threading
+
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._pump, args=(client, upstream, self.latency, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, 0.0, self.bandwidth), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink, latency: float, bandwidth: float | None) -> None:
+        import socket
+        import time
+
+        ready = 0.0  # when the link has delivered what was sent so far
+        try:
+            while True:
+                data = source.recv(256 * 1024)
+                if not data:
+                    break
+                if latency:  # requests are small: one delay per request
+                    time.sleep(latency)
+                if bandwidth:  # pace to the cap; oversleeping is made up within 10 ms
+                    now = time.monotonic()
+                    ready = max(ready, now - 0.01) + len(data) / bandwidth
+                    if ready > now:
+                        time.sleep(ready - now)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+class MotoS3Server:
+    """moto's standalone S3 server on 127.0.0.1 (a real HTTP server, no mocks in the client),
+    with `storage_options()` for s3fs and `client()` for boto3."""
+
+    KEYS = {"key": "testing", "secret": "testing"}
+
+    def __enter__(self) -> MotoS3Server:
+        import socket
+
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.stop()
+
+    def storage_options(self, port: int | None = None) -> dict:
+        """s3fs options for this server, or for a proxy in front of it on `port`."""
+        return {**self.KEYS, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port or self.port}",
+                                               "region_name": "us-east-1"}}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
+                            endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1")
+
+
+_STORE_SCRIPT = """
+import sys, time
+from pathlib import Path
+from recipes.testing import MotoS3Server, ThrottlingProxy
+folder, bucket, latency, bandwidth = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+with MotoS3Server() as store:
+    client = store.client()
+    client.create_bucket(Bucket=bucket)
+    for name in sys.argv[5:]:
+        client.put_object(Bucket=bucket, Key=name, Body=(folder / name).read_bytes())
+    with ThrottlingProxy(store.port, latency=latency, bandwidth=bandwidth or None) as proxy:
+        print(store.port, proxy.port, flush=True)
+        sys.stdin.read()  # until the parent closes it
+"""
+
+
+@contextlib.contextmanager
+def s3_store_process(folder: str | Path, names: list[str], *, bucket: str, latency: float = 0.0,
+                     bandwidth: float | None = None):
+    """moto's S3 server holding `folder`'s `names` in `bucket`, behind a `ThrottlingProxy`,
+    in a process of its own (so that serving does not take the reader's GIL or CPU time in
+    its own process). Yields the s3fs storage options that reach it through the proxy."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _STORE_SCRIPT, str(folder), bucket, str(latency),
+                             str(bandwidth or 0), *names], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        if len(line) != 2:
+            raise RuntimeError(f"the S3 store process failed to start (exit code {proc.poll()})")
+        yield {**MotoS3Server.KEYS, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{line[1]}",
+                                                      "region_name": "us-east-1"}}
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

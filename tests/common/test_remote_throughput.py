@@ -10,7 +10,7 @@ def test_prefetching_beats_simplecache_and_warm_epochs_approach_local_disk(tmp_p
     rng = np.random.default_rng(0)
     for s in range(6):
         (tmp_path / f"shard-{s:04d}.bin").write_bytes(rng.integers(0, 256, per_shard * RECORD_BYTES, np.uint8).tobytes())
-    rows = compare(tmp_path, per_shard, latency=0.02, bandwidth_mb=4.0, prefetch=4, workers=1)
+    rows, _ = compare(tmp_path, per_shard, latency=0.02, bandwidth_mb=4.0, prefetch=4, workers=1)
     streaming, simple, first, second, local = (row.items_per_s for row in rows)
     assert all(row.items == 6 * per_shard for row in rows)
     assert first >= 1.5 * simple, rows
