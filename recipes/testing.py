@@ -12,7 +12,6 @@ photo; decode-speed ratios carry over, absolute accuracy numbers do not.
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 
 import numpy as np
@@ -375,6 +374,10 @@ class ThrottlingProxy:
         return self
 
     def __exit__(self, *exc) -> None:
+        import socket
+
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._listener.close()
         self._thread.join(timeout=5)
 
@@ -433,9 +436,8 @@ class MotoS3Server:
     KEYS = {"key": "testing", "secret": "testing"}
 
     def __enter__(self) -> MotoS3Server:
-        import socket
-
         import logging
+        import socket
 
         from moto.server import ThreadedMotoServer
 

@@ -112,7 +112,8 @@ class _Epoch:
                                worker_init_fn=worker_init if self.workers else None))
 
 
-def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, prefetch=4, workers=1, s3=False):
+def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, prefetch=4, workers=1, s3=False,
+            repeat: int = 5):
     """Rows: streaming (baseline), simplecache epoch 1, PrefetchCache epoch 1, PrefetchCache
     epoch 2, local disk; and the PrefetchCache's `concurrency()` after epoch 1."""
     from recipes.bench.measure import measure
@@ -143,6 +144,7 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
         rows += _best_interleaved(
             lambda: run("PrefetchCache, epoch 2", urls, read_records, cache=cache, epoch=0),
             lambda: run("local disk", [str(folder / n) for n in names], read_records),
+            repeat=repeat,
         )
     return rows, {**level, "setup_seconds": setup}
 
