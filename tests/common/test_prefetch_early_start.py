@@ -105,7 +105,10 @@ def test_a_worker_never_inherits_a_lock_held_by_a_download_thread(tmp_path, shar
             time.sleep(0.005)
         assert not cache.path_for(first).exists()
         loader = DataLoader(ds, batch_size=16, num_workers=2, collate_fn=_collate, timeout=30)
-        items = [item for batch in loader for item in batch]
+        batches = iter(loader)  # the workers fork now, the download still in flight
+        server.bandwidth = None  # the rest at full speed
+        items = [item for batch in batches for item in batch]
+        del batches  # the workers exit while the server still answers their read-ahead
         assert len(items) == len(names) * PER_SHARD
         assert server.gets[names[int(ds.order(0)[0])]] == 1
         assert _no_temps(cache.dir) == []
