@@ -232,9 +232,9 @@ class PrefetchCache:
         for url in urls:
             if os.path.exists(self.path_for(url)):
                 continue
-            # Imports and the client are made here, in the caller's thread: a fork (DataLoader
-            # workers) while a background thread is half-way through an import could leave
-            # the child a held import lock.
+            # The filesystem (and its imports) is made here, in the caller's thread: a fork
+            # (DataLoader workers) while a background thread is half-way through an import
+            # could leave the child a held import lock. `connect()` opens the client too.
             self._filesystem(url)
             pool = self._executor()
             if len(self._inflight) > 8 * self.depth:  # forget finished downloads
