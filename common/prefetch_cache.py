@@ -446,20 +446,17 @@ class _Adapt:
         self.level, self.cap, self.pid = level, cap, os.getpid()
         self.lock = threading.Lock()
         self.below: tuple[int, float] | None = None  # (level, rate) that the current one must beat
-        self.rates: dict[int, float] = {}
         self.settled = int(level.item()) >= cap
 
     def observe(self, level: int, rate: float) -> None:
         with self.lock:
-            current = int(self.level.item())
-            if self.settled or level != current:
+            if self.settled or level != int(self.level.item()):
                 return
-            self.rates[level] = max(rate, self.rates.get(level, 0.0))
-            if self.below is not None and self.rates[level] < self.below[1] * self.GAIN:
+            if self.below is not None and rate < self.below[1] * self.GAIN:
                 self.level.fill_(self.below[0])  # no gain: back down, and stay
                 self.settled = True
                 return
-            self.below = (level, self.rates[level])
+            self.below = (level, rate)
             if level >= self.cap:
                 self.settled = True
             else:

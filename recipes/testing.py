@@ -359,7 +359,6 @@ class ThrottlingProxy:
                  target_host: str = "127.0.0.1"):
         self.target = (target_host, target_port)
         self.latency, self.bandwidth = latency, bandwidth
-        self.connections = 0
         self._listener = None
         self._thread = None
 
@@ -390,7 +389,6 @@ class ThrottlingProxy:
                 client, _ = self._listener.accept()
             except OSError:  # closed
                 return
-            self.connections += 1
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:

@@ -2,7 +2,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from recipes.common import DownloadError, PrefetchCache, ShardedIterableDataset
-from recipes.testing import LocalHTTPServer
+from recipes.testing import LocalHTTPServer, MotoS3Server
 
 
 @pytest.fixture
@@ -255,34 +254,19 @@ def test_two_processes_three_threads_download_once(tmp_path):
         assert _temps(tmp_path / "cache") == []
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def s3(monkeypatch):
-    from moto.server import ThreadedMotoServer
-
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(key, "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"key": "testing", "secret": "testing",
-               "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"}}
-    yield options
-    server.stop()
+    with MotoS3Server() as server:
+        server.client().create_bucket(Bucket="bucket")
+        yield server.storage_options()
 
 
 def test_s3_through_s3fs_against_moto(tmp_path, s3):
-    import boto3
     import s3fs
 
-    boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
-                 **s3["client_kwargs"]).create_bucket(Bucket="bucket")
     fs = s3fs.S3FileSystem(**s3)
     data = np.random.default_rng(3).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
     fs.pipe("bucket/shards/a.bin", data)

@@ -61,6 +61,7 @@ def test_a_short_range_is_retried_never_cached(tmp_path, big):
         server.short_range = {5 * RANGE: 1}
         assert _cache(tmp_path).get(server.url("big.bin")).read_bytes() == data
         assert server.range_gets[("big.bin", 5 * RANGE)] == 2
+        assert all(n == 1 for (_, start), n in server.range_gets.items() if start != 5 * RANGE)
 
 
 def test_small_objects_take_one_request(tmp_path, big):
