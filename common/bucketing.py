@@ -26,6 +26,7 @@ neither repeats nor loses a sample.
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -182,19 +183,32 @@ class LengthBucketSampler(Sampler[list[int]]):
         self._start = self._begin = 0
         self._yielded = 0
 
-    # ---- resume ------------------------------------------------------------------------
+    # ---- resume ----------------------------------------------------------------------
+    def plan_settings(self) -> dict:
+        """Every setting that shapes the epoch's global batch list (JSON; not the ranks, which
+        a resume may change)."""
+        if getattr(self, "_lengths_crc", None) is None:  # lengths never change: one checksum per sampler
+            self._lengths_crc = _fingerprint(self.lengths)
+        return {"num_samples": len(self.lengths), "lengths": self._lengths_crc, "seed": self.seed,
+                "shuffle": self.shuffle, "batch_size": self.batch_size, "max_tokens": self.max_tokens,
+                "pad_to_multiple_of": self.pad_to_multiple_of, "drop_last": self.drop_last}
+
+    def note_read_ahead(self, batches: int) -> None:
+        """The DataLoader's workers hold up to `batches` batches beyond what the loop received
+        (set by `StatefulLoader`): `state_dict()` without `batches_done` then warns."""
+        self._read_ahead = int(batches)
+
     def state_dict(self, *, batches_done: int | None = None) -> dict:
-        """A JSON-able position: the epoch and the global batches done in it.
+        """A JSON-able position: the epoch, the global batches done in it, and the settings
+        that shape the plan (checked by `load_state_dict`).
 
         Args:
-            batches_done: local batches the training loop has consumed this epoch. Defaults
-                to the batches this sampler yielded, which runs ahead of training by the
-                DataLoader's prefetch when `num_workers > 0`; pass your step count then.
+            batches_done: local batches the training loop has consumed in the current pass.
+                Defaults to the batches this sampler yielded, which runs ahead of training by
+                the DataLoader's prefetch when `num_workers > 0`; pass your step count then.
         """
-        ahead = getattr(self, "_read_ahead_by", 0)  # set by StatefulLoader when it has workers
+        ahead = getattr(self, "_read_ahead", 0)
         if batches_done is None and ahead and self._yielded:
-            import warnings
-
             from recipes.common.loader_warning import LoaderWarning
 
             warnings.warn(
@@ -210,19 +224,30 @@ class LengthBucketSampler(Sampler[list[int]]):
             "global_batches_done": min(total, begin + done * self.num_replicas),
             "seed": self.seed,
             "num_samples": len(self.lengths),
+            "plan": self.plan_settings(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continues the saved epoch on this sampler's (possibly different) number of ranks."""
-        if state["num_samples"] != len(self.lengths) or state["seed"] != self.seed:
-            raise ValueError(
-                f"This state is for {state['num_samples']} samples with seed {state['seed']}, but the "
-                f"sampler has {len(self.lengths)} samples with seed {self.seed}; resume with the same data and seed."
-            )
+        """Continues the saved epoch on this sampler's (possibly different) number of ranks.
+
+        Raises:
+            ValueError: a state saved with other data or settings (they shape the batches).
+        """
+        saved = state.get("plan") or {"num_samples": state.get("num_samples"), "seed": state.get("seed")}
+        mine = self.plan_settings()
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if differ:
+            detail = ", ".join(f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ)
+            raise ValueError(f"This {type(self).__name__} state was saved with other data or settings: {detail}; "
+                             "resume with the same data and settings (they decide the epoch's batches).")
         self.epoch = int(state["epoch"])
         self._start = int(state["global_batches_done"])
         self._begin = 0
         self._yielded = 0
+
+
+def _fingerprint(values: np.ndarray) -> str:
+    return f"{zlib.crc32(np.ascontiguousarray(values).tobytes()):08x}"
 
 
 def _batch_end(padded: np.ndarray, start: int, hi: int, budget: int) -> int:

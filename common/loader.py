@@ -76,8 +76,8 @@ def make_loader(
 
     Returns:
         A `StatefulLoader` (a `DataLoader` whose `state_dict()`/`load_state_dict()` resume at
-        the first batch the loop has not received) with `loader.recipe`, a `LoaderRecipe`
-        holding the final settings and the reason for each.
+        the first batch the loop has not received, in any epoch: `loader_contract.py`) with
+        `loader.recipe`, a `LoaderRecipe` holding the final settings and the reason for each.
 
     Raises:
         ValueError: for an unknown profile or invalid sizes.
@@ -106,12 +106,9 @@ def make_loader(
         settings[key] = value
         reasons[key] = "override"
     _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
-    if settings.get("shuffle") and "generator" not in settings:
-        # A generator of the loader's own, seeded from torch's RNG (so torch.manual_seed still
-        # reproduces runs): its state at each epoch's start is what `state_dict` saves.
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        settings["generator"] = torch.Generator().manual_seed(seed)
-        reasons["generator"] = "seeded from torch's RNG; saved per epoch so state_dict() resumes the same order"
+    if settings.get("shuffle") and not isinstance(dataset, IterableDataset):
+        reasons["sampler"] = ("RandomSampler with a generator of the loader's own (seeded from `generator`, else "
+                              "torch's RNG): state_dict() saves its state where each epoch's order is drawn")
     loader = StatefulLoader(dataset, **settings)
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader

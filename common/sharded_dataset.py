@@ -30,6 +30,7 @@ import contextlib
 import copy
 import inspect
 import itertools
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -127,6 +128,17 @@ class ShardedIterableDataset(IterableDataset):
     @property
     def epoch(self) -> int:
         return int(self._epoch.item())
+
+    def plan_settings(self) -> dict:
+        """Every setting that shapes an epoch's plan, as JSON (not the ranks: a resume may
+        change them); a loader state carries it and refuses to resume under others."""
+        if getattr(self, "_shards_crc", None) is None:
+            data = self.shards.data.tobytes() + self.shards.offsets.tobytes()
+            lengths = b"" if self.shard_lengths is None else self.shard_lengths.tobytes()
+            self._shards_crc = (f"{zlib.crc32(data):08x}", None if self.shard_lengths is None
+                                else f"{zlib.crc32(lengths):08x}")
+        return {"num_shards": len(self.shards), "shards": self._shards_crc[0], "shard_lengths": self._shards_crc[1],
+                "shuffle": self.shuffle, "seed": self.seed, "even": self.even}
 
     # ---- the plan ----------------------------------------------------------------------
     def order(self, epoch: int) -> np.ndarray:

@@ -153,18 +153,10 @@ class PackedBatchSampler(LengthBucketSampler):
             rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
         return rows
 
-    def state_dict(self, *, batches_done: int | None = None) -> dict:
-        state = super().state_dict(batches_done=batches_done)
-        state.update(seq_len=self.seq_len, batch_size=self.batch_size, window=self.window)
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = {"seq_len": self.seq_len, "batch_size": self.batch_size, "window": self.window}
-        theirs = {key: state.get(key) for key in mine}
-        if theirs != mine:
-            raise ValueError(f"This state is for packing with {theirs}, but the sampler packs with {mine}; "
-                             "resume with the same settings (they decide the epoch's rows).")
-        super().load_state_dict(state)
+    def plan_settings(self) -> dict:
+        """Every setting that shapes the epoch's rows and batches (checked on resume)."""
+        return {**super().plan_settings(), "seq_len": self.seq_len, "window": self.window,
+                "split_long": self.split_long, "max_docs_per_row": self.max_docs_per_row}
 
 
 def _best_fit_decreasing(pieces: np.ndarray, lengths: np.ndarray, capacity: int, max_docs: int) -> list[np.ndarray]:

@@ -161,8 +161,20 @@ def test_state_after_the_end_gives_an_empty_rest_and_next_epoch_is_full():
 
 def test_state_for_other_data_is_refused():
     s = LengthBucketSampler([1, 2, 3], batch_size=2)
-    with pytest.raises(ValueError, match="same data and seed"):
+    with pytest.raises(ValueError, match="num_samples=3 .saved. vs 2.*same data and settings"):
         LengthBucketSampler([1, 2], batch_size=2).load_state_dict(s.state_dict())
+
+
+@pytest.mark.parametrize("change", [{"lengths": [1, 2, 4]}, {"seed": 1}, {"shuffle": False}, {"batch_size": 3},
+                                    {"max_tokens": 8}, {"pad_to_multiple_of": 2}, {"drop_last": True}])
+def test_a_state_under_any_other_plan_setting_is_refused(change):
+    """Everything that shapes the epoch's batches is carried by the state and checked."""
+    settings = {"lengths": [1, 2, 3], "seed": 0, "shuffle": True, "batch_size": 2, "max_tokens": None,
+                "pad_to_multiple_of": 1, "drop_last": False}
+    state = LengthBucketSampler(settings.pop("lengths"), **settings).state_dict(batches_done=0)
+    other = {"lengths": [1, 2, 3], **settings, **change}
+    with pytest.raises(ValueError, match=f"{next(iter(change))}=.*same data and settings"):
+        LengthBucketSampler(other.pop("lengths"), **other).load_state_dict(state)
 
 
 def test_warns_when_set_epoch_is_forgotten_across_replicas():
