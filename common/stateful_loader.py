@@ -297,6 +297,8 @@ class _Passes:
             warnings.warn(self.blind, LoaderWarning, stacklevel=4)
 
     def warn_global(self, sampler, which: list[str]) -> None:
+        if type(sampler) is BatchSampler:  # name the user's sampler, not torch's batching around it
+            sampler = sampler.sampler
         if "global" not in self.warned:
             self.warned.add("global")
             warnings.warn(
