@@ -219,7 +219,9 @@ class _Passes:
             self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
             skip = 0
         saved_workers = None if pending is None else pending.get("num_workers")
-        workers = num_workers if saved_workers is None else int(saved_workers)
+        if saved_workers is None or not (skip or pending.get("replayed")):
+            saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
+        workers = int(saved_workers)
         self.current = _Pass(epoch, skip, workers, resumed=pending, yielded=skip)
         return self.current
 

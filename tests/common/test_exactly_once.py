@@ -224,6 +224,8 @@ class ExactlyOnce(RuleBasedStateMachine):
                 self.iterators = [None] * self.world
                 return
             assert all(b is not None for b in got), "ranks ended at different steps"
+            if not self.received[0]:  # an epoch's order is fixed by the loader that yields its first batch
+                self.began_with = num_workers(self.loaders[0])
             for r, batch in enumerate(got):
                 self.received[r].append(key(batch))
             if self.resized is not None:
