@@ -56,7 +56,8 @@ class SpectrogramCache(Dataset):
 
     `info` is `{"file", "start", "frames"}` with `frames` the valid feature frames (the rest
     of a padded window's frames come from zero padding). `lengths` are the frames per item,
-    for `LengthBucketSampler`.
+    for `LengthBucketSampler`. Each process maps `features.bin` on first use; one truncated or
+    replaced since `open` raises `SpectrogramCacheError` then (reopen the cache).
     """
 
     def __init__(self, path: Path, header: dict, offsets: np.ndarray, info: np.ndarray):
@@ -67,7 +68,8 @@ class SpectrogramCache(Dataset):
         self.lengths = np.diff(offsets)
         self.info = info
         size = int(header["total_frames"]) * self.n_mels
-        self._features = LazyMap(self.path / "features.bin", np.dtype(header["dtype"]).newbyteorder("<"), (size,))
+        self._features = LazyMap(self.path / "features.bin", np.dtype(header["dtype"]).newbyteorder("<"), (size,),
+                                 error=SpectrogramCacheError)
 
     @classmethod
     def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> SpectrogramCache:

@@ -12,7 +12,8 @@ An object larger than `range_bytes` is fetched as concurrent ranged GETs (each r
 on its own), as s5cmd and the AWS CLI do: object stores cap each connection's bandwidth, not
 each client's. How many ranges of one object are in flight adapts: it starts at
 `range_connections` and doubles while each doubling raises the measured rate by 15%, up to
-`max_connections` (`concurrency()` reports the level chosen).
+`max_connections` (`concurrency()` reports the level chosen). One search per cache object:
+the processes that share it (forked or spawned DataLoader workers) share its whole state.
 One fsspec filesystem per process serves every download, its connection pool sized to
 `prefetch x max_connections` (s3fs's default pool of 10 would cap the ranges otherwise).
 
@@ -23,7 +24,9 @@ How it holds up:
 - readers pin a file with a shared flock (`pinned(url)`); eviction skips pinned files;
 - downloads may run in the main process's threads while DataLoader workers fork (the early
   start of `ShardedIterableDataset.set_epoch`): the lock and temp-file descriptors those
-  threads hold are closed in the child at fork, so a worker never inherits a held lock;
+  threads hold are closed in the child at fork, so a worker never inherits a held lock nor
+  a download's file. Every download, ranged or whole, writes through the one temp-file
+  descriptor the cache opens (fsspec's `get_file` would open its own, out of reach);
 - transient errors (connection resets, timeouts, HTTP 5xx, short bodies) retry with
   exponential backoff and jitter; the final error names the URL and the attempts; a full
   disk removes the temp file and raises; temp files of dead processes are swept on start;
@@ -148,9 +151,11 @@ class PrefetchCache:
         # hits, misses, bytes downloaded: shared memory, so forked and spawned DataLoader
         # workers add to the counts the main process reads (`stats()`, `LoaderMonitor`).
         self._counts = torch.zeros(3, dtype=torch.int64).share_memory_()
-        # The adapted level (ranges of one object in flight), shared: workers forked later
-        # start from what the main process (or an earlier worker) learned.
+        # The adapted level (ranges of one object in flight) and the rest of its search, shared:
+        # workers forked later start from what the main process (or an earlier worker) learned,
+        # and all of them run one search (issue 19).
         self._level = torch.tensor([range_connections], dtype=torch.int64).share_memory_()
+        self._search = _Adapt.new_search(self._level, max_connections)
         self._fs: dict = {}
         self._adapt: _Adapt | None = None
         self.sweep()
@@ -273,23 +278,23 @@ class PrefetchCache:
         fs, remote = self._filesystem(url)
         attempts, last = self.retries + 1, None
         for attempt in range(attempts):
-            tmp = None
+            tmp = held = None
             try:
                 size = fs.info(remote).get("size")
                 if size is not None and size > self.max_bytes:
                     raise ValueError(f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
                                      "raise max_bytes or read it without the cache.")
-                tmp = self._reserve(final.name, size or 0)
+                tmp, *held = self._reserve(final.name, size or 0)
+                fd = held[0]  # the temp file's only descriptor: written, verified and synced through it
                 if size is not None and size > self.range_bytes and self.range_connections > 1:
                     try:
-                        self._ranged_get(fs, remote, url, tmp, size)
+                        self._ranged_get(fs, remote, url, fd, size)
                     except _NoRanges:  # the server ignores Range: one whole-object GET
-                        fs.get_file(remote, str(tmp))
+                        self._whole_get(fs, remote, fd, size)
                 else:
-                    fs.get_file(remote, str(tmp))
-                _verify(url, tmp, size, sha256)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
+                    self._whole_get(fs, remote, fd, size)
+                _verify(url, fd, size, sha256)
+                os.fsync(fd)
                 os.replace(tmp, final)
                 fsync_path(self.dir)
                 return
@@ -300,6 +305,9 @@ class PrefetchCache:
                 if not _is_transient(error):
                     raise
                 last = error
+            finally:
+                if held:
+                    _release(*held)
             if attempt + 1 < attempts:
                 time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
         raise DownloadError(f"{url}: failed after {attempts} attempts; last error: "
@@ -323,62 +331,71 @@ class PrefetchCache:
             self._fs[key] = fs
         return fs, fs._strip_protocol(url)
 
-    def _ranged_get(self, fs, remote: str, url: str, tmp: Path, size: int) -> None:
-        """`size` bytes of `remote` into `tmp` as `range_bytes` ranges, the adapted number of
-        them in flight at once (object stores cap each connection, not each client), each
-        written at its offset and retried on its own; the caller verifies and renames."""
+    def _whole_get(self, fs, remote: str, fd: int, size: int | None) -> None:
+        """`remote` into the temp file `fd` front to back (see `_open_stream`); the caller
+        verifies and renames."""
+        os.ftruncate(fd, 0)  # what a ranged attempt wrote before it found no Range support
+        offset = 0
+        with _open_stream(fs, remote, size) as source:
+            while block := source.read(_BLOCK):
+                _pwrite_all(fd, block, offset)
+                offset += len(block)
+
+    def _ranged_get(self, fs, remote: str, url: str, fd: int, size: int) -> None:
+        """`size` bytes of `remote` into the temp file `fd` as `range_bytes` ranges, the adapted
+        number of them in flight at once (object stores cap each connection, not each
+        client), each written at its offset and retried on its own; the caller verifies and
+        renames."""
         ranges = [(start, min(start + self.range_bytes, size)) for start in range(0, size, self.range_bytes)]
         level = int(self._level.item())
         began = time.perf_counter()
-        fd, token = _open_held(tmp, os.O_RDWR)
-        try:
-            os.ftruncate(fd, size)
+        os.ftruncate(fd, size)
 
-            def fetch(span):
-                start, end = span
-                for attempt in range(self.retries + 1):
-                    try:
-                        data = fs.cat_file(remote, start=start, end=end)
-                        if len(data) > end - start:
-                            raise _NoRanges(url)
-                        if len(data) < end - start:
-                            raise _ShortBody(f"{url}: range {start}-{end} gave {len(data):,} of {end - start:,} bytes")
-                        os.pwrite(fd, data, start)
-                        return
-                    except BaseException as error:
-                        if isinstance(error, _NoRanges) or not _is_transient(error) or attempt == self.retries:
-                            raise
-                    time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
-
-            with ThreadPoolExecutor(min(level, len(ranges)), thread_name_prefix="recipes-range") as pool:
-                futures = [pool.submit(fetch, span) for span in ranges]
+        def fetch(span):
+            start, end = span
+            for attempt in range(self.retries + 1):
                 try:
-                    for future in futures:
-                        future.result()
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
-        finally:
-            _release(fd, token)
+                    data = fs.cat_file(remote, start=start, end=end)
+                    if len(data) > end - start:
+                        raise _NoRanges(url)
+                    if len(data) < end - start:
+                        raise _ShortBody(f"{url}: range {start}-{end} gave {len(data):,} of {end - start:,} bytes")
+                    _pwrite_all(fd, data, start)
+                    return
+                except BaseException as error:
+                    if isinstance(error, _NoRanges) or not _is_transient(error) or attempt == self.retries:
+                        raise
+                time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
+
+        # Leaving the `with` waits for the running ranges: none writes after the caller closes `fd`.
+        with ThreadPoolExecutor(min(level, len(ranges)), thread_name_prefix="recipes-range") as pool:
+            futures = [pool.submit(fetch, span) for span in ranges]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
         if len(ranges) > level:  # the level limited this download: its rate says whether more helps
             self._adapter().observe(level, size / (time.perf_counter() - began))
 
     def _adapter(self) -> _Adapt:
-        if self._adapt is None or self._adapt.pid != os.getpid():
-            self._adapt = _Adapt(self._level, self.max_connections)
+        if self._adapt is None:  # stateless but for the shared tensors: fine in a forked child too
+            lock = functools.partial(self._key_lock, "adapt", fcntl.LOCK_EX)  # excludes threads and processes
+            self._adapt = _Adapt(self._level, self.max_connections, search=self._search, lock=lock)
         return self._adapt
 
-    def _reserve(self, key: str, size: int) -> Path:
+    def _reserve(self, key: str, size: int) -> tuple[Path, int, object]:
         """Frees room for `size` bytes (LRU, skipping pinned files) and creates the temp file
-        whose name carries the reservation, under one folder-wide lock."""
+        whose name carries the reservation, under one folder-wide lock. Returns its path and
+        its held descriptor `(fd, token)`, for `_release`."""
         deadline = time.monotonic() + 60
         while True:
             with self._key_lock("evict", fcntl.LOCK_EX):
                 if self._evict_until(self.max_bytes - size):
                     tmp = self.dir / f".tmp.{os.getpid()}.{secrets.token_hex(4)}.{size}.{key}"
-                    tmp.touch(mode=0o600)
-                    return tmp
+                    return (tmp, *_open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL))
             if time.monotonic() > deadline:
                 raise DownloadError(f"no room for {size:,} bytes in {self.dir}: the files in use fill "
                                     f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once.")
@@ -438,27 +455,56 @@ class _Adapt:
     """Raises the ranges in flight per object while it pays: each level is kept only if its
     download rate beats the level below by 15%; the first level that does not is undone and
     the search stops (rates at a stale level, from downloads begun before a change, are
-    ignored). Per process; the level itself lives in the cache's shared tensor."""
+    ignored).
+
+    The whole search is shared by the processes that share the cache: the level (`level`,
+    int64 [1]) and `search` (float64 [3]: the level to beat or 0, its rate, settled), both in
+    shared memory, read and written under `lock`. Kept per process, the rate to beat and the
+    settled flag let each process take the next step from its own view (issue 19: three
+    workers on a link saturating at 4 ranges went 2, 4, 8, 16, and one raised the level again
+    after another had settled it).
+
+    Args:
+        level: the level, shared.
+        cap: the highest level (`max_connections`).
+        search: the rest of the state, from `new_search`; None: a new one (one process).
+        lock: a zero-argument callable returning a context manager that excludes every thread
+            and process sharing the state (the cache passes an flock); None: a thread lock, for
+            one process.
+    """
 
     GAIN = 1.15
 
-    def __init__(self, level: torch.Tensor, cap: int):
-        self.level, self.cap, self.pid = level, cap, os.getpid()
-        self.lock = threading.Lock()
-        self.below: tuple[int, float] | None = None  # (level, rate) that the current one must beat
-        self.settled = int(level.item()) >= cap
+    def __init__(self, level: torch.Tensor, cap: int, *, search: torch.Tensor | None = None, lock=None):
+        self.level, self.cap = level, cap
+        self.search = self.new_search(level, cap) if search is None else search
+        if lock is None:
+            local = threading.Lock()
+            lock = lambda: local  # noqa: E731
+        self.lock = lock
+
+    @staticmethod
+    def new_search(level: torch.Tensor, cap: int) -> torch.Tensor:
+        return torch.tensor([0.0, 0.0, float(int(level.item()) >= cap)], dtype=torch.float64).share_memory_()
+
+    @property
+    def settled(self) -> bool:
+        return bool(self.search[2].item())
 
     def observe(self, level: int, rate: float) -> None:
-        with self.lock:
-            if self.settled or level != int(self.level.item()):
+        if self.settled or level != int(self.level.item()):  # without the lock: settled never ends
+            return
+        with self.lock():
+            below_level, below_rate, settled = self.search.tolist()
+            if settled or level != int(self.level.item()):
                 return
-            if self.below is not None and rate < self.below[1] * self.GAIN:
-                self.level.fill_(self.below[0])  # no gain: back down, and stay
-                self.settled = True
+            if below_level and rate < below_rate * self.GAIN:
+                self.level.fill_(int(below_level))  # no gain: back down, and stay
+                self.search[2] = 1.0
                 return
-            self.below = (level, rate)
+            self.search[0], self.search[1] = float(level), float(rate)
             if level >= self.cap:
-                self.settled = True
+                self.search[2] = 1.0
             else:
                 self.level.fill_(min(2 * level, self.cap))
 
@@ -489,15 +535,39 @@ def _touch(path: Path) -> bool:
         return False
 
 
-def _verify(url: str, tmp: Path, size: int | None, sha256: str | None) -> None:
-    actual = tmp.stat().st_size
+_BLOCK = 4 * 2**20  # bytes per read of a whole-object download
+
+
+def _open_stream(fs, remote: str, size: int | None):
+    """`remote` opened for one front-to-back read: over http(s) one streamed GET (fsspec's
+    random-access HTTP file would send ranged GETs, which a server may not support);
+    elsewhere the filesystem's own file, each `_BLOCK` read one request (no read-ahead)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if {"http", "https"} & set(protocols):
+        return fs.open(remote, "rb", block_size=0, size=size)
+    return fs.open(remote, "rb", block_size=_BLOCK, cache_type="none")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """All of `data` at `offset`: a write may stop short (a nearly full disk writes what fits
+    before it fails), and a short write ignored would leave a hole of zeros in the file."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"a write at byte {offset:,} of a download wrote nothing")
+        view, offset = view[written:], offset + written
+
+
+def _verify(url: str, fd: int, size: int | None, sha256: str | None) -> None:
+    actual = os.fstat(fd).st_size
     if size is not None and actual != size:
         raise _ShortBody(f"{url}: got {actual:,} of {size:,} bytes")
     if sha256 is not None:
-        digest = hashlib.sha256()
-        with open(tmp, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        digest, offset = hashlib.sha256(), 0
+        while block := os.pread(fd, 1 << 20, offset):
+            digest.update(block)
+            offset += len(block)
         if digest.hexdigest() != sha256:
             raise _ChecksumMismatch(f"{url}: sha256 {digest.hexdigest()} differs from the expected {sha256}")
 

@@ -12,7 +12,8 @@ writes a cache that workers, other ranks or a rerun after a crash will read.
   `FolderBuild` writes the folder under a temp name next to its target (sweeping temps left
   by dead builders), fsyncs it and renames it into place, in one process or split over the
   ranks of a `torch.distributed` group (rank 0 publishes after a barrier). `LazyMap` opens a
-  data file's memory map once per process, on first use, and pickles as its path.
+  data file's memory map once per process, on first use, and pickles as its path; a file
+  truncated or replaced since the cache was opened raises the cache's error, not numpy's.
   `build_loader` is the DataLoader of a build pass: its workers die with their parent.
 Cost: one fsync per file and per folder; one JSON read and a `stat` per data file on open.
 Adapt here: nothing; each cache passes its own format name, error type and rebuild hint.
@@ -23,6 +24,7 @@ build across nodes needs a folder every rank can write (a shared file system).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -239,21 +241,53 @@ def check_size(path: Path, expected: int, error: type[Exception]) -> None:
         raise error(f"{path} is {size} bytes, expected {expected} (truncated or corrupt); rebuild the cache.")
 
 
+class CacheFileError(ValueError):
+    """A cache data file that changed after its cache was opened (`LazyMap`'s default error)."""
+
+
 class LazyMap:
     """One data file of a cache, memory-mapped in each process on first use.
 
     A forked DataLoader worker must not use its parent's map (nor its file descriptor), and a
     spawned one cannot receive it: this object pickles as its path and reopens per process.
+    Each process checks the file when it maps it (and `read_into` when it opens it): the size
+    that `shape` says, and the file found at construction (inode and mtime, one `stat`).
+
+    A file changed after the cache was opened (never by the protocol above, which builds in a
+    temp folder and renames it into place), two cases:
+    - replaced (a rebuild renamed a new folder into place): a process that mapped the file
+      already keeps reading the old inode, whole until it unmaps it, consistent with the
+      offsets it read. A process mapping it later (a worker started after the rebuild) would
+      find another file under the path: it raises `error` rather than mix the new data with
+      the old header's offsets.
+    - truncated or rewritten in place (a cleanup, a rebuild into the live folder): a process
+      mapping it later raises `error`, and so does a short read in `read_into`. A process
+      that mapped it before the truncation gets SIGBUS from the kernel when it touches a page
+      past the new end: a memory map cannot report that as an exception.
 
     Args:
         path: the data file.
         dtype, shape: what it holds (little-endian dtypes, as the caches write them).
         mode: "r", or "c" (copy-on-write: writable views for `torch.from_numpy`; the file is
             never written).
+        error: the exception type raised for a changed file; pass the cache's own
+            (`TokenCacheError`, ...).
+
+    Raises:
+        error: from `array` or `read_into`: the file changed as above; the message names it,
+            its expected and actual size, and the fix (reopen the cache, or rebuild it).
     """
 
-    def __init__(self, path: Path, dtype, shape: tuple[int, ...], *, mode: str = "r"):
+    def __init__(self, path: Path, dtype, shape: tuple[int, ...], *, mode: str = "r",
+                 error: type[Exception] = CacheFileError):
         self.path, self.dtype, self.shape, self.mode = Path(path), np.dtype(dtype), tuple(shape), mode
+        self.error = error
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        try:
+            st = os.stat(self.path)
+            self._identity: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+        except OSError:  # not there yet: the size check alone
+            self._identity = None
         self._pid: int | None = None
         self._array: np.ndarray | None = None
         self._fd: int | None = None
@@ -261,29 +295,63 @@ class LazyMap:
     @property
     def array(self) -> np.ndarray:
         if self._pid != os.getpid():
-            size = int(np.prod(self.shape))
-            self._array = (np.memmap(self.path, dtype=self.dtype, mode=self.mode, shape=self.shape) if size
-                           else np.zeros(self.shape, self.dtype))
+            self._array = self._map() if self.nbytes else np.zeros(self.shape, self.dtype)
             self._fd = None
             self._pid = os.getpid()
         return self._array
 
+    def _map(self) -> np.ndarray:
+        fd = self._open_checked()
+        try:  # map the descriptor just checked, not the path again (it may be replaced meanwhile)
+            with open(fd, "rb", closefd=False) as f:
+                return np.memmap(f, dtype=self.dtype, mode=self.mode, shape=self.shape)
+        finally:
+            os.close(fd)  # the map holds its own
+
+    def _open_checked(self) -> int:
+        """A read-only descriptor of the file, checked against the cache opened over it."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self.error(f"{self.path} was removed after the cache was opened; rebuild the cache.") from None
+        st = os.fstat(fd)
+        how = None
+        if self._identity is not None and st.st_ino != self._identity[0]:
+            how = "replaced by another file (a rebuild renamed a new cache into place)"
+        elif st.st_size != self.nbytes or (self._identity is not None and st.st_mtime_ns != self._identity[1]):
+            how = "truncated in place" if st.st_size < self.nbytes else "rewritten in place"
+        if how is not None:
+            os.close(fd)
+            raise self._changed(how, st.st_size)
+        return fd
+
+    def _changed(self, how: str, size: int) -> Exception:
+        return self.error(f"{self.path} changed after the cache was opened: {how}; it is {size:,} bytes, "
+                          f"expected {self.nbytes:,}. Reopen the cache (its `open()` checks the folder again), "
+                          "or rebuild it if that fails.")
+
     def read_into(self, out, offset: int):
         """Copies bytes from byte `offset` into `out` (a C-contiguous array, or a list of them
         filled in turn) with one `preadv`: a kernel copy from the page cache, no page faults
-        in a fresh worker. Returns `out`."""
+        in a fresh worker. Returns `out`.
+
+        Raises:
+            error: the file changed after the cache was opened (a short read included)."""
         self.array  # noqa: B018 (the per-process reopen)
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = self._open_checked()
         buffers = out if isinstance(out, list) else [out]
         wanted = sum(b.nbytes for b in buffers)
         done = 0
         while done < wanted:  # at most IOV_MAX buffers per call
             chunk = buffers[: _IOV_MAX]
             got = os.preadv(self._fd, chunk, offset + done)
-            if got != sum(b.nbytes for b in chunk):
-                raise OSError(f"short read from {self.path} at byte {offset + done}: the cache file shrank; "
-                              "rebuild it.")
+            if got != sum(b.nbytes for b in chunk):  # never hand out a half-filled buffer
+                size = os.fstat(self._fd).st_size
+                if size >= self.nbytes:
+                    raise ValueError(f"A read of {wanted:,} bytes at byte {offset:,} runs past the end of "
+                                     f"{self.path} ({self.nbytes:,} bytes).")
+                raise self._changed(f"truncated in place (a short read at byte {offset + done + got:,})", size)
             done, buffers = done + got, buffers[_IOV_MAX:]
         return out
 

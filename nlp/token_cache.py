@@ -61,7 +61,8 @@ class TokenCacheError(ValueError):
 class TokenCache(Dataset):
     """A map-style dataset over a token cache: `cache[i] == {"input_ids": LongTensor[L]}`.
 
-    Pickles as its path and small arrays; each process opens its own memory map lazily.
+    Pickles as its path and small arrays; each process opens its own memory map lazily, and
+    a `tokens.bin` truncated or replaced since `open` raises `TokenCacheError` then (reopen).
     `make_loader(cache)` picks the `text` profile (no pinned memory: small int batches copy
     faster than they pin).
 
@@ -79,7 +80,7 @@ class TokenCache(Dataset):
         self.lengths = np.diff(offsets)
         # copy-on-write: writable views for torch, the file is never written
         self._tokens = LazyMap(self.path / "tokens.bin", np.dtype(header["dtype"]).newbyteorder("<"),
-                               (int(header["num_tokens"]),), mode="c")
+                               (int(header["num_tokens"]),), mode="c", error=TokenCacheError)
 
     @classmethod
     def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> TokenCache:

@@ -113,3 +113,20 @@ def test_cli_builds_the_same_cache(audio_files, tmp_path):
     same = build_spectrogram_cache(ChunkedAudioDataset(folder, chunk_seconds=2.0), tmp_path / "c", progress=False,
                                    num_workers=0)
     assert same.fingerprint == SpectrogramCache.open(tmp_path / "c").fingerprint
+
+
+def test_features_truncated_after_open_raise_spectrogram_cache_error_naming_the_file(audio_files, tmp_path):
+    """Issue 19: numpy's "mmap length is greater than file size" named nothing."""
+    path = tmp_path / "c"
+    build_spectrogram_cache(ChunkedAudioDataset(audio_files, chunk_seconds=2.0), path, num_workers=0, progress=False)
+    cache = SpectrogramCache.open(path)
+    expected = (path / "features.bin").stat().st_size
+    os.truncate(path / "features.bin", expected // 2)  # in place, before the first access
+    message = (rf"{path / 'features.bin'} changed after the cache was opened: truncated in place; "
+               rf"it is {expected // 2:,} bytes, expected {expected:,}\. Reopen the cache")
+    with pytest.raises(SpectrogramCacheError, match=message):
+        cache[0]
+    with pytest.raises(SpectrogramCacheError, match=message):
+        _ = cache.features
+    with pytest.raises(SpectrogramCacheError, match="truncated"):
+        SpectrogramCache.open(path)

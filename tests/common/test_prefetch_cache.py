@@ -140,17 +140,19 @@ def test_sha256_is_verified(tmp_path, shards):
 def test_disk_full_removes_the_temp_file_and_raises(tmp_path, shards, monkeypatch):
     import errno
 
-    import fsspec.implementations.local as local
+    real_pwrite, calls = os.pwrite, []
 
-    def full_disk(self, rpath, lpath, **kw):
-        with open(lpath, "wb") as f:
-            f.write(b"x" * 1000)
+    def full_disk(fd, data, offset):  # as a full disk does: what fits, a short count, then ENOSPC
+        calls.append(offset)
+        if len(calls) == 1:
+            return real_pwrite(fd, bytes(data[:1000]), offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(local.LocalFileSystem, "get_file", full_disk)
+    monkeypatch.setattr(os, "pwrite", full_disk)  # every download writes through the cache's descriptor
     cache = _cache(tmp_path)
     with pytest.raises(OSError, match="No space left"):
         cache.get(str(shards / "shard-0.bin"))
+    assert calls == [0, 1000]  # the short write was continued where it stopped, not ignored
     assert _temps(tmp_path / "cache") == [] and not cache.path_for(str(shards / "shard-0.bin")).exists()
 
 

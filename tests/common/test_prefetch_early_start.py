@@ -112,3 +112,50 @@ def test_a_worker_never_inherits_a_lock_held_by_a_download_thread(tmp_path, shar
         assert len(items) == len(names) * PER_SHARD
         assert server.gets[names[int(ds.order(0)[0])]] == 1
         assert _no_temps(cache.dir) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists descriptors through Linux's /proc")
+def test_a_fork_during_a_whole_object_download_leaves_the_child_no_descriptor_of_it(tmp_path, shards):
+    """A whole-object download (one GET, below `range_bytes`) writes through the descriptor
+    the cache opened and registered, closed in the child at fork. Through fsspec's
+    `get_file`, which opens its own, the child would hold the temp file open (issue 19)."""
+    folder, _ = shards
+    data = np.random.default_rng(5).integers(0, 256, 512 * 1024, dtype=np.uint8).tobytes()
+    (folder / "whole.bin").write_bytes(data)
+    with LocalHTTPServer(folder, bandwidth=512 * 1024) as server:  # 64 KiB every 1/8 s: 1 s in all
+        cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30, prefetch=1, backoff=0.01)
+        url = server.url("whole.bin")
+        [download] = cache.prefetch([url])
+        deadline = time.monotonic() + 10
+        while not any(os.path.getsize(cache.dir / n) for n in _no_temps(cache.dir)):  # bytes landed
+            assert time.monotonic() < deadline, "the download wrote nothing"
+            time.sleep(0.005)
+        assert not cache.path_for(url).exists()  # in flight at the fork
+        targets = _descriptors_of_a_forked_child()
+        download.result(timeout=30)
+        assert server.gets["whole.bin"] == 1 and not server.range_gets  # the whole-object path
+    assert [t for t in targets if t.startswith(f"{cache.dir}/")] == []  # no temp file, no lock
+    assert any(t.startswith("socket:") or t.startswith("pipe:") for t in targets)  # the listing worked
+    assert cache.path_for(url).read_bytes() == data and _no_temps(cache.dir) == []
+
+
+def _descriptors_of_a_forked_child() -> list[str]:
+    """What each open descriptor of a child forked now points at (`/proc/self/fd` links)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then leave without running the parent's cleanup
+        try:
+            targets = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    pass  # the listing's own descriptor, closed again
+            os.write(write_end, "\n".join(targets).encode("utf-8", "surrogateescape"))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        listing = pipe.read().decode("utf-8", "surrogateescape")
+    os.waitpid(pid, 0)
+    return listing.split("\n")

@@ -1,8 +1,10 @@
 """PrefetchCache's ranged downloads: concurrent ranges of one object against a real HTTP
 server, each retried on its own, assembled exactly, never served partial."""
 
+import contextlib
 import hashlib
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -162,3 +164,44 @@ def test_the_level_settles_where_a_doubling_stops_paying(rates, settled):
 def test_max_connections_below_range_connections_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_connections"):
         PrefetchCache(tmp_path / "c", max_bytes=2**20, range_connections=8, max_connections=4)
+
+
+def _saturating_link(cache, go, records, seconds):
+    """One process's downloads on a link that saturates at 4 ranges (rate 100 per range up to
+    4): each round reads the level, reports that level's rate, and records what it sees."""
+    adapt = cache._adapter()
+    go.wait(10)
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        level = cache.concurrency()["ranges_per_object"]
+        adapt.observe(level, 100.0 * min(level, 4))
+        before = time.monotonic()  # what is read from here on happened after this instant
+        records.put((before, adapt.settled, cache.concurrency()["ranges_per_object"], time.monotonic()))
+        time.sleep(0.002)
+
+
+def test_forked_processes_run_one_search_that_settles_where_the_link_saturates(tmp_path):
+    """Issue 19: with the rate to beat and `settled` kept per process, three workers on this
+    link went 2, 4, 8, 16, and a process raised the level again after another had settled."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    cache = PrefetchCache(tmp_path / "cache", max_bytes=2**20, range_connections=2, max_connections=16)
+    go, records = fork.Event(), fork.Queue()
+    procs = [fork.Process(target=_saturating_link, args=(cache, go, records, 0.4)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    go.set()
+    seen = []
+    deadline = time.monotonic() + 30
+    while (any(p.is_alive() for p in procs) or not records.empty()) and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            seen.append(records.get(timeout=0.1))
+    for p in procs:
+        p.join(10)
+    assert [p.exitcode for p in procs] == [0, 0, 0] and len(seen) >= 30
+    assert max(level for _, _, level, _ in seen) <= 8
+    settled_at = min(after for _, settled, _, after in seen if settled)
+    assert {level for before, _, level, _ in seen if before > settled_at} == {4}  # nobody raised it again
+    # 2 -> 4 (x2 the rate) -> 8 (no gain over 4) -> back to 4, settled: the rule's answer, seen here too
+    assert cache.concurrency()["ranges_per_object"] == 4 and cache._adapter().settled

@@ -141,5 +141,82 @@ def test_a_lazy_map_reopens_per_process_and_pickles_as_its_path(tmp_path):
 
     got = sorted(int(x) for x in DataLoader(Items(), batch_size=None, num_workers=2))
     assert got == [0, 101, 202, 303]
-    with pytest.raises(OSError, match="d.bin at byte 7992: the cache file shrank"):
-        lazy.read_into(np.empty(2, "<i8"), 8 * 999)
+    with pytest.raises(ValueError, match=r"16 bytes at byte 7,992 runs past the end of .*d\.bin \(8,000 bytes\)"):
+        lazy.read_into(np.empty(2, "<i8"), 8 * 999)  # the file is whole: the request is wrong
+
+
+class _CacheError(ValueError):
+    pass
+
+
+def _data_file(path, n=1000):
+    data = np.arange(n, dtype="<i8")
+    path.write_bytes(data.tobytes())
+    return data
+
+
+def test_a_file_truncated_in_place_before_first_use_raises_the_caches_error(tmp_path):
+    """Numpy would say "mmap length is greater than file size", naming nothing (issue 19)."""
+    import os
+    import pickle
+
+    from recipes.common.storage import CacheFileError, LazyMap
+
+    _data_file(tmp_path / "d.bin")
+    lazy = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
+    default = LazyMap(tmp_path / "d.bin", "<i8", (1000,))
+    os.truncate(tmp_path / "d.bin", 6000)  # a cleanup elsewhere, after the cache was opened
+    message = r"d\.bin changed after the cache was opened: truncated in place; it is 6,000 bytes, expected 8,000\. " \
+              r"Reopen the cache"
+    with pytest.raises(_CacheError, match=message):
+        _ = lazy.array
+    with pytest.raises(_CacheError, match=message):  # a worker's copy, and the pread path
+        pickle.loads(pickle.dumps(lazy)).read_into(np.empty(1, "<i8"), 0)
+    with pytest.raises(CacheFileError, match=message):
+        _ = default.array
+    assert issubclass(CacheFileError, ValueError)  # what numpy raised before: old handlers still catch it
+
+
+def test_a_short_read_raises_never_returns_a_half_filled_buffer(tmp_path):
+    import os
+
+    from recipes.common.storage import LazyMap
+
+    _data_file(tmp_path / "d.bin")
+    lazy = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
+    assert lazy.read_into(np.empty(2, "<i8"), 8 * 500).tolist() == [500, 501]  # the descriptor is open now
+    os.truncate(tmp_path / "d.bin", 8 * 501)
+    out = np.full(2, -1, "<i8")
+    with pytest.raises(_CacheError, match=r"d\.bin changed .*truncated in place \(a short read at byte 4,008\); "
+                                          r"it is 4,008 bytes, expected 8,000"):
+        lazy.read_into(out, 8 * 500)
+    rows = [np.empty(1, "<i8") for _ in range(600)]  # one preadv over many buffers
+    with pytest.raises(_CacheError, match="short read"):
+        lazy.read_into(rows, 0)
+
+
+def test_a_replaced_file_is_served_whole_where_mapped_and_refused_where_not(tmp_path):
+    """An atomic rebuild renames a new file over the old one. A process that mapped the old
+    file keeps its inode; one that maps after the rebuild (a worker started later) would mix
+    new data with the old offsets, so it raises instead, even when the sizes are equal."""
+    import os
+    import pickle
+
+    from recipes.common.storage import LazyMap
+
+    old = _data_file(tmp_path / "d.bin")
+    mapped = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
+    assert mapped.array[7] == 7
+    later = pickle.loads(pickle.dumps(mapped))  # a spawned worker's copy: not mapped yet
+    (tmp_path / "new.bin").write_bytes((old + 5000).tobytes())  # the same size
+    os.replace(tmp_path / "new.bin", tmp_path / "d.bin")
+    assert np.array_equal(mapped.array, old)  # the old inode, whole
+    with pytest.raises(_CacheError, match=r"d\.bin changed after the cache was opened: replaced by another file "
+                                          r"\(a rebuild .*\); it is 8,000 bytes, expected 8,000\. Reopen"):
+        _ = later.array
+    with pytest.raises(_CacheError, match="replaced"):
+        later.read_into(np.empty(1, "<i8"), 0)
+    assert LazyMap(tmp_path / "d.bin", "<i8", (1000,)).array[7] == 5007  # reopened: the new file
+    os.unlink(tmp_path / "d.bin")
+    with pytest.raises(_CacheError, match=r"d\.bin was removed after the cache was opened; rebuild"):
+        _ = pickle.loads(pickle.dumps(mapped)).array

@@ -1,9 +1,11 @@
 import gzip
 import json
+import multiprocessing
 import os
 import pickle
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -221,3 +223,39 @@ def test_cli_builds_the_same_cache(corpus, tokenizer, tmp_path):
     same = build_token_cache(tmp_path / "corpus.txt", tokenizer, tmp_path / "cache", max_length=32, progress=False)
     assert same.fingerprint == cache.fingerprint
     assert np.array_equal(same.lengths, cache.lengths)
+
+
+def _first_item(dataset):
+    return dataset[0]
+
+
+def test_tokens_truncated_after_open_raise_token_cache_error_naming_the_file(corpus, tokenizer, tmp_path):
+    """Issue 19: numpy's "mmap length is greater than file size" named nothing."""
+    path = tmp_path / "c"
+    build_token_cache(corpus, tokenizer, path, progress=False)
+    cache = TokenCache.open(path)
+    expected = (path / "tokens.bin").stat().st_size
+    os.truncate(path / "tokens.bin", expected - 6)  # in place, before the first access
+    message = (rf"{path / 'tokens.bin'} changed after the cache was opened: truncated in place; "
+               rf"it is {expected - 6:,} bytes, expected {expected:,}\. Reopen the cache")
+    with pytest.raises(TokenCacheError, match=message):
+        cache[0]
+    with pytest.raises(TokenCacheError, match=message):
+        cache.__getitems__([0, 1])
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:  # a worker's first access
+        with pytest.raises(TokenCacheError, match=message):
+            pool.submit(_first_item, cache).result(timeout=60)
+    with pytest.raises(TokenCacheError, match="truncated"):
+        TokenCache.open(path)  # the fix the message names: reopening finds it, a rebuild repairs it
+
+
+def test_a_rebuild_after_open_keeps_mapped_items_and_refuses_unmapped_copies(corpus, tokenizer, tmp_path):
+    path = tmp_path / "c"
+    cache = build_token_cache(corpus, tokenizer, path, progress=False)
+    first = cache[3]["input_ids"].tolist()  # mapped in this process
+    worker_copy = pickle.loads(pickle.dumps(cache))  # as a worker started later receives it
+    build_token_cache(corpus[::-1], tokenizer, path, progress=False)  # renamed into place
+    assert cache[3]["input_ids"].tolist() == first == tokenizer(corpus[3])["input_ids"]  # the old inode
+    with pytest.raises(TokenCacheError, match=r"tokens\.bin changed after the cache was opened: replaced"):
+        worker_copy[3]
+    assert TokenCache.open(path)[3]["input_ids"].tolist() == tokenizer(corpus[-4])["input_ids"]
