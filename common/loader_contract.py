@@ -19,16 +19,24 @@ What the loader guarantees (the state is plain JSON, constant size, loaded in a 
   persistence or prefetch. How it captures that state, by what the sampler offers:
   1. `EpochSeeded` (`set_epoch` + `epoch`: `DistributedSampler`, `LengthBucketSampler`,
      `ShardedIterableDataset`): the epoch; the order is a function of (seed, epoch).
-  2. `StatefulSampler` (`state_dict()` / `load_state_dict()`, as torchdata's samplers): its
-     state at the draw, restored at the resumed draw.
-  3. Random generators it holds as attributes (`torch.Generator`, `numpy.random.Generator`,
+  2. Random generators it holds as attributes (`torch.Generator`, `numpy.random.Generator`,
      `numpy.random.RandomState`, `random.Random`, found up to three attributes deep, as
-     `RandomSampler(generator=g)` holds one): their states at the draw.
+     `RandomSampler(generator=g)` holds one): their states at the draw. A generator also
+     passed to the loader as `generator=` is replaced there (for the workers' base seed) by
+     one seeded from it, so that the order never depends on the workers.
+  3. `StatefulSampler` (`state_dict()` / `load_state_dict()`) when neither of the above applies:
+     its state at the draw, restored at the resumed draw. (torchdata's samplers keep their
+     position in the pass in that state; they are epoch-seeded or hold a generator, which the
+     loader uses instead, counting the loop's batches itself.)
   4. Nothing random (`SequentialSampler`, a list of indices): nothing to capture.
-- A state saved mid-epoch resumes at the first batch the loop did not receive; one saved after
-  the last batch and after the loop ended (`StopIteration`) resumes at the start of the next
-  epoch (the next `set_epoch`, or the next iteration for a loader that counts its epochs);
-  one saved after `set_epoch(e)` and before the epoch's first batch resumes at the start of e.
+  Every epoch's first draw is also watched: a sampler that draws from torch's, NumPy's or
+  Python's global random generator gets a `LoaderWarning` (no state can restore those).
+- A pass ends when the loop ends: its iterator is exhausted (`StopIteration`) or dropped
+  (`break`). A state saved mid-pass resumes at the first batch the loop did not receive; one
+  saved after a pass ended resumes at the start of the next epoch (the next `set_epoch`, or
+  the next iteration for a loader that counts its epochs) and names the epoch that ended
+  (`finished_epoch`); one saved after `set_epoch(e)` and before the epoch's first batch
+  resumes at the start of e.
 - `load_state_dict` refuses a state saved under other settings that shape the plan
   (batch size, `drop_last`, dataset size, the sampler's own settings via `plan_settings()`).
 - `PositionedBatchSampler` and `ResumableIterable` resume on another number of ranks (elastic).

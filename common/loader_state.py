@@ -32,9 +32,11 @@ from torch.utils.data import (
 _DEPTH = 3
 
 
-def find_generators(roots: Mapping[str, Any]) -> dict[str, Any]:
+def find_generators(roots: Mapping[str, Any], unreproducible: list[str] | None = None) -> dict[str, Any]:
     """The random generators reachable from `roots` through attributes, by dotted path
-    (`{"sampler.generator": <torch.Generator>}`); each object is reported once."""
+    (`{"sampler.generator": <torch.Generator>}`); each object is reported once. Generators
+    that cannot be reproduced at all (`random.SystemRandom`: OS entropy) are listed in
+    `unreproducible` instead."""
     found: dict[str, Any] = {}
     seen: set[int] = set()
 
@@ -42,6 +44,10 @@ def find_generators(roots: Mapping[str, Any]) -> dict[str, Any]:
         if obj is None or id(obj) in seen:
             return
         seen.add(id(obj))
+        if isinstance(obj, random.SystemRandom):
+            if unreproducible is not None:
+                unreproducible.append(path)
+            return
         if _is_generator(obj):
             found[path] = obj
             return
@@ -85,7 +91,7 @@ def _state_of(g) -> dict[str, Any]:
     if isinstance(g, torch.Generator):
         return {"kind": "torch", "state": base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")}
     if isinstance(g, np.random.Generator):
-        return {"kind": "numpy", "state": g.bit_generator.state}
+        return {"kind": "numpy", "state": _plain(g.bit_generator.state)}
     if isinstance(g, np.random.RandomState):
         name, keys, pos, has_gauss, gauss = g.get_state()
         return {"kind": "numpy-legacy", "state": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
@@ -103,11 +109,31 @@ def _set_state(g, saved: Mapping[str, Any], path: str) -> None:
     if kind == "torch":
         g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
     elif kind == "numpy":
-        g.bit_generator.state = state
+        g.bit_generator.state = _arrays(state)
     elif kind == "numpy-legacy":
         g.set_state((state[0], np.asarray(state[1], dtype=np.uint32), *state[2:]))
     else:
         g.setstate((state[0], tuple(state[1]), state[2]))
+
+
+def _plain(value):
+    """A bit generator's state as JSON: arrays (MT19937's key, Philox's counter) become
+    `{"ndarray": dtype, "data": [...]}`."""
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.dtype.str, "data": value.tolist()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _arrays(value):
+    if isinstance(value, dict) and set(value) == {"ndarray", "data"}:
+        return np.asarray(value["data"], dtype=np.dtype(value["ndarray"]))
+    if isinstance(value, dict):
+        return {k: _arrays(v) for k, v in value.items()}
+    return value
 
 
 class GlobalDraws:
@@ -142,8 +168,13 @@ def plan_settings(obj, *, batch_size: int | None = None) -> dict[str, Any] | Non
                 "shuffle": obj.shuffle, "seed": obj.seed, "drop_last": obj.drop_last}
     if isinstance(obj, RandomSampler):
         return {"type": "RandomSampler", "num_samples": obj.num_samples, "replacement": obj.replacement}
-    if isinstance(obj, (SequentialSampler, SubsetRandomSampler, WeightedRandomSampler)):
-        return {"type": type(obj).__name__, "num_samples": len(obj)}
+    if isinstance(obj, SubsetRandomSampler):
+        return {"type": "SubsetRandomSampler", "num_samples": len(obj), "indices": fingerprint(list(obj.indices))}
+    if isinstance(obj, WeightedRandomSampler):
+        return {"type": "WeightedRandomSampler", "num_samples": obj.num_samples, "replacement": obj.replacement,
+                "weights": fingerprint(obj.weights.numpy())}
+    if isinstance(obj, SequentialSampler):
+        return {"type": "SequentialSampler", "num_samples": len(obj)}
     if isinstance(obj, BatchSampler):
         return {"type": "BatchSampler", "batch_size": obj.batch_size, "drop_last": obj.drop_last,
                 "sampler": plan_settings(obj.sampler)}

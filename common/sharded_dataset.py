@@ -207,8 +207,9 @@ class ShardedIterableDataset(IterableDataset):
         DataLoader yields the workers' batches round-robin, skipping a worker once it is
         exhausted; each worker works out from the plan how many of the first `batches_done`
         were its own, and starts after them, and the roles rotate so that the worker due next
-        comes first. Exact when the pieces' lengths are known (`shard_lengths`); without
-        them, workers are assumed not to run out first. With `interleave=True` (the resuming
+        comes first. With `shard_lengths` this is arithmetic; without them (and with several
+        workers) each worker reads the epoch's first `batches_done` batches of every worker's
+        stream in that round-robin to find its position: exact, but the prefix is read. With `interleave=True` (the resuming
         loader has another worker count, as after a `RobustLoader` step down), the copy yields
         the rest of the epoch in one process, as whole batches (lists) in the old order: read
         it with `batch_size=None` and the old collate function.
@@ -236,8 +237,10 @@ class ShardedIterableDataset(IterableDataset):
         for w in range(workers):
             n = self._plan_samples(self.plan(epoch, w, workers))
             batches.append(None if n is None else (n // per_batch if drop_last else -(-n // per_batch)))
+        if workers > 1 and None in batches:  # a worker may have run out first: replay to find out
+            return self._replayed_position(epoch, done, per_batch, drop_last, workers)
         skipped, round_ = [0] * workers, 0
-        active = lambda w: batches[w] is None or batches[w] > round_  # noqa: E731
+        active = lambda w: batches[w] > round_  # noqa: E731
         while any(active(w) for w in range(workers)):
             for w in range(workers):
                 if active(w):
@@ -246,6 +249,27 @@ class ShardedIterableDataset(IterableDataset):
                     skipped[w] += 1
                     done -= 1
             round_ += 1
+        return [s * per_batch for s in skipped], 0
+
+    def _replayed_position(self, epoch: int, done: int, per_batch: int, drop_last: bool,
+                           workers: int) -> tuple[list[int], int]:
+        """Without `shard_lengths`: the workers' streams read in the DataLoader's round-robin
+        (a worker that runs out leaves it) up to `done` batches, to find each one's position.
+        Exact, at the cost of reading the epoch's first `done` batches (in every worker)."""
+        streams = {w: self._stream(epoch, w, workers) for w in range(workers)}
+        skipped = [0] * workers
+        while streams:
+            for w in range(workers):
+                if w not in streams:
+                    continue
+                if done == 0:
+                    return [s * per_batch for s in skipped], w
+                got = sum(1 for _ in itertools.islice(streams[w], per_batch))
+                if got == 0 or (drop_last and got < per_batch):
+                    del streams[w]
+                    continue
+                skipped[w] += 1
+                done -= 1
         return [s * per_batch for s in skipped], 0
 
     def _plan_samples(self, pieces: list[Piece]) -> int | None:

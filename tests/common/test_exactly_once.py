@@ -242,6 +242,18 @@ class ExactlyOnce(RuleBasedStateMachine):
             for loader in self.loaders:
                 set_epoch(loader, self.epoch)
 
+    @precondition(lambda self: self.kind in EXPLICIT and self.world == 1 and self.resized is None
+                  and not self.finished and self.received[0])
+    @rule()
+    def break_out(self):
+        """The loop leaves the epoch early (`break`): it ends there. (Only for set_epoch samplers:
+        a generator-drawn order depends on how much of the sampler was read before the break.)"""
+        self.iterators = [None]
+        expected = self.references.epoch(self.kind, self.epoch, 1, 0, self.began_with)
+        assert self.received[0] == expected[: len(self.received[0])]
+        self.received[0] = list(expected)  # what is left of the epoch is dropped, by the user's choice
+        self.finished = True
+
     @rule(config=CONFIGS)
     def save_and_rebuild(self, config):
         if self.world > 1:

@@ -1,0 +1,326 @@
+"""The passes of a `StatefulLoader`: where each epoch's order was drawn from, and how far the
+loop got in it.
+
+Use when: you read how `loader.state_dict()` is computed; `StatefulLoader` is the public face.
+Cost: per pass, one capture of the sampler's random state at the draw and a check that no
+global random generator was drawn from; per batch, one counter increment.
+Adapt here: `_Passes.state` (what a state holds at each point of a pass).
+Trade-off: a pass ends when the loop ends: its iterator is exhausted or dropped (`break`); a
+state saved after that is for the next epoch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+
+from recipes.common.loader_contract import EpochSeeded, ResumableIterable, StatefulSampler
+from recipes.common.loader_state import GlobalDraws, capture, find_generators, restore
+from recipes.common.loader_warning import LoaderWarning
+
+STATE_VERSION = 2
+
+
+@dataclass
+class Pass:
+    """One iteration over the loader: its epoch and where it stands."""
+
+    epoch: int
+    skip: int  # batches of the epoch skipped at its start (a resume), counted in `yielded`
+    workers: int  # the worker count whose order this pass follows (an iterable dataset's)
+    resumed: dict | None = None  # the loaded state this pass resumes
+    yielded: int = 0
+    done: bool = False  # the loop ended: StopIteration, or its iterator dropped
+    drawn: bool = False
+    snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
+    inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
+    # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
+
+
+class Passes:
+    """The loader's passes and a loaded state waiting for the next one. Holds the sampler,
+    batch sampler and dataset, never the loader (a loader -> iterator -> loader cycle would
+    keep persistent workers alive until a garbage collection, which may run in a forked child)."""
+
+    def __init__(self, loader):
+        self.dataset = loader.dataset
+        self.iterable = isinstance(loader.dataset, IterableDataset)
+        roles = _roles(loader)
+        self.positioned = loader.batch_sampler if _positioned(loader.batch_sampler) else None
+        self.holder = _epoch_holder(loader.dataset, roles)
+        unreproducible: list[str] = []
+        self.generators = {} if self.iterable else find_generators(
+            {"sampler": loader.sampler, "batch_sampler": loader.batch_sampler}, unreproducible)
+        # a sampler's own state_dict() is the order's source only when nothing else is: torchdata's
+        # samplers save their position in the pass, which the loop's count already gives
+        self.stateful = {} if self.iterable else {
+            name: s for name, s in roles.items()
+            if s is not self.positioned and isinstance(s, StatefulSampler) and not isinstance(s, EpochSeeded)
+            and _no_args(s.state_dict) and not find_generators({name: s})}
+        self.blind = None if self.iterable else _blind_spot(roles, self, unreproducible)
+        self.current: Pass | None = None
+        self.pending: dict | None = None
+        self.warned: set[str] = set()
+
+    def _holder_epoch(self) -> int | None:
+        return None if self.holder is None else int(self.holder.epoch)
+
+    # ---- a pass ------------------------------------------------------------------------
+    def start(self, num_workers: int) -> Pass:
+        """Begins a pass: the loaded state's, else a fresh epoch."""
+        pending, self.pending = self.pending, None
+        if pending is not None and self.holder is not None and self._holder_epoch() != pending["epoch"]:
+            pending = None  # set_epoch chose another epoch since the load: it starts afresh
+        if pending is not None:
+            epoch = pending["epoch"]
+        elif self.holder is not None:
+            epoch = self._holder_epoch()
+        else:  # a loader that counts its epochs: one per pass
+            epoch = 0 if self.current is None else self.current.epoch + 1
+        skip = 0 if pending is None else int(pending["batches_yielded"])
+        if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
+            self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
+            skip = 0
+        saved_workers = None if pending is None else pending.get("num_workers")
+        if saved_workers is None or not (skip or pending.get("replayed")):
+            saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
+        self.current = Pass(epoch, skip, int(saved_workers), resumed=pending, yielded=skip)
+        return self.current
+
+    def draw(self, current: Pass) -> None:
+        """At the first index of a pass, before the sampler draws: restores the loaded random
+        state, then captures the one this order is drawn from."""
+        if self.holder is not None and self._holder_epoch() != current.epoch:
+            # set_epoch between iter() and the first batch (no workers: the order is drawn now)
+            current.epoch, current.resumed, current.skip, current.yielded = self._holder_epoch(), None, 0, 0
+        order = (current.resumed or {}).get("order") or {}
+        restore(self.generators, order.get("generators", {}))
+        for name, state in order.get("samplers", {}).items():
+            if name not in self.stateful:
+                raise ValueError(f"This loader state holds the state of a stateful {name}, which this loader does "
+                                 "not have; build the loader with the same sampler as the run that saved it.")
+            self.stateful[name].load_state_dict(state)
+        current.snapshot = self._capture()
+        current.drawn = True
+
+    def _capture(self) -> dict[str, Any]:
+        return {"generators": capture(self.generators),
+                "samplers": {name: s.state_dict() for name, s in self.stateful.items()}}
+
+    # ---- state -------------------------------------------------------------------------
+    def load(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state)
+        if self.holder is not None:
+            self.holder.set_epoch(int(state["epoch"]))
+
+    def state(self) -> dict[str, Any]:
+        self._warn_blind()
+        pending, current, epoch = self.pending, self.current, self._holder_epoch()
+        if pending is not None:
+            if self.holder is None or epoch == pending["epoch"]:
+                return {k: v for k, v in pending.items() if k != "plan"}
+            return self._fresh(epoch)
+        if current is None:
+            return self._fresh(0 if epoch is None else epoch)
+        if current.done:
+            if self.holder is not None:  # the next pass is the sampler's epoch: set_epoch says which
+                return self._fresh(epoch, finished=current.epoch)
+            return self._fresh(current.epoch + 1, finished=current.epoch)
+        if not current.drawn and self.holder is not None and epoch != current.epoch:
+            return self._fresh(epoch)  # set_epoch before the (lazy) first draw
+        state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
+                 "num_workers": current.workers,
+                 "order": current.snapshot if current.drawn else ((current.resumed or {}).get("order")
+                                                                  or self._capture())}
+        if self.positioned is not None:
+            state["sampler"] = self.positioned.state_dict(batches_done=current.yielded)
+        if self.iterable and isinstance(self.dataset, ResumableIterable):
+            self._iterable_position(state, current)
+        return state
+
+    def _fresh(self, epoch: int, *, finished: int | None = None) -> dict[str, Any]:
+        """The state of a pass not begun: `epoch` from its start. `finished_epoch` names the
+        epoch whose loop ended last (so a script knows where it stands: with a `set_epoch`
+        sampler not moved on since, `epoch == finished_epoch` and the script's next epoch is
+        `finished_epoch + 1`)."""
+        state = {"version": STATE_VERSION, "epoch": epoch, "batches_yielded": 0, "finished_epoch": finished,
+                 "num_workers": None, "order": self._capture()}
+        if self.iterable and isinstance(self.dataset, ResumableIterable):
+            state["world_size"] = int(self.dataset.world_size)
+        return state
+
+    def _iterable_position(self, state: dict[str, Any], current: Pass) -> None:
+        """An iterable dataset's ranks; a pass that replays other ranks' rests (an elastic
+        resume) saves where that replay began and how far it got."""
+        resumed = current.resumed or {}
+        old_world, world = resumed.get("world_size"), int(self.dataset.world_size)
+        state["world_size"] = world
+        if old_world is not None and old_world != world:
+            state.update(batches_yielded=current.skip, world_size=old_world, replay_world=world,
+                         replayed=int(resumed.get("replayed", 0)) + current.yielded - current.skip)
+        elif resumed.get("replayed"):
+            state.update(batches_yielded=current.skip, world_size=resumed["world_size"],
+                         replay_world=resumed["replay_world"],
+                         replayed=int(resumed["replayed"]) + current.yielded - current.skip)
+
+    # ---- warnings ----------------------------------------------------------------------
+    def _warn_blind(self) -> None:
+        if self.blind and "blind" not in self.warned:
+            self.warned.add("blind")
+            warnings.warn(self.blind, LoaderWarning, stacklevel=4)
+
+    def warn_global(self, sampler, which: list[str]) -> None:
+        if type(sampler) is BatchSampler:  # name the user's sampler, not torch's batching around it
+            sampler = sampler.sampler
+        if "global" not in self.warned:
+            self.warned.add("global")
+            warnings.warn(
+                f"{type(sampler).__name__} drew its order from {' and '.join(which)} global random generator, which a "
+                "loader state cannot restore (the training step draws from it too): a resumed run would see another "
+                "order, repeating and losing samples. Give the sampler a generator of its own (for example "
+                "RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))), make it set_epoch-seeded, or "
+                "use make_loader(..., shuffle=True).", LoaderWarning, stacklevel=4)
+
+
+class PassSampler:
+    """The loader's index sampler: at a pass's first index, the random state is restored and
+    captured (`Passes.draw`), global random draws are watched, and a resume's first batches are
+    skipped (indices only)."""
+
+    def __init__(self, inner, passes: Passes):
+        self.inner, self.passes = inner, passes
+        self.created_for = passes.current  # the pass whose iterator reads this sampler first
+
+    def __iter__(self):  # a generator: nothing runs until DataLoader asks for the first index
+        passes, current = self.passes, self.created_for
+        if current is None or current.drawn:  # a persistent iterator's later pass
+            current = passes.current
+        if current is None or current.drawn:  # iterated outside a pass of the loader
+            yield from self.inner
+            return
+        passes.draw(current)
+        watch = GlobalDraws()
+        watch.before()
+        iterator = iter(self.inner)
+        first = next(iterator, _END)
+        drawn = watch.after()
+        if drawn:
+            passes.warn_global(self.inner, drawn)
+        skip = current.skip
+        while skip and first is not _END:
+            first, skip = next(iterator, _END), skip - 1
+        if first is _END:
+            return
+        yield first
+        yield from iterator
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+_END = object()
+
+
+class Counting:
+    """The DataLoader iterator, counting what reaches the loop; other attributes pass through
+    (`_workers`, for LoaderMonitor and RobustLoader). Dropped before its end (`break`), it
+    ends its pass."""
+
+    def __init__(self, passes: Passes, current: Pass, inner):
+        self._passes, self._pass, self._inner = passes, current, inner
+        current.inner = weakref.ref(inner)
+
+    def _target(self) -> Pass:
+        latest = self._passes.current
+        # persistent workers: an older iterator of the loader reads the latest pass's batches
+        shared = latest is not None and latest is not self._pass and latest.inner is not None \
+            and latest.inner() is self._inner
+        return latest if shared else self._pass
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._target().done = True
+            raise
+        self._target().yielded += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def __del__(self):
+        if self._pass is self._passes.current:
+            self._pass.done = True
+
+
+def _roles(loader) -> dict[str, Any]:
+    """The loader's samplers by role, each object once."""
+    roles: dict[str, Any] = {}
+    for name, obj in (("batch_sampler", loader.batch_sampler), ("sampler", loader.sampler),
+                      ("batch_sampler.sampler", getattr(loader.batch_sampler, "sampler", None))):
+        if obj is not None and all(obj is not seen for seen in roles.values()):
+            roles[name] = obj
+    return roles
+
+
+def _epoch_holder(dataset, roles: dict[str, Any]):
+    """What carries the epoch: an iterable dataset, the batch sampler, or the sampler."""
+    candidates = [dataset] if isinstance(dataset, IterableDataset) else list(roles.values())
+    for holder in candidates:
+        if isinstance(holder, EpochSeeded):
+            return holder
+    return None
+
+
+def _positioned(batch_sampler) -> bool:
+    """A `PositionedBatchSampler`: `state_dict` takes the loop's count (`batches_done=`)."""
+    if batch_sampler is None or not (hasattr(batch_sampler, "state_dict") and hasattr(batch_sampler, "load_state_dict")):
+        return False
+    try:
+        return "batches_done" in inspect.signature(batch_sampler.state_dict).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_args(method) -> bool:
+    try:
+        return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                   for p in inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
+_DETERMINISTIC = (SequentialSampler, range, list, tuple)
+
+
+def _blind_spot(roles: dict[str, Any], passes: Passes, unreproducible: list[str]) -> str | None:
+    """A warning for a sampler whose random state the loader cannot see, or None."""
+    if unreproducible:
+        return (f"loader.state_dict() cannot reproduce {', '.join(unreproducible)}: a random.SystemRandom draws from "
+                "the operating system's entropy, which no state can replay. Use a seeded random.Random or "
+                "torch.Generator for the order.")
+    if passes.holder is not None or passes.positioned is not None or passes.generators or passes.stateful:
+        return None
+    for name, sampler in roles.items():
+        if isinstance(sampler, _DETERMINISTIC) or type(sampler) is BatchSampler:
+            continue
+        half = " It has set_epoch() but no `epoch` attribute: set self.epoch in set_epoch." \
+            if hasattr(sampler, "set_epoch") else ""
+        return (f"loader.state_dict() cannot see the random state of the {name} {type(sampler).__name__}: it holds no "
+                "random generator as an attribute, has no set_epoch()/epoch and no state_dict()." + half +
+                " If its order is random, a resume will not reproduce it. Give it a torch.Generator attribute, a "
+                "(seed, epoch)-seeded order with set_epoch(), or state_dict()/load_state_dict() (see "
+                "recipes.common.loader_contract).")
+    return None
