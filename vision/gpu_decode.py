@@ -13,9 +13,13 @@ Adapt here: `MEAN`/`STD`, `dtype`; `_fallback` for other codecs.
 Trade-off: the GPU decodes whole images (no region-of-interest decode in torchvision); JPEGs
 the device decoder rejects (CMYK, some progressive or arithmetic-coded files) and other
 formats (PNG, ...) are decoded on the CPU in the main process, one by one, with the same
-decoder and errors as the CPU path; a file whose damage only the decoder finds raises
-`ImageDecodeError` here (`on_error="skip"` covers what the workers can check: unreadable,
-non-image, truncated, bombs).
+decoder and errors as the CPU path; a file the device decoder refuses and the CPU decoder
+cannot decode either raises `ImageDecodeError` here (`on_error="skip"` covers what the workers
+can check: unreadable, non-image, truncated, bombs). Damaged entropy data that the decoder
+recovers from (libjpeg's "Corrupt JPEG data", which the CPU path's `strict` check turns into
+an `ImageDecodeError`) is not detected on the device: torchvision's nvJPEG decode reports no
+such warning, so those images are served as decoded. Check a dataset once with the CPU path
+(e.g. `build_image_cache`, or an epoch with `on_error="skip"`) to find them.
 
 Copy this file with `recipes/vision/decode.py` and `recipes/vision/device.py`.
 """
@@ -121,5 +125,6 @@ class GpuDecode:
 
     def _fallback(self, data: torch.Tensor, index: int) -> torch.Tensor:
         """The CPU path's decoder (same pixels, same `ImageDecodeError`)."""
-        array = decode_image(data.numpy().tobytes(), path=self.dataset.paths[index], index=index)
+        array = decode_image(data.numpy().tobytes(), path=self.dataset.paths[index], index=index,
+                             strict=getattr(self.dataset, "strict", True))
         return torch.from_numpy(array).permute(2, 0, 1).to(self.device, non_blocking=True)

@@ -5,8 +5,10 @@ decode fast enough. Drop-in for `ImageFolder` + `Resize(256)` + `CenterCrop(224)
 `PILToTensor` (eval) or `RandomResizedCrop(224)` + `RandomHorizontalFlip` (train); normalise
 on the device with `DeviceNormalize`.
 Cost per image: one file read, a header read, a DCT-scaled libjpeg-turbo decode of only the
-resolution the output can use, a crop and one antialiased uint8 resize of the crop. With a
-decoded cache (`build_image_cache`): a crop from a memory map.
+resolution the output can use, a crop and one antialiased uint8 resize of the crop. `strict`
+(the default) checks each file's first decode for libjpeg's corrupt-data warnings (an
+`ImageDecodeError`): ~5 us, or for a region decode the rows below the crop, once per file.
+With a decoded cache (`build_image_cache`): a crop from a memory map.
 Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RATIO`, or pass
 `transform=` for extra uint8 augmentation.
 Trade-off: returns uint8 `[3, H, W]` (4x less memory and IPC than float32); normalisation
@@ -37,6 +39,9 @@ Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.storage` p
   files.npy     per input file: path hash, size, mtime (names what changed in a stale cache)
 The fingerprint covers the relative paths, sizes, mtimes, targets, `max_side` and decode
 settings; a cache built from other inputs is never served: a warning names the changed files.
+A dataset attaching a cache compares `labels.bin` with its targets (one array compare; a
+skipped index holds the label of the image stored in its place): a damaged label file is not
+served either.
 
 Copy this file with `recipes/common/storage.py` and `recipes/vision/decode.py`.
 """
@@ -102,7 +107,14 @@ class ImageFolderFast(Dataset):
         is_valid_file: a predicate on paths, instead of `extensions`.
         transform: a callable on the uint8 tensor, applied last.
         on_error: `"raise"` an `ImageDecodeError` for a bad file, or `"skip"` it: the item is
-            replaced by the next good one (deterministically) and counted in `skipped`.
+            replaced by the next good one (deterministically) and counted in `skipped`. A bad
+            file draws no crop or flip: the next good one gets what it would have got, on the
+            CPU path as with decode="gpu".
+        strict: a JPEG whose entropy data libjpeg-turbo finds damaged (and recovers from with
+            made-up pixels) is a bad file (`recipes.vision.decode`). Each file is checked the
+            first time any worker decodes it (a shared flag per file), so later epochs decode
+            as without the check. False: served as decoded. With decode="gpu" only the files
+            decoded on the CPU are checked: nvJPEG reports no such damage.
         max_side: the decoded cache stores each whole image, aspect kept, with its longer side
             at most this (FFCV's `max_resolution`); default 2 x the larger side of `size`.
         decode: "cpu" (uint8 crops from the workers), or "gpu": workers only read the file bytes
@@ -111,7 +123,8 @@ class ImageFolderFast(Dataset):
         region_decode: decode only the crop of a JPEG (libjpeg-turbo's cropped decode through
             nvImageCodec's CPU backend, `pip install "recipes[roi]"`; same pixels). None: when
             nvImageCodec is installed; True: require it. Crops small enough for a 1/4 or 1/8
-            DCT-scaled decode use that instead.
+            DCT-scaled decode use that instead. A strict first decode of a file reads on to
+            the bottom of the image (what region decode saves), later ones only the crop.
 
     Raises:
         FileNotFoundError: no class folders or no valid files (torchvision's errors).
@@ -140,6 +153,7 @@ class ImageFolderFast(Dataset):
         max_side: int | None = None,
         decode: Literal["cpu", "gpu"] = "cpu",
         region_decode: bool | None = None,
+        strict: bool = True,
     ):
         from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
@@ -167,6 +181,7 @@ class ImageFolderFast(Dataset):
         self.train = train
         self.transform = transform
         self.on_error = on_error
+        self.strict = bool(strict)
         self.classes, self.class_to_idx = self.find_classes(self.root)
         if extensions is None and is_valid_file is None:
             extensions = IMG_EXTENSIONS
@@ -177,6 +192,7 @@ class ImageFolderFast(Dataset):
         # Shared memory: visible to (persistent) workers after they started.
         self._resolution = torch.tensor(self.size, dtype=torch.int32).share_memory_()
         self._bad = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()
+        self._checked = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()  # strict: 1 once checked
         self._rng_pid: int | None = None
         self._rng: np.random.Generator | None = None
         self.cache: ImageCache | None = None
@@ -272,8 +288,16 @@ class ImageFolderFast(Dataset):
         return resolve_index(index, len(self), f"the {len(self)} images under {self.root}")
 
     def _load_or_skip(self, index: int, load):
-        """`load(i)` for `index`, or with on_error="skip" the next good index after it."""
+        """`load(i)` for `index`, or with on_error="skip" the next good index after it.
+
+        A bad file consumes no randomness: the generator is rewound to before its attempt, so
+        the replacement draws what the bad file would have drawn. The CPU path finds a
+        truncated or undecodable file only after drawing its crop (the decode needs the box),
+        decode="gpu" workers before drawing (they check the bytes first); rewound, both give
+        every later image the same crop and flip.
+        """
         n = len(self)
+        rewind = self._generator().bit_generator.state if self.train and self.on_error == "skip" else None
         for step in range(n):
             i = (index + step) % n
             try:
@@ -282,6 +306,8 @@ class ImageFolderFast(Dataset):
                 if self.on_error == "raise":
                     raise
                 self._bad[i] = 1
+                if rewind is not None:
+                    self._generator().bit_generator.state = rewind
         raise ImageDecodeError(f"every one of the {n} images under {self.root} failed to decode")
 
     # ---- decoding from files ----------------------------------------------------------
@@ -321,14 +347,20 @@ class ImageFolderFast(Dataset):
 
     def _decode_box(self, data, header, box, out, path, index) -> np.ndarray:
         """Decodes only `box` (region decode), or at the coarsest DCT scale that keeps `box` at
-        least `out`, then crops it."""
+        least `out`, then crops it. With `strict`, a file's first decode is checked (a region
+        decode then reads on to the image's bottom: the same pixels, the whole scan seen)."""
         reduce = dct_reduction((box[2], box[3]), out)
+        check = self.strict and not self._checked[index]
         if reduce <= 2 and self.region_decode is not False and header.format == "JPEG":
             check_encoded(data, header, path=path, index=index)
-            region = decode_region(data, box)
+            region = decode_region(data, box, strict=check, path=path, index=index)
             if region is not None:
+                if check:
+                    self._checked[index] = 1
                 return region
-        decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index)
+        decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index, strict=check)
+        if check:
+            self._checked[index] = 1
         h, w = decoded.shape[:2]
         if (h, w) != (header.height, header.width):
             box = scale_box(box, h / header.height, w / header.width, h, w)
@@ -340,7 +372,7 @@ class ImageFolderFast(Dataset):
         path, data, header = self._read(index)
         h, w = stored_shape(header.height, header.width, self.max_side)
         decoded = decode_image(data, reduce=dct_reduction((header.height, header.width), (h, w)), header=header,
-                               path=path, index=index)
+                               path=path, index=index, strict=self.strict)
         if decoded.shape[:2] != (h, w):
             decoded = resize_uint8(decoded, (h, w)).permute(1, 2, 0).numpy()
         return np.ascontiguousarray(decoded), int(self._targets[index])
@@ -388,9 +420,14 @@ class ImageFolderFast(Dataset):
             warnings.warn(f"Not using the image cache: {why} Decoding from files.", stacklevel=3)
 
     def _serve(self, cache: ImageCache) -> None:
-        """Serves items from `cache` (checked against this dataset's size)."""
+        """Serves items from `cache`, checked against this dataset's size and targets.
+
+        Raises:
+            ImageCacheError: `labels.bin` disagrees with the targets.
+        """
         if cache.count != len(self):
             raise ValueError(f"the cache holds {cache.count} images but the dataset has {len(self)}.")
+        cache.check_labels(self._targets)
         self.cache = cache
         for i in cache.skipped:
             self._bad[i] = 1
@@ -469,9 +506,11 @@ class ImageCache:
         self.fingerprint: str = header["fingerprint"]
         self.skipped: tuple[int, ...] = tuple(header["skipped"])
         self.shapes, self.offsets = shapes, offsets
-        # copy-on-write: writable views for torch.from_numpy; the file is never written
-        self._labels = LazyMap(self.path / "labels.bin", "<i8", (self.count,), mode="c")
-        self._images = LazyMap(self.path / "images.bin", np.uint8, (int(offsets[-1]),))
+        # copy-on-write: writable views for torch.from_numpy; the file is never written. A file
+        # truncated or replaced after this open raises ImageCacheError in the process that
+        # maps it next (a fresh worker), naming it.
+        self._labels = LazyMap(self.path / "labels.bin", "<i8", (self.count,), mode="c", error=ImageCacheError)
+        self._images = LazyMap(self.path / "images.bin", np.uint8, (int(offsets[-1]),), error=ImageCacheError)
 
     @staticmethod
     def folder_for(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
@@ -531,6 +570,32 @@ class ImageCache:
         """`int64 [N]` memory map."""
         return self._labels.array
 
+    def check_labels(self, targets: np.ndarray) -> None:
+        """Checks `labels.bin` against the dataset's `targets` (`int [N]`): image `i` is labelled
+        `targets[i]`, or, for a skipped index, the target of the image stored in its place (the
+        next index not skipped, wrapping around, as `on_error="skip"` chose it at build).
+
+        Raises:
+            ImageCacheError: a label differs (a damaged file); names the first index and says
+                to rebuild.
+        """
+        expected = np.array(targets, dtype=np.int64)
+        if self.skipped:
+            skipped = np.array(self.skipped, dtype=np.int64)
+            kept = np.setdiff1d(np.arange(self.count), skipped)
+            if len(kept):
+                expected[skipped] = expected[kept[np.searchsorted(kept, skipped) % len(kept)]]
+        stored = np.fromfile(self.path / "labels.bin", "<i8", count=self.count)
+        if len(stored) != self.count:  # shrank since `open` checked its size
+            raise ImageCacheError(f"{self.path}/labels.bin holds {len(stored)} labels, expected {self.count}; "
+                                  f"rebuild it with {_BUILD_HINT}.")
+        wrong = np.flatnonzero(stored != expected)
+        if len(wrong):
+            i = int(wrong[0])
+            raise ImageCacheError(f"{self.path}/labels.bin labels image {i} {int(stored[i])}, but the dataset's target "
+                                  f"for it is {int(expected[i])} ({len(wrong)} of {self.count} labels differ): the "
+                                  f"file is damaged. Rebuild it with {_BUILD_HINT}.")
+
     def __repr__(self) -> str:
         return f"ImageCache({str(self.path)!r}, n={self.count}, max_side={self.max_side})"
 
@@ -565,7 +630,8 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
     fingerprint, _, table = dataset._cache_inputs()
     target = ImageCache.folder_for(cache_dir, fingerprint)
     build = FolderBuild(target, distributed=distributed)
-    if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint), ImageCacheError):
+    if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint).check_labels(dataset.targets),
+                    ImageCacheError):
         with build:
             shapes, labels, skipped = _decode_part(dataset, build, num_workers, progress and build.rank == 0)
             write_synced(build.part("labels.bin"), labels.astype("<i8").tobytes())

@@ -123,3 +123,48 @@ def test_cuda_decode_equals_the_cpu_run(image_tree):
     on_cpu, _ = GpuDecode(encoded, device="cpu")(batch)
     on_gpu, _ = GpuDecode(encoded, device="cuda")(batch)
     assert _grey(on_gpu.cpu(), on_cpu).max() < 2.0
+
+
+def _cpu_boxes_and_flips(ds, monkeypatch):
+    """Records, per index, the source box the CPU path decoded and whether it flipped."""
+    seen = {}
+    decode_box, finish = ImageFolderFast._decode_box, ImageFolderFast._finish
+
+    def spy_decode(self, data, header, box, out, path, index):
+        seen[index] = [tuple(box)]
+        return decode_box(self, data, header, box, out, path, index)
+
+    def spy_finish(self, image):
+        result = finish(self, image)
+        seen[max(seen)].append(not torch.equal(result, image))
+        return result
+
+    monkeypatch.setattr(ImageFolderFast, "_decode_box", spy_decode)
+    monkeypatch.setattr(ImageFolderFast, "_finish", spy_finish)
+    return seen
+
+
+@pytest.mark.parametrize("bad", ["truncated", "not_an_image", "empty"])
+def test_skipping_a_bad_file_leaves_both_paths_with_the_same_crops(tmp_path, pretend_cuda, monkeypatch, bad):
+    """A bad file in the middle of a train epoch: the CPU path draws the crop before it finds
+    the damage (it decodes the box), decode="gpu" workers check the bytes first; the bad file
+    must consume no randomness on either, so every later image gets the same crop and flip."""
+    root = make_image_folder(tmp_path / "t", classes=2, per_class=4, seed=3)
+    good = (root / "class_00" / "img_0001.jpg").read_bytes()
+    broken = {"truncated": good[: len(good) // 2], "not_an_image": b"<html>404</html>", "empty": b""}[bad]
+    (root / "class_00" / "img_0001b.jpg").write_bytes(broken)  # index 2 of 9
+    cpu = ImageFolderFast(root, size=48, train=True, on_error="skip", region_decode=False)
+    encoded = ImageFolderFast(root, size=48, train=True, on_error="skip", decode="gpu")
+    seen = _cpu_boxes_and_flips(cpu, monkeypatch)
+    torch.manual_seed(0)
+    cpu_items = []
+    for i in range(len(cpu)):
+        seen.clear()
+        cpu[i]
+        cpu_items.append(seen[max(seen)])
+    torch.manual_seed(0)
+    gpu_items = [encoded[i][0] for i in range(len(encoded))]
+    assert cpu.skipped == encoded.skipped == 1 and cpu.skipped_indices().tolist() == [2]
+    for i, ((box, flip), item) in enumerate(zip(cpu_items, gpu_items, strict=True)):
+        assert (box, flip) == (tuple(item["box"].tolist()), item["flip"]), i
+    assert gpu_items[2]["index"] == 3  # the next good image in the bad one's place

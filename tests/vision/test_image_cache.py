@@ -1,7 +1,10 @@
 import os
+import pickle
+import re
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +16,13 @@ from torch.utils.data import DataLoader
 
 from recipes.common.storage import _host
 from recipes.testing import make_image_folder
-from recipes.vision import ImageCache, ImageFolderFast, build_image_cache, uint8_collate
+from recipes.vision import (
+    ImageCache,
+    ImageCacheError,
+    ImageFolderFast,
+    build_image_cache,
+    uint8_collate,
+)
 
 
 def _files(folder):
@@ -110,6 +119,66 @@ def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
             scale = min(1.0, 128 / max(im.size))
             expected += round(im.size[0] * scale) * round(im.size[1] * scale) * 3
     assert ds.cache is rebuilt and (rebuilt.path / "images.bin").stat().st_size == expected
+
+
+def _flip_label_bits(cache_path, index, mask=1):
+    """XORs label `index` of `labels.bin` with `mask` in place (size and header unchanged)."""
+    with open(cache_path / "labels.bin", "r+b") as f:
+        f.seek(8 * index)
+        value = int.from_bytes(f.read(8), "little", signed=True)
+        f.seek(8 * index)
+        f.write((value ^ mask).to_bytes(8, "little", signed=True))
+
+
+def test_a_flipped_label_is_refused_with_a_warning_never_served(own_tree, tmp_path):
+    cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    _flip_label_bits(cache.path, 4)  # class 1 -> 0: another valid class, the dangerous case
+    reference = torchvision.datasets.ImageFolder(own_tree).targets
+    assert reference[4] == 1
+    with pytest.warns(UserWarning, match=rf"Not using the image cache: {re.escape(str(cache.path))}/labels.bin labels "
+                                         r"image 4 0, but the dataset's target for it is 1 \(1 of 6 labels differ\).*"
+                                         r"Rebuild it with build_image_cache\(\)"):
+        ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    assert ds.cache is None
+    assert [ds[i][1] for i in range(len(ds))] == reference
+    assert [t for _, t in ds.__getitems__(list(range(len(ds))))] == reference
+    rebuilt = build_image_cache(ds, tmp_path, progress=False, num_workers=0)  # the damaged cache is not reused
+    assert ds.cache is rebuilt and rebuilt.labels.tolist() == reference
+    assert [ds[i][1] for i in range(len(ds))] == reference
+
+
+def test_the_label_check_knows_where_skipped_images_were_replaced(own_tree, tmp_path):
+    """A bad last file of a class is stored as the next class's first image, with its label; the
+    last file of the tree, as the first image. Neither is a damaged label."""
+    (own_tree / "class_00" / "zz_bad.jpg").write_bytes(b"not a jpeg")  # index 3, replaced by 4 (class 1)
+    (own_tree / "class_01" / "zz_bad.jpg").write_bytes(b"")  # index 7, replaced by 0 (class 0)
+    files = ImageFolderFast(own_tree, size=64, on_error="skip")
+    cache = build_image_cache(ImageFolderFast(own_tree, size=64, on_error="skip"), tmp_path, progress=False,
+                              num_workers=0)
+    assert cache.skipped == (3, 7) and cache.labels[[3, 7]].tolist() == [1, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = ImageFolderFast(own_tree, size=64, on_error="skip", cache_dir=tmp_path)
+    assert ds.cache is not None
+    assert [ds[i][1] for i in range(len(ds))] == [files[i][1] for i in range(len(files))]
+    _flip_label_bits(cache.path, 3)  # the replacement's label is checked too
+    with pytest.warns(UserWarning, match="labels.bin labels image 3 0, but the dataset's target for it is 1"):
+        assert ImageFolderFast(own_tree, size=64, on_error="skip", cache_dir=tmp_path).cache is None
+
+
+def test_images_truncated_after_opening_raise_the_cache_error_in_a_fresh_worker(own_tree, tmp_path):
+    build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)  # opened and checked, nothing read yet
+    spawned = pickle.loads(pickle.dumps(ds))  # what a spawned worker receives
+    forked = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
+    images = ds.cache.path / "images.bin"
+    os.truncate(images, images.stat().st_size - 1000)
+    expected = rf"{re.escape(str(images))} changed after the cache was opened: truncated in place.*Reopen the cache"
+    for dataset in (ds, spawned):
+        with pytest.raises(ImageCacheError, match=expected):
+            dataset[0]
+    with pytest.raises(ImageCacheError, match=expected):  # a forked DataLoader worker
+        list(DataLoader(forked, batch_size=2, num_workers=1, collate_fn=uint8_collate))
 
 
 def test_writes_are_atomic_and_leave_no_temp_files(own_tree, tmp_path):

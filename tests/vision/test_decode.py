@@ -1,0 +1,238 @@
+"""Strict decoding (issue 19): bit flips inside a JPEG's entropy-coded scan data, which
+libjpeg-turbo resynchronises past and reports only as a stderr warning, raise
+`ImageDecodeError` on every CPU decode path; clean JPEGs of every kind never do.
+
+The independent expectation is libjpeg's own report: each mutated file is decoded with
+`strict=False` while fd 2 points at a pipe of the test's own, and what libjpeg printed there
+says whether it found damage. Strict decodes must raise for exactly those files. Only part of
+the flips desynchronise the decoder: libjpeg finds the others nowhere, and neither can we."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.common import make_loader
+from recipes.vision import ImageDecodeError, ImageFolderFast, uint8_collate
+from recipes.vision.decode import (
+    checked_by_libjpeg,
+    decode_image,
+    decode_region,
+    region_decode_available,
+)
+
+from .test_region_decode import _jpegs
+
+FLIPS_PER_KIND = 8
+DAMAGE = ("Corrupt JPEG data", "Premature end of JPEG file")
+
+
+def _scan_ranges(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each scan's entropy-coded data: after each SOS header, up to the next
+    marker that is not a stuffed 0xFF00 or a restart marker."""
+    ranges, pos = [], 0
+    while (sos := data.find(b"\xff\xda", pos)) >= 0:
+        start = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")
+        end = start
+        while end < len(data) - 1 and not (data[end] == 0xFF and data[end + 1] not in (0x00, *range(0xD0, 0xD8))):
+            end += 1
+        ranges.append((start, end))
+        pos = end
+    return ranges
+
+
+def _flip_in_scan(data: bytes, rng: np.random.Generator) -> bytes:
+    """One bit flipped at a random byte of the scan data, never making or breaking a marker."""
+    ranges = [(start, end) for start, end in _scan_ranges(data) if end - start > 4]
+    out = bytearray(data)
+    while True:
+        start, end = ranges[int(rng.integers(len(ranges)))]
+        pos = int(rng.integers(start + 1, end - 1))
+        flipped = out[pos] ^ (1 << int(rng.integers(8)))
+        if 0xFF not in (out[pos], out[pos - 1], flipped):
+            out[pos] = flipped
+            return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def kinds():
+    return _jpegs()  # 4:2:0, 4:2:2, 4:4:4, progressive, restart markers, gray, EXIF-rotated (300x400)
+
+
+@pytest.fixture(scope="module")
+def mutated(kinds):
+    rng = np.random.default_rng(19)
+    return {f"{kind}-{k}": _flip_in_scan(data, rng) for kind, data in sorted(kinds.items())
+            for k in range(FLIPS_PER_KIND)}
+
+
+@pytest.fixture(scope="module")
+def damaged(mutated):
+    """The mutated files libjpeg reports (decoded unchecked; its stderr is read at fd level)."""
+    found = set()  # (capfd is function-scoped: fd 2 is read through a pipe here)
+    read, write = os.pipe()
+    saved = os.dup(2)
+    try:
+        for name, data in mutated.items():
+            os.dup2(write, 2)
+            try:
+                decode_image(data, strict=False)
+            finally:
+                os.dup2(saved, 2)
+            os.write(write, b"\0")  # a separator, so an empty report reads as empty
+            report = b""
+            while not report.endswith(b"\0"):
+                report += os.read(read, 65536)
+            if any(d in report.decode() for d in DAMAGE):
+                found.add(name)
+    finally:
+        os.close(saved)
+        os.close(read)
+        os.close(write)
+    return found
+
+
+def _tree(tmp_path, files: dict[str, bytes]):
+    (tmp_path / "t" / "c").mkdir(parents=True)
+    for name, data in files.items():
+        (tmp_path / "t" / "c" / f"{name.replace(' ', '_')}.jpg").write_bytes(data)
+    return tmp_path / "t"
+
+
+def test_libjpeg_reports_desynchronising_flips_as_garbage_and_misses_others(mutated, damaged, kinds):
+    """What the oracle says, so that what strict promises stays honest: the flips libjpeg
+    reports leave blocks of garbage; many others keep its Huffman decoder in sync (a changed
+    coefficient or DC difference) and are reported by nothing (the module docstring says so)."""
+    assert len(damaged) >= 10 and len(mutated) - len(damaged) >= 10, sorted(damaged)
+    for name in damaged:
+        clean = decode_image(kinds[name.rsplit("-", 1)[0]]).astype(int)
+        assert np.abs(decode_image(mutated[name], strict=False).astype(int) - clean).max() > 30, name
+
+
+def test_strict_decode_raises_for_exactly_what_libjpeg_reports(mutated, damaged):
+    for name, data in mutated.items():
+        for reduce in (1, 2, 4, 8):  # the DCT-scaled decodes read the whole scan as well
+            if name in damaged:
+                with pytest.raises(ImageDecodeError, match=r"'x.jpg' \(index 3\) has damaged JPEG data"):
+                    decode_image(data, reduce=reduce, path="x.jpg", index=3)
+            else:
+                decode_image(data, reduce=reduce)
+
+
+@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
+def test_strict_region_decode_reads_to_the_end_and_raises_the_same(mutated, damaged, kinds):
+    boxes = [(0, 0, 40, 60), (130, 170, 50, 70), (260, 300, 40, 100)]  # top, middle, bottom of 300x400
+    for name, data in mutated.items():
+        for box in boxes:
+            if name in damaged:
+                with pytest.raises(ImageDecodeError, match="damaged JPEG data"):
+                    decode_region(data, box, path=name)
+            else:
+                assert decode_region(data, box) is not None
+    for kind, data in kinds.items():  # no false positive, and still the pixels of the crop
+        full = decode_image(data)
+        for top, left, h, w in boxes:
+            np.testing.assert_array_equal(decode_region(data, (top, left, h, w)), full[top : top + h, left : left + w],
+                                          err_msg=kind)
+
+
+@pytest.mark.parametrize("size", [224, 128, 64, 32])  # DCT scales 1, 2, 4 and 8 for these 300x400 files
+@pytest.mark.parametrize("train", [False, True])
+def test_every_dataset_path_raises_naming_the_file_and_clean_files_never_do(
+        tmp_path, mutated, damaged, kinds, size, train):
+    root = _tree(tmp_path, {**kinds, **mutated})
+    ds = ImageFolderFast(root, size=size, train=train)
+    for i, (path, _) in enumerate(ds.samples):
+        name = os.path.basename(path)[: -len(".jpg")].replace("_", " ")
+        torch.manual_seed(i)
+        if name in damaged:
+            with pytest.raises(ImageDecodeError) as error:
+                ds[i]
+            assert path in str(error.value) and f"index {i}" in str(error.value) and "strict=False" in str(error.value)
+        else:
+            assert ds[i][0].shape == (3, size, size)
+
+
+def test_unchecked_mode_serves_what_the_decoder_recovers(tmp_path, mutated, damaged):
+    root = _tree(tmp_path, {name: mutated[name] for name in sorted(damaged)[:4]})
+    ds = ImageFolderFast(root, size=64, strict=False)
+    assert all(ds[i][0].shape == (3, 64, 64) for i in range(len(ds)))
+
+
+@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
+def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_path, mutated, damaged, kinds,
+                                                                            monkeypatch):
+    import recipes.vision.image_folder as module
+
+    strictness = []
+    real = module.decode_region
+
+    def spy(data, box, **kwargs):
+        strictness.append(kwargs["strict"])
+        return real(data, box, **kwargs)
+
+    monkeypatch.setattr(module, "decode_region", spy)
+    bad = sorted(damaged)[:4]
+    root = _tree(tmp_path, {**kinds, **{name: mutated[name] for name in bad}})
+    ds = ImageFolderFast(root, size=224, region_decode=True)  # eval: the same crop every pass
+    passes = []
+    for _ in range(2):
+        strictness.clear()
+        images, raised = {}, 0
+        for i in range(len(ds)):
+            try:
+                images[i] = ds[i][0]
+            except ImageDecodeError:
+                raised += 1
+        passes.append((images, raised, list(strictness)))
+    (first, raised_1, strict_1), (second, raised_2, strict_2) = passes
+    assert raised_1 == raised_2 == len(bad)  # a damaged file is never marked checked
+    assert strict_1 == [True] * len(ds)  # first decodes read to the bottom
+    assert sorted(strict_2) == [False] * len(kinds) + [True] * len(bad)  # then only the crop of a checked file
+    assert first.keys() == second.keys() and all(torch.equal(first[i], second[i]) for i in first)
+
+
+def test_skip_counts_the_damaged_files_in_workers(tmp_path, mutated, damaged, kinds):
+    root = _tree(tmp_path, {**kinds, **mutated})
+    ds = ImageFolderFast(root, size=64, on_error="skip")
+    loader = make_loader(ds, batch_size=16, num_workers=2, pin_memory=False, collate_fn=uint8_collate)
+    assert sum(len(batch[1]) for batch in loader) == len(ds)
+    names = [os.path.basename(p)[: -len(".jpg")].replace("_", " ") for p in ds.paths]
+    assert ds.skipped == len(damaged)
+    assert ds.skipped_indices().tolist() == [i for i, n in enumerate(names) if n in damaged]
+
+
+def test_other_stderr_text_passes_through_and_stderr_is_restored(capfd):
+    def noisy():
+        os.write(2, b"Warning: unknown JFIF revision number 3.01\nsomething else\n")
+        return 7
+
+    assert checked_by_libjpeg(noisy) == 7
+    assert capfd.readouterr().err == "Warning: unknown JFIF revision number 3.01\nsomething else\n"
+
+    def failing():
+        os.write(2, b"Corrupt JPEG data: 30 extraneous bytes before marker 0xd9\n")
+        raise RuntimeError("decoder failed")
+
+    with pytest.raises(RuntimeError):
+        checked_by_libjpeg(failing)
+    assert checked_by_libjpeg(lambda: 1) == 1  # nothing left over from the failed call
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
+
+
+def test_threads_get_their_own_reports(mutated, damaged):
+    """fd 2 is one per process: concurrent strict decodes take turns, each reading its own report."""
+    names = sorted(mutated) * 3
+
+    def raises(name):
+        try:
+            decode_image(mutated[name])
+            return False
+        except ImageDecodeError:
+            return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(raises, names)) == [name in damaged for name in names]
