@@ -90,6 +90,24 @@ def make_image_folder(
     return root
 
 
+def make_int_shards(folder: str | Path, sizes: list[int]) -> list[str]:
+    """Writes text shards of consecutive integers (shard k holds the next `sizes[k]` numbers,
+    space-separated): sample identities for exactly-once tests of sharded readers.
+
+    Returns:
+        The shard paths, in order.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, start = [], 0
+    for k, size in enumerate(sizes):
+        path = folder / f"s{k}.txt"
+        path.write_text(" ".join(str(i) for i in range(start, start + size)))
+        paths.append(str(path))
+        start += size
+    return paths
+
+
 def make_audio_files(
     root: str | Path,
     *,

@@ -74,6 +74,17 @@ def measure(
     return Measurement(name, items, seconds, memory.peak, first_seconds, first_items)
 
 
+def best_interleaved(*measurers, repeat: int = 5):
+    """Best of `repeat` runs of each measurer, taken in turns: runs last ~0.1-1 s, so a burst of
+    background work (another process, a loader's workers exiting) would otherwise land on one
+    row and decide the comparison."""
+    runs = [[] for _ in measurers]
+    for _ in range(repeat):
+        for results, measure_once in zip(runs, measurers, strict=True):
+            results.append(measure_once())
+    return [max(results, key=lambda m: m.items_per_s) for results in runs]
+
+
 def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0,
                  whole_epoch: bool = False) -> str:
     """A Markdown table of the rows with each rate's ratio to `rows[baseline]`; with

@@ -116,7 +116,7 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
             repeat: int = 5):
     """Rows: streaming (baseline), simplecache epoch 1, PrefetchCache epoch 1, PrefetchCache
     epoch 2, local disk; and the PrefetchCache's `concurrency()` after epoch 1."""
-    from recipes.bench.measure import measure
+    from recipes.bench.measure import best_interleaved, measure
     from recipes.common import PrefetchCache, ShardedIterableDataset
 
     names = sorted(p.name for p in folder.glob("shard-*.bin"))
@@ -141,22 +141,12 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
             run("PrefetchCache, epoch 1", urls, read_records, cache=cache),
         ]
         level = cache.concurrency()
-        rows += _best_interleaved(
+        rows += best_interleaved(
             lambda: run("PrefetchCache, epoch 2", urls, read_records, cache=cache, epoch=0),
             lambda: run("local disk", [str(folder / n) for n in names], read_records),
             repeat=repeat,
         )
     return rows, {**level, "setup_seconds": setup}
-
-
-def _best_interleaved(*measurers, repeat: int = 5):
-    """Best of `repeat` runs of each, taken in turns: warm epochs last ~0.1 s, so scheduling
-    noise and drifting clocks would otherwise decide the comparison."""
-    runs = [[] for _ in measurers]
-    for _ in range(repeat):
-        for results, measure_once in zip(runs, measurers, strict=True):
-            results.append(measure_once())
-    return [max(results, key=lambda m: m.items_per_s) for results in runs]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ Trade-off: "warm" excludes the one-off cache build, whose time is printed separa
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -66,7 +67,7 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
-    from recipes.bench.measure import measure
+    from recipes.bench.measure import best_interleaved, measure
     from recipes.common import worker_init
     from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 
@@ -85,8 +86,8 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
             ("ImageFolderFast cold (decode)", DataLoader(cold, collate_fn=uint8_collate, **settings)),
             ("ImageFolderFast warm (decoded cache)", DataLoader(warm, collate_fn=uint8_collate, **settings)),
         ]
-        rows = [max((measure(name, loader) for _ in range(repeat)), key=lambda m: m.items_per_s)
-                for name, loader in loaders]
+        rows = best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders),
+                                repeat=repeat)
     return rows, build_seconds
 
 
@@ -100,7 +101,7 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
-    from recipes.bench.measure import measure
+    from recipes.bench.measure import best_interleaved, measure
     from recipes.common import worker_init
     from recipes.vision import GpuDecode, ImageFolderFast, encoded_collate, uint8_collate
     from recipes.vision.decode import region_decode_available
@@ -129,8 +130,7 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
 
         loaders.append(("decode='gpu' + GpuDecode (bytes from workers, nvJPEG)",
                         _Reiterable(DataLoader(gpu, collate_fn=encoded_collate, **settings), decoded)))
-    return [max((measure(name, loader) for _ in range(repeat)), key=lambda m: m.items_per_s)
-            for name, loader in loaders]
+    return best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders), repeat=repeat)
 
 
 class _Reiterable:

@@ -33,6 +33,7 @@ from torch.utils.data import (
 )
 
 from recipes.common import LengthBucketSampler, RobustLoader, ShardedIterableDataset, make_loader
+from recipes.testing import make_int_shards
 
 N = 48
 SHARDS = [9, 14, 6, 11, 8, 12]
@@ -105,12 +106,7 @@ class World:
     def __init__(self, folder: Path, token_cache):
         self.folder, self.cache = folder, token_cache
         self.marker = str(folder / "kill")
-        self.shards, start = [], 0
-        for k, size in enumerate(SHARDS):
-            path = folder / f"s{k}.txt"
-            path.write_text(" ".join(str(i) for i in range(start, start + size)))
-            self.shards.append(str(path))
-            start += size
+        self.shards = make_int_shards(folder / "shards", SHARDS)
 
     def build(self, kind: str, config: dict, *, world: int = 1, rank: int = 0, rebuilt: bool = False):
         workers, persistent, prefetch, robust = config["workers"], config["persistent"], config["prefetch"], \

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, RandomSampler, Sampler, get_worker_info
 
 from recipes.common import LoaderWarning, RobustLoader, make_loader
+from recipes.testing import make_int_shards
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -452,12 +453,7 @@ def test_a_generator_shared_with_the_loader_keeps_the_order_at_an_epoch_boundary
 def test_sharded_without_lengths_resumes_exactly_near_the_end_of_an_epoch(tmp_path):
     from recipes.common import ShardedIterableDataset
 
-    paths, start = [], 0
-    for k, size in enumerate([9, 14, 6, 11, 8, 12]):
-        path = tmp_path / f"s{k}.txt"
-        path.write_text(" ".join(str(i) for i in range(start, start + size)))
-        paths.append(str(path))
-        start += size
+    paths = make_int_shards(tmp_path, [9, 14, 6, 11, 8, 12])
 
     def build():
         ds = ShardedIterableDataset(paths, read_ints, seed=2, rank=0, world_size=1)  # no shard_lengths

@@ -18,6 +18,7 @@ from recipes.common import (
     ShardedIterableDataset,
     make_loader,
 )
+from recipes.testing import make_int_shards
 
 
 class Faulty(Dataset):
@@ -67,12 +68,7 @@ class KillingReader:
 def _setup(kind, marker, tmp_path):
     """(dataset, loader kwargs) with a worker that dies the first time it meets its fault."""
     if kind == "sharded":
-        paths, start = [], 0
-        for k, size in enumerate([9, 14, 6, 11, 8, 12]):
-            path = tmp_path / f"s{k}.txt"
-            path.write_text(" ".join(str(i) for i in range(start, start + size)))
-            paths.append(str(path))
-            start += size
+        paths = make_int_shards(tmp_path, [9, 14, 6, 11, 8, 12])
         ds = ShardedIterableDataset(paths, KillingReader(marker, 33), shard_lengths=[9, 14, 6, 11, 8, 12],
                                     seed=2, rank=0, world_size=1)
         ds.set_epoch(1)

@@ -10,6 +10,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from recipes.common import LengthBucketSampler, LoaderWarning, ShardedIterableDataset, make_loader
 from recipes.common.stateful_loader import StatefulLoader
+from recipes.testing import make_int_shards
 
 CONFIGS = [(0, None), (2, 1), (2, 2), (2, 4)]  # (workers, prefetch_factor)
 
@@ -31,14 +32,8 @@ def read_ints(path):
 
 @pytest.fixture(scope="module")
 def shard_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shards")
-    sizes, paths, start = [13, 7, 21, 9, 16, 11], [], 0
-    for k, size in enumerate(sizes):
-        path = folder / f"s{k}.txt"
-        path.write_text(" ".join(str(i) for i in range(start, start + size)))
-        paths.append(str(path))
-        start += size
-    return paths, sizes
+    sizes = [13, 7, 21, 9, 16, 11]
+    return make_int_shards(tmp_path_factory.mktemp("shards"), sizes), sizes
 
 
 def _build(kind, workers, prefetch, shard_files, seed=0):
