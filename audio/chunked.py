@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.storage import PackedStrings, resolve_index
+from recipes.common.packed_strings import PackedStrings, resolve_index
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".aiff", ".aif")
 _OPEN_FILES = 16  # per process

@@ -8,7 +8,7 @@ Adapt here: `_featurizer` (e.g. add deltas), the dtype.
 Trade-off: features are fixed at build time; waveform augmentations (speed, noise) must
 happen before the cache or be replaced by feature-space ones (SpecAugment).
 
-Layout of `cache_dir` (the `recipes.common.storage` protocol: built in a temp folder, fsynced,
+Layout of `cache_dir` (the `recipes.common.cache_files` protocol: built in a temp folder, fsynced,
 renamed into place; split over the ranks of a process group with `distributed=True`):
   header.json    {"format": "recipes-spectrogram-cache", "version", "fingerprint", "count",
                   "n_mels", "layout": "fixed" | "ragged", "dtype", ...}
@@ -31,16 +31,15 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.audio.chunked import ChunkedAudioDataset
-from recipes.common.storage import (
+from recipes.common.cache_files import (
     FolderBuild,
     LazyMap,
     build_loader,
     check_size,
     read_header,
-    resolve_index,
-    resolve_indices,
     write_synced,
 )
+from recipes.common.packed_strings import resolve_index, resolve_indices
 
 FORMAT = "recipes-spectrogram-cache"
 FORMAT_VERSION = 1

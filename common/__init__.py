@@ -5,6 +5,7 @@ from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.monitor import LoaderMonitor
+from recipes.common.packed_strings import PackedStrings
 from recipes.common.prefetch_cache import DownloadError, PrefetchCache
 from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings
 from recipes.common.resources import Resources, detect_resources
@@ -13,7 +14,6 @@ from recipes.common.sharded_dataset import ShardedIterableDataset
 from recipes.common.sharding import shard_indices
 from recipes.common.sizing import estimate_loader_memory, max_workers_for_memory, smart_num_workers
 from recipes.common.stateful_loader import StatefulLoader
-from recipes.common.storage import PackedStrings
 from recipes.common.trace import profile_trace
 from recipes.common.worker import worker_init
 from recipes.common.worker_memory import measure_worker_memory_growth

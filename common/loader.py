@@ -190,7 +190,7 @@ def _warn_copy_on_read(dataset, workers: int) -> None:
                     f"{len(value):,} items: each of the {workers} forked workers copies the pages it "
                     "reads (reference counts write to them), so worker memory grows through the epoch "
                     "until it equals the parent's. Hold it in numpy arrays, or PackedStrings "
-                    "(recipes.common.storage) for strings.", LoaderWarning, stacklevel=4)
+                    "(recipes.common.packed_strings) for strings.", LoaderWarning, stacklevel=4)
 
 
 def _choose_start_method(dataset, settings: dict[str, Any], reasons: dict[str, str], user_keys: set[str]) -> None:

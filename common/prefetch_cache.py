@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.common.storage import fsync_path, pid_alive
+from recipes.common.cache_files import fsync_path
+from recipes.common.process_lifetime import pid_alive
 
 _ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 _TEMP = re.compile(r"^\.tmp\.(\d+)\.[0-9a-f]+\.(\d+)\.[0-9a-f]+$")

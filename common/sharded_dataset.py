@@ -37,8 +37,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from recipes.common.packed_strings import PackedStrings
 from recipes.common.sharding import _block, distributed_world, shard_indices
-from recipes.common.storage import PackedStrings
 
 Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
 

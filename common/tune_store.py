@@ -62,7 +62,7 @@ def _path(dataset, res=None) -> Path:
 
 def save_tuned(dataset, settings: dict[str, Any], measured: dict[str, Any]) -> Path:
     """Stores `settings` for `dataset` on this machine (atomically: temp file, fsync, rename)."""
-    from recipes.common.storage import fsync_path, write_synced
+    from recipes.common.cache_files import fsync_path, write_synced
 
     path = _path(dataset)
     path.parent.mkdir(parents=True, exist_ok=True)

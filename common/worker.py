@@ -35,7 +35,7 @@ import sys
 import numpy as np
 import torch
 
-from recipes.common.storage import die_with_parent
+from recipes.common.process_lifetime import die_with_parent
 
 
 def worker_init(worker_id: int) -> None:

@@ -11,7 +11,7 @@ Trade-off: the cache is tied to one tokenizer configuration and one corpus; chan
 and it is rebuilt (never silently reused: the key hashes the tokenizer's full serialized
 content, its special tokens and the data, unlike a random fingerprint).
 
-Layout of `cache_dir` (the `recipes.common.storage` protocol: built in a temp folder, fsynced,
+Layout of `cache_dir` (the `recipes.common.cache_files` protocol: built in a temp folder, fsynced,
 renamed into place; split over the ranks of a process group with `distributed=True`):
   header.json   {"format": "recipes-token-cache", "version", "fingerprint", "count",
                  "num_tokens", "dtype", ...}
@@ -40,14 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.storage import (
-    FolderBuild,
-    LazyMap,
-    check_size,
-    read_header,
-    resolve_index,
-    resolve_indices,
-)
+from recipes.common.cache_files import FolderBuild, LazyMap, check_size, read_header
+from recipes.common.packed_strings import resolve_index, resolve_indices
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"

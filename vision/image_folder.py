@@ -29,7 +29,7 @@ follow torchvision's `RandomResizedCrop` on the original (scale and ratio relati
 and aspect) and reach its borders; eval crops come from the same record. Only a crop's rows
 are read. About `max_side^2 * 3 * 0.75` bytes per 4:3 image (450 KB at 448: use local NVMe,
 or a smaller `max_side` for large datasets).
-Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.storage` protocol):
+Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.cache_files` protocol):
   header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count",
                  "max_side", "skipped", "root"}
   labels.bin    int64 x N
@@ -58,17 +58,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.storage import (
+from recipes.common.cache_files import (
     FolderBuild,
     LazyMap,
-    PackedStrings,
     build_loader,
     check_size,
     read_header,
-    resolve_index,
     sweep_dead_temps,
     write_synced,
 )
+from recipes.common.packed_strings import PackedStrings, resolve_index
 from recipes.vision.decode import (
     CROP_PCT,
     RATIO,

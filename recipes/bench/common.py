@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 
-from recipes.common.storage import PackedStrings
+from recipes.common.packed_strings import PackedStrings
 from recipes.common.worker_memory import measure_worker_memory_growth
 
 

@@ -14,7 +14,7 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from recipes.common.storage import _host
+from recipes.common.cache_files import _host
 from recipes.testing import make_image_folder
 from recipes.vision import (
     ImageCache,

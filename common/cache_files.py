@@ -1,11 +1,7 @@
-"""Storage every recipe shares: packed strings, index checks, and the cache-file protocol.
+"""The cache-file protocol every cache shares: versioned headers, sizes, atomic folder builds.
 
 Use when: a dataset over many files is read by forked DataLoader workers, or a `build_*` step
 writes a cache that workers, other ranks or a rerun after a crash will read.
-- `PackedStrings`: a million paths as two numpy buffers, not a million `str` objects. Reads in
-  a forked worker bump no refcount on a shared page, so worker memory stays flat instead of
-  growing toward a copy of the list ("copy-on-read", pytorch#13246). ~0.3 us per item.
-- `resolve_index(es)`: Python-style indices (negative from the end) with one error message.
 - The cache-file protocol: a cache is a folder `header.json` + data files. The header names the
   format, its version and a fingerprint of the inputs; each data file's size follows from the
   header (`read_header`, `check_size`), so a truncated, stale or foreign cache is never served.
@@ -19,8 +15,8 @@ Cost: one fsync per file and per folder; one JSON read and a `stat` per data fil
 Adapt here: nothing; each cache passes its own format name, error type and rebuild hint.
 Trade-off: sizes catch truncation, not bit flips inside a file (no checksum pass on open); a
 build across nodes needs a folder every rank can write (a shared file system).
+Copy with: common/process_lifetime.py.
 """
-
 from __future__ import annotations
 
 import json
@@ -28,142 +24,13 @@ import math
 import os
 import shutil
 import socket
-import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import overload
 
 import numpy as np
 
-
-# ---- packed strings -------------------------------------------------------------------
-class PackedStrings(Sequence[str]):
-    """Strings stored as `data: uint8[total_bytes]` and `offsets: int64[N + 1]`.
-
-    Args:
-        strings: any iterable of `str` (or `os.PathLike`, stored as `os.fspath`).
-
-    Example:
-        >>> paths = PackedStrings(["a/1.jpg", "b/2.jpg"])
-        >>> paths[1], len(paths)
-        ('b/2.jpg', 2)
-    """
-
-    __slots__ = ("_data", "_offsets")
-
-    def __init__(self, strings: Iterable[str] = ()):
-        encoded = [_encode(s) for s in strings]
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in encoded], out=offsets[1:])
-        self._offsets = offsets
-        self._data = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        del encoded
-
-    @classmethod
-    def from_buffers(cls, data: np.ndarray, offsets: np.ndarray) -> PackedStrings:
-        """Wraps existing buffers (e.g. loaded from a cache file) without copying."""
-        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
-            raise ValueError("`offsets` must be a 1-D array starting at 0, as PackedStrings writes it.")
-        if offsets[-1] != len(data):
-            raise ValueError(
-                f"`offsets` ends at {int(offsets[-1])} but `data` holds {len(data)} bytes; "
-                "the buffers do not belong together."
-            )
-        obj = cls.__new__(cls)
-        obj._data = np.asarray(data, dtype=np.uint8)
-        obj._offsets = np.asarray(offsets, dtype=np.int64)
-        return obj
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @property
-    def offsets(self) -> np.ndarray:
-        return self._offsets
-
-    @property
-    def nbytes(self) -> int:
-        return self._data.nbytes + self._offsets.nbytes
-
-    def __len__(self) -> int:
-        return len(self._offsets) - 1
-
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> PackedStrings: ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return PackedStrings(self[i] for i in range(*index.indices(len(self))))
-        n = len(self)
-        i = int(index)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {index} is out of range for PackedStrings of length {n}")
-        start, end = self._offsets[i], self._offsets[i + 1]
-        return self._data[start:end].tobytes().decode("utf-8", "surrogateescape")
-
-    def __iter__(self) -> Iterator[str]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PackedStrings):
-            return np.array_equal(self._offsets, other._offsets) and np.array_equal(
-                self._data, other._data
-            )
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        head = ", ".join(repr(s) for s in self[: min(3, len(self))])
-        more = ", ..." if len(self) > 3 else ""
-        return f"PackedStrings([{head}{more}], n={len(self)}, nbytes={self.nbytes})"
-
-    def __getstate__(self):
-        return {"data": self._data, "offsets": self._offsets}
-
-    def __setstate__(self, state):
-        self._data = state["data"]
-        self._offsets = state["offsets"]
-
-
-def _encode(value) -> bytes:
-    if not isinstance(value, str):
-        value = os.fspath(value)
-        if isinstance(value, bytes):
-            return value
-    return value.encode("utf-8", "surrogateescape")
-
-
-# ---- index checks -----------------------------------------------------------------------
-def resolve_index(index, n: int, what: str) -> int:
-    """`index` as a position in `range(n)`; negative indices count from the end.
-
-    Raises:
-        IndexError: outside `[-n, n)`, naming `what` (e.g. "the 50 samples in /cache/x").
-    """
-    i = int(index)
-    if not -n <= i < n:
-        raise IndexError(f"index {index} is out of range for {what}")
-    return i % n
-
-
-def resolve_indices(indices, n: int, what: str) -> np.ndarray:
-    """`resolve_index` for a whole batch, vectorised: an int64 numpy array in `range(n)`."""
-    idx = np.asarray(indices, dtype=np.int64)
-    outside = (idx < -n) | (idx >= n)
-    if outside.any():
-        raise IndexError(f"index {int(idx[outside][0])} is out of range for {what}")
-    return idx % n if n else idx
+from recipes.common.process_lifetime import die_with_parent, pid_alive
 
 
 # ---- crash-safe writes --------------------------------------------------------------------
@@ -198,14 +65,6 @@ def replace_dir(new: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---- the cache-file protocol ------------------------------------------------------------
@@ -519,32 +378,3 @@ def build_loader(dataset, *, num_workers: int | None, batch_size: int, collate_f
 
 def _build_worker_init(worker_id: int) -> None:
     die_with_parent()
-
-
-def die_with_parent() -> None:
-    """Ends this (worker) process when its parent dies, even if it is blocked in a write."""
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return  # not a multiprocessing child (0 workers): nothing to tie
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    else:
-        import threading
-
-        threading.Thread(target=_exit_when_orphaned, args=(parent.pid,), daemon=True).start()
-    if os.getppid() != parent.pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
-def _exit_when_orphaned(parent_pid: int) -> None:
-    import time
-
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)

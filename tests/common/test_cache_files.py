@@ -60,7 +60,7 @@ def test_copy_on_read_is_avoided_in_forked_workers():
 
 
 def test_index_resolution_shared_by_the_datasets():
-    from recipes.common.storage import resolve_index, resolve_indices
+    from recipes.common.packed_strings import resolve_index, resolve_indices
 
     assert resolve_index(-1, 5, "x") == 4
     assert resolve_indices([0, -1, 4], 5, "x").tolist() == [0, 4, 4]
@@ -74,7 +74,7 @@ def test_index_resolution_shared_by_the_datasets():
 def test_a_folder_build_publishes_whole_or_not_at_all(tmp_path):
     import json
 
-    from recipes.common.storage import FolderBuild
+    from recipes.common.cache_files import FolderBuild
 
     target = tmp_path / "cache"
     build = FolderBuild(target)
@@ -104,7 +104,7 @@ def test_dead_builders_temps_are_swept_live_and_foreign_ones_kept(tmp_path):
     import subprocess
     import sys
 
-    from recipes.common.storage import _host, sweep_dead_temps
+    from recipes.common.cache_files import _host, sweep_dead_temps
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
@@ -121,7 +121,7 @@ def test_a_lazy_map_reopens_per_process_and_pickles_as_its_path(tmp_path):
 
     from torch.utils.data import DataLoader
 
-    from recipes.common.storage import LazyMap
+    from recipes.common.cache_files import LazyMap
 
     data = np.arange(1000, dtype="<i8")
     (tmp_path / "d.bin").write_bytes(data.tobytes())
@@ -160,7 +160,7 @@ def test_a_file_truncated_in_place_before_first_use_raises_the_caches_error(tmp_
     import os
     import pickle
 
-    from recipes.common.storage import CacheFileError, LazyMap
+    from recipes.common.cache_files import CacheFileError, LazyMap
 
     _data_file(tmp_path / "d.bin")
     lazy = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
@@ -180,7 +180,7 @@ def test_a_file_truncated_in_place_before_first_use_raises_the_caches_error(tmp_
 def test_a_short_read_raises_never_returns_a_half_filled_buffer(tmp_path):
     import os
 
-    from recipes.common.storage import LazyMap
+    from recipes.common.cache_files import LazyMap
 
     _data_file(tmp_path / "d.bin")
     lazy = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
@@ -202,7 +202,7 @@ def test_a_replaced_file_is_served_whole_where_mapped_and_refused_where_not(tmp_
     import os
     import pickle
 
-    from recipes.common.storage import LazyMap
+    from recipes.common.cache_files import LazyMap
 
     old = _data_file(tmp_path / "d.bin")
     mapped = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
