@@ -14,6 +14,7 @@ samples see zero padding instead of their neighbours (under 1 ms at 16 kHz).
 Boundaries (`last_chunk`): a final partial window that holds frames no earlier window covers
 (and a file shorter than one window) is zero-padded to the window with its valid frame count
 reported ("pad", so a loss can mask), returned shorter ("keep"), or dropped ("drop").
+Copy with: common/packed_strings.py.
 """
 
 from __future__ import annotations

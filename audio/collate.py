@@ -6,6 +6,7 @@ Use when: batching items of different lengths (utterances, kept partial windows)
 Cost: one allocation and one copy per item.
 Adapt here: `pad_value` (e.g. log(1e-6) for log-mel features), `pad_to_multiple_of`.
 Trade-off: none beyond padding itself; `lengths` lets the model mask it.
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ What each setting buys (measured; README "Benchmarks"):
     under a frame budget, equal batch counts on every rank.
   - `pad_collate`: padded batches with `lengths`, so padding can be masked.
   - `LoaderMonitor` and checkpoints with `loader.state_dict()`: as in the vision template.
+Copy with: the installed recipes package.
 """
 
 from __future__ import annotations

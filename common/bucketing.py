@@ -21,6 +21,7 @@ Resume: `state_dict()` records the epoch and how many batches of the global list
 (local steps x R, as DDP ranks step together). `load_state_dict()` continues with the rest of
 that list, dealt over the current number of ranks, so a job resumed on another world size
 neither repeats nor loses a sample.
+Copy with: common/loader_warning.py, common/sharding.py.
 """
 
 from __future__ import annotations

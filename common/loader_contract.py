@@ -40,6 +40,7 @@ What the loader guarantees (the state is plain JSON, constant size, loaded in a 
 - `load_state_dict` refuses a state saved under other settings that shape the plan
   (batch size, `drop_last`, dataset size, the sampler's own settings via `plan_settings()`).
 - `PositionedBatchSampler` and `ResumableIterable` resume on another number of ranks (elastic).
+Copy with: nothing.
 """
 
 from __future__ import annotations

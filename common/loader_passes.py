@@ -7,6 +7,7 @@ global random generator was drawn from; per batch, one counter increment.
 Adapt here: `_Passes.state` (what a state holds at each point of a pass).
 Trade-off: a pass ends when the loop ends: its iterator is exhausted or dropped (`break`); a
 state saved after that is for the next epoch.
+Copy with: common/loader_contract.py, common/loader_state.py, common/loader_warning.py.
 """
 
 from __future__ import annotations

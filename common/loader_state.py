@@ -8,6 +8,7 @@ generator's state (5 KB for a `torch.Generator`) once per epoch.
 Adapt here: `_GENERATOR_KINDS` for another kind of random generator.
 Trade-off: generators are found by walking attributes; one kept in a closure or a module
 global is invisible (the global random generators are watched instead: `GlobalDraws`).
+Copy with: nothing.
 """
 
 from __future__ import annotations

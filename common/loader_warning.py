@@ -4,6 +4,7 @@ Use when: filtering or escalating what the recipes warn about (a starved step, m
 dead worker, a sampler read ahead of training): `warnings.simplefilter("error", LoaderWarning)`.
 Cost: none. Adapt here: nothing. Trade-off: one category for every loader warning; the
 message says which and what to do.
+Copy with: nothing.
 """
 
 

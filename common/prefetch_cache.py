@@ -6,98 +6,72 @@ half-written. fsspec's `simplecache`/`filecache` write straight to the final pat
 or a concurrent reader sees a partial file (fsspec#639: 69 of 80 concurrent reads corrupt).
 Cost: one download per object per node; background threads (`prefetch` at a time) per process;
 an flock per access; a directory scan when space must be freed.
-Adapt here: `_ALLOWED` protocols, `_is_transient` for your storage's error types.
+Adapt here: `_ALLOWED` protocols; `is_transient` (common/retries.py) for your storage's errors.
 Trade-off: whole objects are cached (no partial reads of huge objects); LRU by access time.
-An object larger than `range_bytes` is fetched as concurrent ranged GETs (each range retried
-on its own), as s5cmd and the AWS CLI do: object stores cap each connection's bandwidth, not
-each client's. How many ranges of one object are in flight adapts: it starts at
-`range_connections` and doubles while each doubling raises the measured rate by 15%, up to
-`max_connections` (`concurrency()` reports the level chosen). One search per cache object:
-the processes that share it (forked or spawned DataLoader workers) share its whole state.
-One fsspec filesystem per process serves every download, its connection pool sized to
-`prefetch x max_connections` (s3fs's default pool of 10 would cap the ranges otherwise).
 
-How it holds up:
-- download to `.tmp.<pid>.<nonce>.<size>.<key>` in the cache folder, fsync, `os.replace`;
-  sizes are checked against the remote's and an optional sha256 is verified;
-- one exclusive flock per key: the first process downloads, the others wait and read it;
-- readers pin a file with a shared flock (`pinned(url)`); eviction skips pinned files;
-- downloads may run in the main process's threads while DataLoader workers fork (the early
-  start of `ShardedIterableDataset.set_epoch`): the lock and temp-file descriptors those
-  threads hold are closed in the child at fork, so a worker never inherits a held lock nor
-  a download's file. Every download, ranged or whole, writes through the one temp-file
-  descriptor the cache opens (fsspec's `get_file` would open its own, out of reach);
-- transient errors (connection resets, timeouts, HTTP 5xx, short bodies) retry with
-  exponential backoff and jitter; the final error names the URL and the attempts; a full
-  disk removes the temp file and raises; temp files of dead processes are swept on start;
-- file names are sha256 hashes of the URL (no path traversal); the folder is `0o700`;
-  `pipe:`, chained (`a::b`) and unknown protocols are refused.
+How it holds up (each mechanism in its own file):
+- the folder (common/cache_folder.py): downloads go to a temp file, fsynced and renamed; one
+  flock per key: the first process downloads, the others wait and read it; `pinned(url)`
+  holds a shared flock, which LRU eviction under `max_bytes` respects; dead processes' temp
+  files are swept on start. Names hash the URL; `pipe:`, `a::b` and unknown protocols fail;
+- the transfer (common/object_download.py, common/ranged_download.py): sizes and an optional
+  sha256 checked; objects over `range_bytes` as concurrent ranged GETs, `range_connections`
+  at first, doubled while it pays up to `max_connections`, one search for all processes;
+  one fsspec filesystem per process, its pool sized to `prefetch x max_connections`;
+- retries (common/retries.py): one loop for a whole attempt and for each range, backoff with
+  jitter; the final error names the URL and the attempts; a full disk raises at once;
+- fork (common/held_descriptors.py): locks and temp files held by download threads while
+  DataLoader workers fork are closed in the child;
+- `close()` (or `with`) stops this process's downloads and joins its threads; a forked child
+  closes only what it started. Later calls raise `CacheClosedError`.
+Copy with: common/cache_files.py, common/cache_folder.py, common/held_descriptors.py,
+  common/object_download.py, common/process_lifetime.py, common/ranged_download.py,
+  common/retries.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import functools
 import hashlib
 import os
-import random
 import re
-import secrets
 import threading
-import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from recipes.common import cache_folder
 from recipes.common.cache_files import fsync_path
-from recipes.common.process_lifetime import pid_alive
+from recipes.common.held_descriptors import release
+from recipes.common.object_download import download_whole, verify_download
+from recipes.common.ranged_download import ConcurrencySearch, NoRangeSupport, download_ranges
+from recipes.common.retries import StopRetrying, call_with_retries
 
 _ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
-_TEMP = re.compile(r"^\.tmp\.(\d+)\.[0-9a-f]+\.(\d+)\.[0-9a-f]+$")
-
-# Descriptors (flocks, temp files) this process's threads hold right now. A fork copies them
-# into the child, where no thread will close them: an inherited flock would then stay held for
-# the child's lifetime and deadlock the next `get` of that key. They are closed in the child.
-# Opening and registering (and unregistering and closing) happen under `_FORK_LOCK`, which a
-# fork takes first: no fork lands between a descriptor's `open` and its registration.
-_HELD: dict[int, object] = {}
-_FORK_LOCK = threading.Lock()
-
-
-def _close_held_after_fork() -> None:
-    for fd in list(_HELD):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
-    _FORK_LOCK.release()  # taken by the forking thread (`before`)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_FORK_LOCK.acquire, after_in_parent=_FORK_LOCK.release,
-                        after_in_child=_close_held_after_fork)
-
-
-def _open_held(path, flags: int) -> tuple[int, object]:
-    with _FORK_LOCK:
-        fd = os.open(path, flags, 0o600)
-        token = _HELD[fd] = object()
-    return fd, token
-
-
-def _release(fd: int, token: object) -> None:
-    """Closes `fd` unless a fork closed it already (then the number may be another file's)."""
-    with _FORK_LOCK:
-        if _HELD.get(fd) is token:
-            del _HELD[fd]
-            os.close(fd)
 
 
 class DownloadError(OSError):
     """A download that failed after every retry; names the URL, the attempts and the last error."""
+
+
+class CacheClosedError(StopRetrying, RuntimeError):
+    """A call on a `PrefetchCache` after its `close()`; names the cache folder."""
+
+
+class _ProcessPart:
+    """One process's share of a cache: its download threads and the downloads running in it.
+    Threads and locks do not survive a fork, so each process makes its own (`_part`)."""
+
+    def __init__(self):
+        self.pool: ThreadPoolExecutor | None = None
+        self.inflight: dict[str, Future] = {}
+        self.running = 0  # `get`s waiting for a key or downloading, in this process
+        self.idle = threading.Condition()
+        self.closing = threading.Event()
 
 
 class PrefetchCache:
@@ -119,10 +93,10 @@ class PrefetchCache:
         ValueError: invalid arguments.
 
     Example:
-        >>> cache = PrefetchCache("/local/nvme/shards", max_bytes=200 * 2**30)
-        >>> cache.prefetch(urls[1:5])
-        >>> with cache.pinned(urls[0]) as path:
-        ...     data = path.read_bytes()
+        >>> with PrefetchCache("/local/nvme/shards", max_bytes=200 * 2**30) as cache:
+        ...     cache.prefetch(urls[1:5])
+        ...     with cache.pinned(urls[0]) as path:
+        ...         data = path.read_bytes()
     """
 
     def __init__(self, cache_dir, *, max_bytes: int, prefetch: int = 4, retries: int = 5,
@@ -140,14 +114,10 @@ class PrefetchCache:
         self.dir = Path(cache_dir)
         self.max_bytes, self.depth, self.retries, self.backoff = max_bytes, prefetch, retries, backoff
         self.storage_options = dict(storage_options or {})
-        self.range_bytes, self.range_connections = range_bytes, range_connections
-        self.max_connections = max_connections
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.dir, 0o700)
-        (self.dir / ".locks").mkdir(exist_ok=True, mode=0o700)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid: int | None = None
-        self._inflight: dict[str, Future] = {}
+        self.range_bytes, self.range_connections, self.max_connections = range_bytes, range_connections, max_connections
+        cache_folder.make_folder(self.dir)
+        self._closed = False
+        self._parts: dict[int, _ProcessPart] = {}  # by pid: a forked child never uses its parent's
         self._paths: dict[str, Path] = {}
         # hits, misses, bytes downloaded: shared memory, so forked and spawned DataLoader
         # workers add to the counts the main process reads (`stats()`, `LoaderMonitor`).
@@ -156,9 +126,9 @@ class PrefetchCache:
         # workers forked later start from what the main process (or an earlier worker) learned,
         # and all of them run one search (issue 19).
         self._level = torch.tensor([range_connections], dtype=torch.int64).share_memory_()
-        self._search = _Adapt.new_search(self._level, max_connections)
+        self._search = ConcurrencySearch.new_search(self._level, max_connections)
         self._fs: dict = {}
-        self._adapt: _Adapt | None = None
+        self._adapt: ConcurrencySearch | None = None
         self.sweep()
 
     # ---- public API --------------------------------------------------------------------
@@ -176,14 +146,16 @@ class PrefetchCache:
             ValueError: a refused protocol, or an object larger than `max_bytes`.
             FileNotFoundError: the object does not exist.
             DownloadError: transient failures outlasted the retries.
+            CacheClosedError: the cache is closed (also when `close()` ends this call early).
         """
+        self._check_open()
         check_url(url)
         final = self.path_for(url)
-        if _touch(final):
+        if cache_folder.touch(final):
             self._count(hits=1)
             return final
-        with self._key_lock(final.name, fcntl.LOCK_EX):
-            if _touch(final):  # another process or thread finished it while we waited
+        with self._running(), cache_folder.key_lock(self.dir, final.name, fcntl.LOCK_EX, pause=self._pause):
+            if cache_folder.touch(final):  # another process or thread finished it while we waited
                 self._count(hits=1)
                 return final
             self._download(url, final, sha256)
@@ -195,6 +167,7 @@ class PrefetchCache:
         to connect in a fresh process), so that the first download does not wait for them:
         call it once at setup, e.g. before building the model. Optional: the first download
         does it otherwise."""
+        self._check_open()
         check_url(url)
         fs, _ = self._filesystem(url)
         if hasattr(fs, "connect"):  # s3fs
@@ -218,7 +191,7 @@ class PrefetchCache:
     def _count(self, *, hits: int = 0, misses: int = 0, downloaded: int = 0) -> None:
         # The shared tensor's `+=` is a read-modify-write: an flock makes it exact across the
         # threads and processes that share it (~10 us, against a shard read).
-        with self._key_lock("stats", fcntl.LOCK_EX):
+        with cache_folder.key_lock(self.dir, "stats", fcntl.LOCK_EX):
             self._counts += torch.tensor([hits, misses, downloaded])
 
     @contextlib.contextmanager
@@ -226,14 +199,16 @@ class PrefetchCache:
         """`get(url)`, holding a shared lock so eviction leaves the file alone meanwhile."""
         for _ in range(5):
             path = self.get(url, sha256=sha256)
-            with self._key_lock(path.name, fcntl.LOCK_SH):
+            with cache_folder.key_lock(self.dir, path.name, fcntl.LOCK_SH):
                 if path.exists():
                     yield path
                     return
         raise DownloadError(f"{url}: evicted again and again before it could be read; raise max_bytes.")
 
     def prefetch(self, urls: Iterable[str]) -> list[Future]:
-        """Starts background downloads (at most `prefetch` at once); errors surface on `get`."""
+        """Starts background downloads (at most `prefetch` at once); errors surface on `get`
+        (`CacheClosedError` here once closed)."""
+        self._check_open()
         futures = []
         for url in urls:
             if os.path.exists(self.path_for(url)):
@@ -242,77 +217,116 @@ class PrefetchCache:
             # (DataLoader workers) while a background thread is half-way through an import
             # could leave the child a held import lock. `connect()` opens the client too.
             self._filesystem(url)
-            pool = self._executor()
-            if len(self._inflight) > 8 * self.depth:  # forget finished downloads
-                self._inflight = {u: f for u, f in self._inflight.items() if not f.done()}
-            running = self._inflight.get(url)
-            if running is None or running.done():
-                self._inflight[url] = running = pool.submit(self._quiet_get, url)
+            part = self._part()
+            with part.idle:  # against `close`: no pool made nor download queued after it began
+                self._check_open()
+                if part.pool is None:
+                    part.pool = ThreadPoolExecutor(self.depth, thread_name_prefix="recipes-prefetch")
+                if len(part.inflight) > 8 * self.depth:  # forget finished downloads
+                    part.inflight = {u: f for u, f in part.inflight.items() if not f.done()}
+                running = part.inflight.get(url)
+                if running is None or running.done():
+                    part.inflight[url] = running = part.pool.submit(self._quiet_get, url)
             futures.append(running)
         return futures
 
+    def close(self) -> None:
+        """Stops this process's downloads and joins its download threads; idempotent.
+
+        Queued prefetches are cancelled (their futures raise `CancelledError`); running
+        downloads, in the cache's threads or in callers' `get`, stop at their next block, range
+        or retry wait and remove their temp file (one that already has every byte is renamed
+        into place), and a `get` waiting for another process's download stops waiting. Once
+        `close` returns, no download of this cache runs in this process and the lock and temp
+        file descriptors they held are closed. `pinned` readers keep their file until their
+        `with` ends. Later `get`, `pinned`, `prefetch` and `connect` raise `CacheClosedError`;
+        `stats`, `path_for` and `used_bytes` still answer. In a forked DataLoader worker it
+        closes the worker's copy: threads the parent started are the parent's, left alone.
+        """
+        self._closed = True  # before reading `_parts`: a `get` starting now sees it (`_running`)
+        part = self._parts.get(os.getpid())
+        if part is None:  # this process never downloaded through this object
+            return
+        with part.idle:  # after any `prefetch` or `_running` holding it: each sees `_closed` next
+            part.closing.set()  # wakes retry waits and lock polls
+        if part.pool is not None:
+            part.pool.shutdown(wait=True, cancel_futures=True)
+        with part.idle:  # `get`s waiting or downloading in callers' threads
+            part.idle.wait_for(lambda: part.running == 0)
+        self._fs = {k: v for k, v in self._fs.items() if k[0] != os.getpid()}
+
+    def __enter__(self) -> PrefetchCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def sweep(self) -> int:
         """Removes temp files whose writer process is gone; returns how many."""
-        removed = 0
-        for entry in os.scandir(self.dir):
-            match = _TEMP.match(entry.name)
-            if match and not pid_alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed += 1
-        return removed
+        return cache_folder.sweep(self.dir)
 
     def used_bytes(self) -> int:
         """Bytes of complete files plus reservations of downloads in flight."""
-        total = 0
-        for entry in os.scandir(self.dir):
-            match = _TEMP.match(entry.name)
-            if match:
-                total += int(match.group(2))
-            elif entry.is_file() and not entry.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
-                    total += entry.stat().st_size
-        return total
+        return cache_folder.used_bytes(self.dir)
 
     # ---- downloading -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _running(self):
+        """Counts a `get` that waits for a key or downloads: `close` waits for it (and wakes it)."""
+        part = self._part()
+        with part.idle:  # checked and counted at once: `close` waits for each one it did not refuse
+            self._check_open()
+            part.running += 1
+        try:
+            yield
+        finally:
+            with part.idle:
+                part.running -= 1
+                part.idle.notify_all()
+
     def _download(self, url: str, final: Path, sha256: str | None) -> None:
         fs, remote = self._filesystem(url)
-        attempts, last = self.retries + 1, None
-        for attempt in range(attempts):
-            tmp = held = None
-            try:
-                size = fs.info(remote).get("size")
-                if size is not None and size > self.max_bytes:
-                    raise ValueError(f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
-                                     "raise max_bytes or read it without the cache.")
-                tmp, *held = self._reserve(final.name, size or 0)
-                fd = held[0]  # the temp file's only descriptor: written, verified and synced through it
-                if size is not None and size > self.range_bytes and self.range_connections > 1:
-                    try:
-                        self._ranged_get(fs, remote, url, fd, size)
-                    except _NoRanges:  # the server ignores Range: one whole-object GET
-                        self._whole_get(fs, remote, fd, size)
-                else:
-                    self._whole_get(fs, remote, fd, size)
-                _verify(url, fd, size, sha256)
-                os.fsync(fd)
-                os.replace(tmp, final)
-                fsync_path(self.dir)
-                return
-            except BaseException as error:
-                if tmp is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
-                if not _is_transient(error):
-                    raise
-                last = error
-            finally:
-                if held:
-                    _release(*held)
-            if attempt + 1 < attempts:
-                time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
-        raise DownloadError(f"{url}: failed after {attempts} attempts; last error: "
-                            f"{type(last).__name__}: {last}") from last
+        call_with_retries(functools.partial(self._attempt, fs, remote, url, final, sha256),
+                          retries=self.retries, backoff=self.backoff, sleep=self._pause,
+                          final=lambda attempts, last: DownloadError(
+                              f"{url}: failed after {attempts} attempts; last error: {type(last).__name__}: {last}"))
+
+    def _attempt(self, fs, remote: str, url: str, final: Path, sha256: str | None) -> None:
+        """One try: size check, reservation, transfer, verification, rename; an error removes
+        the temp file."""
+        tmp = held = None
+        try:
+            size = fs.info(remote).get("size")
+            if size is not None and size > self.max_bytes:
+                raise ValueError(f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
+                                 "raise max_bytes or read it without the cache.")
+            reserved = cache_folder.reserve(self.dir, final.name, size or 0, max_bytes=self.max_bytes, pause=self._pause)
+            if reserved is None:
+                raise DownloadError(f"no room for {size or 0:,} bytes in {self.dir}: the files in use fill "
+                                    f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once.")
+            tmp, *held = reserved
+            fd = held[0]  # the temp file's only descriptor: written, verified and synced through it
+            if size is not None and size > self.range_bytes and self.range_connections > 1:
+                try:
+                    download_ranges(fs, remote, url, fd, size, range_bytes=self.range_bytes, search=self._adapter(),
+                                    retries=self.retries, backoff=self.backoff, check=self._check_open,
+                                    sleep=self._pause)
+                except NoRangeSupport:  # the server ignores Range: one whole-object GET
+                    download_whole(fs, remote, fd, size, check=self._check_open)
+            else:
+                download_whole(fs, remote, fd, size, check=self._check_open)
+            verify_download(url, fd, size, sha256)
+            os.fsync(fd)
+            os.replace(tmp, final)
+            fsync_path(self.dir)
+        except BaseException:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            raise
+        finally:
+            if held:
+                release(*held)
 
     def _filesystem(self, url: str):
         """(filesystem, path): one fsspec filesystem per process and protocol, reused."""
@@ -332,115 +346,28 @@ class PrefetchCache:
             self._fs[key] = fs
         return fs, fs._strip_protocol(url)
 
-    def _whole_get(self, fs, remote: str, fd: int, size: int | None) -> None:
-        """`remote` into the temp file `fd` front to back (see `_open_stream`); the caller
-        verifies and renames."""
-        os.ftruncate(fd, 0)  # what a ranged attempt wrote before it found no Range support
-        offset = 0
-        with _open_stream(fs, remote, size) as source:
-            while block := source.read(_BLOCK):
-                _pwrite_all(fd, block, offset)
-                offset += len(block)
-
-    def _ranged_get(self, fs, remote: str, url: str, fd: int, size: int) -> None:
-        """`size` bytes of `remote` into the temp file `fd` as `range_bytes` ranges, the adapted
-        number of them in flight at once (object stores cap each connection, not each
-        client), each written at its offset and retried on its own; the caller verifies and
-        renames."""
-        ranges = [(start, min(start + self.range_bytes, size)) for start in range(0, size, self.range_bytes)]
-        level = int(self._level.item())
-        began = time.perf_counter()
-        os.ftruncate(fd, size)
-
-        def fetch(span):
-            start, end = span
-            for attempt in range(self.retries + 1):
-                try:
-                    data = fs.cat_file(remote, start=start, end=end)
-                    if len(data) > end - start:
-                        raise _NoRanges(url)
-                    if len(data) < end - start:
-                        raise _ShortBody(f"{url}: range {start}-{end} gave {len(data):,} of {end - start:,} bytes")
-                    _pwrite_all(fd, data, start)
-                    return
-                except BaseException as error:
-                    if isinstance(error, _NoRanges) or not _is_transient(error) or attempt == self.retries:
-                        raise
-                time.sleep(self.backoff * 2**attempt * (0.5 + random.random()))
-
-        # Leaving the `with` waits for the running ranges: none writes after the caller closes `fd`.
-        with ThreadPoolExecutor(min(level, len(ranges)), thread_name_prefix="recipes-range") as pool:
-            futures = [pool.submit(fetch, span) for span in ranges]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-        if len(ranges) > level:  # the level limited this download: its rate says whether more helps
-            self._adapter().observe(level, size / (time.perf_counter() - began))
-
-    def _adapter(self) -> _Adapt:
+    def _adapter(self) -> ConcurrencySearch:
         if self._adapt is None:  # stateless but for the shared tensors: fine in a forked child too
-            lock = functools.partial(self._key_lock, "adapt", fcntl.LOCK_EX)  # excludes threads and processes
-            self._adapt = _Adapt(self._level, self.max_connections, search=self._search, lock=lock)
+            lock = functools.partial(cache_folder.key_lock, self.dir, "adapt", fcntl.LOCK_EX)  # excludes threads and processes
+            self._adapt = ConcurrencySearch(self._level, self.max_connections, search=self._search, lock=lock)
         return self._adapt
 
-    def _reserve(self, key: str, size: int) -> tuple[Path, int, object]:
-        """Frees room for `size` bytes (LRU, skipping pinned files) and creates the temp file
-        whose name carries the reservation, under one folder-wide lock. Returns its path and
-        its held descriptor `(fd, token)`, for `_release`."""
-        deadline = time.monotonic() + 60
-        while True:
-            with self._key_lock("evict", fcntl.LOCK_EX):
-                if self._evict_until(self.max_bytes - size):
-                    tmp = self.dir / f".tmp.{os.getpid()}.{secrets.token_hex(4)}.{size}.{key}"
-                    return (tmp, *_open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL))
-            if time.monotonic() > deadline:
-                raise DownloadError(f"no room for {size:,} bytes in {self.dir}: the files in use fill "
-                                    f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once.")
-            time.sleep(0.2)
+    def _part(self) -> _ProcessPart:
+        part = self._parts.get(os.getpid())
+        if part is None:  # first use in this process; `setdefault` is atomic: one part per process
+            part = self._parts.setdefault(os.getpid(), _ProcessPart())
+        return part
 
-    def _evict_until(self, budget: int) -> bool:
-        used = self.used_bytes()
-        if used <= budget:
-            return True
-        files = [e for e in os.scandir(self.dir) if e.is_file() and not e.name.startswith(".")]
-        for entry in sorted(files, key=lambda e: e.stat().st_mtime_ns):  # least recently used first
-            lock, token = _open_held(self.dir / ".locks" / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not pinned, not downloading
-            except BlockingIOError:
-                _release(lock, token)
-                continue
-            try:
-                size = entry.stat().st_size
-                os.unlink(entry.path)
-                used -= size
-            except FileNotFoundError:
-                pass
-            finally:
-                _release(lock, token)
-            if used <= budget:
-                return True
-        return False
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosedError(f"PrefetchCache({str(self.dir)!r}) was closed; make a new PrefetchCache "
+                                   "for that folder to read through it again.")
 
-    @contextlib.contextmanager
-    def _key_lock(self, name: str, mode: int):
-        # A new open file description per call: threads of one process exclude each other too.
-        fd, token = _open_held(self.dir / ".locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            _release(fd, token)
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool_pid != os.getpid():  # threads do not survive fork
-            self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="recipes-prefetch")
-            self._pool_pid, self._inflight = os.getpid(), {}
-        return self._pool
+    def _pause(self, seconds: float) -> None:
+        """Sleeps `seconds`, or raises `CacheClosedError` as soon as the cache closes."""
+        self._check_open()
+        if self._part().closing.wait(seconds):
+            self._check_open()
 
     def _quiet_get(self, url: str) -> None:
         with contextlib.suppress(Exception):  # a failed prefetch is retried on demand by get()
@@ -448,66 +375,8 @@ class PrefetchCache:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_pool=None, _pool_pid=None, _inflight={}, _fs={}, _adapt=None)
+        state.update(_parts={}, _fs={}, _adapt=None)
         return state
-
-
-class _Adapt:
-    """Raises the ranges in flight per object while it pays: each level is kept only if its
-    download rate beats the level below by 15%; the first level that does not is undone and
-    the search stops (rates at a stale level, from downloads begun before a change, are
-    ignored).
-
-    The whole search is shared by the processes that share the cache: the level (`level`,
-    int64 [1]) and `search` (float64 [3]: the level to beat or 0, its rate, settled), both in
-    shared memory, read and written under `lock`. Kept per process, the rate to beat and the
-    settled flag let each process take the next step from its own view (issue 19: three
-    workers on a link saturating at 4 ranges went 2, 4, 8, 16, and one raised the level again
-    after another had settled it).
-
-    Args:
-        level: the level, shared.
-        cap: the highest level (`max_connections`).
-        search: the rest of the state, from `new_search`; None: a new one (one process).
-        lock: a zero-argument callable returning a context manager that excludes every thread
-            and process sharing the state (the cache passes an flock); None: a thread lock, for
-            one process.
-    """
-
-    GAIN = 1.15
-
-    def __init__(self, level: torch.Tensor, cap: int, *, search: torch.Tensor | None = None, lock=None):
-        self.level, self.cap = level, cap
-        self.search = self.new_search(level, cap) if search is None else search
-        if lock is None:
-            local = threading.Lock()
-            lock = lambda: local  # noqa: E731
-        self.lock = lock
-
-    @staticmethod
-    def new_search(level: torch.Tensor, cap: int) -> torch.Tensor:
-        return torch.tensor([0.0, 0.0, float(int(level.item()) >= cap)], dtype=torch.float64).share_memory_()
-
-    @property
-    def settled(self) -> bool:
-        return bool(self.search[2].item())
-
-    def observe(self, level: int, rate: float) -> None:
-        if self.settled or level != int(self.level.item()):  # without the lock: settled never ends
-            return
-        with self.lock():
-            below_level, below_rate, settled = self.search.tolist()
-            if settled or level != int(self.level.item()):
-                return
-            if below_level and rate < below_rate * self.GAIN:
-                self.level.fill_(int(below_level))  # no gain: back down, and stay
-                self.search[2] = 1.0
-                return
-            self.search[0], self.search[1] = float(level), float(rate)
-            if level >= self.cap:
-                self.search[2] = 1.0
-            else:
-                self.level.fill_(min(2 * level, self.cap))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -525,75 +394,3 @@ def check_url(url: str) -> None:
         protocol = match.group(1).lower()
         if protocol not in _ALLOWED:
             raise ValueError(f"Refusing {url!r}: protocol {protocol!r} is not one of {sorted(_ALLOWED)}.")
-
-
-def _touch(path: Path) -> bool:
-    """Marks `path` as just used (LRU) and says whether it exists."""
-    try:
-        os.utime(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-_BLOCK = 4 * 2**20  # bytes per read of a whole-object download
-
-
-def _open_stream(fs, remote: str, size: int | None):
-    """`remote` opened for one front-to-back read: over http(s) one streamed GET (fsspec's
-    random-access HTTP file would send ranged GETs, which a server may not support);
-    elsewhere the filesystem's own file, each `_BLOCK` read one request (no read-ahead)."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if {"http", "https"} & set(protocols):
-        return fs.open(remote, "rb", block_size=0, size=size)
-    return fs.open(remote, "rb", block_size=_BLOCK, cache_type="none")
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """All of `data` at `offset`: a write may stop short (a nearly full disk writes what fits
-    before it fails), and a short write ignored would leave a hole of zeros in the file."""
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, f"a write at byte {offset:,} of a download wrote nothing")
-        view, offset = view[written:], offset + written
-
-
-def _verify(url: str, fd: int, size: int | None, sha256: str | None) -> None:
-    actual = os.fstat(fd).st_size
-    if size is not None and actual != size:
-        raise _ShortBody(f"{url}: got {actual:,} of {size:,} bytes")
-    if sha256 is not None:
-        digest, offset = hashlib.sha256(), 0
-        while block := os.pread(fd, 1 << 20, offset):
-            digest.update(block)
-            offset += len(block)
-        if digest.hexdigest() != sha256:
-            raise _ChecksumMismatch(f"{url}: sha256 {digest.hexdigest()} differs from the expected {sha256}")
-
-
-class _ShortBody(OSError):
-    pass
-
-
-class _ChecksumMismatch(OSError):
-    pass
-
-
-class _NoRanges(Exception):
-    """The server answered a range request with more than the range (no Range support)."""
-
-
-def _is_transient(error: BaseException) -> bool:
-    """Worth retrying: network errors, 5xx, short bodies. Not: missing objects, permissions,
-    refused arguments, a full disk, interrupts."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, ValueError, KeyboardInterrupt,
-                          SystemExit, GeneratorExit)):
-        return False
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return False
-    status = getattr(error, "status", None) or getattr(error, "code", None)
-    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
-        return False
-    return isinstance(error, Exception)

@@ -10,6 +10,9 @@ Adapt here: `prefetch_caches` for datasets that hold their cache deeper than one
 ~10 ms of CPU, so sampling faster would slow what it measures on 2 cores).
 Trade-off: USS (memory only this process holds) shows a worker's own growth; PSS splits shared
 pages fairly, so the sum over processes is the real total.
+Copy with: common/cache_files.py, common/cache_folder.py, common/held_descriptors.py,
+  common/object_download.py, common/prefetch_cache.py, common/process_lifetime.py,
+  common/ranged_download.py, common/retries.py.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Trade-off: profiles are starting points for a decode-bound loader; `recipes benc
 | throughput | 8-16 (within resources)    | 1        | yes        | when CUDA  | 64    |
 | text       | as production               | 2        | yes        | no         | 32    |
 | auto       | production, or memory when the in-flight estimate exceeds the budget |
+Copy with: common/resources.py, common/sizing.py.
 """
 
 from __future__ import annotations

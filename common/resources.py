@@ -7,6 +7,7 @@ Cost: a handful of small file reads and one `statvfs`; no subprocesses, no CUDA 
 Adapt here: `cgroup_root` and `shm_path` (tests point them at fake trees).
 Trade-off: reads the cgroup files mounted at `cgroup_root` as containers see them; on a bare
 host with nested cgroups the root files are absent and the host figures are used.
+Copy with: nothing.
 """
 
 from __future__ import annotations

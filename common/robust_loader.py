@@ -12,6 +12,10 @@ texts of other failure kinds.
 Trade-off: restarts cost a worker start-up each; after `max_restarts` the error is raised.
 Errors raised by the dataset itself (a bad file, a bug) are never retried: they would fail
 again.
+Copy with: common/cache_files.py, common/loader.py, common/loader_contract.py,
+  common/loader_passes.py, common/loader_state.py, common/loader_warning.py,
+  common/process_lifetime.py, common/profiles.py, common/resources.py, common/sizing.py,
+  common/stateful_loader.py, common/tune_store.py, common/worker.py.
 """
 
 from __future__ import annotations
@@ -73,6 +77,16 @@ class RobustLoader:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def close(self) -> None:
+        """Shuts the current loader's persistent workers down now (`StatefulLoader.close`)."""
+        self.loader.close()
+
+    def __enter__(self) -> RobustLoader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()

@@ -22,6 +22,7 @@ With `even=True` every rank yields the same number of samples per epoch:
 - whole shards: every rank stops at the smallest rank's sample count; the surplus of the other
   ranks (the ends of their last shards) is skipped that epoch, a different part each epoch.
 Both need `shard_lengths` when `world_size > 1`.
+Copy with: common/packed_strings.py, common/sharding.py.
 """
 
 from __future__ import annotations

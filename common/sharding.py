@@ -16,6 +16,7 @@ contiguous blocks of `range(n)`; each rank's block is split contiguously among i
   `(-n) % world_size` positions (at most `world_size - 1`) repeat indices from the start of
   `range(n)`, in order (0, 1, ...). Workers within a rank differ by at most one, which DDP does
   not see (the DataLoader merges them into the rank's stream).
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ containers and under torchrun it reads host figures and ignores the other ranks 
 and on many-core nodes with one GPU its GPU term starves a fast step (4 workers on 16 cores
 left an H200 waiting 70% of the time). `smart_num_workers` uses effective, per-rank figures
 and gives the spare cores to workers; `autotune` measures the real optimum.
+Copy with: common/resources.py.
 """
 
 from __future__ import annotations

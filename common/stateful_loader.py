@@ -25,6 +25,8 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 `"world_size"` (an iterable dataset's ranks) make a resume elastic, from N ranks to M;
 `"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
 state are computed in `loader_passes.py`.
+Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_state.py,
+  common/loader_warning.py.
 """
 
 from __future__ import annotations
@@ -104,6 +106,20 @@ class StatefulLoader(DataLoader):
             inner = super().__iter__()
         _track(inner)
         return Counting(self._passes, current, inner)
+
+    def close(self) -> None:
+        """Shuts its persistent workers down now; otherwise they end when the loader is garbage
+        collected, which may be long after the last epoch (a validation loader in a notebook,
+        a test suite). Idempotent; the next `iter` starts new workers. Also `with loader:`."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+    def __enter__(self) -> StatefulLoader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loop is, as plain JSON: the epoch, the batches of it the loop received, the

@@ -6,6 +6,7 @@ span, each step a `train_step` span; with CUDA the kernels appear on their strea
 Cost: torch.profiler's overhead (tens of microseconds per op) for `steps` batches only.
 Adapt here: `activities`, or pass `step=` to see the step beside the fetches.
 Trade-off: a handful of steps, not an epoch; the profiler itself slows what it records a little.
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ Why each step:
   the worker when its parent dies; elsewhere a daemon thread checks the parent every second.
   (Linux ties the signal to the thread that started the worker: iterate loaders from a thread
   that lives as long as the loader, as the main thread does.)
+Copy with: common/process_lifetime.py.
 """
 
 from __future__ import annotations

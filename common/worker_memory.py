@@ -9,6 +9,7 @@ Adapt here: `batch_size` (items per USS reading) and `num_workers`.
 Trade-off: measures USS, which counts copied pages exactly but also the worker's own
 allocations (decode buffers); compare two layouts of the same data, as `recipes bench common`
 does, rather than reading one number alone.
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ sample of a batch is close to the rest, so little padding remains.
 Cost: one `[B, T]` allocation and B row copies per batch.
 Adapt here: `pad_to_multiple_of` (8 suits tensor cores), `padding_side`, labels.
 Trade-off: every batch has a different T; compile-heavy models may prefer fixed buckets of T.
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -31,6 +31,11 @@ Distributed and resume, as `LengthBucketSampler`: the epoch's batches are formed
 `(seed, epoch)`, identically on every rank, and dealt round-robin; ranks get equal counts
 (`drop_last=False` repeats at most R - 1 batches of the epoch); `state_dict()` saves the
 global position, and `load_state_dict()` continues it on any number of ranks.
+Copy with: common/bucketing.py, common/cache_files.py, common/loader.py, common/loader_contract.py,
+  common/loader_passes.py, common/loader_state.py, common/loader_warning.py,
+  common/process_lifetime.py, common/profiles.py, common/resources.py, common/sharding.py,
+  common/sizing.py, common/stateful_loader.py, common/tune_store.py, common/worker.py,
+  nlp/collate.py.
 """
 
 from __future__ import annotations
@@ -341,7 +346,7 @@ def packed_loader(cache, *, seq_len: int, batch_size: int, shuffle: bool = True,
         ...     for batch in loader:
         ...         mask = document_attention_mask(batch["position_ids"])
     """
-    from recipes.common import make_loader
+    from recipes.common.loader import make_loader
 
     sampler = PackedBatchSampler(cache.lengths, seq_len=seq_len, batch_size=batch_size, shuffle=shuffle, seed=seed,
                                  window=window, num_replicas=num_replicas, rank=rank, split_long=split_long,

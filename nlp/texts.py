@@ -4,6 +4,7 @@ Use when: reading a corpus line by line with errors that point at the line.
 Cost: streaming; files are read twice when a cache is built (once to hash, once to tokenize).
 Adapt here: `_parse_line` for another format.
 Trade-off: one sample per line; multi-line samples need `.jsonl`.
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,14 @@
-"""Recipe files copy on their own (issue #11): each one, with at most two helper files of this
-project, is copied into an empty folder, its imports rewritten to plain module imports, and
-imported and exercised in a process where the `recipes` package cannot be imported at all.
-The seven recipe files of the issue are all here, and no other project file may be needed."""
+"""Recipe files copy on their own. Each library file names, in its header, the other project
+files it needs (`Copy with: common/cache_files.py, vision/decode.py.`). This test reads that
+line and checks it two ways: statically, every `recipes.*` import the file and its copy set
+make (outside `try: ... except ImportError:` and `if TYPE_CHECKING:`) must land inside the
+declared set, and the set must be exactly what the imports reach; and by running it: exactly
+those files are copied into an empty folder, their imports rewritten to plain module imports,
+and imported (the recipes, also exercised) in a process where the `recipes` package cannot
+be imported at all. What a user must read to adapt a recipe is its lines, not its file count.
+"""
 
+import ast
 import re
 import subprocess
 import sys
@@ -12,25 +18,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DOMAINS = ("common", "vision", "nlp", "audio")
+LIBRARY = sorted(str(p.relative_to(ROOT)) for d in DOMAINS for p in (ROOT / d).glob("*.py") if p.name != "__init__.py")
+# Training templates run against the installed package (`recipes template vision > train.py`).
+PACKAGE = "the installed recipes package"
 
-# recipe file -> (its helpers, a smoke run of the copy)
-RECIPES = {
-    "common/bucketing.py": (["common/sharding.py", "common/loader_warning.py"], """
+# recipe file -> a smoke run of its copy (every other library file is imported in its copy)
+SMOKE = {
+    "common/bucketing.py": """
         from bucketing import LengthBucketSampler
         sampler = LengthBucketSampler([5, 9, 3, 12, 7, 7, 2, 30], max_tokens=32, seed=0)
         batches = list(sampler)
         assert sorted(i for b in batches for i in b) == list(range(8))
         assert sampler.state_dict(batches_done=1)["global_batches_done"] == 1
-    """),
-    "common/prefetch_cache.py": (["common/storage.py"], """
+    """,
+    "common/prefetch_cache.py": """
         from pathlib import Path
         from prefetch_cache import PrefetchCache
         src = Path("remote.bin"); src.write_bytes(b"x" * 1000)
         cache = PrefetchCache("cache", max_bytes=10_000)
         assert cache.get(str(src.resolve())).read_bytes() == b"x" * 1000
         assert cache.stats()["misses"] == 1
-    """),
-    "common/sharded_dataset.py": (["common/storage.py", "common/sharding.py"], """
+    """,
+    "common/sharded_dataset.py": """
         from pathlib import Path
         from sharded_dataset import ShardedIterableDataset
         paths = []
@@ -38,15 +48,15 @@ RECIPES = {
             Path(f"s{s}.txt").write_text(" ".join(str(10 * s + i) for i in range(4))); paths.append(f"s{s}.txt")
         ds = ShardedIterableDataset(paths, lambda p: [int(x) for x in Path(p).read_text().split()], rank=0, world_size=1)
         assert sorted(ds) == sorted(10 * s + i for s in range(3) for i in range(4))
-    """),
-    "audio/chunked.py": (["common/storage.py"], """
+    """,
+    "audio/chunked.py": """
         import numpy as np, soundfile as sf
         from chunked import ChunkedAudioDataset
         sf.write("a.wav", np.zeros(16000, np.float32), 16000)
         ds = ChunkedAudioDataset(["a.wav"], chunk_seconds=0.25)
         assert len(ds) == 4 and ds[3][0].shape == (1, 4000)
-    """),
-    "audio/spectrogram_cache.py": (["common/storage.py", "audio/chunked.py"], """
+    """,
+    "audio/spectrogram_cache.py": """
         import numpy as np, soundfile as sf
         from chunked import ChunkedAudioDataset
         from spectrogram_cache import build_spectrogram_cache
@@ -55,8 +65,8 @@ RECIPES = {
         cache = build_spectrogram_cache(ds, "features", n_mels=40, num_workers=None, progress=False)
         assert len(cache) == 4 and cache[0][0].shape == (40, 26)
         assert build_spectrogram_cache(ds, "features", n_mels=40, num_workers=0, progress=False).path == cache.path
-    """),
-    "nlp/token_cache.py": (["common/storage.py", "nlp/texts.py"], """
+    """,
+    "nlp/token_cache.py": """
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
         from token_cache import build_token_cache
@@ -67,10 +77,11 @@ RECIPES = {
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
         cache = build_token_cache(texts, tokenizer, "tokens", batch_size=3, progress=False)
         assert [cache[i]["input_ids"].tolist() for i in range(len(texts))] == tokenizer(texts)["input_ids"]
-    """),
-    "vision/image_folder.py": (["common/storage.py", "vision/decode.py"], """
+    """,
+    "vision/image_folder.py": """
         import os, cv2, numpy as np, torch
-        from image_folder import ImageFolderFast, build_image_cache
+        from image_folder import ImageFolderFast
+        from image_cache import build_image_cache
         ramp = np.tile(np.linspace(0, 200, 80), (60, 1))
         for c in range(2):
             os.makedirs(f"tree/c{c}")
@@ -82,24 +93,129 @@ RECIPES = {
         build_image_cache(ds, "cache", num_workers=None, progress=False)
         again = ImageFolderFast("tree", size=32, cache_dir="cache")
         assert again.cache is not None and (again[4][0].int() - image.int()).abs().float().mean() < 3
-    """),
+    """,
 }
+
+
+def declared(name: str) -> list[str] | None:
+    """The files `name`'s header says to copy with it: a list, [] for "nothing", None when the
+    header says PACKAGE or has no `Copy with:` line (the caller tells those apart)."""
+    doc = ast.get_docstring(ast.parse((ROOT / name).read_text()), clean=False) or ""
+    found = []
+    for line in doc.splitlines():
+        if line.startswith("Copy with:"):
+            found.append(line[len("Copy with:"):])
+        elif found and line.startswith("  ") and not found[-1].rstrip().endswith("."):
+            found[-1] += " " + line.strip()  # a wrapped list goes on, indented, until its full stop
+    if len(found) != 1:
+        raise AssertionError(f"{name}: its header docstring needs exactly one `Copy with: ...` line, "
+                             f"found {len(found)}")
+    text = found[0].strip().removesuffix(".")
+    if text == "nothing":
+        return []
+    if text == PACKAGE:
+        return None
+    return [part.strip() for part in text.split(",")]
+
+
+def _module_file(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "recipes":
+        raise ValueError(module)
+    if len(parts) == 1:
+        return "recipes/__init__.py"
+    if parts[1] in DOMAINS:
+        rest = parts[2:]
+        base = Path(parts[1])
+    else:
+        rest = parts[1:]
+        base = Path("recipes")
+    if not rest:
+        return str(base / "__init__.py")
+    candidate = base.joinpath(*rest)
+    return str(candidate / "__init__.py") if (ROOT / candidate).is_dir() else str(candidate.with_suffix(".py"))
+
+
+def hard_imports(name: str) -> set[str]:
+    """The project files `name` imports unconditionally (at any depth: lazy imports count)."""
+    tree = ast.parse((ROOT / name).read_text())
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        optional = isinstance(node, ast.Try) and any(
+            handler.type is not None and {getattr(n, "id", None) for n in ast.walk(handler.type)}
+            & {"ImportError", "ModuleNotFoundError"} for handler in node.handlers)
+        type_only = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if optional or type_only:
+            guarded.update(id(n) for child in node.body for n in ast.walk(child))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(_module_file(a.name) for a in node.names if a.name.split(".")[0] == "recipes")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "recipes":
+            target = _module_file(node.module)
+            if target.endswith("__init__.py"):  # `from recipes.common import loader` names a module
+                folder = Path(target).parent
+                subs = [str(folder / f"{a.name}.py") for a in node.names if (ROOT / folder / f"{a.name}.py").exists()]
+                found.update(subs if len(subs) == len(node.names) else [target])
+            else:
+                found.add(target)
+    return found - {name}
+
+
+def reach(name: str) -> set[str]:
+    """Every project file `name` needs, transitively (itself excluded)."""
+    seen, todo = set(), [name]
+    while todo:
+        for dep in hard_imports(todo.pop()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen - {name}
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_a_library_file_declares_exactly_the_files_its_imports_reach(name):
+    files = declared(name)
+    if files is None:
+        assert name.endswith("/template.py"), f"{name}: only training templates may say `Copy with: {PACKAGE}.`"
+        return
+    needs = reach(name)
+    packages = sorted(f for f in needs if f.endswith("__init__.py"))
+    assert not packages, (f"{name} imports a package ({packages}): import from the module that defines the "
+                          "name, so a copy needs only the files its header names")
+    outside = sorted(needs - set(files))
+    assert not outside, f"{name}: its imports reach {outside}, which its `Copy with:` line does not name"
+    unused = sorted(set(files) - needs)
+    assert not unused, f"{name}: `Copy with:` names {unused}, which nothing it imports needs"
+    assert all((ROOT / f).is_file() for f in files), files
 
 
 def _rewrite(text: str) -> str:
     """`from recipes.common.sharding import x` -> `from sharding import x`, and alike."""
-    text = re.sub(r"from recipes\.\w+\.(\w+) import", r"from \1 import", text)
-    return re.sub(r"from recipes\.\w+ import (\w+)( as \w+)?\n", r"import \1\2\n", text)
+    text = re.sub(r"from recipes\.\w+ import (\w+)( as \w+)?\n", r"import \1\2\n", text)  # a module of a package
+    text = re.sub(r"from recipes\.(?:\w+\.)+(\w+) import", r"from \1 import", text)
+    return re.sub(r"import recipes\.(?:\w+\.)*(\w+) as", r"import \1 as", text)
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_a_recipe_file_copies_with_at_most_two_helpers(recipe, tmp_path):
-    helpers, smoke = RECIPES[recipe]
-    assert len(helpers) <= 2
-    for name in [recipe, *helpers]:
-        (tmp_path / Path(name).name).write_text(_rewrite((ROOT / name).read_text()))
-    script = "import sys\nsys.modules['recipes'] = None  # the package is out of reach: only the copies\n"
-    script += textwrap.dedent(smoke)
-    (tmp_path / "use_it.py").write_text(script)
+def _run_copy(name: str, script: str, tmp_path: Path) -> None:
+    files = declared(name)
+    assert files is not None
+    for file in [name, *files]:
+        (tmp_path / Path(file).name).write_text(_rewrite((ROOT / file).read_text()))
+    preamble = "import sys\nsys.modules['recipes'] = None  # the package is out of reach: only the copies\n"
+    (tmp_path / "use_it.py").write_text(preamble + textwrap.dedent(script))
     done = subprocess.run([sys.executable, "use_it.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("recipe", sorted(SMOKE))
+def test_a_recipe_copied_with_its_declared_files_runs_without_the_package(recipe, tmp_path):
+    _run_copy(recipe, SMOKE[recipe], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in LIBRARY if n not in SMOKE and not n.endswith("/template.py")])
+def test_every_library_file_copied_with_its_declared_files_imports(name, tmp_path):
+    _run_copy(name, f"import {Path(name).stem}\n", tmp_path)

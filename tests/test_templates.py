@@ -1,22 +1,29 @@
 """The copy-and-adapt templates run as printed: with python, under torchrun (2 gloo processes),
 and a killed-and-resumed run trains on the same samples as an uninterrupted one, also when it
-resumes on fewer ranks (nlp: 2 -> 1)."""
+resumes on fewer ranks (nlp: 2 -> 1). A template's uninterrupted run is launched once and
+serves every test that compares against it; the one-rank resumes, which the two-rank resume
+covers, are in the slow tier."""
 
 import collections
+import contextlib
+import io
 import os
 import subprocess
 import sys
 
 import pytest
 
+from recipes.cli import main
+
 DOMAINS = ["vision", "nlp", "audio"]
 
 
 def _script(domain, folder):
-    printed = subprocess.run([sys.executable, "-m", "recipes", "template", domain], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["template", domain]) == 0  # as `recipes template DOMAIN > train.py`, in-process
     path = folder / "train.py"
-    path.write_text(printed)  # the user's copy: runs from their folder, not from this package
+    path.write_text(printed.getvalue())  # the user's copy: runs from their folder, not from this package
     return path
 
 
@@ -38,25 +45,40 @@ def _samples(workdir):
     return seen
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """`whole(domain, ranks)`: (the template, its stdout) after an uninterrupted run in
+    `<folder>/whole`, launched once per domain and rank count for the whole module."""
+    done = {}
+
+    def run(domain, ranks):
+        if (domain, ranks) not in done:
+            script = _script(domain, tmp_path_factory.mktemp(f"{domain}-{ranks}"))
+            done[domain, ranks] = script, _run(script, "--workdir", "whole", "--log-samples", ranks=ranks)
+        return done[domain, ranks]
+
+    return run
+
+
 @pytest.mark.parametrize("domain", DOMAINS)
-def test_template_smoke_under_torchrun(domain, tmp_path):
-    script = _script(domain, tmp_path)
-    out = _run(script, "--workdir", "run", "--log-samples", ranks=2)
+def test_template_smoke_under_torchrun(domain, whole):
+    script, out = whole(domain, 2)
     assert "epoch 1:" in out
-    steps = [len((tmp_path / "run" / f"samples-rank{r}.txt").read_text().splitlines()) for r in range(2)]
+    steps = [len((script.parent / "whole" / f"samples-rank{r}.txt").read_text().splitlines()) for r in range(2)]
     assert steps[0] == steps[1] > 0  # a line per step: equal steps on both ranks (no DDP hang)
 
 
-@pytest.mark.parametrize("domain, ranks", [(d, 1) for d in DOMAINS] + [("vision", 2)])
-def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, tmp_path):
-    script = _script(domain, tmp_path)
-    out = _run(script, "--workdir", "whole", "--log-samples", ranks=ranks)
+@pytest.mark.parametrize("domain, ranks", [("vision", 2)] + [pytest.param(d, 1, marks=pytest.mark.slow)
+                                                              for d in DOMAINS])
+def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, whole):
+    script, out = whole(domain, ranks)
+    folder = script.parent
     assert "epoch 1:" in out and "| epoch |" in out  # trained two epochs, reported the loader's health
     _run(script, "--workdir", "crashed", "--log-samples", "--stop-after", "3", ranks=ranks)
-    assert sum(_samples(tmp_path / "crashed").values()) < sum(_samples(tmp_path / "whole").values())
+    assert sum(_samples(folder / "crashed").values()) < sum(_samples(folder / "whole").values())
     _run(script, "--workdir", "crashed", "--log-samples", ranks=ranks)  # resumes from its checkpoint
-    assert _samples(tmp_path / "crashed") == _samples(tmp_path / "whole")
+    assert _samples(folder / "crashed") == _samples(folder / "whole")
     if domain == "nlp":  # elastic: crashed on 2 ranks, resumed on 1 (LengthBucketSampler's global position)
         _run(script, "--workdir", "elastic", "--log-samples", "--stop-after", "3", ranks=2)
         _run(script, "--workdir", "elastic", "--log-samples", ranks=1)
-        assert _samples(tmp_path / "elastic") == _samples(tmp_path / "whole")
+        assert _samples(folder / "elastic") == _samples(folder / "whole")

@@ -5,12 +5,8 @@ from recipes.vision.decode import ImageDecodeError, dct_reduction, decode_image,
 from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, uint8_collate
 from recipes.vision.device_crop import DeviceCropLoader
 from recipes.vision.gpu_decode import GpuDecode, encoded_collate
-from recipes.vision.image_folder import (
-    ImageCache,
-    ImageCacheError,
-    ImageFolderFast,
-    build_image_cache,
-)
+from recipes.vision.image_cache import ImageCache, ImageCacheError, build_image_cache
+from recipes.vision.image_folder import ImageFolderFast
 from recipes.vision.progressive import ProgressiveResolution
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Image decoding with OpenCV at reduced resolution, crop geometry, and uint8 output buffers.
+"""Image decoding with OpenCV at reduced resolution, strict about the JPEG damage libjpeg reports.
 
 Use when: decoding JPEGs (or PNG, BMP, WebP, TIFF) into RGB uint8 arrays for training.
 Cost: a header read (the JPEG frame marker, or Pillow for other formats; no pixel decoded)
@@ -10,19 +10,8 @@ Adapt here: `decode_image(..., reduce=)`; `resize_uint8` for the interpolation.
 Trade-off: the DCT scale is a power of two, so a 500x375 photo for a 224 crop (1.46x) decodes
 at full size; a finer scale (3/4, 5/8) needs TurboJPEG directly (e.g. `simplejpeg`).
 
-Region decode (`decode_region`): with nvImageCodec installed (`pip install "recipes[roi]"`),
-a JPEG crop is decoded by libjpeg-turbo's cropped decode (`jpeg_crop_scanline` +
-`jpeg_skip_scanlines`, nvImageCodec's CPU backend, no GPU needed): rows below the crop are
-never read, and columns beside it skip the inverse DCT, upsampling and colour conversion. The
-pixels are identical to a full decode followed by the crop. Rows above the crop are still
-entropy-decoded (a baseline JPEG has no random access), so the saving grows with how little
-of the image a crop keeps: measured 1.14x train img/s per worker on 500x375 photos.
-
-Crop geometry (torchvision's eval resize-and-centre-crop and random-resized-crop, in source
-pixels) says which pixels an output needs before decoding, so the decoder skips the rest
-and the resize touches only the crop. It differs from torchvision's resize-then-crop only at
-the crop border and by rounding the box to whole pixels: under 2 grey levels of mean
-difference on photos.
+Crop boxes come from `recipes.vision.crop`, a crop-only JPEG decode from
+`recipes.vision.region_decode`, uint8 batch buffers from `recipes.vision.batch_buffers`.
 
 OpenCV's thread pool is not fork-safe: a parent that used cv2 with threads can hand forked
 workers a pool lock that is never released (pytorch#1355, #45198). `decode_image` makes cv2
@@ -52,19 +41,17 @@ pass `strict=False` to decode in threads of one process.
 Every mode comes out as 3-channel RGB: grayscale is replicated, alpha dropped, palettes
 expanded, 16-bit scaled to 8-bit, CMYK converted. EXIF orientation is ignored, as
 torchvision's `ImageFolder` (Pillow) ignores it, so both give the same pixels.
+Copy with: nothing.
 """
 
 from __future__ import annotations
 
 import io
-import math
 import os
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -111,6 +98,20 @@ def read_header(data: bytes, *, path: str = "<bytes>", index: int | None = None)
             f"MAX_IMAGE_PIXELS ({limit:,}); a decompression bomb is never decoded."
         )
     return ImageHeader(width, height, fmt)
+
+
+def read_image_file(path: str, *, index: int | None = None) -> tuple[bytes, ImageHeader]:
+    """The bytes of the image file at `path` and its header (`read_header`): one read.
+
+    Raises:
+        ImageDecodeError: the file cannot be read, or `read_header` refuses it.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise ImageDecodeError(f"image {path!r} (index {index}) cannot be read: {error}") from None
+    return data, read_header(data, path=path, index=index)
 
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
@@ -274,56 +275,6 @@ def _where(path: str, index: int | None) -> str:
     return f"image {path!r}" + (f" (index {index})" if index is not None else "")
 
 
-def decode_region(data: bytes, box: Box, *, strict: bool = True, path: str = "<bytes>",
-                  index: int | None = None) -> np.ndarray | None:
-    """The RGB uint8 pixels `[h, w, 3]` of `box` (top, left, height, width) of a JPEG, decoded
-    alone (libjpeg-turbo's cropped decode through nvImageCodec's CPU backend).
-
-    With `strict`, whole rows from the crop's top down to the image's bottom are decoded, so
-    that libjpeg reads the whole scan and reports damage anywhere in it, as a full decode
-    does (about the cost of a full decode); the crop is returned.
-
-    Returns None when nvImageCodec is not installed or declines the file (the caller then
-    decodes the whole image, whose checks and errors apply); the pixels are those of a full
-    decode with EXIF orientation ignored, cropped.
-
-    Raises:
-        ImageDecodeError: with `strict`, damaged entropy data that libjpeg reported.
-    """
-    decoder = _region_decoder()
-    if decoder is None:
-        return None
-    codec, dec, params = decoder
-    top, left, height, width = box
-    try:
-        stream = codec.CodeStream(data)
-        if stream.codec_name != "jpeg" or stream.num_channels not in (1, 3):
-            return None  # CMYK/YCCK and other codecs: the full decode converts them as OpenCV does
-        if strict:  # whole rows (cropping columns costs nvImageCodec more than it saves) to the bottom
-            region = stream.get_sub_code_stream(region=codec.Region(top, 0, stream.height, stream.width))
-        else:
-            region = stream.get_sub_code_stream(region=codec.Region(top, left, top + height, left + width))
-
-        def run():
-            image = dec.decode(region, params=params)
-            return None if image is None else np.asarray(image)  # the pixels are written by now
-
-        pixels = checked_by_libjpeg(run, path=path, index=index) if strict else run()
-    except ImageDecodeError:
-        raise
-    except (RuntimeError, ValueError):
-        return None
-    if pixels is None:
-        return None
-    if pixels.ndim == 2 or pixels.shape[2] == 1:
-        pixels = pixels.reshape(*pixels.shape[:2], 1)
-    if strict:
-        pixels = pixels[:height, left : left + width]
-    if pixels.shape[2] == 1:
-        pixels = np.repeat(pixels, 3, axis=2)
-    return pixels if pixels.shape == (height, width, 3) else None
-
-
 # ---- libjpeg's warnings about damaged data (strict decoding) ---------------------------------
 # What libjpeg(-turbo) prints for data it recovered from. Other warnings (an unknown JFIF
 # revision, a bad ICC profile, which leave the pixels right) pass through to stderr.
@@ -410,79 +361,6 @@ if hasattr(os, "register_at_fork"):  # no fork while a thread has fd 2 redirecte
                         after_in_child=_STDERR.after_fork_in_child)
 
 
-def region_decode_available() -> bool:
-    """Whether `decode_region` can decode here (nvImageCodec is importable)."""
-    return _region_decoder() is not None
-
-
-def _region_decoder():
-    """(nvimgcodec module, CPU-only decoder, params) for this process, or None.
-
-    nvImageCodec loads its codec extensions once, at import; a process that imports it here
-    for CPU work (a DataLoader worker, or a machine without CUDA) loads only the libjpeg-turbo
-    extension, so the GPU ones do not print load failures in every worker. A decoder's
-    thread pool does not survive fork, so each process builds its own.
-    """
-    global _REGION, _REGION_PID
-    if _REGION_PID == os.getpid():
-        return _REGION
-    _REGION_PID, _REGION = os.getpid(), None
-    try:
-        codec = _import_nvimgcodec()
-        dec = codec.Decoder(device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
-                            backends=[codec.Backend(codec.BackendKind.CPU_ONLY)])
-        params = codec.DecodeParams(apply_exif_orientation=False, color_spec=codec.SRGB)
-    except (ImportError, RuntimeError, AttributeError):
-        return None
-    _REGION = (codec, dec, params)
-    return _REGION
-
-
-def _import_nvimgcodec():
-    import sys
-
-    if "nvidia.nvimgcodec" in sys.modules:
-        return sys.modules["nvidia.nvimgcodec"]
-    import importlib.util
-
-    spec = importlib.util.find_spec("nvidia.nvimgcodec")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("nvidia-nvimgcodec is not installed")
-    from torch.utils.data import get_worker_info
-
-    if get_worker_info() is None and torch.cuda.is_available():
-        import nvidia.nvimgcodec as codec  # the user's GPU decoders stay available in this process
-
-        return codec
-    extension = Path(spec.submodule_search_locations[0]) / "extensions"
-    turbo = sorted(extension.glob("libjpeg_turbo_ext.so*"))
-    if not turbo:
-        raise ImportError("nvidia-nvimgcodec has no libjpeg-turbo extension")
-    only = Path(tempfile.gettempdir()) / f"recipes-nvimgcodec-{os.getuid()}-{turbo[0].name}"
-    if not (only / turbo[0].name).exists():
-        staging = Path(tempfile.mkdtemp(prefix=only.name + ".", dir=only.parent))
-        (staging / turbo[0].name).symlink_to(turbo[0])
-        try:
-            os.replace(staging, only)
-        except OSError:  # another process made it first
-            shutil.rmtree(staging, ignore_errors=True)
-    saved = {k: os.environ.get(k) for k in ("NVIMGCODEC_EXTENSIONS_PATH", "PYNVIMGCODEC_VERBOSITY")}
-    os.environ.update(NVIMGCODEC_EXTENSIONS_PATH=str(only), PYNVIMGCODEC_VERBOSITY="0")
-    try:
-        import nvidia.nvimgcodec as codec
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return codec
-
-
-_REGION = None
-_REGION_PID: int | None = None
-
-
 def _opencv():
     """cv2, single-threaded and without OpenCL in a DataLoader worker (once per process)."""
     global _CV2_PID
@@ -499,132 +377,3 @@ def _opencv():
 
 
 _CV2_PID: int | None = None
-
-
-# ---- crop geometry, in source pixels ------------------------------------------------------
-CROP_PCT = 0.875  # Resize(256) + CenterCrop(224)
-SCALE = (0.08, 1.0)
-RATIO = (3 / 4, 4 / 3)
-
-Box = tuple[int, int, int, int]  # top, left, height, width
-
-
-def resize_side(size: tuple[int, int], crop_pct: float = CROP_PCT) -> int:
-    """The shorter-side target of the eval resize: `floor(max(size) / crop_pct)` (224 -> 256)."""
-    return int(math.floor(max(size) / crop_pct + 1e-9))
-
-
-def eval_box(height: int, width: int, size: tuple[int, int], crop_pct: float = CROP_PCT) -> Box:
-    """The source box that torchvision's `Resize(side) + CenterCrop(size)` keeps.
-
-    Resize maps the shorter side to `side` and the longer to `int(side * long / short)`;
-    CenterCrop then takes `size` at `round((resized - size) / 2)`. Mapped back to source pixels.
-    """
-    side = resize_side(size, crop_pct)
-    new_h, new_w = _resized(height, width, side)
-    sy, sx = height / new_h, width / new_w
-    top = int(round((new_h - size[0]) / 2.0))
-    left = int(round((new_w - size[1]) / 2.0))
-    return _clip_box(top * sy, left * sx, size[0] * sy, size[1] * sx, height, width)
-
-
-def _resized(height: int, width: int, side: int) -> tuple[int, int]:
-    """torchvision's `Resize(side)` output size: shorter side to `side`, longer truncated."""
-    if height <= width:
-        return side, int(side * width / height)
-    return int(side * height / width), side
-
-
-def random_resized_box(
-    height: int,
-    width: int,
-    rng: np.random.Generator,
-    scale: tuple[float, float] = SCALE,
-    ratio: tuple[float, float] = RATIO,
-) -> Box:
-    """torchvision's `RandomResizedCrop.get_params`, drawn from a NumPy generator."""
-    area = height * width
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return top, left, h, w
-    in_ratio = width / height  # fallback: the central crop with the ratio clamped
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
-def scale_box(box: Box, sy: float, sx: float, height: int, width: int) -> Box:
-    """`box` mapped onto an image scaled by (sy, sx), e.g. a DCT-reduced decode."""
-    top, left, h, w = box
-    return _clip_box(top * sy, left * sx, h * sy, w * sx, height, width)
-
-
-def _clip_box(top: float, left: float, h: float, w: float, height: int, width: int) -> Box:
-    t, lft = int(round(top)), int(round(left))
-    b, r = int(round(top + h)), int(round(left + w))
-    t, lft = min(max(t, 0), height - 1), min(max(lft, 0), width - 1)
-    b, r = min(max(b, t + 1), height), min(max(r, lft + 1), width)
-    return t, lft, b - t, r - lft
-
-
-# ---- output buffers and worker memory -----------------------------------------------------
-def new_uint8_batch(batch_size: int, channels: int, height: int, width: int, *,
-                    channels_last: bool = True) -> torch.Tensor:
-    """An empty `uint8 [B, C, H, W]` batch (channels_last in memory by default), in shared
-    memory inside a DataLoader worker (so it crosses to the main process without a copy)."""
-    from torch.utils.data import get_worker_info
-
-    numel = batch_size * channels * height * width
-    if get_worker_info() is not None:
-        storage = torch.UntypedStorage._new_shared(numel, device="cpu")
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-    else:
-        flat = torch.empty(numel, dtype=torch.uint8)
-    if not channels_last:
-        return flat.view(batch_size, channels, height, width)
-    return flat.view(batch_size, height, width, channels).permute(0, 3, 1, 2)
-
-
-def copy_image(dst: torch.Tensor, image: torch.Tensor) -> None:
-    """`dst.copy_(image)` for uint8 `[3, H, W]` tensors. When `dst` is channels-last in memory
-    (a row of `new_uint8_batch`) and `image` is planar (what `resize_uint8` returns), OpenCV's
-    channel merge writes it about 10x faster than torch's transposing copy (0.01 against
-    0.14 ms at 224 px)."""
-    if (image.is_contiguous() and dst.stride() == (1, dst.shape[2] * 3, 3) and image.shape == dst.shape
-            and image.dtype == dst.dtype == torch.uint8 and image.device.type == dst.device.type == "cpu"):
-        cv2 = _opencv()
-        cv2.merge([image[c].numpy() for c in range(3)], dst.permute(1, 2, 0).numpy())
-    else:
-        dst.copy_(image)
-
-
-def trim_heap() -> None:
-    """Returns the free pages inside this process's heap to the system (glibc `malloc_trim`).
-
-    Call it once per batch of decodes: glibc reuses the heap for such mid-sized buffers
-    instead of `mmap`ing them (page faults are costly), but the heap fragments between
-    long-lived objects and never shrinks by itself, so worker memory creeps up epoch after
-    epoch (issue #10). A trim per batch costs ~0.1 ms.
-    """
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import platform
-
-        _LIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None

@@ -20,8 +20,7 @@ recovers from (libjpeg's "Corrupt JPEG data", which the CPU path's `strict` chec
 an `ImageDecodeError`) is not detected on the device: torchvision's nvJPEG decode reports no
 such warning, so those images are served as decoded. Check a dataset once with the CPU path
 (e.g. `build_image_cache`, or an epoch with `on_error="skip"`) to find them.
-
-Copy this file with `recipes/vision/decode.py` and `recipes/vision/device.py`.
+Copy with: vision/batch_buffers.py, vision/decode.py, vision/device.py.
 """
 
 from __future__ import annotations

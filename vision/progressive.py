@@ -10,6 +10,7 @@ Trade-off: batch statistics shift when the resolution changes; end at the eval r
 
 The resolution lives in shared memory inside the dataset, so `dataset.set_resolution()` in
 the main process before `iter(loader)` reaches persistent workers too.
+Copy with: nothing.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ What each setting buys (measured; README "Benchmarks"):
   - `ProgressiveResolution`: early epochs at lower resolution cost a third to half as much.
   - `LoaderMonitor`: the data-wait share of every epoch, worker memory and deaths, warned.
   - Checkpoints hold `loader.state_dict()`: a restart resumes at the first batch not trained.
+Copy with: the installed recipes package.
 """
 
 from __future__ import annotations

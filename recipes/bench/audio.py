@@ -174,7 +174,7 @@ def train_setup(args, device):
 
     from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
     from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.train import TrainSetup
+    from recipes.bench.train_setup import TrainSetup
     from recipes.common import make_loader, smart_num_workers, worker_init
 
     cuda = device.type == "cuda"

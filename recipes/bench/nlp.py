@@ -260,7 +260,7 @@ def train_setup(args, device):
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.train import TrainSetup
+    from recipes.bench.train_setup import TrainSetup
     from recipes.common import LengthBucketSampler, make_loader, smart_num_workers, worker_init
     from recipes.nlp import PadCollate, build_token_cache
     from recipes.testing import make_text_corpus, train_tokenizer

@@ -86,7 +86,7 @@ def served(folder: Path, names: list[str], *, latency: float, bandwidth: float, 
     """(urls, storage_options) of the shards behind a store with `latency` per request and
     `bandwidth` bytes/s per connection: the HTTP server (in this process), or moto's S3 behind
     a proxy (in a process of their own)."""
-    from recipes.testing import LocalHTTPServer, s3_store_process
+    from recipes.testing_servers import LocalHTTPServer, s3_store_process
 
     if not s3:
         with LocalHTTPServer(folder, latency=latency, bandwidth=bandwidth) as server:

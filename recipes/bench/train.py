@@ -5,7 +5,8 @@ hides what matters here: the main process also launches the step's kernels, the 
 thread competes for it, and worker start-up delays the first step.
 Cost: per domain, one resident-batch run of the model alone, then `--steps` training steps per
 loader (the plain torch way, the recipe cold, the recipe warm), each step synchronised.
-Adapt here: each domain's `train_setup` in `recipes.bench.<domain>` (model, step, loaders).
+Adapt here: each domain's `train_setup` in `recipes.bench.<domain>` (model, step, loaders),
+which returns a `recipes.bench.train_setup.TrainSetup`.
 Trade-off: `--steps` short runs carry noise; each loader's first batch is reported apart and
 excluded from the steady rate, whose data wait is the share of time spent in `next(loader)`.
 """
@@ -17,30 +18,12 @@ import importlib
 import json
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+
+from recipes.bench.train_setup import TrainSetup
 
 DOMAINS = ("vision", "nlp", "audio", "lm")
-
-
-@dataclass
-class TrainSetup:
-    """What a domain hands the runner.
-
-    `loaders` are `(name, DataLoader, to_device)` rows: `to_device(batch)` returns what
-    `step` takes, on the device, and `count` counts samples in that. `resident` is one such
-    batch, for the model alone.
-    """
-
-    unit: str
-    step: Callable[[Any], None]
-    count: Callable[[Any], int]
-    resident: Any
-    loaders: list[tuple[str, Any, Callable[[Any], Any]]]
-    model: str
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass

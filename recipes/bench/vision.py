@@ -104,7 +104,7 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
     from recipes.bench.measure import best_interleaved, measure
     from recipes.common import worker_init
     from recipes.vision import GpuDecode, ImageFolderFast, encoded_collate, uint8_collate
-    from recipes.vision.decode import region_decode_available
+    from recipes.vision.region_decode import region_decode_available
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=device == "cuda",
@@ -176,7 +176,7 @@ def train_setup(args, device):
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
-    from recipes.bench.train import TrainSetup
+    from recipes.bench.train_setup import TrainSetup
     from recipes.common import make_loader, smart_num_workers, worker_init
     from recipes.vision import (
         IMAGENET_MEAN,
@@ -189,7 +189,7 @@ def train_setup(args, device):
         encoded_collate,
         uint8_collate,
     )
-    from recipes.vision.decode import region_decode_available
+    from recipes.vision.region_decode import region_decode_available
 
     cuda = device.type == "cuda"
     size = args.size or (224 if cuda else 96)

@@ -1,7 +1,8 @@
 """Run under torchrun (gloo), or plain python for one rank: LengthBucketSampler or
 ShardedIterableDataset through `make_loader` with 2 workers per rank and an all-reduce per step
 (a rank with fewer batches would hang the others). Modes: `epoch` (a whole epoch), `stop` (3
-steps, then rank 0 saves the loader state), `resume` (the rest of that epoch, on this world)."""
+steps, then rank 0 saves the loader state), `resume` (the rest of that epoch, on this world).
+`kinds` is comma-separated (`bucket,sharded`): one launch serves both, each in `folder/<kind>/`."""
 
 import datetime
 import json
@@ -42,16 +43,24 @@ def loader_for(kind, folder, world):
     return make_loader(ds, batch_size=4, num_workers=2), ds
 
 
-def main(kind, folder, mode):
-    folder = Path(folder)
+def main(kinds, folder, mode):
     distributed = "LOCAL_RANK" in __import__("os").environ
     if distributed:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    for kind in kinds.split(","):
+        run(kind, Path(folder), Path(folder) / kind, mode, rank, world, distributed)
+    if distributed:
+        dist.destroy_process_group()
+
+
+def run(kind, folder, out, mode, rank, world, distributed):
+    if rank == 0:
+        out.mkdir(exist_ok=True)
     loader, holder = loader_for(kind, folder, world)
     assert (getattr(holder, "num_replicas", None) or holder.world_size) == world
     if mode == "resume":
-        loader.load_state_dict(json.loads((folder / "state.json").read_text()))
+        loader.load_state_dict(json.loads((out / "state.json").read_text()))
     seen = []
     for step, batch in enumerate(loader):
         if distributed:
@@ -66,14 +75,14 @@ def main(kind, folder, mode):
         gathered = [None] * world
         dist.all_gather_object(gathered, seen)
     if rank == 0:
-        (folder / f"{mode}.json").write_text(json.dumps({"world": world, "batches": gathered}))
+        (out / f"{mode}.json").write_text(json.dumps({"world": world, "batches": gathered}))
         if mode == "stop":
-            (folder / "state.json").write_text(json.dumps(state))
+            (out / "state.json").write_text(json.dumps(state))
         if kind == "bucket" and mode == "epoch":
-            (folder / "plan.json").write_text(json.dumps([b.tolist() for b in holder.global_batches(1)]))
+            (out / "plan.json").write_text(json.dumps([b.tolist() for b in holder.global_batches(1)]))
+    del loader  # its workers end before the next kind's start
     if distributed:
         dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

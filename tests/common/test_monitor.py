@@ -15,7 +15,7 @@ from recipes.common import (
     ShardedIterableDataset,
     profile_trace,
 )
-from recipes.testing import LocalHTTPServer
+from recipes.testing_servers import LocalHTTPServer
 
 
 class Sleepy(Dataset):

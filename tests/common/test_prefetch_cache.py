@@ -1,6 +1,7 @@
 import contextlib
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from recipes.common import DownloadError, PrefetchCache, ShardedIterableDataset
-from recipes.testing import LocalHTTPServer, MotoS3Server
+from recipes.common.held_descriptors import held_count
+from recipes.common.prefetch_cache import CacheClosedError
+from recipes.testing_servers import LocalHTTPServer, MotoS3Server
 
 
 @pytest.fixture
@@ -324,3 +327,74 @@ def test_sharded_dataset_with_the_cache_over_several_epochs(tmp_path):
         assert stats["misses"] == sum(server.gets.values())
         assert stats["bytes_downloaded"] == sum(n * (remote / name).stat().st_size for name, n in server.gets.items())
         assert stats["hits"] >= 8 * 3 - stats["misses"]
+
+
+def _error_of(call, *args):
+    try:
+        call(*args)
+    except Exception as error:
+        return error
+
+
+@pytest.mark.parametrize("range_bytes", [2**30, 128 * 1024], ids=["whole", "ranged"])
+def test_close_stops_downloads_in_flight_and_leaves_no_temp_or_partial_file(tmp_path, range_bytes):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for i in range(3):
+        (remote / f"o{i}.bin").write_bytes(os.urandom(2**20))
+    with LocalHTTPServer(remote, bandwidth=256 * 1024) as server:  # 4 s per object and connection
+        cache = _cache(tmp_path, prefetch=1, range_bytes=range_bytes, range_connections=2)
+        urls = [server.url(f"o{i}.bin") for i in range(3)]
+        errors = []
+        callers = [threading.Thread(target=lambda u=u: errors.append(_error_of(cache.get, u))) for u in urls[:2]]
+        for caller in callers:  # two downloads in callers' threads
+            caller.start()
+        deadline = time.monotonic() + 10
+        while len(_temps(cache.dir)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        running, queued = cache.prefetch([urls[0], urls[2]])  # one thread: waits for urls[0]'s key
+        while not running.running():
+            time.sleep(0.01)
+        started = time.monotonic()
+        cache.close()
+        assert time.monotonic() - started < 2  # stopped, not waited out
+        assert held_count() == 0 and _temps(cache.dir) == []  # every lock and temp file closed, gone
+        assert not any(cache.path_for(u).exists() for u in urls)
+        assert queued.cancelled() and running.done() and running.result() is None
+        for caller in callers:
+            caller.join(10)
+        assert [type(e) for e in errors] == [CacheClosedError] * 2
+
+
+def test_close_twice_use_after_close_and_the_context_manager(tmp_path, shards):
+    with LocalHTTPServer(shards) as server:
+        url = server.url("shard-0.bin")
+        with _cache(tmp_path) as cache:
+            assert cache.get(url).read_bytes() == (shards / "shard-0.bin").read_bytes()
+        cache.close()  # again: fine
+        closed = re.escape(f"PrefetchCache({str(tmp_path / 'cache')!r}) was closed")
+        for call in (cache.get, cache.connect, lambda u: cache.prefetch([u]), lambda u: cache.pinned(u).__enter__()):
+            with pytest.raises(CacheClosedError, match=closed):
+                call(url)
+        assert issubclass(CacheClosedError, RuntimeError) and cache.stats()["misses"] == 1
+        assert _cache(tmp_path).get(url) == cache.path_for(url) and server.gets["shard-0.bin"] == 1
+
+
+def test_close_ends_a_wait_for_another_processes_download(tmp_path, shards):
+    with LocalHTTPServer(shards, bandwidth=100_000) as server:  # 2.5 s for shard-1
+        url = server.url("shard-1.bin")
+        other = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "cache"), url])
+        deadline = time.time() + 60
+        while not any(_written(p) for p in _temps(tmp_path / "cache")):  # the other holds the key
+            assert time.time() < deadline and other.poll() is None
+            time.sleep(0.02)
+        cache, errors = _cache(tmp_path), []
+        waiter = threading.Thread(target=lambda: errors.append(_error_of(cache.get, url)))
+        waiter.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        cache.close()
+        waiter.join(10)
+        assert time.monotonic() - started < 1 and [type(e) for e in errors] == [CacheClosedError]
+        assert other.wait(timeout=60) == 0 and cache.path_for(url).stat().st_size == 250_000

@@ -3,6 +3,7 @@ epoch's first downloads in the main process, before the workers fork. Workers th
 shards in place or in flight: no object is downloaded twice, no temp file is left behind, and
 no worker inherits a lock that a main-process download thread held at the fork."""
 
+import multiprocessing
 import os
 import time
 
@@ -11,8 +12,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 from recipes.common import PrefetchCache, ShardedIterableDataset, make_loader, worker_init
-from recipes.common import prefetch_cache as prefetch_module
-from recipes.testing import LocalHTTPServer
+from recipes.common.held_descriptors import held_count
+from recipes.common.prefetch_cache import CacheClosedError
+from recipes.testing_servers import LocalHTTPServer
 
 RECORD = 1024
 PER_SHARD = 96  # 96 KiB shards: one GET each (below range_bytes)
@@ -100,7 +102,7 @@ def test_a_worker_never_inherits_a_lock_held_by_a_download_thread(tmp_path, shar
         ds.set_epoch(0)
         first = server.url(names[int(ds.order(0)[0])])
         deadline = time.monotonic() + 10
-        while not prefetch_module._HELD:  # the download thread holds the key lock now
+        while not held_count():  # the download thread holds the key lock now
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert not cache.path_for(first).exists()
@@ -159,3 +161,37 @@ def _descriptors_of_a_forked_child() -> list[str]:
         listing = pipe.read().decode("utf-8", "surrogateescape")
     os.waitpid(pid, 0)
     return listing.split("\n")
+
+
+def _close_in_a_forked_child(cache, url):
+    started = time.monotonic()
+    cache.close()  # the download thread is the parent's: nothing here to stop or join
+    assert time.monotonic() - started < 0.5
+    with pytest.raises(CacheClosedError, match="was closed"):
+        cache.get(url)
+
+
+def test_a_forked_child_closes_its_copy_and_leaves_the_parents_download_alone(tmp_path, shards):
+    """A DataLoader worker closing the cache it inherited must not join (or stop) threads of
+    the parent: they are not in the child, and the parent's downloads go on."""
+    folder, _ = shards
+    data = np.random.default_rng(6).integers(0, 256, 512 * 1024, dtype=np.uint8).tobytes()
+    (folder / "whole.bin").write_bytes(data)
+    with LocalHTTPServer(folder, bandwidth=512 * 1024) as server:  # 1 s
+        cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30, prefetch=1, backoff=0.01)
+        url = server.url("whole.bin")
+        [download] = cache.prefetch([url])
+        deadline = time.monotonic() + 10
+        while not any(os.path.getsize(cache.dir / n) for n in _no_temps(cache.dir)):  # in flight
+            assert time.monotonic() < deadline, "the download wrote nothing"
+            time.sleep(0.005)
+        child = multiprocessing.get_context("fork").Process(target=_close_in_a_forked_child, args=(cache, url))
+        child.start()
+        child.join(30)
+        exitcode = child.exitcode
+        child.kill()  # a hung child (one that joins threads it does not own) must not hang the run
+        assert exitcode == 0
+        assert download.result(timeout=30) is None and cache.path_for(url).read_bytes() == data
+        assert server.gets["whole.bin"] == 1
+        cache.close()
+        assert held_count() == 0 and _no_temps(cache.dir) == []

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from recipes.common import PrefetchCache
-from recipes.testing import LocalHTTPServer
+from recipes.testing_servers import LocalHTTPServer
 
 RANGE = 256 * 1024
 
@@ -151,10 +151,10 @@ def test_ranges_in_flight_rise_while_the_rate_does(tmp_path):
 def test_the_level_settles_where_a_doubling_stops_paying(rates, settled):
     import torch
 
-    from recipes.common.prefetch_cache import _Adapt
+    from recipes.common.ranged_download import ConcurrencySearch
 
     level = torch.tensor([2])
-    adapt = _Adapt(level, cap=16)
+    adapt = ConcurrencySearch(level, cap=16)
     for _ in range(6):
         adapt.observe(4 if int(level) != 4 else 2, 1.0)  # a stale level's rate is ignored
         adapt.observe(int(level), rates[int(level)])

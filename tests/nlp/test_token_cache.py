@@ -13,7 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from recipes.nlp import TokenCache, TokenCacheError, build_token_cache
-from recipes.testing import LocalHTTPServer, train_tokenizer
+from recipes.testing import train_tokenizer
+from recipes.testing_servers import LocalHTTPServer
 
 
 def _direct(tokenizer, texts, **kw):

@@ -16,12 +16,8 @@ import torch
 
 from recipes.common import make_loader
 from recipes.vision import ImageDecodeError, ImageFolderFast, uint8_collate
-from recipes.vision.decode import (
-    checked_by_libjpeg,
-    decode_image,
-    decode_region,
-    region_decode_available,
-)
+from recipes.vision.decode import checked_by_libjpeg, decode_image
+from recipes.vision.region_decode import decode_region, region_decode_available
 
 from .test_region_decode import _jpegs
 

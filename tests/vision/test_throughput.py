@@ -21,7 +21,7 @@ def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
 
 def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree):
     from recipes.bench.vision import compare_train
-    from recipes.vision.decode import region_decode_available
+    from recipes.vision.region_decode import region_decode_available
 
     rows = compare_train(bench_tree, size=224, batch_size=16, workers=1, repeat=2, device="cpu")
     assert all(row.items == 160 for row in rows)
