@@ -128,10 +128,7 @@ def test_a_fork_during_a_whole_object_download_leaves_the_child_no_descriptor_of
         cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30, prefetch=1, backoff=0.01)
         url = server.url("whole.bin")
         [download] = cache.prefetch([url])
-        deadline = time.monotonic() + 10
-        while not any(os.path.getsize(cache.dir / n) for n in _no_temps(cache.dir)):  # bytes landed
-            assert time.monotonic() < deadline, "the download wrote nothing"
-            time.sleep(0.005)
+        _wait_for_first_bytes(cache)
         assert not cache.path_for(url).exists()  # in flight at the fork
         targets = _descriptors_of_a_forked_child()
         download.result(timeout=30)
@@ -139,6 +136,14 @@ def test_a_fork_during_a_whole_object_download_leaves_the_child_no_descriptor_of
     assert [t for t in targets if t.startswith(f"{cache.dir}/")] == []  # no temp file, no lock
     assert any(t.startswith("socket:") or t.startswith("pipe:") for t in targets)  # the listing worked
     assert cache.path_for(url).read_bytes() == data and _no_temps(cache.dir) == []
+
+
+def _wait_for_first_bytes(cache) -> None:
+    """Returns once a download of `cache` has written bytes to its temp file."""
+    deadline = time.monotonic() + 10
+    while not any(os.path.getsize(cache.dir / n) for n in _no_temps(cache.dir)):
+        assert time.monotonic() < deadline, "the download wrote nothing"
+        time.sleep(0.005)
 
 
 def _descriptors_of_a_forked_child() -> list[str]:
@@ -181,10 +186,7 @@ def test_a_forked_child_closes_its_copy_and_leaves_the_parents_download_alone(tm
         cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30, prefetch=1, backoff=0.01)
         url = server.url("whole.bin")
         [download] = cache.prefetch([url])
-        deadline = time.monotonic() + 10
-        while not any(os.path.getsize(cache.dir / n) for n in _no_temps(cache.dir)):  # in flight
-            assert time.monotonic() < deadline, "the download wrote nothing"
-            time.sleep(0.005)
+        _wait_for_first_bytes(cache)  # in flight
         child = multiprocessing.get_context("fork").Process(target=_close_in_a_forked_child, args=(cache, url))
         child.start()
         child.join(30)
