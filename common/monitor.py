@@ -12,7 +12,6 @@ growth over 20% between epochs, data wait over 20%), `items_in` for your batch t
 Trade-off: step time is what the CPU sees. CUDA runs asynchronously, so a loop that never
 synchronises (no `loss.item()`, no logging) shows step time in the next `next()` instead;
 `profile_trace` shows the exact timeline.
-  common/probes.py, common/process_lifetime.py.
 Copy with: common/cache_files.py, common/cache_folder.py, common/held_descriptors.py,
   common/loader_warning.py, common/object_download.py, common/prefetch_cache.py, common/probes.py,
   common/process_lifetime.py, common/ranged_download.py, common/retries.py.

@@ -108,7 +108,7 @@ class RobustLoader:
                     raise
                 failures += 1
                 state = self.loader.state_dict()
-                _shut_down(iterator)
+                _shut_down(iterator, kill_first=cause == "hang")
                 self._step_down(cause, state["batches_yielded"])
                 self.loader.load_state_dict(state)
                 iterator = _own_failures(iter(self.loader))
@@ -207,9 +207,14 @@ def _own_failures(iterator):
     return iterator
 
 
-def _shut_down(iterator) -> None:
-    """Ends the broken iterator's workers now (a hung one is terminated)."""
+def _shut_down(iterator, kill_first: bool = False) -> None:
+    """Ends the broken iterator's workers now. After a hang they are killed first: PyTorch's
+    shutdown would wait 5 s on each hung worker's join before terminating it."""
     inner = getattr(iterator, "_inner", iterator)
+    if kill_first:
+        for worker in getattr(inner, "_workers", []):
+            if worker.is_alive():
+                worker.kill()
     shutdown = getattr(inner, "_shutdown_workers", None)
     if shutdown is not None:
         try:

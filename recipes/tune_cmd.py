@@ -32,10 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    factory = _load(args.factory)  # a wrong MODULE:NAME is reported before torch is imported
+    collate = _load(args.collate) if args.collate else None
     from recipes.common.autotune import autotune
 
-    dataset = _load(args.factory)()
-    collate = _load(args.collate) if args.collate else None
+    dataset = factory()
     result = autotune(dataset, batch_size=args.batch_size, collate_fn=collate, step_seconds=args.step_ms / 1000,
                       memory_budget=args.memory_budget, seconds_per_trial=args.seconds_per_trial,
                       max_seconds=args.max_seconds, max_workers=args.max_workers, store=not args.no_store,

@@ -1,6 +1,6 @@
-"""Run under torchrun (2 gloo processes): build_token_cache and build_spectrogram_cache split
-across ranks. `die-nlp` / `die-audio`: rank 1 exits midway through its share of that build (as a
-killed node would)."""
+"""Run under torchrun (2 gloo processes): build_token_cache, build_spectrogram_cache and (`ok`
+only) build_image_cache split across ranks. `die-nlp` / `die-audio`: rank 1 exits midway through
+its share of that build (as a killed node would)."""
 
 import datetime
 import os
@@ -14,6 +14,7 @@ import recipes.audio.spectrogram_cache as spectrogram_cache
 import recipes.nlp.token_cache as token_cache
 from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache
 from recipes.nlp import build_token_cache
+from recipes.vision import ImageFolderFast, build_image_cache
 
 
 def dies_on_rank_1(make):
@@ -48,6 +49,10 @@ def main(work: str, mode: str) -> None:
     features = build_spectrogram_cache(audio, work / "split" / "features", n_mels=32, num_workers=1,
                                        progress=False, distributed=True)
     assert len(features) == len(audio)
+    if mode == "ok":
+        images = ImageFolderFast(work / "tree", size=64)
+        build_image_cache(images, work / "split" / "images", num_workers=0, progress=False, distributed=True)
+        assert images[0][0].shape == (3, 64, 64)
     dist.barrier()
     dist.destroy_process_group()
 

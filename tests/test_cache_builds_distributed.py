@@ -1,7 +1,11 @@
-"""build_token_cache and build_spectrogram_cache under torchrun (2 gloo processes, issue #11):
-the ranks split the work, rank 0 publishes folders byte-identical to single-process builds,
-and a rank that dies mid-build leaves nothing published (the next build sweeps its temp)."""
+"""build_token_cache, build_spectrogram_cache and build_image_cache under torchrun (2 gloo
+processes, issue #11): the ranks split the work, rank 0 publishes folders byte-identical to
+single-process builds, and a rank that dies mid-build leaves nothing published (the next build
+sweeps its temp). One launch builds all three caches; the dying image build is in
+tests/vision/test_image_cache_distributed.py, and the dying token build, the same FolderBuild
+protocol as the spectrogram one, is in the slow tier."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,17 +14,28 @@ import pytest
 
 from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache
 from recipes.nlp import build_token_cache
-from recipes.testing import make_audio_files, make_text_corpus, train_tokenizer
+from recipes.testing import make_audio_files, make_image_folder, make_text_corpus, train_tokenizer
+from recipes.vision import ImageFolderFast, build_image_cache
 
 SCRIPT = Path(__file__).with_name("dist_cache_builds_script.py")
 
 
-@pytest.fixture
-def work(tmp_path):
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("inputs")
     texts = make_text_corpus(101, median_words=15, seed=3)
-    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
-    train_tokenizer(texts, vocab_size=500).save_pretrained(tmp_path / "tokenizer")
-    make_audio_files(tmp_path / "audio", seconds=[2.5, 1.2, 3.0], sample_rate=8000, seed=2)
+    (folder / "texts.txt").write_text("\n".join(texts) + "\n")
+    train_tokenizer(texts, vocab_size=500).save_pretrained(folder / "tokenizer")
+    make_audio_files(folder / "audio", seconds=[2.5, 1.2, 3.0], sample_rate=8000, seed=2)
+    make_image_folder(folder / "tree", classes=3, per_class=5, size=(160, 120), seed=8)
+    return folder
+
+
+@pytest.fixture
+def work(inputs, tmp_path):
+    for name in ("texts.txt", "tokenizer", "audio", "tree"):
+        source = inputs / name
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, tmp_path / name)
     return tmp_path
 
 
@@ -40,20 +55,25 @@ def _single_builds(work, out):
 
 
 def _files(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_distributed_builds_equal_single_process_builds(work):
     out = _torchrun(work, "ok")
     assert out.returncode == 0, out.stderr[-3000:]
     tokens, features = _single_builds(work, work / "single")
+    build_image_cache(ImageFolderFast(work / "tree", size=64), work / "single" / "images", num_workers=0,
+                      progress=False)
     assert features.header["layout"] == "ragged"  # windows of unequal length: the harder join
-    for name in ("tokens", "features"):
-        assert _files(work / "split" / name) == _files(work / "single" / name), name
-    assert sorted(p.name for p in (work / "split").iterdir()) == ["features", "tokens"]  # no temp left
+    for name in ("tokens", "features", "images"):
+        single = _files(work / "single" / name)
+        assert single and _files(work / "split" / name) == single, name
+    assert sorted(p.name for p in (work / "split").iterdir()) == ["features", "images", "tokens"]  # no temp left
+    assert [p.name for p in (work / "split" / "images").iterdir()] == [
+        p.name for p in (work / "single" / "images").iterdir()]
 
 
-@pytest.mark.parametrize("domain", ["nlp", "audio"])
+@pytest.mark.parametrize("domain", [pytest.param("nlp", marks=pytest.mark.slow), "audio"])
 def test_a_rank_that_dies_mid_build_publishes_nothing(work, domain):
     out = _torchrun(work, f"die-{domain}")
     assert out.returncode != 0

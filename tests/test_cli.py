@@ -21,20 +21,26 @@ def test_help_lists_the_subcommands():
         assert command in out.stdout
 
 
-def test_doctor_prints_a_report():
-    out = _cli("doctor")
-    assert out.returncode == 0, out.stderr
+def test_help_and_errors_do_not_import_torch():
+    probe = ("import sys\nfrom recipes.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr.strip() == "no torch", out.stderr
+
+
+def test_doctor_prints_a_report(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
     for word in ("CPUs", "memory", "/dev/shm", "ulimit -n", "GPUs", "torch", "production", "sharing strategy"):
-        assert word in out.stdout
+        assert word in out
 
 
-def test_doctor_json_parses_and_matches_detection(tmp_path):
+def test_doctor_json_parses_and_matches_detection(tmp_path, capsys):
     (tmp_path / "cpu.max").write_text("100000 100000\n")
     (tmp_path / "memory.max").write_text(str(3 * GiB))
     (tmp_path / "memory.current").write_text(str(GiB))
-    out = _cli("doctor", "--json", "--cgroup-root", str(tmp_path))
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    assert main(["doctor", "--json", "--cgroup-root", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["cpus"]["effective"] == 1 and report["cpus"]["cgroup_quota"] == 1.0
     assert report["memory"]["cgroup_limit_bytes"] == 3 * GiB
     assert report["memory"]["effective_available_bytes"] <= 2 * GiB
@@ -109,12 +115,12 @@ def make():
 def test_tune_prints_the_table_and_writes_json(tmp_path):
     (tmp_path / "mydata.py").write_text(TUNE_FACTORY)
     out = subprocess.run([sys.executable, "-m", "recipes", "tune", "mydata:make", "--batch-size", "8",
-                          "--seconds-per-trial", "0.3", "--max-workers", "2", "--memory-budget", "64G",
+                          "--seconds-per-trial", "0.2", "--max-workers", "1", "--memory-budget", "64G",
                           "--json", "out.json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "| workers | prefetch | samples/s |" in out.stdout and "make_loader(dataset, **{" in out.stdout
     result = json.loads((tmp_path / "out.json").read_text())
-    assert result["settings"]["batch_size"] == 8 and result["settings"]["num_workers"] in (0, 1, 2)
+    assert result["settings"]["batch_size"] == 8 and result["settings"]["num_workers"] in (0, 1)
     assert {t["num_workers"] for t in result["trials"]} >= {0, 1}
 
 

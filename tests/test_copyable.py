@@ -6,9 +6,14 @@ declared set, and the set must be exactly what the imports reach; and by running
 those files are copied into an empty folder, their imports rewritten to plain module imports,
 and imported (the recipes, also exercised) in a process where the `recipes` package cannot
 be imported at all. What a user must read to adapt a recipe is its lines, not its file count.
+
+The copies run in children forked from one process that imported the third-party libraries
+(torch, numpy, OpenCV, transformers, soundfile) and nothing of `recipes`: each copy starts in a
+fresh fork, in its own folder, without paying the imports again.
 """
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -107,6 +112,8 @@ def declared(name: str) -> list[str] | None:
             found.append(line[len("Copy with:"):])
         elif found and line.startswith("  ") and not found[-1].rstrip().endswith("."):
             found[-1] += " " + line.strip()  # a wrapped list goes on, indented, until its full stop
+        elif re.fullmatch(r"\s*((common|vision|nlp|audio)/\w+\.py[,.]?\s*)+", line):
+            raise AssertionError(f"{name}: a list of files outside its `Copy with:` line: {line.strip()!r}")
     if len(found) != 1:
         raise AssertionError(f"{name}: its header docstring needs exactly one `Copy with: ...` line, "
                              f"found {len(found)}")
@@ -199,23 +206,71 @@ def _rewrite(text: str) -> str:
     return re.sub(r"import recipes\.(?:\w+\.)*(\w+) as", r"import \1 as", text)
 
 
-def _run_copy(name: str, script: str, tmp_path: Path) -> None:
-    files = declared(name)
-    assert files is not None
-    for file in [name, *files]:
-        (tmp_path / Path(file).name).write_text(_rewrite((ROOT / file).read_text()))
-    preamble = "import sys\nsys.modules['recipes'] = None  # the package is out of reach: only the copies\n"
-    (tmp_path / "use_it.py").write_text(preamble + textwrap.dedent(script))
-    done = subprocess.run([sys.executable, "use_it.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+# Reads a folder per line; runs its use_it.py in a forked child with that folder as its working
+# directory and first import path; answers the child's exit status and the tail of its stderr.
+ZYGOTE = """
+import json, os, sys, traceback
+import cv2, numpy, soundfile, torch, transformers  # noqa: F401 (paid once, inherited by every fork)
+assert not any(m == "recipes" or m.startswith("recipes.") for m in sys.modules), "the zygote imported recipes"
+sys.modules["recipes"] = None  # the package is out of reach: only the copies
+for line in sys.stdin:
+    folder = line.strip()
+    err = os.path.join(folder, "stderr.txt")
+    pid = os.fork()
+    if pid == 0:
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        status = 0
+        try:
+            os.chdir(folder)
+            sys.path.insert(0, folder)
+            code = open("use_it.py").read()
+            exec(compile(code, os.path.join(folder, "use_it.py"), "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stderr.flush()
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": os.waitstatus_to_exitcode(status), "stderr": open(err).read()[-3000:]}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def run_copy():
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd="/")
+
+    def run(name: str, script: str, folder: Path) -> None:
+        files = declared(name)
+        assert files is not None
+        for file in [name, *files]:
+            (folder / Path(file).name).write_text(_rewrite((ROOT / file).read_text()))
+        (folder / "use_it.py").write_text(textwrap.dedent(script))
+        zygote.stdin.write(f"{folder}\n")
+        zygote.stdin.flush()
+        answer = zygote.stdout.readline()
+        assert answer, f"the copy runner ended (exit status {zygote.wait()})"
+        done = json.loads(answer)
+        assert done["status"] == 0, done["stderr"]
+
+    yield run
+    zygote.stdin.close()
+    zygote.wait(timeout=30)
 
 
 @pytest.mark.parametrize("recipe", sorted(SMOKE))
-def test_a_recipe_copied_with_its_declared_files_runs_without_the_package(recipe, tmp_path):
-    _run_copy(recipe, SMOKE[recipe], tmp_path)
+def test_a_recipe_copied_with_its_declared_files_runs_without_the_package(recipe, tmp_path, run_copy):
+    run_copy(recipe, SMOKE[recipe], tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in LIBRARY if n not in SMOKE and not n.endswith("/template.py")])
-def test_every_library_file_copied_with_its_declared_files_imports(name, tmp_path):
-    _run_copy(name, f"import {Path(name).stem}\n", tmp_path)
+def test_every_library_file_copied_with_its_declared_files_imports(name, tmp_path, run_copy):
+    run_copy(name, f"import {Path(name).stem}\n", tmp_path)
+
+
+def test_a_copy_that_reaches_for_the_package_fails(tmp_path, run_copy):
+    """The runner itself: a copy importing `recipes` must fail, so a passing copy means something."""
+    with pytest.raises(AssertionError, match="recipes"):
+        run_copy("common/sharding.py", "import sharding\nimport recipes.common\n", tmp_path)

@@ -4,8 +4,6 @@ within a time bound, and in a process whose address space is capped (a header th
 519 GB must fail as an error, not as the OOM killer)."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -33,9 +31,15 @@ HARNESS = textwrap.dedent('''
                 out = out[:c] + bytes(data[a:b]) + out[c:]
             yield f"{kind}{k}", bytes(out)
 
-    def main(modality, folder, count):
-        folder = Path(folder)
+    def main(modalities, folder, count):
         resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # 6 GiB of address space
+        everything = {}
+        for modality in modalities.split(","):
+            (Path(folder) / modality).mkdir()
+            everything[modality] = fuzz(modality, Path(folder) / modality, count)
+        print(json.dumps(everything))
+
+    def fuzz(modality, folder, count):
         rng = np.random.default_rng(7)
         outcomes = {"valid": 0, "typed": 0, "other": []}
         def record(name, fn, typed):
@@ -98,21 +102,28 @@ HARNESS = textwrap.dedent('''
                         cache = build_token_cache(str(path), tokenizer, folder / ("c_" + path.name), progress=False)
                         assert len(cache) >= 0 and (len(cache) == 0 or cache[len(cache) - 1]["input_ids"].ndim == 1)
                     record(path.name, build, ValueError)
-        print(json.dumps(outcomes))
+        return outcomes
 
     if __name__ == "__main__":
         main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 ''')
 
 
-@pytest.mark.parametrize("modality, cases", [("vision", 60), ("audio", 60), ("text", 60)])
-def test_mutated_files_give_items_or_typed_errors(modality, cases, tmp_path):
-    script = tmp_path / "fuzz.py"
-    script.write_text(HARNESS)
-    done = subprocess.run([sys.executable, str(script), modality, str(tmp_path), str(cases)],
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+CASES = 60  # mutated files per modality
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory, zygote):
+    """The harness run once, in one capped process, over every modality: {modality: outcomes}."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    done = zygote.python(HARNESS, "vision,audio,text", folder, CASES)
+    assert done.wait(timeout=600) == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("modality", ["vision", "audio", "text"])
+def test_mutated_files_give_items_or_typed_errors(modality, fuzzed):
+    outcomes = fuzzed[modality]
     assert outcomes["other"] == [], outcomes["other"]
-    assert outcomes["valid"] + outcomes["typed"] >= cases - 3
+    assert outcomes["valid"] + outcomes["typed"] >= CASES - 3
     assert outcomes["typed"] > 0 and outcomes["valid"] > 0  # the mutations hit both ways

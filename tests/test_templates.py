@@ -1,8 +1,9 @@
 """The copy-and-adapt templates run as printed: with python, under torchrun (2 gloo processes),
 and a killed-and-resumed run trains on the same samples as an uninterrupted one, also when it
 resumes on fewer ranks (nlp: 2 -> 1). A template's uninterrupted run is launched once and
-serves every test that compares against it; the one-rank resumes, which the two-rank resume
-covers, are in the slow tier."""
+serves every test that compares against it. The fast tier runs the vision template under
+torchrun and its two-rank resume; the other domains' torchrun runs and the one-rank resumes,
+which repeat that launch path, are in the slow tier."""
 
 import collections
 import contextlib
@@ -60,7 +61,7 @@ def whole(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("domain", ["vision"] + [pytest.param(d, marks=pytest.mark.slow) for d in ("nlp", "audio")])
 def test_template_smoke_under_torchrun(domain, whole):
     script, out = whole(domain, 2)
     assert "epoch 1:" in out

@@ -2,7 +2,8 @@
 ShardedIterableDataset through `make_loader` with 2 workers per rank and an all-reduce per step
 (a rank with fewer batches would hang the others). Modes: `epoch` (a whole epoch), `stop` (3
 steps, then rank 0 saves the loader state), `resume` (the rest of that epoch, on this world).
-`kinds` is comma-separated (`bucket,sharded`): one launch serves both, each in `folder/<kind>/`."""
+`kinds` and `modes` are comma-separated (`bucket,sharded`, `epoch,stop`): one launch serves them
+all, each kind in `folder/<kind>/`."""
 
 import datetime
 import json
@@ -43,13 +44,14 @@ def loader_for(kind, folder, world):
     return make_loader(ds, batch_size=4, num_workers=2), ds
 
 
-def main(kinds, folder, mode):
+def main(kinds, folder, modes):
     distributed = "LOCAL_RANK" in __import__("os").environ
     if distributed:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    for kind in kinds.split(","):
-        run(kind, Path(folder), Path(folder) / kind, mode, rank, world, distributed)
+    for mode in modes.split(","):
+        for kind in kinds.split(","):
+            run(kind, Path(folder), Path(folder) / kind, mode, rank, world, distributed)
     if distributed:
         dist.destroy_process_group()
 

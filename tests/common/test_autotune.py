@@ -33,7 +33,7 @@ class Busy(Dataset):
 
 def _tune(ds, **kw):
     kw.setdefault("batch_size", 8)
-    kw.setdefault("seconds_per_trial", 0.6)
+    kw.setdefault("seconds_per_trial", 0.3)  # each setting is measured twice, in turns
     kw.setdefault("max_workers", 2)
     return autotune(ds, **kw)
 
@@ -43,8 +43,14 @@ def _rate(result, workers, prefetch=None):
     return max(t["samples_per_s"] for t in rows)
 
 
-def test_cpu_bound_data_gets_more_than_one_worker_and_beats_zero():
-    result = _tune(Busy())
+@pytest.fixture(scope="module")
+def busy_tuned():
+    """One free tune of CPU-bound data, shared by the tests that read it."""
+    return _tune(Busy(), store=False)
+
+
+def test_cpu_bound_data_gets_more_than_one_worker_and_beats_zero(busy_tuned):
+    result = busy_tuned
     assert result["num_workers"] > 1
     assert _rate(result, result["num_workers"]) > 1.3 * _rate(result, 0)
     assert result["batch_size"] == 8 and result["prefetch_factor"] in (1, 2, 4)
@@ -53,9 +59,9 @@ def test_cpu_bound_data_gets_more_than_one_worker_and_beats_zero():
     assert "| workers | prefetch |" in result.table()
 
 
-def test_a_slow_step_needs_fewer_workers_than_a_fast_one():
-    fast = _tune(Busy(), store=False)
-    slow = _tune(Busy(), step_seconds=0.15, store=False)  # a batch takes ~32 ms of CPU to make
+def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
+    fast = busy_tuned
+    slow = _tune(Busy(), step_seconds=0.15, store=False, seconds_per_trial=0.45)  # a batch takes ~32 ms of CPU to make
     assert slow["num_workers"] < fast["num_workers"]
     chosen = next(t for t in slow.trials if (t["num_workers"], t["prefetch_factor"]) ==
                   (slow["num_workers"], slow.get("prefetch_factor")))
@@ -66,19 +72,21 @@ def test_a_slow_step_needs_fewer_workers_than_a_fast_one():
 def test_a_tight_memory_budget_picks_fewer_workers():
     ds = Busy(n=64, cost=0.004, item_bytes=2 << 20)  # 16 MiB batches: each worker holds several
     free = _tune(ds, store=False)
-    assert free["num_workers"] == 2
     peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
+    assert peaks[2] > peaks[1] > peaks[0]  # the sweep always reaches 2 workers; each holds batches
     budget = (peaks[1] + peaks[2]) // 2
     tight = _tune(ds, memory_budget=budget, store=False)
-    assert tight["num_workers"] < free["num_workers"]
+    # Fewer than 2 workers whatever the rates on a busy machine say: 2 workers do not fit.
+    assert tight["num_workers"] < 2, tight.table()
     chosen = [t for t in tight.trials if (t["num_workers"], t["prefetch_factor"]) ==
               (tight["num_workers"], tight.get("prefetch_factor"))]
     assert chosen[0]["peak_bytes"] <= budget
+    assert "within the memory budget" in tight.reason
 
 
 def test_the_result_is_stored_and_reused_by_make_loader():
     ds = Busy(n=32)
-    result = _tune(ds, seconds_per_trial=0.3)
+    result = _tune(ds, max_workers=1)
     record = load_tuned(Busy(n=32))  # an equal dataset finds it
     assert record["settings"] == dict(result)
     loader = make_loader(Busy(n=32), batch_size=8)

@@ -3,7 +3,6 @@ large batches, then no worker may be alive 10 s later."""
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -32,13 +31,17 @@ LOADER_SCRIPT = textwrap.dedent("""
 """)
 
 CACHE_SCRIPT = textwrap.dedent("""
-    import sys, time, threading
+    import shutil, sys, time, threading
     from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast, build_image_cache
     import psutil
 
     if __name__ == "__main__":
-        root = make_image_folder(sys.argv[1], classes=2, per_class=150, size=(640, 480), seed=3)
+        root = make_image_folder(sys.argv[1], classes=2, per_class=1, size=(640, 480), seed=3)
+        for folder in sorted(root.iterdir()):  # 300 images to decode, 2 to encode: copies are free to make
+            (image,) = folder.iterdir()
+            for k in range(149):
+                shutil.copyfile(image, folder / f"copy{k:03d}{image.suffix}")
         ds = ImageFolderFast(root, size=224)
         def report():
             while not psutil.Process().children():
@@ -58,17 +61,17 @@ def _alive(pid):
         return False
 
 
-def _kill_parent_and_watch(script, tmp_path, *args):
-    path = tmp_path / "parent.py"
-    path.write_text(script)
-    parent = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+def _kill_parent_and_watch(zygote, script, *args):
+    parent = zygote.python(script, *args)
     try:
-        line = parent.stdout.readline()
-        pids = [int(p) for p in line.split()]
+        deadline = time.monotonic() + 120
+        while not parent.stdout.endswith("\n"):  # the parent reports its workers' pids in one line
+            assert time.monotonic() < deadline and parent.poll() is None, parent.stderr[-3000:]
+            time.sleep(0.02)
+        pids = [int(p) for p in parent.stdout.split()]
         assert pids, "the parent reported no worker"
         assert all(_alive(p) for p in pids)
-        parent.send_signal(signal.SIGKILL)
+        parent.kill()
         parent.wait(timeout=30)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
@@ -84,10 +87,10 @@ def _kill_parent_and_watch(script, tmp_path, *args):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_loader_workers_die_with_a_killed_parent(tmp_path):
-    assert _kill_parent_and_watch(LOADER_SCRIPT, tmp_path) == []
+def test_loader_workers_die_with_a_killed_parent(zygote):
+    assert _kill_parent_and_watch(zygote, LOADER_SCRIPT) == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_cache_build_workers_die_with_a_killed_parent(tmp_path):
-    assert _kill_parent_and_watch(CACHE_SCRIPT, tmp_path, str(tmp_path / "tree"), str(tmp_path / "cache")) == []
+def test_cache_build_workers_die_with_a_killed_parent(tmp_path, zygote):
+    assert _kill_parent_and_watch(zygote, CACHE_SCRIPT, tmp_path / "tree", tmp_path / "cache") == []

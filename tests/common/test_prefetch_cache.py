@@ -3,8 +3,6 @@ import hashlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -202,14 +200,14 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sigkill_mid_download_leaves_no_final_file(tmp_path):
+def test_sigkill_mid_download_leaves_no_final_file(tmp_path, zygote):
     remote = tmp_path / "remote"
     remote.mkdir()
     data = np.random.default_rng(1).integers(0, 256, 4 * 2**20, dtype=np.uint8).tobytes()
     (remote / "big.bin").write_bytes(data)
     with LocalHTTPServer(remote, bandwidth=1_000_000) as server:  # 4 s for the whole object
         url = server.url("big.bin")
-        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "cache"), url])
+        proc = zygote.python(KILL_SCRIPT, tmp_path / "cache", url)
         deadline = time.time() + 60
         while not any(_written(p) for p in _temps(tmp_path / "cache")):
             assert time.time() < deadline and proc.poll() is None
@@ -239,7 +237,7 @@ RACE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_two_processes_three_threads_download_once(tmp_path):
+def test_two_processes_three_threads_download_once(tmp_path, zygote):
     remote = tmp_path / "remote"
     remote.mkdir()
     data = np.random.default_rng(2).integers(0, 256, 2 * 2**20, dtype=np.uint8).tobytes()
@@ -248,8 +246,7 @@ def test_two_processes_three_threads_download_once(tmp_path):
         url = server.url("shared.bin")
         final = PrefetchCache(tmp_path / "cache", max_bytes=2**30).path_for(url)
         with _sizes_seen_at(final) as seen:
-            procs = [subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, str(tmp_path / "cache"), url],
-                                      stdout=subprocess.PIPE, text=True) for _ in range(2)]
+            procs = [zygote.python(RACE_SCRIPT, tmp_path / "cache", url) for _ in range(2)]
             outputs = [p.communicate(timeout=120)[0].split() for p in procs]
         assert [p.returncode for p in procs] == [0, 0]
         assert {d for out in outputs for d in out} == {hashlib.sha256(data).hexdigest()}
@@ -381,10 +378,10 @@ def test_close_twice_use_after_close_and_the_context_manager(tmp_path, shards):
         assert _cache(tmp_path).get(url) == cache.path_for(url) and server.gets["shard-0.bin"] == 1
 
 
-def test_close_ends_a_wait_for_another_processes_download(tmp_path, shards):
-    with LocalHTTPServer(shards, bandwidth=100_000) as server:  # 2.5 s for shard-1
+def test_close_ends_a_wait_for_another_processes_download(tmp_path, shards, zygote):
+    with LocalHTTPServer(shards, bandwidth=250_000) as server:  # 1 s for shard-1
         url = server.url("shard-1.bin")
-        other = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "cache"), url])
+        other = zygote.python(KILL_SCRIPT, tmp_path / "cache", url)
         deadline = time.time() + 60
         while not any(_written(p) for p in _temps(tmp_path / "cache")):  # the other holds the key
             assert time.time() < deadline and other.poll() is None

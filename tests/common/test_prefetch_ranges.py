@@ -6,8 +6,6 @@ import hashlib
 import os
 import queue
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -81,12 +79,12 @@ KILL_SCRIPT = textwrap.dedent(f"""
 """)
 
 
-def test_sigkill_mid_ranged_download_leaves_no_final_file(tmp_path, big):
+def test_sigkill_mid_ranged_download_leaves_no_final_file(tmp_path, big, zygote):
     folder, data = big
     cache_dir = tmp_path / "cache"
     with LocalHTTPServer(folder, bandwidth=200_000) as server:  # ~1.3 s per range
         url = server.url("big.bin")
-        proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(cache_dir), url])
+        proc = zygote.python(KILL_SCRIPT, cache_dir, url)
         deadline = time.time() + 60
         while sum(server.range_gets.values()) < 4:  # ranges in flight
             assert time.time() < deadline and proc.poll() is None
@@ -110,12 +108,11 @@ RACE_SCRIPT = textwrap.dedent(f"""
 """)
 
 
-def test_two_processes_send_one_set_of_range_requests(tmp_path, big):
+def test_two_processes_send_one_set_of_range_requests(tmp_path, big, zygote):
     folder, data = big
     with LocalHTTPServer(folder, latency=0.05, bandwidth=2_000_000) as server:
         url = server.url("big.bin")
-        procs = [subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, str(tmp_path / "cache"), url],
-                                  stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        procs = [zygote.python(RACE_SCRIPT, tmp_path / "cache", url) for _ in range(2)]
         digests = [p.communicate(timeout=120)[0].strip() for p in procs]
         assert [p.returncode for p in procs] == [0, 0]
         assert set(digests) == {hashlib.sha256(data).hexdigest()}

@@ -129,19 +129,16 @@ def test_smart_num_workers_reads_local_world_size(monkeypatch):
         smart_num_workers(res)
 
 
-def test_smart_num_workers_follows_real_affinity(tmp_path):
+def test_smart_num_workers_follows_real_affinity(tmp_path, zygote):
     """A child pinned to one CPU sees one effective CPU and gets no worker."""
-    import subprocess
-    import sys
-
     code = (
         "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]});"
         "from recipes.common import detect_resources, smart_num_workers;"
         f"r = detect_resources(cgroup_root={str(tmp_path)!r});"
         "print(r.cpus, smart_num_workers(r, local_world_size=1))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = zygote.python(code)
+    assert out.wait(timeout=60) == 0, out.stderr
     assert out.stdout.split() == ["1", "0"]
 
 

@@ -199,8 +199,9 @@ def test_the_state_is_small_and_does_not_grow():
     assert len(set(sizes)) == 1 and sizes[0] < 16_000
 
 
-def test_a_state_loads_in_a_fresh_process():
-    """Saved here in epoch 1, resumed in another interpreter: prefix + rest is the uninterrupted epoch."""
+def test_a_state_loads_in_a_fresh_process(zygote, tmp_path):
+    """Saved here in epoch 1, resumed in another process that never saw the loader (forked from
+    a fresh interpreter): prefix + rest is the uninterrupted epoch."""
     reference = shuffled()
     list(reference)
     expected = flat(reference)
@@ -219,11 +220,12 @@ def test_a_state_loads_in_a_fresh_process():
 
         torch.manual_seed(5)
         loader = make_loader(Ids(), batch_size=4, shuffle=True, num_workers=2)
-        loader.load_state_dict(json.loads(sys.stdin.read()))
+        loader.load_state_dict(json.loads(open(sys.argv[1]).read()))
         print(json.dumps([i for b in loader for i in b.tolist()]))
     """)
-    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(first.state_dict()), capture_output=True,
-                          text=True, timeout=120, check=True, cwd=ROOT)
+    (tmp_path / "state.json").write_text(json.dumps(first.state_dict()))
+    done = zygote.python(script, tmp_path / "state.json", cwd=ROOT)
+    assert done.wait(timeout=120) == 0, done.stderr[-3000:]
     assert prefix + json.loads(done.stdout) == expected
 
 

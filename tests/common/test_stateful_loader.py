@@ -12,7 +12,9 @@ from recipes.common import LengthBucketSampler, LoaderWarning, ShardedIterableDa
 from recipes.common.stateful_loader import StatefulLoader
 from recipes.testing import make_int_shards
 
-CONFIGS = [(0, None), (2, 1), (2, 2), (2, 4)]  # (workers, prefetch_factor)
+# (workers, prefetch_factor); prefetch 1 and 4 are in the slow tier (the state machine of
+# test_exactly_once.py draws them in the fast tier too)
+CONFIGS = [(0, None), pytest.param(2, 1, marks=pytest.mark.slow), (2, 2), pytest.param(2, 4, marks=pytest.mark.slow)]
 
 
 class Ids(Dataset):

@@ -14,6 +14,7 @@ import torchvision.transforms as T
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from recipes.cli import main
 from recipes.common.cache_files import _host
 from recipes.testing import make_image_folder
 from recipes.vision import (
@@ -193,13 +194,13 @@ def test_writes_are_atomic_and_leave_no_temp_files(own_tree, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == [elsewhere.name]
 
 
-def test_two_processes_building_the_same_cache(own_tree, tmp_path):
+def test_two_processes_building_the_same_cache(own_tree, tmp_path, zygote):
     code = (
         "import sys; from recipes.vision import ImageFolderFast, build_image_cache;"
         "build_image_cache(ImageFolderFast(sys.argv[1], size=64), sys.argv[2], num_workers=0, progress=False)"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(own_tree), str(tmp_path)]) for _ in range(2)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    procs = [zygote.python(code, own_tree, tmp_path) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0], [p.stderr for p in procs]
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None
     assert [p.name for p in tmp_path.iterdir() if p != own_tree] == [ds.cache.path.name]  # one cache, no temp
@@ -363,18 +364,17 @@ def test_cached_dataset_in_persistent_workers(own_tree, tmp_path):
     assert torch.equal(first, second) and torch.equal(first[1], ds[1][0])
 
 
-def test_cli_builds_the_same_cache(own_tree, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "recipes", "cache", "vision", str(own_tree), str(tmp_path),
-                          "--size", "64", "--workers", "0"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "6 images, longer side at most 128" in out.stdout
+def test_cli_builds_the_same_cache(own_tree, tmp_path, capsys):
+    assert main(["cache", "vision", str(own_tree), str(tmp_path), "--size", "64", "--workers", "0"]) == 0
+    assert "6 images, longer side at most 128" in capsys.readouterr().out
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None
     assert isinstance(ImageCache.open(ds.cache.path), ImageCache)
 
 
-def test_cli_reports_a_bad_image_in_one_line(own_tree, tmp_path):
+def test_cli_reports_a_bad_image_in_one_line(own_tree, tmp_path, capsys):
     (own_tree / "class_00" / "zz.jpg").write_bytes(b"<html>")
-    out = subprocess.run([sys.executable, "-m", "recipes", "cache", "vision", str(own_tree), str(tmp_path),
-                          "--workers", "0"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 1 and "zz.jpg" in out.stderr
+    assert main(["cache", "vision", str(own_tree), str(tmp_path), "--workers", "0"]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("recipes cache: error:")]
+    assert len(errors) == 1 and "zz.jpg" in errors[0], err

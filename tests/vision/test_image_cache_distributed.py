@@ -1,13 +1,15 @@
-"""build_image_cache under torchrun (2 gloo processes): the ranks split the decoding, rank 0
-publishes a folder byte-identical to a single-process build, and a rank that dies mid-build leaves
-nothing published."""
+"""build_image_cache under torchrun (2 gloo processes): a rank that dies mid-build leaves nothing
+published. The byte-identical distributed build is checked with the other domains' builds, in one
+launch, by tests/test_cache_builds_distributed.py."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from recipes.testing import make_image_folder
-from recipes.vision import ImageFolderFast, build_image_cache
+from recipes.vision import ImageFolderFast
 
 SCRIPT = Path(__file__).with_name("dist_image_cache_script.py")
 
@@ -17,18 +19,7 @@ def _torchrun(*args):
                            str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=180)
 
 
-def test_a_distributed_build_equals_a_single_process_build(tmp_path):
-    root = make_image_folder(tmp_path / "tree", classes=3, per_class=5, size=(160, 120), seed=8)
-    out = _torchrun(root, tmp_path / "split", "ok")
-    assert out.returncode == 0, out.stderr[-3000:]
-    single = build_image_cache(ImageFolderFast(root, size=64), tmp_path / "single", num_workers=0, progress=False)
-    assert [p.name for p in (tmp_path / "split").iterdir()] == [single.path.name]  # no temp left
-    split = tmp_path / "split" / single.path.name
-    files = sorted(p.name for p in single.path.iterdir())
-    assert files == sorted(p.name for p in split.iterdir())
-    assert all((split / f).read_bytes() == (single.path / f).read_bytes() for f in files)
-
-
+@pytest.mark.slow  # the FolderBuild protocol it shares is killed mid-build in the fast tier (audio)
 def test_a_rank_that_dies_mid_build_leaves_nothing_published(tmp_path):
     root = make_image_folder(tmp_path / "tree", classes=2, per_class=6, size=(160, 120), seed=9)
     out = _torchrun(root, tmp_path / "cache", "die")

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from recipes.testing import make_image_folder
 
 
+@pytest.mark.slow  # the vision template's two-rank run (fast tier) covers ImageFolderFast under torchrun
 def test_image_folder_with_distributed_sampler_under_torchrun(tmp_path):
     root = make_image_folder(tmp_path / "tree", classes=3, per_class=8, size=(120, 90), seed=4)
     script = Path(__file__).with_name("dist_image_folder_script.py")

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import json, sys
     import psutil
@@ -20,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast, uint8_collate
 
-    root = make_image_folder(sys.argv[1], classes=4, per_class=60, seed=5)
+    root = make_image_folder(sys.argv[1], classes=4, per_class=32, seed=5)
     ds = ImageFolderFast(root, size=160, train=True)
     loader = make_loader(ds, batch_size=32, shuffle=True, num_workers=2, persistent_workers=True,
                          collate_fn=uint8_collate)
@@ -34,6 +36,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a long run: 11 epochs in a fresh interpreter (test_monitor.py warns on growth in the fast tier)
 def test_worker_uss_is_flat_from_epoch_2_to_10(tmp_path):
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           timeout=240)
