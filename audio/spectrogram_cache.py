@@ -103,6 +103,10 @@ class SpectrogramCache(Dataset):
     def fingerprint(self) -> str:
         return self.header["fingerprint"]
 
+    def thread_batches(self) -> bool:
+        """Items are gathers from a memory map: `make_loader` reads batches in threads (`ThreadLoader`)."""
+        return True
+
     @property
     def features(self) -> np.ndarray:
         """The memory map: `[N, n_mels, F]` for a fixed layout, else `[n_mels * total_frames]`."""

@@ -14,6 +14,7 @@ from recipes.common.sharded_dataset import ShardedIterableDataset
 from recipes.common.sharding import shard_indices
 from recipes.common.sizing import estimate_loader_memory, max_workers_for_memory, smart_num_workers
 from recipes.common.stateful_loader import StatefulLoader
+from recipes.common.thread_loader import ThreadLoader
 from recipes.common.trace import profile_trace
 from recipes.common.worker import worker_init
 from recipes.common.worker_memory import measure_worker_memory_growth
@@ -31,6 +32,7 @@ __all__ = [
     "RobustLoader",
     "ShardedIterableDataset",
     "StatefulLoader",
+    "ThreadLoader",
     "TuneResult",
     "autotune",
     "detect_resources",

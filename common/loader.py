@@ -26,9 +26,9 @@ Traps handled:
 - The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
   before the user's own `worker_init_fn`.
 Copy with: common/cache_files.py, common/loader_contract.py, common/loader_passes.py,
-  common/loader_state.py, common/loader_warning.py, common/process_lifetime.py, common/profiles.py,
-  common/resources.py, common/sizing.py, common/stateful_loader.py, common/tune_store.py,
-  common/worker.py.
+  common/loader_path.py, common/loader_state.py, common/loader_warning.py,
+  common/process_lifetime.py, common/profiles.py, common/resources.py, common/sizing.py,
+  common/stateful_loader.py, common/thread_loader.py, common/tune_store.py, common/worker.py.
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from recipes.common.loader_path import THREAD_KEYS, choose_path
 from recipes.common.profiles import LoaderRecipe, profile_settings
 from recipes.common.resources import Resources, detect_resources
 from recipes.common.stateful_loader import StatefulLoader
+from recipes.common.thread_loader import ThreadLoader
 from recipes.common.worker import ChainedWorkerInit
 
 # Below this soft `ulimit -n`, DataLoader's default `file_descriptor` sharing strategy runs
@@ -61,6 +63,7 @@ def make_loader(
     batch_size: int | None = None,
     resources: Resources | None = None,
     tuned: bool = True,
+    path: str = "auto",
     **overrides: Any,
 ) -> DataLoader:
     """A DataLoader with the settings of `profile`, corrected for this machine.
@@ -76,10 +79,14 @@ def make_loader(
         resources: a `Resources` snapshot; `detect_resources()` when None.
         tuned: use the workers and prefetch factor that `autotune` / `recipes tune` stored for
             this dataset, batch size and machine, when there are such (overrides still win).
+        path: "auto": a `ThreadLoader` (threads of this process, no workers) when the dataset
+            reads batches from a memory-speed cache (`ThreadBatched.thread_batches()`) and no
+            worker argument is given, else worker processes; "workers" or "threads" to choose
+            (`loader_path.py`). `loader.recipe.reasons["path"]` says which and why.
         **overrides: any DataLoader keyword argument; overrides win over the profile.
 
     Returns:
-        A `StatefulLoader` (a `DataLoader` whose `state_dict()`/`load_state_dict()` resume at
+        A `StatefulLoader` (a `ThreadLoader` on the thread path: a `DataLoader` whose `state_dict()`/`load_state_dict()` resume at
         the first batch the loop has not received, in any epoch: `loader_contract.py`) with
         `loader.recipe`, a `LoaderRecipe` holding the final settings and the reason for each.
 
@@ -91,6 +98,7 @@ def make_loader(
         >>> print(loader.recipe)
     """
     _validate(batch_size, overrides)
+    chosen, why = choose_path(dataset, path, overrides)
     res = resources if resources is not None else detect_resources()
     preferred = getattr(dataset, "recommended_profile", None)
     if profile == "auto" and preferred is not None:
@@ -109,12 +117,33 @@ def make_loader(
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
+    if chosen == "threads":
+        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why)
     _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
     if settings.get("shuffle") and not isinstance(dataset, IterableDataset):
         reasons["sampler"] = ("RandomSampler with a generator of the loader's own (seeded from `generator`, else "
                               "torch's RNG): state_dict() saves its state where each epoch's order is drawn")
     loader = StatefulLoader(dataset, **settings)
+    reasons["path"] = why
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
+    return loader
+
+
+def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dict[str, str], res: Resources,
+                   why: str) -> ThreadLoader:
+    """The thread path: the profile's batch settings, one thread per CPU of this rank."""
+    from recipes.common.sizing import local_world_size_from_env
+
+    kwargs = {key: settings[key] for key in THREAD_KEYS if key in settings}
+    if "batch_sampler" in kwargs:
+        kwargs.pop("batch_size", None)
+    threads = max(1, res.cpus // local_world_size_from_env())
+    loader = ThreadLoader(dataset, threads=threads, **kwargs)
+    kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
+    kept.update(path=why, threads=f"{threads}: the CPUs of this rank", sampler=reasons.get(
+        "sampler", "the DataLoader default") if kwargs.get("shuffle") else kept.get("sampler", "in order"))
+    loader.recipe = LoaderRecipe(profile, _printable({**kwargs, "num_workers": 0, "path": "threads", "threads": threads}),
+                                 {**kept, "num_workers": "0: batches are read by threads of this process"})
     return loader
 
 

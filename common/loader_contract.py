@@ -135,6 +135,19 @@ class Prefetching(Protocol):
 
 
 @runtime_checkable
+class ThreadBatched(Protocol):
+    """A map-style dataset whose batches threads can read (`ThreadLoader`, chosen by
+    `make_loader` when `thread_batches()` is true): its items are memory-speed reads (a cache
+    attached) whose work releases the GIL. A pool thread makes each batch: with a `collate_fn`,
+    `collate_fn(dataset.__getitems__(indices))` (or the items one by one); without one, the
+    dataset's optional `read_batch(indices, rng)` (the collated batch, every random draw from
+    `rng`, seeded by the loader per batch; `read_batch_collate` names the collate function whose
+    output it equals), else `default_collate`. Both must be safe in several threads at once."""
+
+    def thread_batches(self) -> bool: ...
+
+
+@runtime_checkable
 class TuneKeyed(Protocol):
     """`tune_key()`: what identifies the dataset for `autotune`'s stored results."""
 

@@ -110,6 +110,10 @@ class TokenCache(Dataset):
     def _map(self) -> np.ndarray:
         return self._tokens.array
 
+    def thread_batches(self) -> bool:
+        """Items are gathers from a memory map: `make_loader` reads batches in threads (`ThreadLoader`)."""
+        return True
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         i = resolve_index(index, len(self), f"the {len(self)} samples in {self.path}")
         ids = self._map()[self.offsets[i] : self.offsets[i + 1]]

@@ -29,8 +29,8 @@ served either.
 
 The build reads the dataset through its public side: `paths`, `targets`, `root`, `max_side`,
 `len()`, `cache_record(i)` (called in the build's DataLoader workers) and `use_cache(cache)`.
-Copy with: common/cache_files.py, common/process_lifetime.py, vision/decode.py,
-  vision/stale_caches.py.
+Copy with: common/cache_files.py, common/process_lifetime.py, vision/crop.py, vision/decode.py,
+  vision/eval_view.py, vision/stale_caches.py.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from recipes.common.cache_files import (
     write_synced,
 )
 from recipes.vision.decode import ImageHeader, dct_reduction, decode_image, resize_uint8
+from recipes.vision.eval_view import build_eval_view
 from recipes.vision.stale_caches import (
     describe_change,
     find_stale_caches,
@@ -151,13 +152,16 @@ class ImageCache:
         self._images.read_into([out[r, :w] for r in range(h)], int(self.offsets[index]))
         return h, w
 
-    def read_crop(self, index: int, box: tuple[int, int, int, int], size: tuple[int, int]) -> torch.Tensor:
+    def read_crop(self, index: int, box: tuple[int, int, int, int], size: tuple[int, int], *,
+                  scratch: np.ndarray | None = None) -> torch.Tensor:
         """The `box` (top, left, height, width) of image `index` resized to `size` (`resize_uint8`):
         uint8 `[3, h, w]`, channels-last in memory. Only the box's rows are read, with one `preadv`
-        into a per-process scratch buffer (one reader thread at a time)."""
+        into `scratch` (uint8, at least `max_side^2 * 3` bytes: one per reader thread), else a
+        per-process scratch buffer (one reader thread at a time)."""
         top, left, bh, bw = box
         w = int(self.shapes[index][1])
-        rows = self.read_rows(index, top, bh, self._scratch(bh * w * 3).reshape(bh, w, 3))
+        buffer = self._scratch(bh * w * 3) if scratch is None else scratch[: bh * w * 3]
+        rows = self.read_rows(index, top, bh, buffer.reshape(bh, w, 3))
         image = resize_uint8(rows[:, left : left + bw], size)
         if (bh, bw) == tuple(size):  # a view of the scratch buffer, which the next read reuses
             image = image.clone()
@@ -280,7 +284,9 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
                       progress: bool = True, distributed: bool = False) -> ImageCache:
     """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
 
-    Each whole image is stored with its aspect ratio, its longer side resized to at most the
+    For an eval dataset (`train=False`) it also stores the eval view of its resolution (each
+    image exactly as the file path makes it, `recipes.vision.eval_view`), unless there is one:
+    eval items are then row copies. Each whole image is stored with its aspect ratio, its longer side resized to at most the
     dataset's `max_side` (decoded at the coarsest DCT scale that allows it), by parallel
     DataLoader workers with a tqdm bar, into a temp folder renamed into place when complete.
     Train crops from the cache then follow torchvision's `RandomResizedCrop` over the original
@@ -329,6 +335,17 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
             remove_cache(stale)
     cache = ImageCache.open(target, fingerprint=fingerprint)
     dataset.use_cache(cache)
+    if not dataset.train:  # evaluation at this resolution serves rows of an eval view
+        dataset._views.clear()
+        if dataset.eval_view is None:
+            if build.rank == 0:
+                build_eval_view(dataset, cache.path, fingerprint, num_workers=num_workers, progress=progress,
+                                error=ImageCacheError)
+            if distributed:
+                import torch.distributed as dist
+
+                dist.barrier()
+            dataset._views.clear()
     return cache
 
 

@@ -25,8 +25,9 @@ objects for forked workers to copy on read.
 The decoded cache (`build_image_cache`, `ImageCache`) is `recipes.vision.image_cache`; it reads
 this dataset through `cache_record` and `use_cache`.
 Copy with: common/cache_files.py, common/packed_strings.py, common/process_lifetime.py,
-  vision/batch_buffers.py, vision/crop.py, vision/decode.py, vision/image_cache.py,
-  vision/region_decode.py, vision/stale_caches.py.
+  vision/batch_buffers.py, vision/cached_batches.py, vision/crop.py, vision/decode.py,
+  vision/device.py, vision/eval_view.py, vision/image_cache.py, vision/region_decode.py,
+  vision/stale_caches.py.
 """
 
 from __future__ import annotations
@@ -41,18 +42,24 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common.packed_strings import PackedStrings, resolve_index
-from recipes.vision.batch_buffers import copy_image, new_uint8_batch, trim_heap
-from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box, scale_box
+from recipes.vision.batch_buffers import new_uint8_batch, trim_heap
+from recipes.vision.cached_batches import (
+    eval_view_of,
+    fill_cached_batch,
+    read_cached_batch,
+    thread_batches,
+)
+from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
 from recipes.vision.decode import (
     ImageDecodeError,
     check_encoded,
-    dct_reduction,
-    decode_image,
     read_image_file,
     resize_uint8,
 )
+from recipes.vision.device import uint8_collate
+from recipes.vision.eval_view import eval_record
 from recipes.vision.image_cache import ImageCache, attach_image_cache, cache_inputs, decode_stored
-from recipes.vision.region_decode import decode_region, region_decode_available
+from recipes.vision.region_decode import decode_box, region_decode_available
 
 
 class ImageFolderFast(Dataset):
@@ -157,6 +164,7 @@ class ImageFolderFast(Dataset):
         self._rng_pid: int | None = None
         self._rng: np.random.Generator | None = None
         self.cache: ImageCache | None = None
+        self._views: dict = {}  # eval views by resolution (eval_view_of), opened per process
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         if self.cache_dir is not None:
             attach_image_cache(self.cache_dir, self.root, self._paths, self._targets, self.max_side,
@@ -230,13 +238,18 @@ class ImageFolderFast(Dataset):
         if self.transform is not None:  # the transform may change shapes: separate tensors
             items = [(self._cached_item(i), int(t)) for i, t in zip(indices, labels, strict=True)]
         else:
-            out_h, out_w = self.resolution
-            batch = new_uint8_batch(len(indices), 3, out_h, out_w)
-            for row, index in enumerate(indices):
-                copy_image(batch[row], self._cached_item(index))
+            batch = fill_cached_batch(self, indices, self._generator(), new_uint8_batch(len(indices), 3,
+                                                                                         *self.resolution))
             items = [(batch[row], int(t)) for row, t in enumerate(labels)]
         trim_heap()
         return items
+
+    # the thread path (ThreadLoader, which make_loader chooses) and the eval view: cached_batches.py
+    thread_batches = thread_batches
+    read_batch = read_cached_batch
+    eval_view = property(eval_view_of)
+    eval_record = eval_record  # what an eval view stores (eval_view.py)
+    read_batch_collate = staticmethod(uint8_collate)  # read_batch returns what it would: make_loader keeps threads
 
     def _check_index(self, index) -> int:
         return resolve_index(index, len(self), f"the {len(self)} images under {self.root}")
@@ -294,27 +307,7 @@ class ImageFolderFast(Dataset):
                 "flip": flip, "jpeg": is_jpeg, "index": index, "size": out}
         return item, int(self._targets[index])
 
-    def _decode_box(self, data, header, box, out, path, index) -> np.ndarray:
-        """Decodes only `box` (region decode), or at the coarsest DCT scale that keeps `box` at
-        least `out`, then crops it. With `strict`, a file's first decode is checked (a region
-        decode then reads on to the image's bottom: the same pixels, the whole scan seen)."""
-        reduce = dct_reduction((box[2], box[3]), out)
-        check = self.strict and not self._checked[index]
-        if reduce <= 2 and self.region_decode is not False and header.format == "JPEG":
-            check_encoded(data, header, path=path, index=index)
-            region = decode_region(data, box, strict=check, path=path, index=index)
-            if region is not None:
-                if check:
-                    self._checked[index] = 1
-                return region
-        decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index, strict=check)
-        if check:
-            self._checked[index] = 1
-        h, w = decoded.shape[:2]
-        if (h, w) != (header.height, header.width):
-            box = scale_box(box, h / header.height, w / header.width, h, w)
-        top, left, bh, bw = box
-        return decoded[top : top + bh, left : left + bw]
+    _decode_box = decode_box  # region decode or a DCT-scaled decode of the crop (region_decode.py)
 
     def _cache_image(self, index: int) -> tuple[np.ndarray, int]:
         """`([h, w, 3] uint8, target)`: the whole image, its longer side at most `max_side`."""
@@ -350,9 +343,11 @@ class ImageFolderFast(Dataset):
         return self._cached_item(index), int(self.cache.labels[index])
 
     def _cached_item(self, index: int) -> torch.Tensor:
-        """The output crop of cached image `index`: only the crop's rows are read."""
+        """The output crop of cached image `index`: a row of the eval view, else only the crop's rows."""
+        out, view = self.resolution, self.eval_view
+        if view is not None:
+            return self._finish(torch.from_numpy(view.read_into(np.empty((*out, 3), np.uint8), index)).permute(2, 0, 1))
         h, w = (int(v) for v in self.cache.shapes[index])
-        out = self.resolution
         if self.train:  # relative to the whole image: torchvision's distribution on the original
             box = random_resized_box(h, w, self._generator(), self.SCALE, self.RATIO)
         else:

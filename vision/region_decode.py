@@ -26,8 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.vision.crop import Box
-from recipes.vision.decode import ImageDecodeError, checked_by_libjpeg
+from recipes.vision.crop import Box, scale_box
+from recipes.vision.decode import (
+    ImageDecodeError,
+    check_encoded,
+    checked_by_libjpeg,
+    dct_reduction,
+    decode_image,
+)
 
 
 def decode_region(data: bytes, box: Box, *, strict: bool = True, path: str = "<bytes>",
@@ -151,3 +157,27 @@ def _import_nvimgcodec():
 
 _REGION = None
 _REGION_PID: int | None = None
+
+
+def decode_box(dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int) -> np.ndarray:
+    """`ImageFolderFast._decode_box`: decodes only `box` (region decode), or at the coarsest DCT
+    scale that keeps `box` at least `out`, then crops it. With the dataset's `strict`, a file's
+    first decode is checked (a region decode then reads on to the image's bottom: the same
+    pixels, the whole scan seen) and marked in `dataset._checked`."""
+    reduce = dct_reduction((box[2], box[3]), out)
+    check = dataset.strict and not dataset._checked[index]
+    if reduce <= 2 and dataset.region_decode is not False and header.format == "JPEG":
+        check_encoded(data, header, path=path, index=index)
+        region = decode_region(data, box, strict=check, path=path, index=index)
+        if region is not None:
+            if check:
+                dataset._checked[index] = 1
+            return region
+    decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index, strict=check)
+    if check:
+        dataset._checked[index] = 1
+    h, w = decoded.shape[:2]
+    if (h, w) != (header.height, header.width):
+        box = scale_box(box, h / header.height, w / header.width, h, w)
+    top, left, bh, bw = box
+    return decoded[top : top + bh, left : left + bw]

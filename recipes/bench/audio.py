@@ -90,7 +90,7 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
     from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
     from recipes.audio.spectrogram_cache import featurizer
     from recipes.bench.measure import measure
-    from recipes.common import worker_init
+    from recipes.common import ThreadLoader, worker_init
 
     chunked = ChunkedAudioDataset(folder, chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
@@ -107,7 +107,10 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
             measure("whole file + slice + mel (baseline)", loader(WholeFileWindows(chunked, features)),
                     max_items=baseline_items),
             measure("ChunkedAudioDataset + mel on the fly", loader(OnTheFly(chunked, features))),
-            measure("SpectrogramCache", loader(cache)),
+            measure("SpectrogramCache, DataLoader workers", loader(cache)),
+            measure("SpectrogramCache, threads (make_loader's path)", ThreadLoader(
+                cache, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0),
+                collate_fn=pad_collate)),
         ]
     return rows, build_seconds, len(chunked)
 

@@ -93,7 +93,7 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
     from transformers.utils import logging as hf_logging
 
     from recipes.bench.measure import measure
-    from recipes.common import LengthBucketSampler, worker_init
+    from recipes.common import LengthBucketSampler, ThreadLoader, worker_init
     from recipes.nlp import PadCollate, build_token_cache
 
     hf_logging.set_verbosity_error()
@@ -112,10 +112,13 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
                                       seed=0)
         collate = PadCollate(tokenizer.pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
         recipe = DataLoader(cache, batch_sampler=sampler, collate_fn=collate, **common)
+        threads = ThreadLoader(cache, batch_sampler=LengthBucketSampler(
+            cache.lengths, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of, seed=0), collate_fn=collate)
         lengths = cache.lengths
         rows, counters = [], []
         for name, loader in (("tokenize in __getitem__ + random batches (baseline)", baseline),
-                             ("TokenCache + LengthBucketSampler + PadCollate", recipe)):
+                             ("TokenCache + LengthBucketSampler + PadCollate, DataLoader workers", recipe),
+                             ("TokenCache + LengthBucketSampler + PadCollate, threads (make_loader's path)", threads)):
             counter = _TokenCounter()
             rows.append(measure(name, loader, counter=counter))
             counters.append(counter)

@@ -68,7 +68,7 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     from torch.utils.data import DataLoader
 
     from recipes.bench.measure import best_interleaved, measure
-    from recipes.common import worker_init
+    from recipes.common import make_loader, worker_init
     from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 
     settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=torch.cuda.is_available(),
@@ -79,12 +79,15 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as cache_dir:
         start = time.perf_counter()
         warm = ImageFolderFast(root, size=size)
-        build_image_cache(warm, cache_dir, num_workers=workers, progress=False)
+        build_image_cache(warm, cache_dir, num_workers=workers, progress=False)  # with the eval view
         build_seconds = time.perf_counter() - start
         loaders = [
             ("torchvision ImageFolder + PIL (baseline)", DataLoader(baseline, **settings)),
             ("ImageFolderFast cold (decode)", DataLoader(cold, collate_fn=uint8_collate, **settings)),
-            ("ImageFolderFast warm (decoded cache)", DataLoader(warm, collate_fn=uint8_collate, **settings)),
+            ("ImageFolderFast warm (eval view), DataLoader workers",
+             DataLoader(warm, collate_fn=uint8_collate, **settings)),
+            ("ImageFolderFast warm (eval view), make_loader defaults (threads)",
+             make_loader(warm, batch_size=batch_size)),
         ]
         rows = best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders),
                                 repeat=repeat)
@@ -92,18 +95,26 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
 
 
 def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
-                  device: str | None = None):
+                  device: str | None = None, warm_dir: str | None = None):
     """Train-mode rows on `root`: torchvision RandomResizedCrop + flip (baseline), ImageFolderFast
-    decoding whole images, decoding only the crop (region decode, when available) and, on CUDA,
-    `decode="gpu"` with `GpuDecode` (synchronised per batch). Returns the rows."""
+    decoding whole images, decoding only the crop (region decode, when available), on CUDA
+    `decode="gpu"` with `GpuDecode` (synchronised per batch) and, with `warm_dir`, crops from a
+    decoded cache built there through DataLoader workers and through make_loader's defaults
+    (threads). Returns the rows."""
     import torch
     import torchvision
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
     from recipes.bench.measure import best_interleaved, measure
-    from recipes.common import worker_init
-    from recipes.vision import GpuDecode, ImageFolderFast, encoded_collate, uint8_collate
+    from recipes.common import make_loader, worker_init
+    from recipes.vision import (
+        GpuDecode,
+        ImageFolderFast,
+        build_image_cache,
+        encoded_collate,
+        uint8_collate,
+    )
     from recipes.vision.region_decode import region_decode_available
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,6 +141,13 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
 
         loaders.append(("decode='gpu' + GpuDecode (bytes from workers, nvJPEG)",
                         _Reiterable(DataLoader(gpu, collate_fn=encoded_collate, **settings), decoded)))
+    if warm_dir is not None:  # crops over the cached whole images
+        warm = ImageFolderFast(root, size=size, train=True)
+        build_image_cache(warm, warm_dir, num_workers=workers, progress=False)
+        loaders += [("ImageFolderFast train warm (cache), DataLoader workers",
+                     DataLoader(warm, collate_fn=uint8_collate, shuffle=True, **settings)),
+                    ("ImageFolderFast train warm (cache), make_loader defaults (threads)",
+                     make_loader(warm, batch_size=batch_size, shuffle=True))]
     return best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders), repeat=repeat)
 
 
@@ -156,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
           f"batch {args.batch_size}, {workers} workers\n")
     print(format_table(rows, unit="images/s"))
     print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
-    train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
-                               repeat=args.repeat)
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
+        train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
+                                   repeat=args.repeat, warm_dir=warm_dir)
     print(f"\n## vision train: random-resized crops + flips, {args.size}px, batch {args.batch_size}, "
           f"{workers} workers (img/s per worker = rate / {max(workers, 1)})\n")
     print(format_table(train_rows, unit="images/s"))
@@ -224,7 +243,8 @@ def train_setup(args, device):
     decoder = "region decode" if region_decode_available() else "whole-image decode"
     loaders = [("torchvision ImageFolder + PIL (plain)", plain_loader, plain_to_device),
                (f"ImageFolderFast cold ({decoder}), make_loader", make_loader(cold, **common), to_device),
-               ("ImageFolderFast warm (cache), make_loader", make_loader(warm, **common), to_device),
+               ("ImageFolderFast warm (cache), make_loader (threads unless --workers)", make_loader(warm, **common),
+                to_device),
                ("ImageFolderFast warm (cache), DeviceCropLoader (4 threads, crops on the device)",
                 DeviceCropLoader(warm, batch_size=batch, drop_last=True, device=device, dtype=dtype), lambda b: b)]
     if cuda:

@@ -42,6 +42,7 @@ MAP_KINDS = ["shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "buck
 KINDS = [*MAP_KINDS, "sharded"]
 EXPLICIT = {"distributed", "bucket", "packed", "sharded"}  # the loop calls set_epoch
 ELASTIC = {"bucket", "sharded"}
+THREADED = {"shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket"}  # Ids: also a ThreadLoader
 
 settings.register_profile("thorough", max_examples=300, stateful_step_count=40, deadline=None,
                           suppress_health_check=list(HealthCheck))
@@ -81,6 +82,13 @@ class Ids(Dataset):
             os.kill(os.getpid(), signal.SIGKILL)
         return int(i)
 
+    # ThreadBatched: `make_loader(..., path="threads")` reads whole batches in pool threads
+    def thread_batches(self):
+        return True
+
+    def read_batch(self, indices, rng):
+        return torch.tensor([int(i) for i in indices])
+
 
 class ShardReader:
     """Reads a shard of ints; a worker SIGKILLs itself reading the value its marker names."""
@@ -111,8 +119,9 @@ class World:
     def build(self, kind: str, config: dict, *, world: int = 1, rank: int = 0, rebuilt: bool = False):
         workers, persistent, prefetch, robust = config["workers"], config["persistent"], config["prefetch"], \
             config["robust"] and config["workers"] > 0
-        kwargs = dict(num_workers=workers)
-        if workers:
+        threads = config.get("threads", False) and kind in THREADED and not robust
+        kwargs = dict(path="threads") if threads else dict(num_workers=workers)
+        if workers and not threads:
             kwargs.update(persistent_workers=persistent, prefetch_factor=prefetch)
         torch.manual_seed(999 if rebuilt else SEED)  # a resumed process need not seed alike
         # only a RobustLoader's workers may be killed: the others read a marker never armed
@@ -186,7 +195,8 @@ class References:
 
 
 CONFIGS = st.fixed_dictionaries({"workers": st.sampled_from([0, 1, 2]), "persistent": st.booleans(),
-                                 "prefetch": st.sampled_from([1, 2, 4]), "robust": st.booleans()})
+                                 "prefetch": st.sampled_from([1, 2, 4]), "robust": st.booleans(),
+                                 "threads": st.booleans()})
 
 
 class ExactlyOnce(RuleBasedStateMachine):

@@ -1,0 +1,63 @@
+"""Which path `make_loader` takes: worker processes (`StatefulLoader`) or threads (`ThreadLoader`).
+
+Use when: reading why `make_loader` returned a `ThreadLoader` (`loader.recipe.reasons["path"]`)
+or forcing a path (`make_loader(..., path="workers")` or `path="threads"`).
+Cost: one `thread_batches()` call on the dataset.
+Adapt here: `WORKER_ONLY`, the arguments that ask for worker processes.
+Trade-off: "auto" takes threads only for a dataset that says its items are memory-speed
+reads (`ThreadBatched.thread_batches()`: `ImageFolderFast`, `TokenCache` and
+`SpectrogramCache` with their caches) and only when no argument asks for workers: Python
+per-item work in threads holds the GIL, so anything else keeps its worker processes.
+Copy with: common/loader_contract.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import IterableDataset
+
+from recipes.common.loader_contract import ThreadBatched
+
+PATHS = ("auto", "threads", "workers")
+# Arguments of worker processes: given by the user, they choose the worker path.
+WORKER_ONLY = ("num_workers", "prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context",
+               "timeout", "pin_memory_device", "in_order")
+# What a ThreadLoader takes from make_loader's settings.
+THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory",
+               "collate_fn")
+
+
+def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str]:
+    """`("threads" | "workers", the reason)` for `dataset` under `path` and the user's arguments.
+
+    Raises:
+        ValueError: an unknown `path`, or `path="threads"` for a dataset or arguments that
+            the thread path cannot serve (naming why).
+    """
+    if path not in PATHS:
+        raise ValueError(f"`path` must be one of {PATHS}, but is {path!r} instead.")
+    if path == "workers":
+        return "workers", "given"
+    able = isinstance(dataset, ThreadBatched) and not isinstance(dataset, IterableDataset)
+    ready = able and dataset.thread_batches()
+    asked = [key for key in WORKER_ONLY if key in overrides]
+    name = type(dataset).__name__
+    if path == "threads":
+        if not ready:
+            raise ValueError(f"path='threads' needs a map-style dataset whose items are memory-speed reads "
+                             f"(thread_batches() true: a cache attached, no transform); {name} "
+                             f"{'has no thread_batches()' if not able else 'cannot now'}. Use path='workers'.")
+        if asked:
+            raise ValueError(f"path='threads' makes batches in threads of this process; {asked} configure worker "
+                             "processes. Drop them, or use path='workers'.")
+        return "threads", "given"
+    if not ready:
+        return "workers", (f"worker processes: {name} has no thread_batches() (loader_contract.ThreadBatched)"
+                           if not able else
+                           f"worker processes: {name}.thread_batches() is false (no cache attached, or a transform)")
+    if asked:
+        return "workers", f"worker processes: {', '.join(asked)} given (path='threads' would refuse them)"
+    return "threads", (f"threads: {name} reads its items from a memory-speed cache (the GIL released); "
+                       "worker processes would add a shared-memory hand-over and pickling per batch. "
+                       "path='workers' for worker processes")

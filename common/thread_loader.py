@@ -1,0 +1,163 @@
+"""ThreadLoader: batches of a memory-speed cache read by threads of the training process.
+
+Use when: a dataset serves items from a decoded or tokenized cache (a `preadv` and a `memcpy`
+per item, a resize for a train crop), work that releases the GIL. A DataLoader worker process
+would then spend more on the hand-over than on the work: each batch crosses through a fresh
+shared-memory segment (created and faulted in by the worker, mapped and faulted in again by
+the main process: about 100-150 us per 224 px image on 2 cores) and is pickled. Here threads
+of the main process fill each batch straight into its own tensor, batches are yielded in
+order, and the loader's state is `StatefulLoader`'s: it resumes exactly, in any epoch.
+Cost: per batch one call of the dataset's `read_batch(indices, rng)` in a pool thread; the
+order comes from the sampler in the main process, as in a DataLoader without workers.
+Adapt here: `threads` (the CPUs of this rank by default), `prefetch` (batches in flight).
+Trade-off: only as fast as the dataset's `read_batch` releases the GIL (numpy reads, OpenCV
+resizes and torch copies do; Python per-item work does not, and belongs in worker processes:
+`make_loader(..., path="workers")`).
+
+A dataset opts in by implementing `ThreadBatched` (`loader_contract.py`): `thread_batches()`
+says whether its items are memory-speed reads now (a cache attached). A pool thread then makes
+each batch: `collate_fn(items)` with a collate function, else the dataset's `read_batch(indices,
+rng)`, which returns the collated batch with its random draws (crops, flips) from `rng`, a
+generator seeded by `(seed, epoch, batch position)`: the same batch gets the same crops
+whatever the threads and after a resume.
+Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_state.py,
+  common/loader_warning.py, common/stateful_loader.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from recipes.common.loader_contract import ReadAheadAware, ThreadBatched
+from recipes.common.loader_passes import Counting
+from recipes.common.stateful_loader import StatefulLoader
+
+_ACCEPTED = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory", "collate_fn"}
+
+
+class ThreadLoader(StatefulLoader):
+    """A `StatefulLoader` whose batches are read by a thread pool instead of worker processes.
+
+    Args:
+        dataset: a map-style dataset implementing `ThreadBatched`.
+        threads: pool threads; the CPUs this process may use when None.
+        prefetch: batches in flight ahead of the loop; `2 * threads` when None.
+        seed: seeds each batch's random draws with `(seed, epoch, position)`; drawn from
+            torch's random generator when None (so `torch.manual_seed` reproduces runs).
+        **kwargs: `batch_size`, `shuffle`, `sampler`, `batch_sampler`, `drop_last`,
+            `generator`, `pin_memory`, as for a DataLoader.
+
+    Raises:
+        TypeError: a dataset without `read_batch`, an iterable dataset, or a DataLoader
+            argument that belongs to worker processes (`num_workers`, `collate_fn`, ...).
+    """
+
+    def __init__(self, dataset, *, threads: int | None = None, prefetch: int | None = None,
+                 seed: int | None = None, **kwargs: Any):
+        if isinstance(dataset, IterableDataset) or not isinstance(dataset, ThreadBatched):
+            raise TypeError(f"ThreadLoader reads a map-style dataset that says its batches are memory-speed reads "
+                            f"(thread_batches(), loader_contract.ThreadBatched); {type(dataset).__name__} has none. "
+                            "Use make_loader(..., path='workers').")
+        unknown = sorted(set(kwargs) - _ACCEPTED)
+        if unknown:
+            raise TypeError(f"ThreadLoader does not take {unknown}: they configure worker processes or a collate "
+                            "function, and batches are made by threads of this process. "
+                            "Use make_loader(..., path='workers') for them.")
+        if threads is None:
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if threads < 1 or (prefetch is not None and prefetch < 1):
+            raise ValueError(f"`threads` and `prefetch` must be positive, but are {threads!r}, {prefetch!r} instead.")
+        self.pin = bool(kwargs.pop("pin_memory", False)) and torch.cuda.is_available()
+        collate = kwargs.get("collate_fn")
+        # read_batch makes whole batches (crops drawn from the batch's rng); a collate function
+        # of the user's gets the items instead, unless it is the one read_batch equals
+        self._whole = hasattr(dataset, "read_batch") and (
+            collate is None or collate is getattr(dataset, "read_batch_collate", None))
+        super().__init__(dataset, num_workers=0, **kwargs)
+        self.threads, self.prefetch = threads, prefetch or 2 * threads
+        self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
+        self._pool: ThreadPoolExecutor | None = None
+        for holder in (self.batch_sampler, self.sampler):
+            if isinstance(holder, ReadAheadAware):
+                holder.note_read_ahead(self.prefetch)
+
+    def __iter__(self):
+        current = self._passes.start(0)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
+        batches = _Batches(self, iter(self._index_sampler), current.epoch, current.skip)
+        return Counting(self._passes, current, batches)
+
+    def _read(self, indices: list[int], epoch: int, position: int):
+        if self._whole:
+            batch = self.dataset.read_batch(indices, np.random.default_rng([self.seed, epoch, position]))
+        else:
+            getitems = getattr(self.dataset, "__getitems__", None)
+            items = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+            batch = self.collate_fn(items)
+        return _pinned(batch) if self.pin else batch
+
+    def close(self) -> None:
+        """Ends the pool's threads; the next `iter` starts new ones. Also `with loader:`."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __del__(self):
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Batches:
+    """The pass's batches in order, `prefetch` of them read ahead by the pool."""
+
+    def __init__(self, loader: ThreadLoader, indices, epoch: int, skipped: int):
+        self._loader, self._indices, self._epoch = loader, indices, epoch
+        self._position = skipped  # batches of the epoch before the first one read here
+        self._pending: collections.deque = collections.deque()
+        self._ended = False
+
+    def _fill(self) -> None:
+        loader = self._loader
+        while not self._ended and len(self._pending) < loader.prefetch:
+            indices = next(self._indices, None)
+            if indices is None:
+                self._ended = True
+                break
+            indices = [int(i) for i in indices]
+            self._pending.append(loader._pool.submit(loader._read, indices, self._epoch, self._position))
+            self._position += 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._fill()
+        if not self._pending:
+            raise StopIteration
+        return self._pending.popleft().result()
+
+    def __len__(self) -> int:
+        return len(self._loader._index_sampler)
+
+    def __del__(self):
+        for future in self._pending:
+            future.cancel()
+
+
+def _pinned(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_pinned(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _pinned(v) for k, v in batch.items()}
+    return batch

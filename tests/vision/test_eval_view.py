@@ -1,0 +1,142 @@
+"""The eval view (issue 21): an eval dataset's cache stores each image as torchvision's eval
+transform makes it, so warm eval is a row copy with torchvision's pixels; the thread path
+(`read_batch`) serves the same items as the DataLoader path, and its train crops follow
+torchvision's distribution."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+import torchvision.transforms as T
+from torch.utils.data import DataLoader
+
+from recipes.common import ThreadLoader, make_loader
+from recipes.testing import make_image_folder
+from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
+from tests.vision.test_image_cache import _ks
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """ImageNet-like JPEGs (about 500x375, some portrait, quality 90)."""
+    return make_image_folder(tmp_path_factory.mktemp("photos"), classes=3, per_class=6, seed=11)
+
+
+def _mad(a, b):
+    return (a.int() - b.int()).abs().float().mean().item()
+
+
+def _torchvision(root, size=224, side=256):
+    return torchvision.datasets.ImageFolder(root, transform=T.Compose([T.Resize(side), T.CenterCrop(size),
+                                                                       T.PILToTensor()]))
+
+
+def test_warm_eval_pixels_are_torchvisions_within_a_grey_level(photos, tmp_path):
+    ds = ImageFolderFast(photos, size=224)
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+    assert ds.eval_view is not None and ds.eval_view.size == (224, 224)
+    reference = _torchvision(photos)
+    mads = [_mad(ds[i][0], reference[i][0]) for i in range(len(ds))]
+    assert np.mean(mads) <= 1.0 and max(mads) <= 1.5, mads
+    whole = ImageFolderFast(photos, size=224)  # the same cache without its view: resized out of the store
+    whole.use_cache(ds.cache)
+    whole._views[(224, 224)] = None
+    assert np.mean([_mad(whole[i][0], reference[i][0]) for i in range(len(ds))]) > np.mean(mads)
+
+
+def test_the_view_is_built_for_eval_reopened_and_other_resolutions_fall_back(photos, tmp_path):
+    train = ImageFolderFast(photos, size=96, train=True)
+    build_image_cache(train, tmp_path, num_workers=0, progress=False)
+    assert train.eval_view is None and not list(train.cache.path.glob("eval-*"))  # train: no view
+    ds = ImageFolderFast(photos, size=96, max_side=192, cache_dir=tmp_path)  # the same cache, eval
+    assert ds.cache is not None and ds.eval_view is None
+    first = [ds[i][0].clone() for i in range(3)]  # served from the whole images meanwhile
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)  # adds the view to the existing cache
+    assert sorted(p.name for p in ds.cache.path.glob("eval-*")) == ["eval-96x96-crop0.875.bin",
+                                                                    "eval-96x96-crop0.875.json"]
+    again = ImageFolderFast(photos, size=96, max_side=192, cache_dir=tmp_path)
+    assert again.eval_view is not None
+    rows = [again[i][0] for i in range(len(again))]
+    assert all(torch.equal(rows[i], again.eval_record(i)) for i in range(len(again)))  # a row copy of the view
+    assert all(_mad(rows[i], first[i]) < 3 for i in range(3))
+    again.set_resolution(64)  # no view at 64: correct first (torchvision's geometry over the whole image)
+    assert again.eval_view is None and again[0][0].shape == (3, 64, 64)
+    with pytest.raises(ValueError, match="train=True"):
+        train.eval_record(0)
+
+
+@pytest.mark.parametrize("damage", ["other_fingerprint", "short_data", "bad_json"])
+def test_a_damaged_view_is_not_served_and_the_next_build_replaces_it(photos, tmp_path, damage):
+    ds = ImageFolderFast(photos, size=64)
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+    header = ds.cache.path / "eval-64x64-crop0.875.json"
+    data = ds.cache.path / "eval-64x64-crop0.875.bin"
+    if damage == "other_fingerprint":
+        header.write_text(json.dumps({**json.loads(header.read_text()), "fingerprint": "0" * 64}))
+    elif damage == "short_data":
+        data.write_bytes(data.read_bytes()[:-10])
+    else:
+        header.write_text("{not json")
+    reopened = ImageFolderFast(photos, size=64, cache_dir=tmp_path)
+    assert reopened.cache is not None and reopened.eval_view is None  # never served
+    build_image_cache(reopened, tmp_path, num_workers=0, progress=False)
+    assert reopened.eval_view is not None
+    assert torch.equal(reopened[5][0], reopened.eval_record(5))
+
+
+def test_threads_serve_what_workers_serve(photos, tmp_path):
+    ds = ImageFolderFast(photos, size=64)
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+    threaded = make_loader(ds, batch_size=5)
+    assert isinstance(threaded, ThreadLoader)
+    workers = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=uint8_collate)
+    for (a, ta), (b, tb) in zip(threaded, workers, strict=True):
+        assert torch.equal(a, b) and torch.equal(ta, tb)
+        assert a.is_contiguous(memory_format=torch.channels_last) and a.dtype == torch.uint8
+    assert make_loader(ds, batch_size=5, collate_fn=uint8_collate).recipe.settings["path"] == "threads"
+    with_transform = ImageFolderFast(photos, size=64, cache_dir=tmp_path, transform=lambda x: x.flip(-2))
+    assert with_transform.thread_batches() is False
+    assert "thread_batches() is false" in make_loader(with_transform, batch_size=5).recipe.reasons["path"]
+    with pytest.raises(ValueError, match="read_batch serves a decoded cache"):
+        with_transform.read_batch([0], np.random.default_rng(0))
+
+
+def test_thread_path_train_crops_follow_torchvision(tmp_path, monkeypatch):
+    """The thread path draws its crops as the worker path does: torchvision's scale, ratio and
+    position distribution over the whole stored image (KS test, as for the worker path)."""
+    import cv2
+
+    import recipes.vision.cached_batches as module
+    from recipes.testing import natural_image
+
+    rng = np.random.default_rng(3)
+    (tmp_path / "wide" / "a").mkdir(parents=True)
+    for k in range(4):
+        cv2.imwrite(str(tmp_path / "wide" / "a" / f"{k}.jpg"), natural_image(320, 640, rng))
+    ds = ImageFolderFast(tmp_path / "wide", size=48, train=True)
+    build_image_cache(ds, tmp_path / "c", num_workers=0, progress=False)
+    seen = []
+    original = module.random_resized_box
+
+    def spy(h, w, rng, scale, ratio):
+        box = original(h, w, rng, scale, ratio)
+        seen.append((h, w, *box))
+        return box
+
+    monkeypatch.setattr(module, "random_resized_box", spy)
+    loader = ThreadLoader(ds, batch_size=40, shuffle=True, seed=5, threads=2)
+    for _ in range(38):  # 3,040 crops, 4 per batch position
+        for _ in loader:
+            pass
+    h, w, top, left, bh, bw = np.array(seen, dtype=float).T
+    torch.manual_seed(1)
+    reference = np.array([T.RandomResizedCrop.get_params(torch.empty(3, 320, 640), [0.08, 1.0], [3 / 4, 4 / 3])
+                          for _ in range(len(seen))], dtype=float)
+    rtop, rleft, rh, rw = reference.T
+    ours = {"area": bh * bw / (h * w), "aspect": np.log(bw / bh), "x centre": (left + bw / 2) / w}
+    theirs = {"area": rh * rw / (320 * 640), "aspect": np.log(rw / rh), "x centre": (rleft + rw / 2) / 640}
+    critical = 1.95 * np.sqrt(2 / len(seen))  # KS at alpha = 0.001 (seeded: no flakes)
+    for name in ours:
+        assert _ks(ours[name], theirs[name]) < critical, name

@@ -1,0 +1,90 @@
+"""Whole batches from a decoded image cache, filled in place: the worker path and the thread path.
+
+Use when: `ImageFolderFast` has a decoded cache attached. Both ways of serving it fill one
+uint8 `[B, 3, H, W]` batch (channels-last in memory) row by row: an eval image from its eval
+view with one `preadv` straight into its row (no resize, no copy); otherwise the crop's rows
+`preadv`ed into a scratch buffer, resized (antialiased bilinear) and flipped into its row.
+`__getitems__` (DataLoader workers) fills a batch in shared memory with the process's own
+generator; `read_batch` (`ThreadLoader`, threads of the training process) a private batch with
+the loader's per-batch generator, and is safe to call from several threads at once.
+Cost: per image one `preadv` (eval view) or one `preadv` plus one resize; the GIL is released
+in both.
+Adapt here: nothing; the crops are `ImageFolderFast.SCALE`/`RATIO`/`CROP_PCT`.
+Trade-off: the scratch buffer is per call (`max_side^2 * 3` bytes), not per thread.
+Copy with: common/cache_files.py, common/process_lifetime.py, vision/batch_buffers.py,
+  vision/crop.py, vision/decode.py, vision/eval_view.py, vision/image_cache.py,
+  vision/stale_caches.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from recipes.vision.batch_buffers import copy_image
+from recipes.vision.crop import eval_box, random_resized_box
+from recipes.vision.eval_view import EvalView, open_eval_view
+from recipes.vision.image_cache import ImageCacheError
+
+if TYPE_CHECKING:
+    from recipes.vision.image_folder import ImageFolderFast
+
+
+def thread_batches(dataset: ImageFolderFast) -> bool:
+    """Whether batches are memory-speed reads that threads can serve: a cache, no `transform`."""
+    return dataset.cache is not None and dataset.transform is None and dataset.decode == "cpu"
+
+
+def eval_view_of(dataset: ImageFolderFast) -> EvalView | None:
+    """The cache's eval view at the dataset's current resolution (eval mode only), opened once
+    per resolution and process; None without one."""
+    cache = dataset.cache
+    if cache is None or dataset.train:
+        return None
+    size = dataset.resolution
+    if size not in dataset._views:
+        dataset._views[size] = open_eval_view(cache.path, cache.fingerprint, cache.count, size, dataset.CROP_PCT,
+                                              ImageCacheError)
+    return dataset._views[size]
+
+
+def fill_cached_batch(dataset: ImageFolderFast, indices: list[int], rng: np.random.Generator,
+                      batch: torch.Tensor) -> torch.Tensor:
+    """Fills `batch` (uint8 `[B, 3, H, W]`, channels-last) with the cached items of `indices`,
+    drawing each train item's crop, then its flip, from `rng`; returns `batch`."""
+    cache, view, out = dataset.cache, dataset.eval_view, dataset.resolution
+    rows = batch.permute(0, 2, 3, 1)  # [B, H, W, 3], contiguous
+    scratch = None
+    for row, index in enumerate(indices):
+        if view is not None:
+            view.read_into(rows[row].numpy(), index)
+            continue
+        h, w = (int(v) for v in cache.shapes[index])
+        if dataset.train:
+            box = random_resized_box(h, w, rng, dataset.SCALE, dataset.RATIO)
+        else:
+            box = eval_box(h, w, out, dataset.CROP_PCT)
+        if scratch is None:
+            scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)
+        image = cache.read_crop(index, box, out, scratch=scratch)
+        if dataset.train and rng.random() < 0.5:
+            image = image.flip(-1)
+        copy_image(batch[row], image)
+    return batch
+
+
+def read_cached_batch(dataset: ImageFolderFast, indices: list[int],
+                      rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`read_batch(indices, rng)`: `(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`,
+    what `uint8_collate` returns for the same items, crops and flips drawn from `rng`; safe to
+    call from several threads at once."""
+    if not dataset.thread_batches():
+        raise ValueError("read_batch serves a decoded cache without a `transform`: attach one with "
+                         "build_image_cache() (or ImageFolderFast(cache_dir=...)), or use DataLoader workers.")
+    indices = [dataset._check_index(i) for i in indices]
+    h, w = dataset.resolution
+    batch = torch.empty((len(indices), h, w, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    fill_cached_batch(dataset, indices, rng, batch)
+    return batch, torch.from_numpy(np.asarray(dataset.cache.labels[indices], dtype=np.int64))
