@@ -8,14 +8,16 @@
 What to change for your data (lines marked ADAPT):
   - `build_model`: your network (torchvision's resnet50 here; a tiny CNN with --smoke).
   - `--data` (an ImageFolder tree, root/<class>/<image>) and `--cache` (fast local disk:
-    the decoded cache takes S*S*3 bytes per image, 196 KB at 224 px).
+    the decoded cache stores whole images, about 450 KB per 500x375 JPEG at 224 px).
   - `SIZE`, the progressive schedule, the optimiser and its learning rate.
 What each setting buys (measured; README "Benchmarks"):
   - `build_image_cache`: every JPEG decoded once; warm epochs read 13-17x the images/s of
     torchvision's ImageFolder + PIL on 2 cores, and a resnet50 step on an H200 went from
     waiting for data 70% of the time (cold, 4 workers) to 21%.
-  - `make_loader`: workers sized for this machine (13 on a 16-core GPU node), `fork`
-    workers that start in milliseconds, pinned memory with CUDA; `recipes tune` measures better.
+  - `make_loader`: with the decoded cache, threads of this process read the batches (a
+    `ThreadLoader`: no worker processes, no shared-memory hand-over); without it, workers sized
+    for this machine (13 on a 16-core GPU node) that start in milliseconds; pinned memory with
+    CUDA. `loader.recipe.reasons["path"]` says which.
   - `uint8_collate` + `DeviceNormalize`: 4x fewer bytes through the workers and over PCIe
     than float32; normalisation is one kernel on the GPU.
   - `ProgressiveResolution`: early epochs at lower resolution cost a third to half as much.
