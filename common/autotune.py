@@ -23,11 +23,13 @@ Copy with: common/cache_files.py, common/cache_folder.py, common/held_descriptor
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import IterableDataset, Sampler
 
+from recipes.common.loader_warning import LoaderWarning
 from recipes.common.monitor import items_in
 from recipes.common.probes import PeakMemory
 from recipes.common.tune_store import save_tuned
@@ -97,7 +99,7 @@ def autotune(
     Raises:
         ValueError: invalid arguments or an empty dataset.
     """
-    _check(batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget)
+    _check(batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget, max_workers)
     from recipes.common.resources import detect_resources
     from recipes.common.sizing import local_world_size_from_env
 
@@ -142,8 +144,19 @@ def autotune(
         _merge(row, _trial(dataset, batch_size, collate_fn, row["num_workers"], row["prefetch_factor"], stepper,
                            seconds_per_trial))
     chosen = _choose(trials, stepper is not None, memory_budget)
-    result = TuneResult(_settings(chosen, batch_size), trials, _reason(chosen, stepper is not None, memory_budget))
-    if store:
+    once = sum(row.get("runs", 1) < 2 for row in trials)
+    reason = _reason(chosen, stepper is not None, memory_budget)
+    if once:  # max_seconds ran out before the second round reached them
+        reason += f" ({once} of {len(trials)} settings measured once: max_seconds ran out)"
+    result = TuneResult(_settings(chosen, batch_size), trials, reason)
+    if _over(chosen, memory_budget):
+        warnings.warn(f"autotune: no setting fits the memory budget of {memory_budget / 2**20:,.0f} MiB; the one "
+                      f"with the lowest peak ({chosen['peak_bytes'] / 2**20:,.0f} MiB) is returned and not stored.",
+                      LoaderWarning, stacklevel=2)
+    elif store and len(trials) == 1 and limit > 0:
+        warnings.warn("autotune: max_seconds allowed one trial (0 workers) only; the result is not stored, so "
+                      "make_loader keeps its own sizing. Give it more time.", LoaderWarning, stacklevel=2)
+    elif store:
         save_tuned(dataset, result, chosen)
     return result
 
@@ -212,8 +225,9 @@ class _Endless(Sampler):
 
 
 def _worker_counts(limit: int) -> list[int]:
+    """The worker counts the sweep tries after 0 (none when `limit` is 0)."""
     counts = [c for c in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if c <= limit]
-    return counts if counts and counts[-1] == limit else [*counts, limit]
+    return counts if not limit or counts[-1] == limit else [*counts, limit]
 
 
 def _fed(row: dict[str, Any]) -> bool:
@@ -251,7 +265,10 @@ def _reason(row: dict[str, Any], with_step: bool, budget: int | None) -> str:
         why = f"the cheapest setting whose data wait is under {WAIT_TARGET:.0%} ({row['wait_fraction']:.1%}), {rate}"
     else:
         why = f"the fewest workers within {GAIN - 1:.0%} of the fastest rate, {rate}"
-    if budget is not None:
+    if budget is not None and _over(row, budget):
+        why += (f"; no setting fits the memory budget of {budget / 2**20:,.0f} MiB: the lowest peak, "
+                f"{row['peak_bytes'] / 2**20:,.0f} MiB")
+    elif budget is not None:
         why += f", within the memory budget of {budget / 2**20:,.0f} MiB"
     return f"autotune: {why}"
 
@@ -263,13 +280,15 @@ def _sleeper(seconds: float) -> Callable[[Any], None]:
     return step
 
 
-def _check(batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget) -> None:
+def _check(batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget, max_workers) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, but is {batch_size!r} instead.")
+    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
+        raise ValueError(f"`max_workers` must be a non-negative integer, but is {max_workers!r} instead.")
     if step_seconds < 0:
         raise ValueError(f"`step_seconds` must be non-negative, but is {step_seconds!r} instead.")
     for name, value in (("seconds_per_trial", seconds_per_trial), ("max_seconds", max_seconds)):
-        if not value > 0:
-            raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
+        if not 0 < value < float("inf"):
+            raise ValueError(f"`{name}` must be positive and finite, but is {value!r} instead.")
     if memory_budget is not None and memory_budget <= 0:
         raise ValueError(f"`memory_budget` must be positive, but is {memory_budget!r} instead.")

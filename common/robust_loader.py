@@ -20,6 +20,7 @@ Copy with: common/cache_files.py, common/loader.py, common/loader_contract.py,
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from typing import Any
@@ -30,7 +31,6 @@ from recipes.common.loader_warning import LoaderWarning
 _SHM = ("no space left on device", "unable to write to file </torch_", "unable to allocate shared memory",
         "bus error", "out of shared memory")
 _DEATH = ("exited unexpectedly", "is killed by signal")
-_HANG = ("timed out after",)
 _START = ("cannot allocate memory", "resource temporarily unavailable", "too many open files")
 _POLL_SECONDS = 1.0
 
@@ -123,11 +123,11 @@ class RobustLoader:
             try:
                 return next(iterator)
             except RuntimeError as error:
-                if "timed out after" not in str(error):
+                if not _own_timeout(error):  # a dataset's or worker's error that mentions a timeout: not ours
                     raise
                 waited += time.monotonic() - start
                 if waited >= self.timeout:
-                    raise RuntimeError(f"DataLoader timed out after {self.timeout:g} seconds waiting for one "
+                    raise _Hang(f"DataLoader timed out after {self.timeout:g} seconds waiting for one "
                                        "batch (RobustLoader)") from error
 
     def _step_down(self, cause: str, resume_at: int) -> None:
@@ -147,14 +147,29 @@ _DESCRIBE = {"death": "a DataLoader worker died (OOM killer, segfault, or a sign
              "start": "DataLoader workers could not start"}
 
 
+class _Hang(RuntimeError):
+    """No batch within RobustLoader's `timeout`: a hung worker."""
+
+
+def _own_timeout(error: BaseException) -> bool:
+    """DataLoader's own `timeout=` expiry, exactly its message, not a dataset's error that
+    happens to say "timed out after" (a subprocess timeout in a worker comes back as "Caught
+    TimeoutExpired in DataLoader worker process ...")."""
+    return type(error) is RuntimeError and re.fullmatch(r"DataLoader timed out after [0-9.e+-]+ seconds",
+                                                        str(error)) is not None
+
+
 def _cause(error: BaseException) -> str | None:
-    """The kind of loading failure `error` is, or None for an error of the dataset's own."""
+    """The kind of loading failure `error` is, or None for an error of the dataset's own.
+    Deaths and hangs are DataLoader's own errors ("DataLoader worker (pid ...) ...", "DataLoader
+    timed out after"); an error a worker raised comes back as "Caught ... in DataLoader worker
+    process", and only a full /dev/shm is recognised inside one."""
     text = str(error).lower()
     if any(s in text for s in _SHM):
         return "shm"
-    if any(s in text for s in _DEATH):
+    if text.startswith("dataloader worker (pid") and any(s in text for s in _DEATH):
         return "death"
-    if any(s in text for s in _HANG):
+    if isinstance(error, _Hang):
         return "hang"
     if isinstance(error, OSError) and any(s in text for s in _START):
         return "start"

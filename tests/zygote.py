@@ -4,12 +4,14 @@ SIGKILL, a state loaded elsewhere) gets one in milliseconds instead of paying `i
 (3.5 s on 2 cores) again. The zygote is a separate, fresh interpreter, never a fork of the
 test session: a child shares nothing with the test's heap, threads or servers.
 
-A child runs `code` as `python -c code *argv` would (`__name__ == "__main__"`, `sys.argv`),
-with its stdout and stderr in files, its exit status from `SystemExit` or 1 on an uncaught
-exception (the traceback on its stderr), after its atexit handlers. What is not the same as a
-new interpreter: the preloaded modules are already imported, and interpreter finalisation
-(module teardown, the "leaked semaphore" check) does not run; tests of those keep
-`subprocess`.
+A child runs `code` as `python -c code *argv` would (`__name__ == "__main__"`, `sys.argv`,
+the test's environment and working directory at the call), with its stdout and stderr in
+files, its exit status from `SystemExit` (a message printed) or 1 on an uncaught exception
+(the traceback on its stderr), after its non-daemon threads and atexit handlers. What is not
+the same as a new interpreter: the preloaded modules are already imported, so environment
+variables read at import (`OMP_NUM_THREADS` for torch's thread pool) keep the zygote's values;
+stdin is closed; Ctrl-C exits 1, not -2; interpreter finalisation (module teardown, the
+"leaked semaphore" check) does not run. Tests of those keep `subprocess`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 SERVER = r"""
-import atexit, importlib, json, os, sys, time, traceback
+import atexit, importlib, json, os, sys, threading, time, traceback
 for name in sys.argv[1:]:
     importlib.import_module(name)
 for line in sys.stdin:
@@ -41,14 +43,18 @@ for line in sys.stdin:
                     os.chdir(request["cwd"])
                 sys.path.insert(0, request["cwd"] or "")
                 sys.argv = ["-c", *request["argv"]]
+                os.environ.clear()
                 os.environ.update(request["env"])
                 exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
             except SystemExit as stop:
                 status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if stop.code is not None and not isinstance(stop.code, int):
+                    print(stop.code, file=sys.stderr)
             except BaseException:
                 traceback.print_exc()
                 status = 1
             try:
+                threading._shutdown()  # non-daemon threads finish, as at interpreter exit
                 atexit._run_exitfuncs()
             finally:
                 sys.stdout.flush()
@@ -88,8 +94,10 @@ class Zygote:
         self._count += 1
         out = Path(self._folder) / f"{self._count}.out"
         err = Path(self._folder) / f"{self._count}.err"
-        pid = self._ask({"op": "run", "code": code, "argv": [str(a) for a in argv], "env": env or {},
-                         "cwd": str(cwd) if cwd else None, "stdout": str(out), "stderr": str(err)})["pid"]
+        environment = {**os.environ, **(env or {})}  # the test's environment now (monkeypatch.setenv included)
+        pid = self._ask({"op": "run", "code": code, "argv": [str(a) for a in argv], "env": environment,
+                         "cwd": str(cwd if cwd is not None else os.getcwd()), "stdout": str(out),
+                         "stderr": str(err)})["pid"]
         return Child(self, pid, out, err)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ Cost: per image one `preadv` of h*w*3 bytes in a thread (the GIL is released dur
 read); per batch one host-to-device copy of B*M*M*3 bytes and four kernels. No IPC, no
 per-batch allocation on the host, no pickling.
 Adapt here: `MEAN`/`STD`, `threads`, or subclass and override `boxes` for other crops.
+Eval with an eval view (`recipes.vision.eval_view`) copies its rows as they are: torchvision's pixels.
 Trade-off: whole padded slots cross to the device (M*M instead of size*size bytes per image,
 4x at max_side = 2 x size). Pixels match the CPU path's `resize_uint8` within ~0.3 grey
 levels on average.
@@ -110,6 +111,7 @@ class DeviceCropLoader:
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()
         cache = self.dataset.cache
+        view = self._view()  # eval with an eval view: its rows, already torchvision's crops
         labels = np.asarray(cache.labels)  # opens the cache file in this process before the threads do
         buffers = [_Buffer(self.batch_size, cache.max_side, self.device) for _ in range(self.threads + 1)]
         pending: collections.deque = collections.deque()
@@ -117,7 +119,7 @@ class DeviceCropLoader:
             for k, indices in enumerate(batches):
                 buffer = buffers[k % len(buffers)]
                 buffer.wait_until_free()  # its previous batch's copy to the device has finished
-                pending.append((k, indices, buffer, pool.submit(_read, cache, indices, buffer.host)))
+                pending.append((k, indices, buffer, pool.submit(_read, cache, indices, buffer.host, view)))
                 if len(pending) > self.threads:
                     yield self._finish(*pending.popleft(), labels)
             while pending:
@@ -129,11 +131,19 @@ class DeviceCropLoader:
         images = buffer.host[:n].to(self.device, non_blocking=True)
         buffer.mark_in_use()
         rng = np.random.default_rng([self.seed, self.epoch, k])
-        boxes, flips = self.boxes(self.dataset.cache.shapes[indices], rng)
+        view = self._view()
+        if view is not None:  # each slot holds its eval-view row: the identity box, resampled 1:1
+            boxes, flips = np.tile([0, 0, *view.size], (n, 1)), np.zeros(n, bool)
+        else:
+            boxes, flips = self.boxes(self.dataset.cache.shapes[indices], rng)
         out = crop_resize(images, boxes, self.dataset.resolution, flips)
         out = torch.addcmul(self._shift, out, self._scale).to(self.dtype)
         targets = torch.from_numpy(labels[indices]).to(self.device, non_blocking=True)
         return out.contiguous(memory_format=torch.channels_last), targets
+
+    def _view(self):
+        view = self.dataset.eval_view
+        return view if view is not None and max(view.size) <= self.dataset.cache.max_side else None
 
     def boxes(self, shapes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """`(int [n, 4] top/left/height/width boxes, bool [n] flips)` for images of `shapes`
@@ -163,10 +173,14 @@ def crop_resize(images: torch.Tensor, boxes: np.ndarray, out: tuple[int, int], f
     return y.round_().clamp_(0, 255)
 
 
-def _read(cache, indices: np.ndarray, host: torch.Tensor) -> None:
+def _read(cache, indices: np.ndarray, host: torch.Tensor, view=None) -> None:
     for row, index in enumerate(indices):
         slot = host[row].numpy()
-        h, w = cache.read_padded(int(index), slot)
+        if view is not None:
+            h, w = view.size
+            view.read_into([slot[r, :w] for r in range(h)], int(index))
+        else:
+            h, w = cache.read_padded(int(index), slot)
         # Replicate the last column and row: bilinear samples at a crop's far edge reach one
         # pixel past the image, which must be the edge (as at a real border), not the slot's
         # stale bytes from another image.

@@ -117,17 +117,37 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
                 bar.update(len(images))
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temp, folder / f"{name}.bin")
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-                  "size": list(size), "crop_pct": dataset.CROP_PCT}
-        write_synced(temp, json.dumps(header).encode())
-        os.replace(temp, folder / f"{name}.json")
-        fsync_path(folder)
+        def valid() -> bool:
+            return open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error) is not None
+
+        if not valid():
+            # Another process may be committing the same view: the first link of the data wins (a
+            # link never replaces). Data already there that makes no valid view is a crashed or
+            # damaged build's: replaced, unless the other process's view became valid meanwhile.
+            if not _link(temp, folder / f"{name}.bin") and not valid():
+                os.replace(temp, folder / f"{name}.bin")
+            header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
+                      "size": list(size), "crop_pct": dataset.CROP_PCT}
+            temp_header = temp.with_suffix(".json.tmp")  # never `temp`: linked, it is the data file now
+            write_synced(temp_header, json.dumps(header).encode())
+            if not _link(temp_header, folder / f"{name}.json") and not valid():
+                os.replace(temp_header, folder / f"{name}.json")  # a stale header (another cache's): replaced
+            fsync_path(folder)
     finally:
         temp.unlink(missing_ok=True)
+        temp.with_suffix(".json.tmp").unlink(missing_ok=True)
     view = open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error)
     assert view is not None, f"the eval view {name} just written in {folder} did not open"
     return view
+
+
+def _link(source: Path, target: Path) -> bool:
+    """`source` also at `target` unless `target` exists; True when linked."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        return False
+    return True
 
 
 class _EvalItems:

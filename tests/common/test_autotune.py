@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common import autotune, make_loader
+from recipes.common.loader_warning import LoaderWarning
 from recipes.common.tune_store import load_tuned, tune_dir
 
 
@@ -70,7 +71,8 @@ def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
 
 
 def test_a_tight_memory_budget_picks_fewer_workers():
-    ds = Busy(n=64, cost=0.004, item_bytes=2 << 20)  # 16 MiB batches: each worker holds several
+    ds = Busy(n=64, cost=0.004, item_bytes=4 << 20)  # 32 MiB batches: each worker holds several (a PSS
+    # peak is noisy by a few tens of MiB on a busy machine; two workers hold over 100 MiB more)
     free = _tune(ds, store=False)
     peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
     assert peaks[2] > peaks[1] > peaks[0]  # the sweep always reaches 2 workers; each holds batches
@@ -129,3 +131,24 @@ def test_iterable_datasets_are_tuned_too():
 
     result = _tune(Stream(), seconds_per_trial=0.2, store=False)
     assert result["num_workers"] in (0, 1, 2)
+
+
+def test_no_setting_within_the_budget_is_said_warned_and_not_stored():
+    ds = Busy(n=16)
+    with pytest.warns(LoaderWarning, match="no setting fits the memory budget of 0 MiB"):
+        result = _tune(ds, seconds_per_trial=0.1, max_workers=1, memory_budget=1)
+    assert "no setting fits the memory budget" in result.reason and "within the memory budget" not in result.reason
+    assert load_tuned(ds) is None
+
+
+def test_worker_limits_and_a_sweep_cut_short():
+    single = _tune(Busy(n=16), seconds_per_trial=0.1, max_workers=0, store=False)
+    assert [(t["num_workers"], t["prefetch_factor"]) for t in single.trials] == [(0, None)]  # one row, no duplicate
+    with pytest.raises(ValueError, match="`max_workers` must be a non-negative integer, but is -1"):
+        autotune(Busy(), batch_size=4, max_workers=-1)
+    with pytest.raises(ValueError, match="positive and finite"):
+        autotune(Busy(), batch_size=4, seconds_per_trial=float("inf"))
+    ds = Busy(n=16)
+    with pytest.warns(LoaderWarning, match="allowed one trial"):
+        cut = _tune(ds, seconds_per_trial=0.1, max_seconds=0.001)
+    assert "measured once: max_seconds ran out" in cut.reason and load_tuned(ds) is None

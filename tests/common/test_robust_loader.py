@@ -176,3 +176,26 @@ def test_a_reset_connection_counts_as_a_death_once_its_worker_is_reaped():
         living.kill()
         living.join()
         dying.join()
+
+
+class SaysTimedOut(Dataset):
+    """A dataset whose own error mentions a timeout (a subprocess or HTTP timeout in a worker)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise RuntimeError("the backend timed out after 30 s")
+        return i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_error_that_says_timed_out_is_raised_not_swallowed(workers):
+    """An error of the dataset's own is never taken for the loader's poll or a hang: the batch
+    would be lost without a word (found by the adversarial review of issue 20)."""
+    got = []
+    with pytest.raises(RuntimeError, match="backend timed out after 30 s"):
+        for batch in RobustLoader(SaysTimedOut(), batch_size=4, num_workers=workers, timeout=5):
+            got += batch.tolist()
+    assert got == list(range(12))

@@ -160,7 +160,7 @@ def test_unchecked_mode_serves_what_the_decoder_recovers(tmp_path, mutated, dama
 @pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
 def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_path, mutated, damaged, kinds,
                                                                             monkeypatch):
-    import recipes.vision.image_folder as module
+    import recipes.vision.region_decode as module  # where ImageFolderFast._decode_box looks it up
 
     strictness = []
     real = module.decode_region

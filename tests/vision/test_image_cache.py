@@ -167,12 +167,17 @@ def test_the_label_check_knows_where_skipped_images_were_replaced(own_tree, tmp_
         assert ImageFolderFast(own_tree, size=64, on_error="skip", cache_dir=tmp_path).cache is None
 
 
-def test_images_truncated_after_opening_raise_the_cache_error_in_a_fresh_worker(own_tree, tmp_path):
+@pytest.mark.parametrize("train, name", [(True, "images.bin"), (False, "eval-64x64-crop0.875.bin")])
+def test_images_truncated_after_opening_raise_the_cache_error_in_a_fresh_worker(own_tree, tmp_path, train, name):
+    """The whole images (read by train crops) or the eval view (read by eval), truncated after
+    the dataset opened them: an ImageCacheError naming the file, never a short read served."""
     build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
-    ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)  # opened and checked, nothing read yet
+    ds = ImageFolderFast(own_tree, size=64, train=train, cache_dir=tmp_path)  # opened and checked, nothing read yet
+    assert (ds.eval_view is None) == train  # eval: its view opened
     spawned = pickle.loads(pickle.dumps(ds))  # what a spawned worker receives
-    forked = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
-    images = ds.cache.path / "images.bin"
+    forked = ImageFolderFast(own_tree, size=64, train=train, cache_dir=tmp_path)
+    assert (forked.eval_view is None) == train
+    images = ds.cache.path / name
     os.truncate(images, images.stat().st_size - 1000)
     expected = rf"{re.escape(str(images))} changed after the cache was opened: truncated in place.*Reopen the cache"
     for dataset in (ds, spawned):
@@ -204,8 +209,8 @@ def test_two_processes_building_the_same_cache(own_tree, tmp_path, zygote):
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None
     assert [p.name for p in tmp_path.iterdir() if p != own_tree] == [ds.cache.path.name]  # one cache, no temp
-    assert sorted(_files(ds.cache.path)) == ["files.npy", "header.json", "images.bin", "labels.bin", "offsets.bin",
-                                             "shapes.bin"]
+    assert sorted(_files(ds.cache.path)) == ["eval-64x64-crop0.875.bin", "eval-64x64-crop0.875.json", "files.npy",
+                                             "header.json", "images.bin", "labels.bin", "offsets.bin", "shapes.bin"]
     single = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "single", num_workers=0, progress=False)
     assert _files(ds.cache.path) == _files(single.path)
 

@@ -14,7 +14,9 @@ from torch.utils.data import DataLoader
 
 from recipes.common import PackedStrings, worker_init
 from recipes.vision import ImageDecodeError, ImageFolderFast, uint8_collate
-from recipes.vision import image_folder as image_folder_module
+from recipes.vision import (
+    region_decode as decode_box_module,  # ImageFolderFast._decode_box's decoders
+)
 
 
 def _tv_eval(size):
@@ -105,13 +107,13 @@ def test_invalid_arguments(image_tree):
 # ---- reduced-resolution decoding --------------------------------------------------------
 def _record_reductions(monkeypatch):
     seen = []
-    real = image_folder_module.decode_image
+    real = decode_box_module.decode_image
 
     def spy(data, *, reduce=1, **kw):
         seen.append(reduce)
         return real(data, reduce=reduce, **kw)
 
-    monkeypatch.setattr(image_folder_module, "decode_image", spy)
+    monkeypatch.setattr(decode_box_module, "decode_image", spy)
     return seen
 
 

@@ -3,7 +3,9 @@ from torch.utils.data import DataLoader
 
 from recipes.common import worker_init
 from recipes.vision import ImageFolderFast, ProgressiveResolution, uint8_collate
-from recipes.vision import image_folder as image_folder_module
+from recipes.vision import (
+    region_decode as decode_box_module,  # ImageFolderFast._decode_box's decoders
+)
 
 
 def test_schedule():
@@ -35,8 +37,8 @@ def test_resolution_change_reaches_persistent_workers(image_tree):
 
 def test_low_resolution_decodes_at_a_coarser_dct_scale(image_tree, monkeypatch):
     seen = []
-    real = image_folder_module.decode_image
-    monkeypatch.setattr(image_folder_module, "decode_image",
+    real = decode_box_module.decode_image
+    monkeypatch.setattr(decode_box_module, "decode_image",
                         lambda data, *, reduce=1, **kw: seen.append(reduce) or real(data, reduce=reduce, **kw))
     ds = ImageFolderFast(image_tree, size=224, region_decode=False)  # the DCT scale alone (see test_region_decode)
     ds[0]

@@ -67,7 +67,7 @@ def test_train_crops_are_the_same_pixels_with_and_without_region_decode(image_tr
         calls.append(box)
         return real(data, box, **kwargs)
 
-    monkeypatch.setattr(image_folder_module, "decode_region", spy)
+    monkeypatch.setattr(decode_module, "decode_region", spy)  # where ImageFolderFast._decode_box looks it up
     for train in (True, False):  # at 256 px no crop of these photos allows a 1/2 DCT scale
         full = ImageFolderFast(image_tree, size=256, train=train, region_decode=False)
         region = ImageFolderFast(image_tree, size=256, train=train, region_decode=True)
