@@ -73,11 +73,11 @@ def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
 def test_a_tight_memory_budget_picks_fewer_workers():
     ds = Busy(n=64, cost=0.004, item_bytes=4 << 20)  # 32 MiB batches: each worker holds several (a PSS
     # peak is noisy by a few tens of MiB on a busy machine; two workers hold over 100 MiB more)
-    free = _tune(ds, store=False)
+    free = _tune(ds, store=False, seconds_per_trial=0.6)  # peaks are sampled every 0.25 s: longer trials
     peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
     assert peaks[2] > peaks[1] > peaks[0]  # the sweep always reaches 2 workers; each holds batches
     budget = (peaks[1] + peaks[2]) // 2
-    tight = _tune(ds, memory_budget=budget, store=False)
+    tight = _tune(ds, memory_budget=budget, store=False, seconds_per_trial=0.6)
     # Fewer than 2 workers whatever the rates on a busy machine say: 2 workers do not fit.
     assert tight["num_workers"] < 2, tight.table()
     chosen = [t for t in tight.trials if (t["num_workers"], t["prefetch_factor"]) ==
