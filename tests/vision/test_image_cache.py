@@ -279,10 +279,9 @@ def test_another_resolution_from_the_cache_is_torchvisions_eval(own_tree, tmp_pa
     assert max(cached) < 5.0 and np.mean(cached) <= np.mean(decoded), (cached, decoded)
 
 
-def _boxes_served(ds, draws, monkeypatch):
-    """The random-resized-crop boxes the cached path draws, relative to each stored image."""
-    import recipes.vision.image_folder as module
-
+def spy_boxes(monkeypatch, module) -> list:
+    """`(h, w, top, left, height, width)` of every random-resized-crop box `module` draws from
+    now on, relative to each stored image."""
     seen = []
     original = module.random_resized_box
 
@@ -292,10 +291,35 @@ def _boxes_served(ds, draws, monkeypatch):
         return box
 
     monkeypatch.setattr(module, "random_resized_box", spy)
+    return seen
+
+
+def _boxes_served(ds, draws, monkeypatch):
+    """The random-resized-crop boxes the cached path (`ds[i]`) draws."""
+    import recipes.vision.image_folder as module
+
+    seen = spy_boxes(monkeypatch, module)
     torch.manual_seed(0)
     for k in range(draws):
         ds[k % len(ds)]
     return np.array(seen, dtype=float)
+
+
+def assert_crops_follow_torchvision(served: np.ndarray, height: int, width: int) -> None:
+    """Area, aspect and position of `served` boxes (rows of `spy_boxes`) against as many draws of
+    torchvision's `RandomResizedCrop.get_params` on a `height x width` original (KS, alpha 0.001)."""
+    h, w, top, left, bh, bw = served.T
+    torch.manual_seed(1)
+    reference = np.array([T.RandomResizedCrop.get_params(torch.empty(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
+                          for _ in range(len(served))], dtype=float)
+    rtop, rleft, rh, rw = reference.T
+    ours = {"area": bh * bw / (h * w), "aspect": np.log(bw / bh), "x centre": (left + bw / 2) / w,
+            "y centre": (top + bh / 2) / h}
+    theirs = {"area": rh * rw / (height * width), "aspect": np.log(rw / rh), "x centre": (rleft + rw / 2) / width,
+              "y centre": (rtop + rh / 2) / height}
+    critical = 1.95 * np.sqrt(2 / len(served))  # KS at alpha = 0.001 (results are seeded: no flakes)
+    for name in ours:
+        assert _ks(ours[name], theirs[name]) < critical, name
 
 
 def _ks(a, b):
@@ -322,17 +346,10 @@ def test_train_crops_from_the_cache_follow_torchvision_over_the_original(tmp_pat
     served = _boxes_served(ds, 3000, monkeypatch)
     h, w, top, left, bh, bw = served.T
     assert set(zip(h, w, strict=True)) == {(96.0, 192.0)}  # whole images, aspect kept
+    assert_crops_follow_torchvision(served, 320, 640)
     torch.manual_seed(1)
-    reference = np.array([T.RandomResizedCrop.get_params(torch.empty(3, 320, 640), [0.08, 1.0], [3 / 4, 4 / 3])
-                          for _ in range(3000)], dtype=float)
-    rtop, rleft, rh, rw = reference.T
-    ours = {"area": bh * bw / (h * w), "aspect": np.log(bw / bh), "x centre": (left + bw / 2) / w,
-            "y centre": (top + bh / 2) / h}
-    theirs = {"area": rh * rw / (320 * 640), "aspect": np.log(rw / rh), "x centre": (rleft + rw / 2) / 640,
-              "y centre": (rtop + rh / 2) / 320}
-    critical = 1.95 * np.sqrt(2 / 3000)  # KS at alpha = 0.001 (results are seeded: no flakes)
-    for name in ours:
-        assert _ks(ours[name], theirs[name]) < critical, name
+    rtop, rleft, rh, rw = np.array([T.RandomResizedCrop.get_params(torch.empty(3, 320, 640), [0.08, 1.0],
+                                                                  [3 / 4, 4 / 3]) for _ in range(3000)], dtype=float).T
     for ours_edge, theirs_edge in (((left / w < 0.05).mean(), (rleft / 640 < 0.05).mean()),
                                    (((left + bw) / w > 0.95).mean(), ((rleft + rw) / 640 > 0.95).mean())):
         assert ours_edge > 0.05 and abs(ours_edge - theirs_edge) < 0.03  # the outer 5% strips, as often
