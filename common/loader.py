@@ -79,9 +79,9 @@ def make_loader(
         resources: a `Resources` snapshot; `detect_resources()` when None.
         tuned: use the workers and prefetch factor that `autotune` / `recipes tune` stored for
             this dataset, batch size and machine, when there are such (overrides still win).
-        path: "auto": a `ThreadLoader` (threads of this process, no workers) when the dataset
-            reads batches from a memory-speed cache (`ThreadBatched.thread_batches()`) and no
-            worker argument is given, else worker processes; "workers" or "threads" to choose
+        path: "auto": a `ThreadLoader` (threads of this process, no workers) when the dataset's
+            batches are made by code that releases the GIL (`ThreadBatched.thread_batches()`: a
+            memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is given, else worker processes; "workers" or "threads" to choose
             (`loader_path.py`). `loader.recipe.reasons["path"]` says which and why.
         **overrides: any DataLoader keyword argument; overrides win over the profile.
 

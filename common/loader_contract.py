@@ -137,8 +137,8 @@ class Prefetching(Protocol):
 @runtime_checkable
 class ThreadBatched(Protocol):
     """A map-style dataset whose batches threads can read (`ThreadLoader`, chosen by
-    `make_loader` when `thread_batches()` is true): its items are memory-speed reads (a cache
-    attached) whose work releases the GIL. A pool thread makes each batch: with a `collate_fn`,
+    `make_loader` when `thread_batches()` is true): its items are made by work that releases the
+    GIL (memory-speed reads from a cache, or native decoding such as OpenCV's). A pool thread makes each batch: with a `collate_fn`,
     `collate_fn(dataset.__getitems__(indices))` (or the items one by one); without one, the
     dataset's optional `read_batch(indices, rng)` (the collated batch, every random draw from
     `rng`, seeded by the loader per batch; `read_batch_collate` names the collate function whose

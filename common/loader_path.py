@@ -4,10 +4,11 @@ Use when: reading why `make_loader` returned a `ThreadLoader` (`loader.recipe.re
 or forcing a path (`make_loader(..., path="workers")` or `path="threads"`).
 Cost: one `thread_batches()` call on the dataset.
 Adapt here: `WORKER_ONLY`, the arguments that ask for worker processes.
-Trade-off: "auto" takes threads only for a dataset that says its items are memory-speed
-reads (`ThreadBatched.thread_batches()`: `ImageFolderFast`, `TokenCache` and
-`SpectrogramCache` with their caches) and only when no argument asks for workers: Python
-per-item work in threads holds the GIL, so anything else keeps its worker processes.
+Trade-off: "auto" takes threads only for a dataset that says its batches are made by code
+that releases the GIL (`ThreadBatched.thread_batches()`: `TokenCache` and `SpectrogramCache`
+with their caches, `ImageFolderFast` without a `transform`, from its cache or decoding files
+with OpenCV) and only when no argument asks for workers: Python per-item work in threads
+holds the GIL, so anything else keeps its worker processes.
 Copy with: common/loader_contract.py.
 """
 
@@ -45,8 +46,9 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
     name = type(dataset).__name__
     if path == "threads":
         if not ready:
-            raise ValueError(f"path='threads' needs a map-style dataset whose items are memory-speed reads "
-                             f"(thread_batches() true: a cache attached, no transform); {name} "
+            raise ValueError(f"path='threads' needs a map-style dataset whose batches are made by code that "
+                             f"releases the GIL (thread_batches() true: a cache attached or OpenCV decoding, no "
+                             f"transform); {name} "
                              f"{'has no thread_batches()' if not able else 'cannot now'}. Use path='workers'.")
         if asked:
             raise ValueError(f"path='threads' makes batches in threads of this process; {asked} configure worker "
@@ -58,6 +60,8 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
                            f"worker processes: {name}.thread_batches() is false (no cache attached, or a transform)")
     if asked:
         return "workers", f"worker processes: {', '.join(asked)} given (path='threads' would refuse them)"
-    return "threads", (f"threads: {name} reads its items from a memory-speed cache (the GIL released); "
-                       "worker processes would add a shared-memory hand-over and pickling per batch. "
-                       "path='workers' for worker processes")
+    source = "reads its items from a memory-speed cache" if getattr(dataset, "cache", True) is not None else \
+        "decodes its items with OpenCV"
+    return "threads", (f"threads: {name} {source} (the GIL released); worker processes would add a "
+                       "shared-memory hand-over and pickling per batch, and leave a core to the training "
+                       "loop. path='workers' for worker processes")

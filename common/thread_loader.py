@@ -19,7 +19,9 @@ says whether its items are memory-speed reads now (a cache attached). A pool thr
 each batch: `collate_fn(items)` with a collate function, else the dataset's `read_batch(indices,
 rng)`, which returns the collated batch with its random draws (crops, flips) from `rng`, a
 generator seeded by `(seed, epoch, batch position)`: the same batch gets the same crops
-whatever the threads and after a resume.
+whatever the threads and after a resume. With `pin_memory` on CUDA, a `read_batch` that takes
+`pin_memory=` fills its batch in page-locked memory from torch's caching host allocator (reused
+blocks, no second copy); other batches are copied into pinned memory.
 Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_state.py,
   common/loader_warning.py, common/stateful_loader.py.
 """
@@ -27,6 +29,7 @@ Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_sta
 from __future__ import annotations
 
 import collections
+import inspect
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -80,6 +83,8 @@ class ThreadLoader(StatefulLoader):
         # of the user's gets the items instead, unless it is the one read_batch equals
         self._whole = hasattr(dataset, "read_batch") and (
             collate is None or collate is getattr(dataset, "read_batch_collate", None))
+        # a read_batch that takes `pin_memory` fills its batch in pinned memory itself (no copy)
+        self._pins_itself = self._whole and "pin_memory" in inspect.signature(dataset.read_batch).parameters
         super().__init__(dataset, num_workers=0, **kwargs)
         self.threads, self.prefetch = threads, prefetch or 2 * threads
         self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
@@ -97,7 +102,10 @@ class ThreadLoader(StatefulLoader):
 
     def _read(self, indices: list[int], epoch: int, position: int):
         if self._whole:
-            batch = self.dataset.read_batch(indices, np.random.default_rng([self.seed, epoch, position]))
+            rng = np.random.default_rng([self.seed, epoch, position])
+            if self._pins_itself:
+                return self.dataset.read_batch(indices, rng, pin_memory=self.pin)
+            batch = self.dataset.read_batch(indices, rng)
         else:
             getitems = getattr(self.dataset, "__getitems__", None)
             items = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]

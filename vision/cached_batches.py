@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from recipes.vision.batch_buffers import copy_image
+from recipes.vision.batch_buffers import copy_image, trim_heap
 from recipes.vision.crop import eval_box, random_resized_box
+from recipes.vision.decode import _opencv
 from recipes.vision.eval_view import EvalView, open_eval_view
 from recipes.vision.image_cache import ImageCacheError
 
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
 
 
 def thread_batches(dataset: ImageFolderFast) -> bool:
-    """Whether batches are memory-speed reads that threads can serve: a cache, no `transform`."""
-    return dataset.cache is not None and dataset.transform is None and dataset.decode == "cpu"
+    """Whether threads can make its batches: no `transform` (Python per item, holding the GIL)
+    and decode="cpu". From a cache an item is a `preadv` and a resize; from a file a read, a
+    libjpeg-turbo decode and a resize: OpenCV and nvImageCodec release the GIL in both."""
+    return dataset.transform is None and dataset.decode == "cpu"
 
 
 def eval_view_of(dataset: ImageFolderFast) -> EvalView | None:
@@ -68,23 +71,46 @@ def fill_cached_batch(dataset: ImageFolderFast, indices: list[int], rng: np.rand
             box = eval_box(h, w, out, dataset.CROP_PCT)
         if scratch is None:
             scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)
-        image = cache.read_crop(index, box, out, scratch=scratch)
-        if dataset.train and rng.random() < 0.5:
-            image = image.flip(-1)
-        copy_image(batch[row], image)
+        image = cache.read_crop(index, box, out, scratch=scratch)  # [3, h, w], channels-last in memory
+        flip = dataset.train and rng.random() < 0.5
+        if image.permute(1, 2, 0).is_contiguous() and rows[row].is_contiguous():
+            pixels, target = image.permute(1, 2, 0).numpy(), rows[row].numpy()
+            if flip:  # mirrored straight into the row (the GIL released)
+                _opencv().flip(pixels, 1, dst=target)
+            else:
+                np.copyto(target, pixels)
+        else:
+            copy_image(batch[row], image.flip(-1) if flip else image)
     return batch
 
 
-def read_cached_batch(dataset: ImageFolderFast, indices: list[int],
-                      rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def fill_decoded_batch(dataset: ImageFolderFast, indices: list[int], rng: np.random.Generator,
+                       batch: torch.Tensor) -> np.ndarray:
+    """Fills `batch` with the items of `indices` decoded from their files (crops and flips from
+    `rng`; with on_error="skip" a bad file's replacement, counted); returns their targets."""
+    targets = np.empty(len(indices), np.int64)
+    for row, index in enumerate(indices):
+        image, targets[row], _ = dataset._load_or_skip(index, lambda i: dataset._output_image(i, rng), rng)
+        copy_image(batch[row], image)
+    trim_heap()  # decode buffers fragment the heap (batch_buffers.trim_heap)
+    return targets
+
+
+def read_batch(dataset: ImageFolderFast, indices: list[int], rng: np.random.Generator, *,
+               pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`read_batch(indices, rng)`: `(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`,
-    what `uint8_collate` returns for the same items, crops and flips drawn from `rng`; safe to
-    call from several threads at once."""
+    what `uint8_collate` returns for the same items, crops and flips drawn from `rng`, from the
+    cache when one is attached, else decoded from the files; safe to call from several threads
+    at once. With `pin_memory` (CUDA), the batch is filled in place in page-locked memory from
+    torch's caching host allocator (blocks are reused once their copies to the device are
+    done): no second copy into pinned memory."""
     if not dataset.thread_batches():
-        raise ValueError("read_batch serves a decoded cache without a `transform`: attach one with "
-                         "build_image_cache() (or ImageFolderFast(cache_dir=...)), or use DataLoader workers.")
+        raise ValueError("read_batch makes batches in threads, which a `transform` (Python per item) or "
+                         "decode='gpu' rule out; use DataLoader workers (make_loader(..., path='workers')).")
     indices = [dataset._check_index(i) for i in indices]
     h, w = dataset.resolution
-    batch = torch.empty((len(indices), h, w, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    batch = torch.empty((len(indices), h, w, 3), dtype=torch.uint8, pin_memory=pin_memory).permute(0, 3, 1, 2)
+    if dataset.cache is None:
+        return batch, torch.from_numpy(fill_decoded_batch(dataset, indices, rng, batch))
     fill_cached_batch(dataset, indices, rng, batch)
     return batch, torch.from_numpy(np.asarray(dataset.cache.labels[indices], dtype=np.int64))

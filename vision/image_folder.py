@@ -46,7 +46,7 @@ from recipes.vision.batch_buffers import new_uint8_batch, trim_heap
 from recipes.vision.cached_batches import (
     eval_view_of,
     fill_cached_batch,
-    read_cached_batch,
+    read_batch,
     thread_batches,
 )
 from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
@@ -246,7 +246,7 @@ class ImageFolderFast(Dataset):
 
     # the thread path (ThreadLoader, which make_loader chooses) and the eval view: cached_batches.py
     thread_batches = thread_batches
-    read_batch = read_cached_batch
+    read_batch = read_batch
     eval_view = property(eval_view_of)
     eval_record = eval_record  # what an eval view stores (eval_view.py)
     read_batch_collate = staticmethod(uint8_collate)  # read_batch returns what it would: make_loader keeps threads
@@ -254,17 +254,18 @@ class ImageFolderFast(Dataset):
     def _check_index(self, index) -> int:
         return resolve_index(index, len(self), f"the {len(self)} images under {self.root}")
 
-    def _load_or_skip(self, index: int, load):
+    def _load_or_skip(self, index: int, load, rng: np.random.Generator | None = None):
         """`load(i)` for `index`, or with on_error="skip" the next good index after it.
 
-        A bad file consumes no randomness: the generator is rewound to before its attempt, so
-        the replacement draws what the bad file would have drawn. The CPU path finds a
-        truncated or undecodable file only after drawing its crop (the decode needs the box),
-        decode="gpu" workers before drawing (they check the bytes first); rewound, both give
-        every later image the same crop and flip.
+        A bad file consumes no randomness: the generator (`rng`, else this process's) is rewound
+        to before its attempt, so the replacement draws what the bad file would have drawn. The
+        CPU path finds a truncated or undecodable file only after drawing its crop (the decode
+        needs the box), decode="gpu" workers before drawing (they check the bytes first);
+        rewound, both give every later image the same crop and flip.
         """
         n = len(self)
-        rewind = self._generator().bit_generator.state if self.train and self.on_error == "skip" else None
+        rng = rng or self._generator()
+        rewind = rng.bit_generator.state if self.train and self.on_error == "skip" else None
         for step in range(n):
             i = (index + step) % n
             try:
@@ -274,7 +275,7 @@ class ImageFolderFast(Dataset):
                     raise
                 self._bad[i] = 1
                 if rewind is not None:
-                    self._generator().bit_generator.state = rewind
+                    rng.bit_generator.state = rewind
         raise ImageDecodeError(f"every one of the {n} images under {self.root} failed to decode")
 
     # ---- decoding from files ----------------------------------------------------------
@@ -282,15 +283,18 @@ class ImageFolderFast(Dataset):
         path = self._paths[index]
         return (path, *read_image_file(path, index=index))
 
-    def _output_image(self, index: int) -> tuple[torch.Tensor, int]:
+    def _output_image(self, index: int, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, int]:
+        """`(uint8 [3, H, W], target)` decoded from the file, crop and flip drawn from `rng`
+        (this process's generator when None)."""
+        rng = rng or self._generator()
         path, data, header = self._read(index)
         out = self.resolution
         if self.train:
-            box = random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
+            box = random_resized_box(header.height, header.width, rng, self.SCALE, self.RATIO)
         else:
             box = eval_box(header.height, header.width, out, self.CROP_PCT)
         image = self._decode_box(data, header, box, out, path, index)
-        return self._finish(resize_uint8(image, out)), int(self._targets[index])
+        return self._finish(resize_uint8(image, out), rng), int(self._targets[index])
 
     def _encoded_item(self, index: int) -> tuple[dict, int]:
         """decode="gpu": the file's bytes (checked as far as a header allows), its crop box in
@@ -355,8 +359,8 @@ class ImageFolderFast(Dataset):
         return self._finish(self.cache.read_crop(index, box, out))
 
     # ---- shared tail ------------------------------------------------------------------
-    def _finish(self, image: torch.Tensor) -> torch.Tensor:
-        if self.train and self._generator().random() < 0.5:
+    def _finish(self, image: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
+        if self.train and (rng or self._generator()).random() < 0.5:
             image = image.flip(-1)
         return self.transform(image) if self.transform is not None else image
 

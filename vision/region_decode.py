@@ -10,7 +10,7 @@ Cost: rows above the crop are still entropy-decoded (a baseline JPEG has no rand
 the saving grows with how little of the image a crop keeps: measured 1.14x train img/s per
 worker on 500x375 photos. A strict decode reads the scan to its end (the rows below the crop
 too, `recipes.vision.decode`): about the cost of a whole decode.
-Adapt here: `_region_decoder` (one CPU thread per process, sRGB, EXIF orientation ignored).
+Adapt here: `_region_decoder` (one CPU thread per process and thread, sRGB, EXIF orientation ignored).
 Trade-off: needs nvImageCodec; for CMYK/YCCK JPEGs, other codecs, or a file it declines,
 `decode_region` returns None and the caller decodes the whole image.
 Copy with: vision/crop.py, vision/decode.py.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -97,21 +98,23 @@ def _region_decoder():
     nvImageCodec loads its codec extensions once, at import; a process that imports it here
     for CPU work (a DataLoader worker, or a machine without CUDA) loads only the libjpeg-turbo
     extension, so the GPU ones do not print load failures in every worker. A decoder's
-    thread pool does not survive fork, so each process builds its own.
+    thread pool does not survive fork, so each process builds its own; and one decoder used by
+    several threads at once fails ("Broken promise") or hangs, so each thread builds its own.
     """
-    global _REGION, _REGION_PID
-    if _REGION_PID == os.getpid():
-        return _REGION
-    _REGION_PID, _REGION = os.getpid(), None
+    mine = getattr(_REGION, "decoder", None)
+    if mine is not None and mine[0] == os.getpid():
+        return mine[1]
+    found = None
     try:
         codec = _import_nvimgcodec()
         dec = codec.Decoder(device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
                             backends=[codec.Backend(codec.BackendKind.CPU_ONLY)])
         params = codec.DecodeParams(apply_exif_orientation=False, color_spec=codec.SRGB)
+        found = (codec, dec, params)
     except (ImportError, RuntimeError, AttributeError):
-        return None
-    _REGION = (codec, dec, params)
-    return _REGION
+        pass
+    _REGION.decoder = (os.getpid(), found)
+    return found
 
 
 def _import_nvimgcodec():
@@ -155,8 +158,7 @@ def _import_nvimgcodec():
     return codec
 
 
-_REGION = None
-_REGION_PID: int | None = None
+_REGION = threading.local()  # .decoder: (pid, (module, decoder, params) or None) of this thread
 
 
 def decode_box(dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int) -> np.ndarray:

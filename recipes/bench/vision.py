@@ -60,8 +60,11 @@ def _parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
-def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2):
-    """Measures the baseline, cold and warm loaders on `root`; returns (rows, build seconds)."""
+def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
+            peers: bool = True):
+    """Measures the baseline, the decode-only limit, cold and warm loaders (DataLoader workers
+    and make_loader's defaults) and, when installed, LitData's raw uint8 path on `root`;
+    returns (rows, build seconds, notes)."""
     import torch
     import torchvision
     import torchvision.transforms as T
@@ -75,23 +78,160 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
                     worker_init_fn=worker_init if workers else None)
     baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
         [T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]))
+    from recipes.bench.peers import litdata_available, litdata_eval_loader
+
     cold = ImageFolderFast(root, size=size)
+    notes = []
     with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as cache_dir:
         start = time.perf_counter()
         warm = ImageFolderFast(root, size=size)
         build_image_cache(warm, cache_dir, num_workers=workers, progress=False)  # with the eval view
         build_seconds = time.perf_counter() - start
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         loaders = [
             ("torchvision ImageFolder + PIL (baseline)", DataLoader(baseline, **settings)),
-            ("ImageFolderFast cold (decode)", DataLoader(cold, collate_fn=uint8_collate, **settings)),
+            (f"decode only: libjpeg-turbo at the DCT scale used, {threads} threads (limit)",
+             _DecodeOnly(cold, batch_size, threads)),
+            ("ImageFolderFast cold (decode), DataLoader workers", DataLoader(
+                ImageFolderFast(root, size=size), collate_fn=uint8_collate, **settings)),
+            ("ImageFolderFast cold (decode), make_loader defaults (threads)", make_loader(cold, batch_size=batch_size)),
             ("ImageFolderFast warm (eval view), DataLoader workers",
              DataLoader(warm, collate_fn=uint8_collate, **settings)),
             ("ImageFolderFast warm (eval view), make_loader defaults (threads)",
              make_loader(warm, batch_size=batch_size)),
         ]
+        if peers and litdata_available():
+            samples = list(zip(cold.paths, cold.targets.tolist(), strict=True))
+            loaders.append((f"LitData StreamingDataset, raw uint8 256 px centre squares, {max(workers, 1)} workers "
+                            "(optimize not timed)",
+                            litdata_eval_loader(samples, Path(cache_dir) / "litdata", size=size,
+                                                batch_size=batch_size, workers=max(workers, 1))))
+        elif peers:
+            notes.append("LitData row left out: `pip install litdata` to measure it side by side.")
         rows = best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders),
                                 repeat=repeat)
-    return rows, build_seconds
+        notes.append(cost_breakdown(warm, ImageFolderFast(root, size=size, train=True, cache_dir=cache_dir),
+                                    batch_size))
+    return rows, build_seconds, notes
+
+
+class _DecodeOnly:
+    """Each file read and decoded by libjpeg-turbo (OpenCV) at the DCT scale the eval crop uses,
+    in `threads` threads, nothing else: the limit a decoding loader approaches. Yields one
+    count per batch."""
+
+    def __init__(self, dataset, batch_size: int, threads: int):
+        self.dataset, self.batch_size, self.threads = dataset, batch_size, threads
+
+    def _decode(self, index: int) -> int:
+        from recipes.vision.crop import eval_box
+        from recipes.vision.decode import dct_reduction, decode_image, read_image_file
+
+        data, header = read_image_file(self.dataset.paths[index])
+        box = eval_box(header.height, header.width, self.dataset.resolution, self.dataset.CROP_PCT)
+        return decode_image(data, reduce=dct_reduction((box[2], box[3]), self.dataset.resolution), header=header,
+                            strict=False).shape[0]
+
+    def __iter__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            n = len(self.dataset)
+            for start in range(0, n, self.batch_size):
+                stop = min(n, start + self.batch_size)
+                list(pool.map(self._decode, range(start, stop)))
+                yield (range(start, stop),)
+
+
+def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str:
+    """Per-image costs of the warm path in microseconds, one thread (torch too): read (the eval
+    view's `preadv`; a train crop's rows), crop resize, flip and copy into the batch, and the
+    hand-over of a finished batch (a DataLoader worker's shared-memory batch against a thread's
+    future). A Markdown table."""
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    from recipes.common import ThreadLoader
+    from recipes.vision.batch_buffers import copy_image, new_uint8_batch
+    from recipes.vision.crop import random_resized_box
+    from recipes.vision.decode import resize_uint8
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = min(images, len(eval_ds))
+        h, w = eval_ds.resolution
+        view, cache = eval_ds.eval_view, train_ds.cache
+        out = np.empty((h, w, 3), np.uint8)
+        batch = new_uint8_batch(1, 3, h, w)
+        scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)
+        rng = np.random.default_rng(0)
+        spent = dict.fromkeys(("view", "rows", "resize", "copy"), 0.0)
+        for i in range(n):
+            t0 = time.perf_counter()
+            if view is not None:
+                view.read_into(out, i)
+            t1 = time.perf_counter()
+            ih, iw = (int(v) for v in cache.shapes[i])
+            top, left, bh, bw = random_resized_box(ih, iw, rng, train_ds.SCALE, train_ds.RATIO)
+            t2 = time.perf_counter()
+            rows = cache.read_rows(i, top, bh, scratch[: bh * iw * 3].reshape(bh, iw, 3))
+            t3 = time.perf_counter()
+            image = resize_uint8(rows[:, left : left + bw], (h, w))
+            t4 = time.perf_counter()
+            copy_image(batch[0], image.flip(-1))
+            t5 = time.perf_counter()
+            for key, seconds in zip(spent, (t1 - t0, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                spent[key] += seconds
+        handover = {}
+        for name, loader in (("DataLoader worker (1, shared-memory batch)",
+                              DataLoader(_EmptyBatches(n, batch_size, h, w), batch_size=None, num_workers=1)),
+                             ("thread (ThreadLoader future)",
+                              ThreadLoader(_EmptyBatches(n, batch_size, h, w), batch_size=1, threads=1))):
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                count = sum(len(b) for b in loader)
+                best = min(best, (time.perf_counter() - start) / count)
+            handover[name] = best
+    finally:
+        torch.set_num_threads(torch_threads)
+    us = {key: 1e6 * value / n for key, value in spent.items()}
+    lines = ["| per image, one thread | us |", "|---|---:|",
+             f"| eval: read the eval view row (`preadv`) | {us['view']:,.0f} |",
+             f"| train: read the crop's rows (`preadv`) | {us['rows']:,.0f} |",
+             f"| train: resize the crop (antialiased bilinear) | {us['resize']:,.0f} |",
+             f"| train: flip and copy into the batch | {us['copy']:,.0f} |"]
+    lines += [f"| hand-over of a batch of {batch_size}, per image: {name} | {1e6 * value:,.0f} |"
+              for name, value in handover.items()]
+    return "\n".join(lines)
+
+
+class _EmptyBatches:
+    """`n // batch_size` uint8 batches, written once each (a worker's batch is in shared
+    memory): the hand-over alone, no reading. Map-style, one batch per index."""
+
+    def __init__(self, n: int, batch_size: int, h: int, w: int):
+        self.count, self.shape = max(1, n // batch_size), (batch_size, 3, h, w)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        from recipes.vision.batch_buffers import new_uint8_batch
+
+        if index >= self.count:
+            raise IndexError(index)
+        batch = new_uint8_batch(*self.shape)
+        batch.fill_(1)
+        return batch
+
+    def thread_batches(self) -> bool:
+        return True
+
+    def read_batch(self, indices, rng):
+        return self[indices[0]]  # ThreadLoader(batch_size=1): one prepared batch per index
 
 
 def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
@@ -167,13 +307,15 @@ def run(args: argparse.Namespace) -> int:
 
     root = args.data or ensure_data(args.images, _parse_size(args.image_size))
     workers = smart_num_workers() if args.workers is None else args.workers
-    rows, build_seconds = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
-                                  repeat=args.repeat)
+    rows, build_seconds, notes = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
+                                         repeat=args.repeat)
     count = rows[0].items
     print(f"\n## vision: {count} images from {root}, {args.size}px eval, "
           f"batch {args.batch_size}, {workers} workers\n")
     print(format_table(rows, unit="images/s"))
     print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
+    for note in notes:
+        print(f"\n{note}")
     with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
         train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
                                    repeat=args.repeat, warm_dir=warm_dir)

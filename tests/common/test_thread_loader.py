@@ -194,3 +194,27 @@ def test_a_collate_function_gets_the_items_in_a_thread():
     loader = make_loader(Slow(10), batch_size=4, collate_fn=collate)
     assert isinstance(loader, ThreadLoader) and [b for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert all(name.startswith("ThreadLoader") for name in collated)
+
+
+def test_pinned_batches_are_filled_in_place_when_read_batch_can(monkeypatch):
+    """With CUDA and pin_memory, a read_batch that takes `pin_memory=` gets it (and fills its
+    batch in pinned memory itself); other batches are copied into pinned memory afterwards."""
+    import recipes.common.thread_loader as module
+
+    copied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(module, "_pinned", lambda batch: copied.append(batch) or batch)
+
+    class PinsItself(Slow):
+        def read_batch(self, indices, rng, *, pin_memory=False):
+            asked.append(pin_memory)
+            return torch.tensor(indices), torch.zeros(len(indices))
+
+    asked = []
+    assert sum(len(b[0]) for b in ThreadLoader(PinsItself(10), batch_size=4, pin_memory=True)) == 10
+    assert asked == [True] * 3 and copied == []
+    assert sum(len(b[0]) for b in ThreadLoader(Slow(10), batch_size=4, pin_memory=True)) == 10
+    assert len(copied) == 3
+    asked.clear()
+    list(ThreadLoader(PinsItself(10), batch_size=4))  # no pin_memory: not asked to pin
+    assert asked == [False] * 3

@@ -99,7 +99,7 @@ def test_threads_serve_what_workers_serve(photos, tmp_path):
     with_transform = ImageFolderFast(photos, size=64, cache_dir=tmp_path, transform=lambda x: x.flip(-2))
     assert with_transform.thread_batches() is False
     assert "thread_batches() is false" in make_loader(with_transform, batch_size=5).recipe.reasons["path"]
-    with pytest.raises(ValueError, match="read_batch serves a decoded cache"):
+    with pytest.raises(ValueError, match="a `transform` \(Python per item\)"):
         with_transform.read_batch([0], np.random.default_rng(0))
 
 
@@ -123,3 +123,21 @@ def test_thread_path_train_crops_follow_torchvision(tmp_path, monkeypatch):
         for _ in loader:
             pass
     assert_crops_follow_torchvision(np.array(seen, dtype=float), 320, 640)  # as for the worker path
+
+
+def test_thread_train_batches_are_the_crops_and_flips_their_rng_draws(photos, tmp_path):
+    """read_batch's rows against the crops read one by one with the same draws (box, then flip)."""
+    from recipes.vision.crop import random_resized_box
+
+    ds = ImageFolderFast(photos, size=64, train=True)
+    build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+    indices = list(range(len(ds)))
+    images, targets = ds.read_batch(indices, np.random.default_rng(7))
+    rng, flips = np.random.default_rng(7), 0
+    for row, i in enumerate(indices):
+        h, w = (int(v) for v in ds.cache.shapes[i])
+        expected = ds.cache.read_crop(i, random_resized_box(h, w, rng, ds.SCALE, ds.RATIO), (64, 64))
+        if rng.random() < 0.5:
+            expected, flips = expected.flip(-1), flips + 1
+        assert torch.equal(images[row], expected), row
+    assert 0 < flips < len(indices) and targets.tolist() == ds.targets.tolist()

@@ -134,8 +134,8 @@ def _cpu_boxes_and_flips(ds, monkeypatch):
         seen[index] = [tuple(box)]
         return decode_box(self, data, header, box, out, path, index)
 
-    def spy_finish(self, image):
-        result = finish(self, image)
+    def spy_finish(self, image, rng=None):
+        result = finish(self, image, rng)
         seen[max(seen)].append(not torch.equal(result, image))
         return result
 
