@@ -58,6 +58,11 @@ class ShardedIterableDataset(IterableDataset):
         rank, world_size: this rank and the number of ranks; `torch.distributed`'s when
             initialised at construction, else 0 and 1.
         cache: a `PrefetchCache` to download remote shards ahead of reading.
+        split: "auto" (the rule of the module docstring) or "samples": sample ranges of the
+            epoch's concatenated shards whatever the shard count (needs `shard_lengths`), so
+            that with `even` every sample is read once per epoch and at most
+            `world_size - 1` repeat, where whole shards would skip the surplus of the ranks
+            with more samples; a shard on a boundary is read in parts by two consumers.
 
     Raises:
         ValueError: bad lengths, or `even=True` under DDP without `shard_lengths`.
@@ -75,7 +80,13 @@ class ShardedIterableDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         cache=None,
+        split: str = "auto",
     ):
+        if split not in ("auto", "samples"):
+            raise ValueError(f"`split` must be 'auto' or 'samples', but is {split!r} instead.")
+        if split == "samples" and shard_lengths is None:
+            raise ValueError("split='samples' needs `shard_lengths` (the samples per shard) to cut sample ranges.")
+        self.split = split
         self.shards = PackedStrings(shards)
         if len(self.shards) == 0:
             raise ValueError("`shards` is empty; pass at least one shard.")
@@ -138,8 +149,11 @@ class ShardedIterableDataset(IterableDataset):
             lengths = b"" if self.shard_lengths is None else self.shard_lengths.tobytes()
             self._shards_crc = (f"{zlib.crc32(data):08x}", None if self.shard_lengths is None
                                 else f"{zlib.crc32(lengths):08x}")
-        return {"num_shards": len(self.shards), "shards": self._shards_crc[0], "shard_lengths": self._shards_crc[1],
-                "shuffle": self.shuffle, "seed": self.seed, "even": self.even}
+        settings = {"num_shards": len(self.shards), "shards": self._shards_crc[0],
+                    "shard_lengths": self._shards_crc[1], "shuffle": self.shuffle, "seed": self.seed, "even": self.even}
+        if self.split != "auto":  # states saved before `split` existed still match "auto"
+            settings["split"] = self.split
+        return settings
 
     # ---- the plan ----------------------------------------------------------------------
     def order(self, epoch: int) -> np.ndarray:
@@ -153,7 +167,7 @@ class ShardedIterableDataset(IterableDataset):
         """The pieces (shard, start, stop) that consumer (self.rank, worker) reads in `epoch`."""
         order = self.order(epoch)
         consumers = self.world_size * num_workers
-        if self.shard_lengths is not None and len(order) < consumers:
+        if self.shard_lengths is not None and (self.split == "samples" or len(order) < consumers):
             return self._range_plan(order, worker, num_workers)
         return self._shard_plan(order, worker, num_workers)
 

@@ -1,9 +1,12 @@
-"""Text inputs for the token cache: a list of strings, a .txt or .jsonl file, or an fsspec URL.
+"""Text inputs for the token cache: a list of strings, a .txt, .jsonl or .parquet file or fsspec
+URL, or a Hugging Face `datasets.Dataset`.
 
-Use when: reading a corpus line by line with errors that point at the line.
-Cost: streaming; files are read twice when a cache is built (once to hash, once to tokenize).
+Use when: reading a corpus line by line (or row by row) with errors that point at the line.
+Cost: streaming; files are read twice when a cache is built (once to hash, once to tokenize);
+a Parquet file row group by row group, only the `text_field` column.
 Adapt here: `_parse_line` for another format.
-Trade-off: one sample per line; multi-line samples need `.jsonl`.
+Trade-off: one sample per line; multi-line samples need `.jsonl` or Parquet. A `datasets.Dataset`
+is hashed by its own fingerprint when it has one (else by its texts).
 Copy with: nothing.
 """
 
@@ -14,7 +17,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 
-_KINDS = (".txt", ".jsonl")
+_KINDS = (".txt", ".jsonl", ".parquet")
 
 
 class TextSource:
@@ -26,6 +29,11 @@ class TextSource:
             self.url = os.fspath(texts)
             self.kind = _kind(self.url)
             self.strings = None
+        elif _is_hf_dataset(texts):
+            if text_field not in texts.column_names:
+                raise ValueError(f"the dataset has no column {text_field!r} (its columns: {texts.column_names}); "
+                                 "pass text_field= with the right name.")
+            self.url, self.kind, self.strings = None, "datasets", texts
         elif isinstance(texts, Sequence):
             self.url, self.kind, self.strings = None, "strings", texts
         else:
@@ -33,11 +41,18 @@ class TextSource:
                              f"{type(texts).__name__} instead.")
 
     def describe(self) -> str:
-        return self.url if self.url is not None else f"<{len(self.strings)} strings>"
+        return self.url if self.url is not None else f"<{len(self.strings)} {self.kind}>"
 
     def content_hash(self) -> str:
-        digest = hashlib.sha256(f"{self.kind}|{self.text_field if self.kind == '.jsonl' else ''}|".encode())
-        if self.strings is not None:
+        field = self.text_field if self.kind in (".jsonl", ".parquet", "datasets") else ""
+        digest = hashlib.sha256(f"{self.kind}|{field}|".encode())
+        if self.kind == "datasets" and getattr(self.strings, "_fingerprint", None):
+            digest.update(str(self.strings._fingerprint).encode())
+        elif self.kind == "datasets":
+            for text in self._samples():
+                data = text.encode("utf-8", "surrogatepass")
+                digest.update(len(data).to_bytes(8, "little") + data)
+        elif self.strings is not None:
             for i, text in enumerate(self.strings):
                 if not isinstance(text, str):
                     raise ValueError(f"Sample {i} is {type(text).__name__}, not str.")
@@ -65,8 +80,15 @@ class TextSource:
 
     def _samples(self, wanted=lambda k: True) -> Iterator[str | None]:
         """Every sample in order; `None` for a line of a file that `wanted(k)` rejects."""
+        if self.kind == "datasets":
+            for k, record in enumerate(self.strings.select_columns([self.text_field])):
+                yield self._checked(record[self.text_field], f"row {k}")
+            return
         if self.strings is not None:
             yield from self.strings
+            return
+        if self.kind == ".parquet":
+            yield from self._parquet_rows()
             return
         with self._open() as f:
             for number, raw in enumerate(f, start=1):
@@ -98,10 +120,40 @@ class TextSource:
                              f"{type(value).__name__}, not a string.")
         return value
 
+    def _parquet_rows(self) -> Iterator[str]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError('Parquet texts need pyarrow: pip install "recipes[parquet]" (or pyarrow).') from None
+        with self._open() as raw:
+            try:
+                file = pq.ParquetFile(raw)
+            except Exception as error:  # pyarrow.ArrowInvalid and friends
+                raise ValueError(f"{self.url} is not a Parquet file ({error}).") from None
+            if self.text_field not in file.schema_arrow.names:
+                raise ValueError(f"{self.url}: no column {self.text_field!r} (its columns: "
+                                 f"{file.schema_arrow.names}); pass text_field= with the right name.")
+            row = 0
+            for group in range(file.num_row_groups):
+                for text in file.read_row_group(group, columns=[self.text_field]).column(0).to_pylist():
+                    yield self._checked(text, f"row {row}")
+                    row += 1
+
+    def _checked(self, value, where: str) -> str:
+        if not isinstance(value, str):
+            raise ValueError(f"{self.describe()}, {where}: field {self.text_field!r} is {type(value).__name__}, "
+                             "not a string.")
+        return value
+
     def _open(self):
         import fsspec
 
         return fsspec.open(self.url, "rb", compression="infer").open()
+
+
+def _is_hf_dataset(texts) -> bool:
+    """A Hugging Face `datasets.Dataset` (not a dependency: recognised by its module and columns)."""
+    return type(texts).__module__.startswith("datasets.") and hasattr(texts, "column_names")
 
 
 def _kind(url: str) -> str:
@@ -112,5 +164,5 @@ def _kind(url: str) -> str:
     for kind in _KINDS:
         if name.endswith(kind):
             return kind
-    raise ValueError(f"{url}: unknown text file type; use .txt (one sample per line) or .jsonl "
-                     "(one JSON object per line), or pass a list of strings.")
+    raise ValueError(f"{url}: unknown text file type; use .txt (one sample per line), .jsonl "
+                     "(one JSON object per line) or .parquet (`text_field` column), or pass a list of strings.")

@@ -180,13 +180,15 @@ def build_token_cache(
 
     Args:
         texts: a sequence of strings, a `.txt` file (one sample per line), a `.jsonl` file
-            (`text_field` of each line), or an fsspec URL of either (`s3://`, `https://`, ...).
+            (`text_field` of each line, also `.gz`/`.zst`...), a `.parquet` file (its
+            `text_field` column), an fsspec URL of any of them (`s3://`, `https://`, ...), or a
+            Hugging Face `datasets.Dataset` (its `text_field` column; not a dependency).
         tokenizer: a `transformers` tokenizer (fast is best; a slow one works, with a warning).
         cache_dir: the cache folder; replaced atomically when rebuilt.
         max_length: truncate to this many tokens (special tokens included), as
             `tokenizer(..., truncation=True, max_length=...)` does.
         add_special_tokens: frame samples with the tokenizer's special tokens.
-        text_field: the JSON field holding the text, for `.jsonl`.
+        text_field: the JSON field or column holding the text (`.jsonl`, `.parquet`, datasets).
         batch_size: texts per batch-encode call.
         progress: show a progress bar (on rank 0).
         distributed: split the batches over the ranks of the initialised process group (every

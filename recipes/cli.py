@@ -1,4 +1,4 @@
-"""The `recipes` command line: `doctor`, `cache`, `template`, `tune`, `bench` (and `python -m recipes`)."""
+"""The `recipes` command line: `doctor`, `cache`, `shards`, `template`, `tune`, `bench` (and `python -m recipes`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     from recipes import cache_cmd
 
     cache_cmd.add_arguments(cache)
+
+    shards = commands.add_parser("shards", help="write a folder or corpus as WebDataset tar or Parquet shards")
+    from recipes import shards_cmd
+
+    shards_cmd.add_arguments(shards)
 
     template = commands.add_parser("template", help="print a training template to copy (recipes template vision > train.py)")
     from recipes import template_cmd

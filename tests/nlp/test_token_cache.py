@@ -68,6 +68,38 @@ def test_txt_jsonl_gzip_and_http_inputs(corpus, tokenizer, tmp_path):
             assert [cache[i]["input_ids"].tolist() for i in range(len(cache))] == expected, source
 
 
+def test_parquet_and_shard_inputs_equal_the_jsonl_cache(corpus, tokenizer, tmp_path):
+    """Parquet (a file of our own, one pyarrow wrote, and our Parquet shards over HTTP) gives the
+    cache the same texts as JSONL gives: the same tokens and offsets; a missing column names it."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from recipes.common.shards import write_shards
+
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in corpus))
+    reference = build_token_cache(tmp_path / "t.jsonl", tokenizer, tmp_path / "j", progress=False, text_field="body")
+    pq.write_table(pa.table({"body": corpus, "n": list(range(len(corpus)))}), tmp_path / "t.parquet",
+                   row_group_size=37)
+    shards = write_shards(({"__key__": f"k{i}", "body": t} for i, t in enumerate(corpus)), tmp_path / "shards",
+                          format="parquet", shard_bytes=1 << 30, progress=False)
+    with LocalHTTPServer(tmp_path / "shards") as server:
+        for n, source in enumerate([tmp_path / "t.parquet", server.url(shards.entries[0]["name"])]):
+            cache = build_token_cache(source, tokenizer, tmp_path / f"p{n}", progress=False, text_field="body")
+            assert cache.lengths.tolist() == reference.lengths.tolist(), source
+            assert all(torch.equal(cache[i]["input_ids"], reference[i]["input_ids"]) for i in range(len(corpus)))
+    with pytest.raises(ValueError, match="no column 'text'"):
+        build_token_cache(tmp_path / "t.parquet", tokenizer, tmp_path / "x", progress=False)
+
+
+def test_a_hugging_face_dataset_is_a_source(corpus, tokenizer, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": corpus})
+    cache = build_token_cache(ds, tokenizer, tmp_path / "c", progress=False)
+    assert [cache[i]["input_ids"].tolist() for i in range(len(cache))] == _direct(tokenizer, corpus)
+    with pytest.raises(ValueError, match="no column 'body'"):
+        build_token_cache(ds, tokenizer, tmp_path / "d", progress=False, text_field="body")
+
+
 def test_same_inputs_reuse_and_different_inputs_rebuild(corpus, tokenizer, tmp_path):
     first = build_token_cache(corpus, tokenizer, tmp_path / "c", progress=False)
     stamp = (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns
