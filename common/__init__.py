@@ -10,8 +10,10 @@ from recipes.common.prefetch_cache import DownloadError, PrefetchCache
 from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings
 from recipes.common.resources import Resources, detect_resources
 from recipes.common.robust_loader import RobustLoader
+from recipes.common.shard_formats import ShardFormatError, read_parquet, read_tar
 from recipes.common.sharded_dataset import ShardedIterableDataset
 from recipes.common.sharding import shard_indices
+from recipes.common.shards import ShardIndexError, ShardSet, index_shards, write_shards
 from recipes.common.sizing import estimate_loader_memory, max_workers_for_memory, smart_num_workers
 from recipes.common.stateful_loader import StatefulLoader
 from recipes.common.thread_loader import ThreadLoader
@@ -30,19 +32,26 @@ __all__ = [
     "PrefetchCache",
     "Resources",
     "RobustLoader",
+    "ShardFormatError",
+    "ShardIndexError",
+    "ShardSet",
     "ShardedIterableDataset",
     "StatefulLoader",
     "ThreadLoader",
     "TuneResult",
     "autotune",
     "detect_resources",
+    "index_shards",
     "estimate_loader_memory",
     "make_loader",
     "max_workers_for_memory",
     "measure_worker_memory_growth",
     "profile_settings",
     "profile_trace",
+    "read_parquet",
+    "read_tar",
     "shard_indices",
     "smart_num_workers",
     "worker_init",
+    "write_shards",
 ]
