@@ -2,6 +2,7 @@
 
 from recipes.audio.chunked import AudioDecodeError, ChunkedAudioDataset
 from recipes.audio.collate import AudioPadCollate, pad_collate
+from recipes.audio.shard_audio import ShardAudio, ShardAudioError
 from recipes.audio.spectrogram_cache import (
     SpectrogramCache,
     SpectrogramCacheError,
@@ -14,6 +15,8 @@ __all__ = [
     "AudioPadCollate",
     "ChunkedAudioDataset",
     "LengthBucketSampler",
+    "ShardAudio",
+    "ShardAudioError",
     "SpectrogramCache",
     "SpectrogramCacheError",
     "build_spectrogram_cache",

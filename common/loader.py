@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.common.loader_path import THREAD_KEYS, choose_path
+from recipes.common.loader_path import THREAD_KEYS, THREAD_ONLY, choose_path
 from recipes.common.profiles import LoaderRecipe, profile_settings
 from recipes.common.resources import Resources, detect_resources
 from recipes.common.stateful_loader import StatefulLoader
@@ -117,8 +117,15 @@ def make_loader(
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
+    extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
     if chosen == "threads":
-        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why)
+        unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY))
+        if unknown:
+            raise TypeError(f"make_loader() got arguments neither a ThreadLoader nor a DataLoader takes: {unknown}.")
+        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras)
+    if extras:
+        raise TypeError(f"{sorted(extras)} configure the thread path (ThreadLoader), but this loader has worker "
+                        f"processes ({why}); drop them, or pass path='threads'.")
     _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
     if settings.get("shuffle") and not isinstance(dataset, IterableDataset):
         reasons["sampler"] = ("RandomSampler with a generator of the loader's own (seeded from `generator`, else "
@@ -130,19 +137,22 @@ def make_loader(
 
 
 def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dict[str, str], res: Resources,
-                   why: str) -> ThreadLoader:
-    """The thread path: the profile's batch settings, one thread per CPU of this rank."""
+                   why: str, extras: dict[str, Any]) -> ThreadLoader:
+    """The thread path: the profile's batch settings, one thread per CPU of this rank (or the
+    given `threads`, `prefetch`, `seed`)."""
     from recipes.common.sizing import local_world_size_from_env
 
     kwargs = {key: settings[key] for key in THREAD_KEYS if key in settings}
     if "batch_sampler" in kwargs:
         kwargs.pop("batch_size", None)
-    threads = max(1, res.cpus // local_world_size_from_env())
-    loader = ThreadLoader(dataset, threads=threads, **kwargs)
+    threads = extras.pop("threads", None) or max(1, res.cpus // local_world_size_from_env())
+    loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
     kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
-    kept.update(path=why, threads=f"{threads}: the CPUs of this rank", sampler=reasons.get(
+    kept.update({key: "override" for key in extras})
+    kept.update(path=why, threads=f"{threads}: " + ("override" if "threads" in reasons else "the CPUs of this rank"),
+                sampler=reasons.get(
         "sampler", "the DataLoader default") if kwargs.get("shuffle") else kept.get("sampler", "in order"))
-    loader.recipe = LoaderRecipe(profile, _printable({**kwargs, "num_workers": 0, "path": "threads", "threads": threads}),
+    loader.recipe = LoaderRecipe(profile, _printable({**kwargs, **extras, "num_workers": 0, "path": "threads", "threads": threads}),
                                  {**kept, "num_workers": "0: batches are read by threads of this process"})
     return loader
 

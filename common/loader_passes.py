@@ -6,13 +6,18 @@ Cost: per pass, one capture of the sampler's random state at the draw and a chec
 global random generator was drawn from; per batch, one counter increment.
 Adapt here: `_Passes.state` (what a state holds at each point of a pass).
 Trade-off: a pass ends when the loop ends: its iterator is exhausted or dropped (`break`); a
-state saved after that is for the next epoch.
+state saved after that is for the next epoch, except while an exception is being handled (a
+state saved in an `except` or `finally` block around the loop, after an error or Ctrl-C in the
+loop body dropped the iterator): that state resumes at the first batch the loop did not get.
+A batch whose making raised (a dataset error, in a worker or a thread) counts as used: the loop
+moved past it, and a resume does not make it again.
 Copy with: common/loader_contract.py, common/loader_state.py, common/loader_warning.py.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ class Pass:
     resumed: dict | None = None  # the loaded state this pass resumes
     yielded: int = 0
     done: bool = False  # the loop ended: StopIteration, or its iterator dropped
+    dropped: bool = False  # ended by its iterator being dropped (break, or an exception in the loop)
+    closed: bool = False  # the loader was closed (its workers shut down) before the pass ended
     drawn: bool = False
     snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
@@ -128,7 +135,7 @@ class Passes:
             return self._fresh(epoch)
         if current is None:
             return self._fresh(0 if epoch is None else epoch)
-        if current.done:
+        if current.done and not (current.dropped and sys.exc_info()[0] is not None):
             if self.holder is not None:  # the next pass is the sampler's epoch: set_epoch says which
                 return self._fresh(epoch, finished=current.epoch)
             return self._fresh(current.epoch + 1, finished=current.epoch)
@@ -247,10 +254,17 @@ class Counting:
         return self
 
     def __next__(self):
+        if self._target().closed:  # its workers (or threads) were shut down under it
+            raise LoaderClosedError("this loader was closed while its epoch was running; start a new epoch with "
+                                    "iter(loader) (or load a saved state_dict() to continue there).")
         try:
             batch = next(self._inner)
         except StopIteration:
             self._target().done = True
+            raise
+        except Exception as error:
+            if _used_up(error, self._inner):  # the dataset's error: that batch's position is used up
+                self._target().yielded += 1
             raise
         self._target().yielded += 1
         return batch
@@ -262,8 +276,35 @@ class Counting:
         return getattr(self._inner, name)
 
     def __del__(self):
-        if self._pass is self._passes.current:
-            self._pass.done = True
+        if self._pass is self._passes.current and not self._pass.done:
+            self._pass.done = self._pass.dropped = True
+
+
+# What a worker's error says when shared memory ran out: the batch was not made for lack of
+# room, and a restart with less in flight (RobustLoader) makes it again.
+SHM_FAILURES = ("no space left on device", "unable to write to file </torch_", "unable to allocate shared memory",
+                "bus error", "out of shared memory")
+
+
+def _used_up(error: BaseException, inner) -> bool:
+    """Whether the batch whose making raised `error` is behind the loop now: a dataset's error
+    re-raised for its batch (from a worker, "Caught ... in DataLoader worker process"; in the
+    loop's own process; from a pool thread, `failed_batches_are_used`). DataLoader's own
+    failures (a worker died, a timeout, a full /dev/shm, a broken pipe) leave the batch unmade:
+    a restart (`RobustLoader`) makes it again."""
+    judge = getattr(inner, "failed_batches_are_used", None)
+    if judge is not None:
+        return bool(judge(error))
+    text = str(error)
+    if any(s in text.lower() for s in SHM_FAILURES):
+        return False
+    if "in DataLoader worker process" in text:
+        return True
+    return getattr(inner, "_num_workers", 1) == 0  # no workers: every error is the dataset's
+
+
+class LoaderClosedError(RuntimeError):
+    """The loader was closed (`close()`, `with loader:`) while an epoch's iterator was in use."""
 
 
 def _roles(loader) -> dict[str, Any]:

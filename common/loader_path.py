@@ -24,6 +24,8 @@ PATHS = ("auto", "threads", "workers")
 # Arguments of worker processes: given by the user, they choose the worker path.
 WORKER_ONLY = ("num_workers", "prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context",
                "timeout", "pin_memory_device", "in_order")
+# Arguments of the thread path only (ThreadLoader's own).
+THREAD_ONLY = ("threads", "prefetch", "seed")
 # What a ThreadLoader takes from make_loader's settings.
 THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory",
                "collate_fn")

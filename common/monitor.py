@@ -268,20 +268,25 @@ def _diagnose(row: dict[str, Any], monitor: LoaderMonitor) -> list[str]:
     """The warnings an epoch earns, each with its likely cause and fix."""
     n = len(monitor.epochs) - 1
     out = []
+    threads = getattr(monitor.loader, "read_ahead_threads", None)
     if row["batches"] > 1 and row["wait_fraction"] > monitor.warn_wait_fraction:
+        fix = (f"Likely cause: the {threads} thread(s) of the thread path (ThreadLoader) cannot make batches as fast "
+               "as the step uses them, or their work holds the GIL. Fix: a decoded cache (build_image_cache, "
+               "build_token_cache) if there is none, more CPUs for this rank, or make_loader(..., path='workers') "
+               "with `recipes tune` for work that is Python per item." if threads is not None else
+               "Likely cause: too few workers for the decode cost, or slow storage. Fix: `recipes tune` / "
+               "autotune() for num_workers and prefetch_factor, a decoded cache (build_image_cache, "
+               "build_token_cache), or PrefetchCache for remote data.")
         out.append(
             f"epoch {n}: the loop waited for data {row['wait_fraction']:.0%} of the time "
-            f"(threshold {monitor.warn_wait_fraction:.0%}); the step is starved. Likely cause: too few "
-            "workers for the decode cost, or slow storage. Fix: `recipes tune` / autotune() for "
-            "num_workers and prefetch_factor, a decoded cache (build_image_cache, build_token_cache), "
-            "or PrefetchCache for remote data.")
+            f"(threshold {monitor.warn_wait_fraction:.0%}); the step is starved. {fix}")
     if row["max_batch_s"] > monitor.warn_batch_seconds and row["batches"] > 1:
         out.append(
             f"epoch {n}: a batch took {row['max_batch_s']:.2f} s to arrive (threshold "
             f"{monitor.warn_batch_seconds:.2f} s; batch-time CV {row['batch_time_cv']:.2f}). Likely cause: "
             "a slow read (remote storage, a huge or corrupt file) or a straggling worker. Fix: "
-            "PrefetchCache for remote shards, a higher prefetch_factor to absorb jitter, or check the "
-            "files the slow indices map to.")
+            "PrefetchCache for remote shards, a higher prefetch_factor (ThreadLoader: `prefetch`) to absorb "
+            "jitter, or check the files the slow indices map to.")
     if row["first_batch_s"] > monitor.warn_first_batch_seconds:
         out.append(
             f"epoch {n}: the first batch took {row['first_batch_s']:.1f} s (threshold "

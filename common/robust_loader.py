@@ -25,11 +25,11 @@ import time
 import warnings
 from typing import Any
 
+from recipes.common.loader_passes import SHM_FAILURES
 from recipes.common.loader_warning import LoaderWarning
 
 # What a failure of the loading machinery (not of the dataset's code) says.
-_SHM = ("no space left on device", "unable to write to file </torch_", "unable to allocate shared memory",
-        "bus error", "out of shared memory")
+_SHM = SHM_FAILURES
 _DEATH = ("exited unexpectedly", "is killed by signal")
 _START = ("cannot allocate memory", "resource temporarily unavailable", "too many open files")
 _POLL_SECONDS = 1.0

@@ -128,16 +128,14 @@ def decode_sample(sample: dict) -> dict:
 # ---- tar ------------------------------------------------------------------------------------
 def tar_sample(key: str, fields: list[tuple[str, bytes]]) -> bytes:
     """The tar members of one sample (`key.field` each), headers fixed so that the bytes depend
-    on the sample only."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for field, data in fields:
-            info = tarfile.TarInfo(f"{key}.{field}")
-            info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o444, 0, 0
-            info.uname = info.gname = ""
-            tar.addfile(info, io.BytesIO(data))
-        members_end = tar.offset
-    return out.getvalue()[:members_end]
+    on the sample only (tarfile's PAX headers: a plain ustar header unless a name needs more)."""
+    parts = []
+    for field, data in fields:
+        info = tarfile.TarInfo(f"{key}.{field}")
+        info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o444, 0, 0
+        info.uname = info.gname = ""
+        parts += (info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"), data, b"\0" * (-len(data) % _BLOCK))
+    return b"".join(parts)
 
 
 def tar_end(size: int) -> bytes:
@@ -152,60 +150,114 @@ def read_tar(path, start: int = 0, stop: int | None = None, *, offsets: Sequence
     """The samples `[start, stop)` of a WebDataset tar: members grouped by key (the name up to
     the first "." of its last path part), `{"__key__": key, field: bytes, ...}`.
 
-    With `offsets` (each sample's first header, from the shard's index) the read starts at
-    sample `start`'s header; without, it scans the headers before it (data is skipped by
-    seeking). `path` is a local path or an fsspec URL.
+    With `offsets` (each sample's first header, from the shard's index) only the range's bytes
+    are read, in one read, and their headers parsed in memory; without, from the start, and the
+    samples before `start` are read past. `path` is a local path or an fsspec URL.
 
     Raises:
         ShardFormatError: the file is not a tar, or its members of one key are not adjacent.
     """
+    stop = None if stop is None else int(stop)
+    if (stop is not None and stop <= start) or (offsets is not None and start >= len(offsets)):
+        return
+    begin = int(offsets[start]) if offsets is not None else 0
+    end = int(offsets[stop]) if offsets is not None and stop is not None and stop < len(offsets) else None
+    skip = 0 if offsets is not None else start
+    with _open(path, storage_options) as raw:
+        raw.seek(begin)
+        data = raw.read() if end is None else raw.read(end - begin)
+    try:
+        members = list(_members(data))
+    except _NotUstar:  # PAX or GNU long names, other tar dialects: tarfile reads them
+        members = _tarfile_members(data, path)
+    except ShardFormatError as error:
+        raise ShardFormatError(f"{path} is not a tar file, or a damaged one ({error}).") from None
+    count = None if stop is None else stop - start
+    done = 0
+    for sample in _group(members, path):
+        if skip:
+            skip -= 1
+            continue
+        yield sample
+        done += 1
+        if count is not None and done >= count:
+            return
+
+
+def _open(path, storage_options):
+    if isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path):
+        return open(path, "rb")
     import fsspec
 
-    stop = None if stop is None else int(stop)
-    if stop is not None and stop <= start:
-        return
-    with fsspec.open(path, "rb", **(storage_options or {})) as raw:
-        skip = start
-        if offsets is not None and start:
-            if start >= len(offsets):
-                return
-            raw.seek(int(offsets[start]))
-            skip = 0
+    return fsspec.open(path, "rb", **(storage_options or {})).open()
+
+
+class _NotUstar(Exception):
+    pass
+
+
+def _members(data: bytes) -> Iterator[tuple[str, bytes]]:
+    """`(name, bytes)` of the regular files in tar bytes with plain ustar/v7 headers; raises
+    `_NotUstar` for extended headers (PAX, GNU long names) and `ShardFormatError` for damage."""
+    view = memoryview(data)
+    pos, n = 0, len(data)
+    while pos + _BLOCK <= n:
+        header = data[pos : pos + _BLOCK]
+        if header[0] == 0 and header.count(0) == _BLOCK:
+            return  # the end-of-archive blocks
+        kind = header[156:157]
+        if kind in (b"x", b"g", b"L", b"K"):
+            raise _NotUstar
+        stored = sum(header[:148]) + 8 * 32 + sum(header[156:_BLOCK])
         try:
-            tar = tarfile.open(fileobj=raw, mode="r:")
-        except tarfile.ReadError as error:
-            raise ShardFormatError(f"{path} is not a tar file ({error}).") from None
-        current: dict | None = None
-        seen: set[str] = set()
-        done = 0
-        try:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                directory, base = os.path.split(member.name)
-                if "." not in base:
-                    continue  # WebDataset ignores members without an extension
-                stem, field = base.split(".", 1)
-                key = f"{directory}/{stem}" if directory else stem
-                if current is None or current["__key__"] != key:
-                    if current is not None:
-                        if skip:
-                            skip -= 1
-                        else:
-                            yield current
-                            done += 1
-                            if stop is not None and done >= stop - start:
-                                return
-                    if key in seen:
-                        raise ShardFormatError(f"{path}: the members of key {key!r} are not adjacent; a WebDataset "
-                                               "tar groups each sample's files together.")
-                    seen.add(key)
-                    current = {"__key__": key}
-                current[field] = tar.extractfile(member).read() if not skip else b""
-            if current is not None and not skip:
+            checksum = int(header[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
+            size = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+        except ValueError:
+            raise ShardFormatError(f"a damaged tar header at byte {pos}") from None
+        if checksum != stored:
+            raise ShardFormatError(f"a damaged tar header at byte {pos} (checksum)")
+        name = header[:100].split(b"\0", 1)[0]
+        if header[257:262] == b"ustar" and header[345]:
+            name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+        body = pos + _BLOCK
+        if body + size > n:
+            raise ShardFormatError(f"a tar member at byte {pos} runs past the end of the data")
+        if kind in (b"0", b"\0", b"7"):
+            yield name.decode("utf-8", "surrogateescape"), bytes(view[body : body + size])
+        pos = body + size + (-size % _BLOCK)
+    if pos < n and data.count(0, pos) != n - pos:
+        raise ShardFormatError(f"{n - pos} bytes at byte {pos} that are not a tar header")
+
+
+def _tarfile_members(data: bytes, path) -> list[tuple[str, bytes]]:
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+        return [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    except tarfile.ReadError as error:
+        raise ShardFormatError(f"{path} is not a tar file ({error}).") from None
+
+
+def _group(members, path) -> Iterator[dict]:
+    """Samples from `(name, bytes)` members: adjacent members of one key, WebDataset's way."""
+    current: dict | None = None
+    seen: set[str] = set()
+    for name, data in members:
+        directory, base = os.path.split(name)
+        if "." not in base:
+            continue  # WebDataset ignores members without an extension
+        stem, field = base.split(".", 1)
+        key = f"{directory}/{stem}" if directory else stem
+        if current is None or current["__key__"] != key:
+            if current is not None:
                 yield current
-        except tarfile.ReadError as error:
-            raise ShardFormatError(f"{path}: a damaged tar member ({error}).") from None
+            if key in seen:
+                raise ShardFormatError(f"{path}: the members of key {key!r} are not adjacent; a WebDataset tar "
+                                       "groups each sample's files together.")
+            seen.add(key)
+            current = {"__key__": key}
+        current[field] = data
+    if current is not None:
+        yield current
 
 
 def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int]]:

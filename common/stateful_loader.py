@@ -110,7 +110,11 @@ class StatefulLoader(DataLoader):
     def close(self) -> None:
         """Shuts its persistent workers down now; otherwise they end when the loader is garbage
         collected, which may be long after the last epoch (a validation loader in a notebook,
-        a test suite). Idempotent; the next `iter` starts new workers. Also `with loader:`."""
+        a test suite). Idempotent; the next `iter` starts new workers. Also `with loader:`. An
+        epoch's iterator in use then raises `LoaderClosedError`; the state stays where it was."""
+        current = self._passes.current
+        if current is not None and not current.done:
+            current.closed = True
         iterator, self._iterator = self._iterator, None
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()

@@ -31,7 +31,8 @@ from __future__ import annotations
 import collections
 import inspect
 import os
-from concurrent.futures import ThreadPoolExecutor
+import sys
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from recipes.common.loader_contract import ReadAheadAware, ThreadBatched
-from recipes.common.loader_passes import Counting
+from recipes.common.loader_passes import Counting, LoaderClosedError
 from recipes.common.stateful_loader import StatefulLoader
 
 _ACCEPTED = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory", "collate_fn"}
@@ -80,7 +81,8 @@ class ThreadLoader(StatefulLoader):
         self.pin = bool(kwargs.pop("pin_memory", False)) and torch.cuda.is_available()
         collate = kwargs.get("collate_fn")
         # read_batch makes whole batches (crops drawn from the batch's rng); a collate function
-        # of the user's gets the items instead, unless it is the one read_batch equals
+        # of the user's gets the items instead (read_items(indices, rng) when the dataset has it:
+        # the same draws), unless it is the one read_batch equals
         self._whole = hasattr(dataset, "read_batch") and (
             collate is None or collate is getattr(dataset, "read_batch_collate", None))
         # a read_batch that takes `pin_memory` fills its batch in pinned memory itself (no copy)
@@ -97,51 +99,88 @@ class ThreadLoader(StatefulLoader):
         current = self._passes.start(0)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
-        batches = _Batches(self, iter(self._index_sampler), current.epoch, current.skip)
+        batches = _Batches(self, iter(self._index_sampler), current)
         return Counting(self._passes, current, batches)
 
+    def state_dict(self) -> dict[str, Any]:
+        """`StatefulLoader.state_dict()`, and the seed of the batches' random draws (crops and
+        flips), so that a resumed loader draws what this one would have."""
+        state = super().state_dict()
+        state["thread_seed"] = self.seed
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`StatefulLoader.load_state_dict()`; a state saved on the thread path also restores
+        the seed of the random draws (a worker-path state leaves this loader's)."""
+        super().load_state_dict(state)
+        if state.get("thread_seed") is not None:
+            self.seed = int(state["thread_seed"])
+
     def _read(self, indices: list[int], epoch: int, position: int):
+        rng = np.random.default_rng([self.seed, epoch, position])
         if self._whole:
-            rng = np.random.default_rng([self.seed, epoch, position])
             if self._pins_itself:
                 return self.dataset.read_batch(indices, rng, pin_memory=self.pin)
             batch = self.dataset.read_batch(indices, rng)
         else:
-            getitems = getattr(self.dataset, "__getitems__", None)
-            items = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+            if hasattr(self.dataset, "read_items"):  # the dataset's items, drawn from the batch's rng
+                items = self.dataset.read_items(indices, rng)
+            else:
+                getitems = getattr(self.dataset, "__getitems__", None)
+                items = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
             batch = self.collate_fn(items)
         return _pinned(batch) if self.pin else batch
 
+    @property
+    def read_ahead_threads(self) -> int:
+        """The pool's threads (LoaderMonitor's advice names the thread path by it)."""
+        return self.threads
+
     def close(self) -> None:
-        """Ends the pool's threads; the next `iter` starts new ones. Also `with loader:`."""
+        """Ends the pool's threads; the next `iter` starts new ones. Also `with loader:`. An
+        epoch's iterator in use then raises `LoaderClosedError`; the state stays where it was."""
+        current = self._passes.current
+        if current is not None and not current.done:
+            current.closed = True
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def __del__(self):
         pool = getattr(self, "_pool", None)
-        if pool is not None:
+        if pool is None or sys.is_finalizing():  # at interpreter exit its threads are being joined anyway
+            return
+        try:
             pool.shutdown(wait=False, cancel_futures=True)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (half torn-down modules)
+            pass
 
 
 class _Batches:
-    """The pass's batches in order, `prefetch` of them read ahead by the pool."""
+    """The pass's batches in order, `prefetch` of them read ahead by the pool. The epoch and
+    the first position are read from the pass when the first indices are drawn (a `set_epoch`
+    between `iter()` and the first batch moves the pass to that epoch)."""
 
-    def __init__(self, loader: ThreadLoader, indices, epoch: int, skipped: int):
-        self._loader, self._indices, self._epoch = loader, indices, epoch
-        self._position = skipped  # batches of the epoch before the first one read here
+    def __init__(self, loader: ThreadLoader, indices, current):
+        self._loader, self._indices, self._pass = loader, indices, current
+        self._position: int | None = None  # batches of the epoch before the first one read here
         self._pending: collections.deque = collections.deque()
         self._ended = False
 
     def _fill(self) -> None:
         loader = self._loader
+        if loader._pool is None:
+            raise LoaderClosedError("this ThreadLoader was closed while its epoch was running; start a new epoch with "
+                               "iter(loader) (or load a saved state_dict() to continue where the loop was).")
         while not self._ended and len(self._pending) < loader.prefetch:
             indices = next(self._indices, None)
             if indices is None:
                 self._ended = True
                 break
+            if self._position is None:
+                self._position = self._pass.skip  # the first draw settled the epoch and the skip
             indices = [int(i) for i in indices]
-            self._pending.append(loader._pool.submit(loader._read, indices, self._epoch, self._position))
+            self._pending.append(loader._pool.submit(loader._read, indices, self._pass.epoch, self._position))
             self._position += 1
 
     def __iter__(self):
@@ -151,7 +190,20 @@ class _Batches:
         self._fill()
         if not self._pending:
             raise StopIteration
-        return self._pending.popleft().result()
+        future = self._pending[0]
+        try:
+            batch = future.result()
+        except Exception:
+            self._pending.popleft()  # its position is used up (loader_passes: the dataset's error)
+            raise
+        self._pending.popleft()
+        return batch
+
+    def failed_batches_are_used(self, error: BaseException) -> bool:
+        """An error from a pool thread is the dataset's: that batch's position is behind the loop
+        (not when the loader was closed under the loop: those batches were never made)."""
+        return not isinstance(error, (LoaderClosedError, CancelledError))
+
 
     def __len__(self) -> int:
         return len(self._loader._index_sampler)

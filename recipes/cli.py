@@ -15,6 +15,7 @@ BENCHES = {
     "nlp": "recipes.bench.nlp",
     "audio": "recipes.bench.audio",
     "remote": "recipes.bench.remote",
+    "shards": "recipes.bench.shards",
     "train": "recipes.bench.train",
 }
 

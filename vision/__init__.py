@@ -8,6 +8,7 @@ from recipes.vision.gpu_decode import GpuDecode, encoded_collate
 from recipes.vision.image_cache import ImageCache, ImageCacheError, build_image_cache
 from recipes.vision.image_folder import ImageFolderFast
 from recipes.vision.progressive import ProgressiveResolution
+from recipes.vision.shard_images import ShardImages
 
 __all__ = [
     "DeviceCropLoader",
@@ -20,6 +21,7 @@ __all__ = [
     "ImageDecodeError",
     "ImageFolderFast",
     "ProgressiveResolution",
+    "ShardImages",
     "build_image_cache",
     "dct_reduction",
     "decode_image",

@@ -96,6 +96,13 @@ def fill_decoded_batch(dataset: ImageFolderFast, indices: list[int], rng: np.ran
     return targets
 
 
+def read_items(dataset: ImageFolderFast, indices: list[int], rng: np.random.Generator) -> list[tuple[torch.Tensor, int]]:
+    """`read_batch`'s items, `(image, target)` each (rows of one batch tensor), for a collate
+    function of the user's on the thread path: the same draws from `rng`."""
+    images, targets = read_batch(dataset, indices, rng)
+    return [(images[row], int(t)) for row, t in enumerate(targets.tolist())]
+
+
 def read_batch(dataset: ImageFolderFast, indices: list[int], rng: np.random.Generator, *,
                pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`read_batch(indices, rng)`: `(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`,

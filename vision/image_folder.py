@@ -47,6 +47,7 @@ from recipes.vision.cached_batches import (
     eval_view_of,
     fill_cached_batch,
     read_batch,
+    read_items,
     thread_batches,
 )
 from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
@@ -247,6 +248,7 @@ class ImageFolderFast(Dataset):
     # the thread path (ThreadLoader, which make_loader chooses) and the eval view: cached_batches.py
     thread_batches = thread_batches
     read_batch = read_batch
+    read_items = read_items  # read_batch's items, for a collate function of the user's
     eval_view = property(eval_view_of)
     eval_record = eval_record  # what an eval view stores (eval_view.py)
     read_batch_collate = staticmethod(uint8_collate)  # read_batch returns what it would: make_loader keeps threads

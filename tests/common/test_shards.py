@@ -289,3 +289,19 @@ def test_two_ranks_write_the_same_bytes_and_read_every_sample_once_from_s3(tmp_p
         text_counts = Counter(row[1] for rows in text_rows for row in rows)
         assert set(text_counts) == set(expected_texts) and sum(text_counts.values()) - len(lines) <= 1
         assert all(row[2] == expected_texts[row[1]] for rows in text_rows for row in rows)
+
+
+def test_long_keys_and_truncated_tars(tmp_path):
+    """A key past ustar's 100 characters gets a PAX header (read by tarfile, and by webdataset);
+    a tar cut short raises instead of yielding a partial sample."""
+    samples = [{"__key__": "deep/" * 30 + f"s{i}", "bin": bytes([i]) * 700} for i in range(5)]
+    shards = write_shards(samples, tmp_path / "long", progress=False)
+    assert [(s["__key__"], s["bin"]) for s in shards.read(0)] == [(s["__key__"], s["bin"]) for s in samples]
+    assert [s["__key__"] for s in shards.read(0, 2, 4)] == [s["__key__"] for s in samples[2:4]]
+    assert [s["__key__"] for s in wds.WebDataset(shards.urls, shardshuffle=False)] == [s["__key__"] for s in samples]
+    plain = write_shards([{"__key__": f"s{i}", "bin": bytes([i]) * 700} for i in range(5)], tmp_path / "p",
+                         progress=False)
+    data = (tmp_path / "p" / "shard-000000.tar").read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[: plain.entries[0]["offsets"][3] + 600])  # inside sample 3's data
+    with pytest.raises(ShardFormatError, match="cut.tar is not a tar file, or a damaged one"):
+        list(read_tar(tmp_path / "cut.tar"))

@@ -3,9 +3,11 @@ yielded in order, with StatefulLoader's exact resume in any epoch and at the bou
 exactly-once state machine (test_exactly_once.py) also draws the thread path."""
 
 import json
+import os
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,3 +220,157 @@ def test_pinned_batches_are_filled_in_place_when_read_batch_can(monkeypatch):
     asked.clear()
     list(ThreadLoader(PinsItself(10), batch_size=4))  # no pin_memory: not asked to pin
     assert asked == [False] * 3
+
+
+class Flaky(Slow):
+    """Index `bad` raises once per process (a transient read error the loop catches and skips)."""
+
+    def __init__(self, n=40, bad=9):
+        super().__init__(n)
+        self.bad, self.failed = bad, False
+
+    def _check(self, indices):
+        if self.bad in indices and not self.failed:
+            self.failed = True
+            raise OSError(f"index {self.bad}: connection reset")
+
+    def read_batch(self, indices, rng):
+        self._check(indices)
+        return super().read_batch(indices, rng)
+
+    def __getitem__(self, i):
+        self._check([i])
+        return int(i)
+
+
+PATHS = {"threads": dict(path="threads"), "workers": dict(num_workers=2, collate_fn=_as_batch),
+         "inline": dict(num_workers=0, collate_fn=_as_batch)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_state_saved_in_except_after_an_error_in_the_loop_body_resumes_there(path):
+    """The loop body raises in epoch 1 (Ctrl-C, a failed step); the state saved in the except
+    block resumes at the next batch: the rest of epoch 1, then epoch 2, as uninterrupted."""
+    def build(seed):
+        torch.manual_seed(seed)
+        return make_loader(Slow(36), batch_size=4, shuffle=True, **PATHS[path])
+
+    whole = build(0)
+    expected = [_ids(whole) for _ in range(3)]
+    first = build(0)
+    list(first)
+    got = []
+    try:
+        for batch in first:
+            got.append(batch[0].tolist())
+            if len(got) == 4:
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["epoch"] == 1 and state["batches_yielded"] == 4
+    second = build(99)
+    second.load_state_dict(state)
+    rest = _ids(second)
+    assert Counter(map(tuple, got + rest)) == Counter(map(tuple, expected[1])) and got + rest == expected[1]
+    assert _ids(second) == expected[2]
+    third = build(0)
+    list(third)
+    for i, _ in enumerate(third):  # a plain break (steps per epoch): the state is for the next epoch
+        if i == 3:
+            break
+    assert third.state_dict()["batches_yielded"] == 0 and third.state_dict()["finished_epoch"] == 1
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_batch_whose_read_failed_is_behind_the_loop(path):
+    """The loop catches a dataset error for batch 2 and goes on; a state saved two batches later
+    resumes after them, not at a batch already received."""
+    loader = make_loader(Flaky(40, bad=9), batch_size=4, **PATHS[path])
+    reference = [b[0].tolist() for b in make_loader(Slow(40), batch_size=4, **PATHS[path])]
+    iterator, got, errors = iter(loader), [], 0
+    while len(got) < 4:
+        try:
+            got.append(next(iterator)[0].tolist())
+        except OSError as error:
+            assert "index 9" in str(error)
+            errors += 1
+    state = loader.state_dict()
+    del iterator
+    assert errors == 1 and got == [reference[i] for i in (0, 1, 3, 4)] and state["batches_yielded"] == 5
+    resumed = make_loader(Slow(40), batch_size=4, **PATHS[path])
+    resumed.load_state_dict(state)
+    assert _ids(resumed) == reference[5:]
+
+
+def test_the_draw_seed_travels_in_the_state_and_make_loader_passes_thread_arguments():
+    loader = make_loader(Slow(30), batch_size=4, shuffle=True, seed=5, threads=1, prefetch=1)
+    assert (loader.seed, loader.threads, loader.prefetch) == (5, 1, 1)
+    assert loader.recipe.settings["seed"] == 5 and loader.recipe.reasons["threads"].endswith("override")
+    iterator = iter(loader)
+    first = [next(iterator)[1].tolist() for _ in range(2)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [b[1].tolist() for b in iterator]
+    other = make_loader(Slow(30), batch_size=4, shuffle=True, seed=77)  # another seed: the state's wins
+    other.load_state_dict(state)
+    assert [b[1].tolist() for b in other] == rest and len(first + rest) == 8
+    with pytest.raises(TypeError, match=r"neither a ThreadLoader nor a DataLoader takes: \['bogus'\]"):
+        make_loader(Slow(30), batch_size=4, bogus=1)
+    with pytest.raises(TypeError, match=r"\['seed', 'threads'\] configure the thread path"):
+        make_loader(Slow(30), batch_size=4, num_workers=1, threads=2, seed=1)
+
+
+def test_set_epoch_between_iter_and_the_first_batch_draws_that_epochs_batches():
+    def build():
+        ds = Slow(32)
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=2)
+        return make_loader(ds, batch_size=4, sampler=sampler, path="threads", seed=3), sampler
+
+    reference, ref_sampler = build()
+    ref_sampler.set_epoch(1)
+    expected = [(b[0].tolist(), b[1].tolist()) for b in reference]
+    loader, sampler = build()
+    iterator = iter(loader)
+    sampler.set_epoch(1)  # after iter(), before the first batch
+    got = [(b[0].tolist(), b[1].tolist()) for b in (next(iterator), next(iterator), next(iterator))]
+    state = loader.state_dict()
+    del iterator
+    resumed, _ = build()
+    resumed.load_state_dict(state)
+    assert got + [(b[0].tolist(), b[1].tolist()) for b in resumed] == expected
+
+
+@pytest.mark.parametrize("path", ["threads", "workers"])
+def test_closing_mid_epoch_raises_and_the_state_resumes_there(path):
+    settings = {"threads": dict(path="threads"), "workers": dict(num_workers=2, collate_fn=_as_batch,
+                                                                persistent_workers=True)}[path]
+    loader = make_loader(Slow(40), batch_size=4, **settings)
+    reference = [b[0].tolist() for b in make_loader(Slow(40), batch_size=4, **settings)]
+    iterator = iter(loader)
+    got = [next(iterator)[0].tolist() for _ in range(3)]
+    loader.close()
+    from recipes.common.loader_passes import LoaderClosedError
+
+    with pytest.raises(LoaderClosedError, match="closed while its epoch was running"):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["batches_yielded"] == 3
+    resumed = make_loader(Slow(40), batch_size=4, **settings)
+    resumed.load_state_dict(state)
+    assert got + _ids(resumed) == reference
+    assert _ids(loader) == reference  # a new epoch after the close works
+
+
+def test_a_script_exits_quietly(tmp_path):
+    """No "Exception ignored in ThreadLoader.__del__" at interpreter exit (a real interpreter:
+    the zygote skips finalisation)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nfrom tests.common.test_thread_loader import Slow\n"
+                      "from recipes.common import make_loader\n"
+                      "loader = make_loader(Slow(20), batch_size=4)\n"
+                      "for batch in loader:\n    pass\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=str(Path(__file__).parents[2]), env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert out.returncode == 0 and out.stderr == "", out.stderr

@@ -92,3 +92,24 @@ def test_threads_raise_naming_the_file_and_skip_counts(tmp_path, mutated, damage
     assert sum(len(targets) for _, targets in loader) == len(skipping)
     assert skipping.skipped == len(damaged)
     assert skipping.skipped_indices().tolist() == [i for i, n in enumerate(names) if n in damaged]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_collate_function_of_the_users_keeps_the_batch_draws(photos, tmp_path, cached):
+    """With a collate function of the user's the items come from read_items: the crops and flips
+    read_batch would draw, whatever the threads."""
+    from recipes.vision import build_image_cache
+
+    ds = ImageFolderFast(photos, size=48, train=True)
+    if cached:
+        build_image_cache(ds, tmp_path, num_workers=0, progress=False)
+
+    def epoch(threads, **kwargs):
+        loader = ThreadLoader(ds, batch_size=4, shuffle=True, seed=9, threads=threads,
+                              generator=torch.Generator().manual_seed(1), **kwargs)
+        return [batch for batch in loader]
+
+    mine = epoch(1, collate_fn=lambda items: uint8_collate(items))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(mine, epoch(3), strict=True))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(mine, epoch(3, collate_fn=lambda items: uint8_collate(items)),
+                                                         strict=True))

@@ -1,0 +1,185 @@
+"""`recipes bench shards`: writing an image folder as shards (write_shards against webdataset's
+ShardWriter and LitData's optimize) and reading them back over a remote store, epochs 1 and 2
+(ShardSet + PrefetchCache against webdataset.WebDataset and LitData's StreamingDataset).
+
+Use when: choosing how to store and stream a dataset of encoded files.
+Cost: the vision bench's generated JPEGs (`--images`), written three ways into a temp folder
+(one process each); then one epoch per remote reader and the second epochs, served by moto's S3
+server behind the latency- and bandwidth-capping proxy of `recipes bench remote --s3` (ours and
+LitData's), and by the HTTP server with the same caps for webdataset (which reads URLs through
+curl; it has no S3 client of its own without the AWS CLI).
+Adapt here: `--shard-mb`, `--latency`, `--bandwidth`, `--workers`.
+Trade-off: the peers are measured only when installed (`pip install webdataset litdata`); their
+rows are left out otherwise, and the output says so. Reading counts samples (dicts of the
+encoded bytes), no decoding: the transport and the reader are what differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--images", type=int, default=800, help="generated JPEGs (the vision bench's)")
+    parser.add_argument("--shard-mb", type=float, default=8.0, help="shard size in MiB (default 8)")
+    parser.add_argument("--latency", type=float, default=0.02, help="seconds per request (default 20 ms)")
+    parser.add_argument("--bandwidth", type=float, default=16.0, help="MB/s per connection (default 16)")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
+
+
+def _have(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def write_rows(root: Path, out: Path, shard_bytes: int) -> tuple[list[tuple[str, float, str]], list[str]]:
+    """`(name, samples/s, output)` for each writer, one process each, and notes."""
+    from recipes.common import write_shards
+    from recipes.shards_cmd import image_folder_samples
+
+    samples = image_folder_samples(root)
+    n = len(samples)
+    rows, notes = [], []
+    start = time.perf_counter()
+    write_shards(samples, out / "ours", shard_bytes=shard_bytes, progress=False)
+    rows.append(("recipes write_shards (tar + index)", n / (time.perf_counter() - start), "ours"))
+    if _have("webdataset"):
+        import webdataset as wds
+
+        (out / "wds").mkdir()
+        start = time.perf_counter()
+        with wds.ShardWriter(str(out / "wds" / "shard-%06d.tar"), maxsize=shard_bytes, verbose=0) as sink:
+            for sample in samples:
+                sink.write(sample)
+        rows.append(("webdataset ShardWriter (tar)", n / (time.perf_counter() - start), "wds"))
+    else:
+        notes.append("webdataset rows left out: pip install webdataset")
+    if _have("litdata"):
+        import litdata
+
+        start = time.perf_counter()
+        litdata.optimize(fn=_LitSample(samples), inputs=list(range(n)), output_dir=str(out / "lit"),
+                         chunk_bytes=shard_bytes, num_workers=1, verbose=False, start_method="fork")
+        rows.append(("LitData optimize (1 worker)", n / (time.perf_counter() - start), "lit"))
+    else:
+        notes.append("LitData rows left out: pip install litdata")
+    return rows, notes
+
+
+class _LitSample:
+    """`optimize`'s function: index to the sample's encoded bytes and label (no decoding)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __call__(self, index):
+        sample = self.samples[index]
+        field = next(k for k in sample if k not in ("__key__", "cls"))
+        return {"key": sample["__key__"], "data": sample[field], "cls": sample["cls"]}
+
+
+class _Epochs:
+    """An epoch of a DataLoader (batches of 64) over `dataset`, `set_epoch(epoch)` first when it has one."""
+
+    def __init__(self, make, epoch: int = 0):
+        self.make, self.epoch = make, epoch
+
+    def __iter__(self):
+        loader = self.make()
+        dataset = getattr(loader, "dataset", None)
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(self.epoch)
+        return iter(loader)
+
+
+def count_samples(batch) -> int:
+    """Samples in a collated batch of sample dicts (ours and webdataset's `__key__`, LitData's `key`)."""
+    return len(batch["__key__"] if "__key__" in batch else batch["key"])
+
+
+def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repeat: int = 3):
+    """Measurements: ours epoch 1 and 2 over S3 (PrefetchCache), webdataset over HTTP, LitData
+    over S3 epochs 1 and 2, and ours from local disk."""
+    from torch.utils.data import DataLoader
+
+    from recipes.bench.measure import best_interleaved
+    from recipes.bench.measure import measure as measure_items
+    from recipes.common import PrefetchCache, ShardSet, worker_init
+
+    def measure(name, batches):
+        return measure_items(name, batches, counter=count_samples)
+    from recipes.testing_servers import LocalHTTPServer, s3_store_process
+
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
+                   and p.parts[len(out.parts)] in ("ours", "lit"))
+    settings = dict(batch_size=64, num_workers=workers, worker_init_fn=worker_init if workers else None)
+    rows = []
+    with s3_store_process(out, names, bucket="bench", latency=latency, bandwidth=bandwidth) as options, \
+            tempfile.TemporaryDirectory(prefix="recipes-bench-shards-") as tmp, contextlib.ExitStack() as stack:
+        shards = ShardSet.open("s3://bench/ours", storage_options=options)
+        cache = PrefetchCache(Path(tmp) / "prefetch", max_bytes=4 * sum(e["bytes"] for e in shards.entries),
+                              storage_options=options)
+        cache.connect(shards.urls[0])  # the client's setup, timed apart (as the peers' are)
+        ours = shards.dataset(cache=cache, seed=0)
+        rows.append(measure("recipes ShardSet + PrefetchCache over S3, epoch 1",
+                            _Epochs(lambda: DataLoader(ours, **settings))))
+        if (out / "wds").exists():
+            import webdataset as wds
+
+            server = stack.enter_context(LocalHTTPServer(out / "wds", latency=latency, bandwidth=bandwidth))
+            urls = [server.url(p.name) for p in sorted((out / "wds").glob("*.tar"))]
+            rows.append(measure("webdataset.WebDataset over HTTP (curl), epoch 1",
+                                _Epochs(lambda: DataLoader(wds.WebDataset(urls, shardshuffle=False, empty_check=False),
+                                                           **settings))))
+        lit = None
+        if (out / "lit").exists():
+            import litdata
+            import litdata.streaming.downloader as lit_downloader
+
+            # LitData downloads through obstore, which refuses plain-HTTP endpoints unless told;
+            # the store here is moto on loopback (for the benchmark only)
+            if isinstance(getattr(lit_downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):
+                lit_downloader._OBSTORE_CLIENT_OPTIONS = {**lit_downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": True}
+            lit_options = {"endpoint_url": options["client_kwargs"]["endpoint_url"], "aws_access_key_id": "testing",
+                           "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+            lit = litdata.StreamingDataset("s3://bench/lit", storage_options=lit_options,
+                                           cache_dir=str(Path(tmp) / "litcache"))
+            rows.append(measure("LitData StreamingDataset over S3, epoch 1", _Epochs(
+                lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))
+        local = ShardSet.open(out / "ours").dataset(seed=0)
+        second = [lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2",
+                                  _Epochs(lambda: DataLoader(ours, **settings), epoch=1)),
+                  lambda: measure("recipes ShardSet from local disk", _Epochs(lambda: DataLoader(local, **settings)))]
+        if lit is not None:
+            second.append(lambda: measure("LitData StreamingDataset over S3, epoch 2", _Epochs(
+                lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))
+        rows += best_interleaved(*second, repeat=repeat)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from recipes.bench.measure import format_table
+    from recipes.bench.vision import ensure_data
+    from recipes.common import smart_num_workers
+
+    root = ensure_data(args.images)
+    workers = smart_num_workers() if args.workers is None else args.workers
+    shard_bytes = int(args.shard_mb * 2**20)
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-shards-") as tmp:
+        out = Path(tmp)
+        written, notes = write_rows(root, out, shard_bytes)
+        print(f"\n## shards: writing {args.images} JPEGs from {root} as {args.shard_mb:g} MiB shards, one process\n")
+        print("| writer | samples/s | vs write_shards |\n|---|---:|---:|")
+        for name, rate, _ in written:
+            print(f"| {name} | {rate:,.0f} | {rate / written[0][1]:.2f}x |")
+        rows = read_rows(out, latency=args.latency, bandwidth=args.bandwidth * 2**20, workers=workers)
+    print(f"\n## shards: reading them back, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per "
+          f"connection, {workers} workers, batches of 64 (webdataset's row is the baseline)\n")
+    print(format_table(rows, unit="samples/s", whole_epoch=True, baseline=1 if len(rows) > 3 else 0))
+    for note in notes:
+        print(f"\n{note}")
+    return 0

@@ -1,0 +1,24 @@
+"""A small `recipes bench shards` (slow tier), with conservative ratios: write_shards no slower
+than half of webdataset's ShardWriter, our epoch 1 over S3 faster than webdataset's over HTTP
+with the same latency and bandwidth caps, epoch 2 near local disk."""
+
+import pytest
+
+pytest.importorskip("webdataset")
+
+
+@pytest.mark.slow
+def test_shards_bench_rows(tmp_path):
+    from recipes.bench.shards import read_rows, write_rows
+    from recipes.bench.vision import ensure_data
+
+    written, _ = write_rows(ensure_data(160), tmp_path, 2 * 2**20)
+    rates = {name.split()[0]: rate for name, rate, _ in written}
+    assert rates["recipes"] >= 0.5 * rates["webdataset"], written
+    rows = {row.name: row for row in read_rows(tmp_path, latency=0.02, bandwidth=16 * 2**20, workers=1)}
+    whole = {name: row.items / row.seconds for name, row in rows.items()}
+    assert all(row.items == 160 for row in rows.values()), rows
+    ours_1 = whole["recipes ShardSet + PrefetchCache over S3, epoch 1"]
+    assert ours_1 > whole["webdataset.WebDataset over HTTP (curl), epoch 1"], whole
+    assert rows["recipes ShardSet + PrefetchCache over S3, epoch 2"].items_per_s >= 0.5 * rows[
+        "recipes ShardSet from local disk"].items_per_s, whole
