@@ -49,12 +49,17 @@ def touch(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def key_lock(folder: Path, name: str, mode: int, *, pause: Callable[[float], None] | None = None):
-    """Holds the flock `mode` (`fcntl.LOCK_EX` or `LOCK_SH`) on key `name` of `folder`.
+def key_lock(folder: Path, name: str, mode: int, *, pause: Callable[[float], None] | None = None,
+             unless: Callable[[], bool] | None = None):
+    """Holds the flock `mode` (`fcntl.LOCK_EX` or `LOCK_SH`) on key `name` of `folder`; yields
+    True once held.
 
     A new open file description per call: threads of one process exclude each other too. The
     descriptor is fork-safe (`open_held`). With `pause`, the lock is polled (every 1 to 10 ms,
-    sleeping through `pause`), so that the caller can end the wait by raising from `pause`.
+    sleeping through `pause`), so that the caller can end the wait by raising from `pause`; with
+    `unless` too, the wait also ends when `unless()` turns true, and the context yields False
+    (not held): a downloader waiting for a key whose file has appeared meanwhile must not wait
+    on for the readers that now hold it shared (they may be waiting for the downloader's batch).
     """
     fd, token = open_held(folder / ".locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT)
     try:
@@ -63,9 +68,12 @@ def key_lock(folder: Path, name: str, mode: int, *, pause: Callable[[float], Non
         else:
             delay = 0.001
             while not _try_flock(fd, mode):
+                if unless is not None and unless():
+                    yield False
+                    return
                 pause(delay)
                 delay = min(2 * delay, 0.01)
-        yield
+        yield True
     finally:
         release(fd, token)
 

@@ -154,7 +154,8 @@ class PrefetchCache:
         if cache_folder.touch(final):
             self._count(hits=1)
             return final
-        with self._running(), cache_folder.key_lock(self.dir, final.name, fcntl.LOCK_EX, pause=self._pause):
+        with self._running(), cache_folder.key_lock(self.dir, final.name, fcntl.LOCK_EX, pause=self._pause,
+                                                    unless=final.exists):
             if cache_folder.touch(final):  # another process or thread finished it while we waited
                 self._count(hits=1)
                 return final

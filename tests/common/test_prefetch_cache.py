@@ -395,3 +395,35 @@ def test_close_ends_a_wait_for_another_processes_download(tmp_path, shards, zygo
         waiter.join(10)
         assert time.monotonic() - started < 1 and [type(e) for e in errors] == [CacheClosedError]
         assert other.wait(timeout=60) == 0 and cache.path_for(url).stat().st_size == 250_000
+
+
+def test_a_waiting_downloader_does_not_wait_for_readers_of_the_finished_file(tmp_path):
+    """Two readers of one shard (sample ranges of a boundary shard): one downloads it and reads
+    it (a shared lock held while its generator is suspended); the other, waiting for the key
+    since before the file existed, takes the file at once. It waited for the shared lock's end
+    before: in a DataLoader whose in-order delivery needed its batch first, a deadlock."""
+    import threading
+
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    (folder / "a.bin").write_bytes(b"x" * 200_000)
+    with LocalHTTPServer(folder, latency=0.3) as server:
+        cache = _cache(tmp_path)
+        url = server.url("a.bin")
+        reading, done = threading.Event(), threading.Event()
+
+        def reader():
+            with cache.pinned(url):
+                reading.set()
+                done.wait(20)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        time.sleep(0.1)  # the reader holds the key exclusively: downloading
+        started = time.monotonic()
+        path = cache.get(url)
+        waited = time.monotonic() - started
+        done.set()
+        thread.join()
+        assert reading.is_set() and path.read_bytes() == b"x" * 200_000
+        assert waited < 5, waited  # not the 20 s the reader holds its shared lock

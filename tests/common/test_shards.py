@@ -305,3 +305,27 @@ def test_long_keys_and_truncated_tars(tmp_path):
     (tmp_path / "cut.tar").write_bytes(data[: plain.entries[0]["offsets"][3] + 600])  # inside sample 3's data
     with pytest.raises(ShardFormatError, match="cut.tar is not a tar file, or a damaged one"):
         list(read_tar(tmp_path / "cut.tar"))
+
+
+def test_the_command_line_writes_and_indexes_shards(tmp_path, image_tree_for_shards, capsys):
+    from recipes.cli import main
+    from recipes.testing import make_audio_files
+
+    assert main(["shards", "vision", str(image_tree_for_shards), str(tmp_path / "img"), "--shard-mb", "0.05"]) == 0
+    images = ShardSet.open(tmp_path / "img")
+    assert len(images) == 8 and len(images.entries) >= 2 and "8 samples" in capsys.readouterr().out
+    first = next(images.read(0))
+    assert first["__key__"] == "class_00/img_0000" and first["cls"] == 0
+    assert first["jpg"] == (image_tree_for_shards / "class_00" / "img_0000.jpg").read_bytes()
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(30)))
+    assert main(["shards", "text", str(tmp_path / "c.jsonl"), str(tmp_path / "txt"), "--format", "parquet",
+                 "--text-field", "body"]) == 0
+    assert [s["txt"] for s in ShardSet.open(tmp_path / "txt").read(0)] == [f"text {i}" for i in range(30)]
+    make_audio_files(tmp_path / "audio", count=2, seconds=[0.5, 0.3], sample_rate=8000, seed=1)
+    assert main(["shards", "audio", str(tmp_path / "audio"), str(tmp_path / "aud")]) == 0
+    assert len(ShardSet.open(tmp_path / "aud")) == 2
+    (tmp_path / "img" / "index.json").unlink()
+    assert main(["shards", "index", *map(str, sorted((tmp_path / "img").glob("*.tar")))]) == 0
+    assert ShardSet.open(tmp_path / "img").lengths.tolist() == images.lengths.tolist()
+    assert main(["shards", "vision", str(tmp_path / "missing"), str(tmp_path / "x")]) == 1
+    assert "missing" in capsys.readouterr().err
