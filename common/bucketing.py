@@ -51,6 +51,8 @@ class LengthBucketSampler(Sampler[list[int]]):
         num_replicas: ranks; the `torch.distributed` world size when initialised, else 1.
         rank: this rank; `torch.distributed.get_rank()` when initialised, else 0.
         drop_last: drop batches to equalise ranks instead of padding (see module docstring).
+        mixture: a `MixtureSampler` (one rank: `num_replicas=1`) whose epoch plan is bucketed
+            instead of every sample once: mix first, then bucket (its indices may repeat).
 
     Raises:
         ValueError: neither `batch_size` nor `max_tokens`, or invalid values.
@@ -74,6 +76,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
         drop_last: bool = False,
+        mixture=None,
     ):
         if batch_size is None and max_tokens is None:
             raise ValueError("LengthBucketSampler needs `batch_size`, `max_tokens` or both.")
@@ -95,6 +98,10 @@ class LengthBucketSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        if mixture is not None and (getattr(mixture, "num_replicas", 1) != 1 or getattr(mixture, "batch_size", None)):
+            raise ValueError("LengthBucketSampler(mixture=) buckets the mixture's whole plan and deals the batches over "
+                             "the ranks itself: build the MixtureSampler with num_replicas=1, rank=0 and no batch_size.")
+        self.mixture = mixture
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)
         self._begin = 0  # where the current pass over `self.epoch` began
@@ -114,12 +121,15 @@ class LengthBucketSampler(Sampler[list[int]]):
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        n = len(self.lengths)
+        pool = None if self.mixture is None else self.mixture.global_indices(epoch)
+        n = len(self.lengths) if pool is None else len(pool)
         if self.shuffle:
             ties = torch.randperm(n, generator=g).numpy()
-            order = ties[np.argsort(self.lengths[ties], kind="stable")]
         else:
-            order = np.argsort(self.lengths, kind="stable")
+            ties = np.arange(n)
+        if pool is not None:
+            ties = pool[ties]  # the mixture's indices (repeats included), in a random tie order
+        order = ties[np.argsort(self.lengths[ties], kind="stable")]
         batches = self._split(order)
         if self.shuffle and batches:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
@@ -180,6 +190,8 @@ class LengthBucketSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffles for `epoch` (call before each epoch, as with DistributedSampler)."""
+        if self.mixture is not None:
+            self.mixture.set_epoch(epoch)
         self.epoch = int(epoch)
         self._start = self._begin = 0
         self._yielded = 0
@@ -190,9 +202,12 @@ class LengthBucketSampler(Sampler[list[int]]):
         a resume may change)."""
         if getattr(self, "_lengths_crc", None) is None:  # lengths never change: one checksum per sampler
             self._lengths_crc = _fingerprint(self.lengths)
-        return {"num_samples": len(self.lengths), "lengths": self._lengths_crc, "seed": self.seed,
-                "shuffle": self.shuffle, "batch_size": self.batch_size, "max_tokens": self.max_tokens,
-                "pad_to_multiple_of": self.pad_to_multiple_of, "drop_last": self.drop_last}
+        settings = {"num_samples": len(self.lengths), "lengths": self._lengths_crc, "seed": self.seed,
+                    "shuffle": self.shuffle, "batch_size": self.batch_size, "max_tokens": self.max_tokens,
+                    "pad_to_multiple_of": self.pad_to_multiple_of, "drop_last": self.drop_last}
+        if self.mixture is not None:
+            settings["mixture"] = self.mixture.plan_settings()
+        return settings
 
     def note_read_ahead(self, batches: int) -> None:
         """The DataLoader's workers hold up to `batches` batches beyond what the loop received

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import ConcatDataset, IterableDataset
 
 from recipes.common.loader_contract import ThreadBatched
 
@@ -31,6 +31,17 @@ THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last",
                "collate_fn")
 
 
+def thread_capable(dataset) -> bool | None:
+    """None when `dataset` cannot take the thread path at all; else whether it can now
+    (`thread_batches()`). A `ConcatDataset` (a mixture's sources) can when every part can."""
+    if isinstance(dataset, ConcatDataset):
+        parts = [thread_capable(d) for d in dataset.datasets]
+        return None if any(p is None for p in parts) else all(parts)
+    if isinstance(dataset, ThreadBatched) and not isinstance(dataset, IterableDataset):
+        return bool(dataset.thread_batches())
+    return None
+
+
 def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str]:
     """`("threads" | "workers", the reason)` for `dataset` under `path` and the user's arguments.
 
@@ -42,8 +53,8 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
         raise ValueError(f"`path` must be one of {PATHS}, but is {path!r} instead.")
     if path == "workers":
         return "workers", "given"
-    able = isinstance(dataset, ThreadBatched) and not isinstance(dataset, IterableDataset)
-    ready = able and dataset.thread_batches()
+    able = thread_capable(dataset) is not None
+    ready = bool(able and thread_capable(dataset))
     asked = [key for key in WORKER_ONLY if key in overrides]
     name = type(dataset).__name__
     if path == "threads":

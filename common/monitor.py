@@ -26,6 +26,8 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
+
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.probes import gpu_reading, prefetch_caches, process_memory
 
@@ -143,6 +145,7 @@ class LoaderMonitor:
             for key, value in cache.stats().items():
                 prefetch[key] += value - before.get(key, 0)
         row = epoch.row(prefetch if caches_before else None)
+        row["sources"] = _realised_mixture(self.loader, row["samples"])
         # The first epoch is the workers' warm-up (forked, then touching what they use): growth
         # is judged from the second epoch on.
         previous = self.epochs[-1] if len(self.epochs) >= 2 else None
@@ -162,7 +165,8 @@ class LoaderMonitor:
         epoch's `main_rss_bytes`, `workers_uss_bytes`, `workers_pss_bytes` (peak sums),
         `per_worker` (peak USS/PSS by pid), `memory_growth`,
         `shm_used_bytes`, `gpu_util` (%, mean), `gpu_memory_bytes`, `net_bytes_recv`,
-        `prefetch` (None where not measurable).
+        `prefetch` (None where not measurable), `sources` (a `MixtureSampler`'s realised
+        proportion of each source in the latest epoch's samples, by name; None without one).
         """
         if not self.epochs:
             return {"epochs": 0, "batches": 0, "samples": 0, "seconds": 0.0, "samples_per_s": 0.0,
@@ -262,6 +266,28 @@ class _Epoch:
             "gpu_util": sum(self.gpu_util) / len(self.gpu_util) if self.gpu_util else None,
             "gpu_memory_bytes": self.gpu_memory, "net_bytes_recv": self.net_bytes, "prefetch": prefetch,
         }
+
+
+def _realised_mixture(loader, samples: int) -> dict[str, float] | None:
+    """The share of each source among this rank's first `samples` samples of the epoch, from the
+    loader's `MixtureSampler` (its sampler or batch sampler, or a bucketing sampler's
+    `mixture`); None without one."""
+    inner = getattr(loader, "loader", loader)
+    batch_sampler = getattr(inner, "batch_sampler", None)
+    for candidate in (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(inner, "sampler", None)):
+        if hasattr(candidate, "source_counts"):
+            counts = candidate.source_counts(samples)
+            break
+        mixture = getattr(candidate, "mixture", None)
+        if hasattr(mixture, "source_of") and hasattr(candidate, "_plan"):  # mixed, then bucketed
+            mine = [int(i) for batch in candidate._plan(candidate.epoch, 0) for i in batch][:samples]
+            found = np.bincount(mixture.source_of(mine), minlength=len(mixture.names)) if mine else []
+            counts = {name: int(c) for name, c in zip(mixture.names, found, strict=False)}
+            break
+    else:
+        return None
+    total = sum(counts.values())
+    return {name: count / total for name, count in counts.items()} if total else None
 
 
 def _diagnose(row: dict[str, Any], monitor: LoaderMonitor) -> list[str]:

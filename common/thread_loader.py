@@ -22,8 +22,8 @@ generator seeded by `(seed, epoch, batch position)`: the same batch gets the sam
 whatever the threads and after a resume. With `pin_memory` on CUDA, a `read_batch` that takes
 `pin_memory=` fills its batch in page-locked memory from torch's caching host allocator (reused
 blocks, no second copy); other batches are copied into pinned memory.
-Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_state.py,
-  common/loader_warning.py, common/stateful_loader.py.
+Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_path.py,
+  common/loader_state.py, common/loader_warning.py, common/stateful_loader.py.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import ConcatDataset
 
-from recipes.common.loader_contract import ReadAheadAware, ThreadBatched
+from recipes.common.loader_contract import ReadAheadAware
 from recipes.common.loader_passes import Counting, LoaderClosedError
+from recipes.common.loader_path import thread_capable
 from recipes.common.stateful_loader import StatefulLoader
 
 _ACCEPTED = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory", "collate_fn"}
@@ -65,7 +66,7 @@ class ThreadLoader(StatefulLoader):
 
     def __init__(self, dataset, *, threads: int | None = None, prefetch: int | None = None,
                  seed: int | None = None, **kwargs: Any):
-        if isinstance(dataset, IterableDataset) or not isinstance(dataset, ThreadBatched):
+        if thread_capable(dataset) is None:
             raise TypeError(f"ThreadLoader reads a map-style dataset that says its batches are memory-speed reads "
                             f"(thread_batches(), loader_contract.ThreadBatched); {type(dataset).__name__} has none. "
                             "Use make_loader(..., path='workers').")
@@ -123,7 +124,9 @@ class ThreadLoader(StatefulLoader):
                 return self.dataset.read_batch(indices, rng, pin_memory=self.pin)
             batch = self.dataset.read_batch(indices, rng)
         else:
-            if hasattr(self.dataset, "read_items"):  # the dataset's items, drawn from the batch's rng
+            if isinstance(self.dataset, ConcatDataset):  # a mixture's sources: each part's items
+                items = _concat_items(self.dataset, indices, rng)
+            elif hasattr(self.dataset, "read_items"):  # the dataset's items, drawn from the batch's rng
                 items = self.dataset.read_items(indices, rng)
             else:
                 getitems = getattr(self.dataset, "__getitems__", None)
@@ -211,6 +214,30 @@ class _Batches:
     def __del__(self):
         for future in self._pending:
             future.cancel()
+
+
+def _concat_items(dataset: ConcatDataset, indices: list[int], rng) -> list:
+    """The items of `indices` of a `ConcatDataset`, each part read at once (`read_items` with
+    the batch's generator when it has one, else `__getitems__` or item by item), in order."""
+    import bisect
+
+    by_part: dict[int, list[tuple[int, int]]] = {}
+    for position, index in enumerate(indices):
+        part = bisect.bisect_right(dataset.cumulative_sizes, index)
+        local = index - (dataset.cumulative_sizes[part - 1] if part else 0)
+        by_part.setdefault(part, []).append((position, local))
+    items: list = [None] * len(indices)
+    for part, pairs in by_part.items():
+        source, local = dataset.datasets[part], [i for _, i in pairs]
+        if hasattr(source, "read_items"):
+            got = source.read_items(local, rng)
+        elif hasattr(source, "__getitems__"):
+            got = source.__getitems__(local)
+        else:
+            got = [source[i] for i in local]
+        for (position, _), item in zip(pairs, got, strict=True):
+            items[position] = item
+    return items
 
 
 def _pinned(batch):

@@ -33,16 +33,19 @@ from torch.utils.data import (
 )
 
 from recipes.common import LengthBucketSampler, RobustLoader, ShardedIterableDataset, make_loader
+from recipes.common.mixture import MixtureSampler
 from recipes.testing import make_int_shards
 
 N = 48
 SHARDS = [9, 14, 6, 11, 8, 12]
 SEED = 1234
-MAP_KINDS = ["shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket", "packed"]
+MAP_KINDS = ["shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket", "packed", "mixture",
+             "mixture_batches"]
 KINDS = [*MAP_KINDS, "sharded"]
-EXPLICIT = {"distributed", "bucket", "packed", "sharded"}  # the loop calls set_epoch
-ELASTIC = {"bucket", "sharded"}
-THREADED = {"shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket"}  # Ids: also a ThreadLoader
+EXPLICIT = {"distributed", "bucket", "packed", "sharded", "mixture", "mixture_batches"}  # the loop calls set_epoch
+ELASTIC = {"bucket", "sharded", "mixture_batches"}
+THREADED = {"shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket", "mixture",
+            "mixture_batches"}  # Ids: also a ThreadLoader
 
 settings.register_profile("thorough", max_examples=300, stateful_step_count=40, deadline=None,
                           suppress_health_check=list(HealthCheck))
@@ -146,6 +149,11 @@ class World:
             lengths = np.random.default_rng(0).integers(5, 60, N)
             return ds, {"batch_sampler": LengthBucketSampler(lengths, batch_size=4, seed=4, num_replicas=world,
                                                              rank=rank)}
+        if kind == "mixture":  # two sources (indices 0-19 and 20-47) at 0.6 / 0.4, every sample once
+            return ds, {"batch_size": 4, "sampler": MixtureSampler([20, 28], [0.6, 0.4], seed=6)}
+        if kind == "mixture_batches":  # the batch mode: global batches dealt over the ranks, elastic
+            return ds, {"batch_sampler": MixtureSampler([20, 28], [0.6, 0.4], seed=6, batch_size=4,
+                                                        num_replicas=world, rank=rank)}
         if kind == "packed":
             from recipes.nlp.packing import PackCollate, PackedBatchSampler, PackedTokens
 
@@ -320,8 +328,9 @@ class ExactlyOnce(RuleBasedStateMachine):
         if self.kind == "sharded":  # the old ranks' uninterrupted epoch, replayed
             return Counter(i for r in range(old) for b in self.references.epoch(
                 "sharded", self.epoch, old, r, self.began_with) for i in b)
-        # LengthBucketSampler: the global plan; each phase deals the rest, padded to its ranks
-        plan = self.references.epoch("bucket", self.epoch)  # one rank: the global list in order
+        # LengthBucketSampler, MixtureSampler's batches: the global plan; each phase deals the
+        # rest, padded to its ranks
+        plan = self.references.epoch(self.kind, self.epoch)  # one rank: the global list in order
         expected, position = Counter(), 0
         for ranks, steps in phases:
             rest = plan[position:]

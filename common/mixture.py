@@ -1,0 +1,275 @@
+"""MixtureSampler: weighted sampling across datasets, exact under DDP and on resume.
+
+Use when: training draws from several sources at set proportions (web text, code and books for a
+language model; several speech corpora; several image sets) through one
+`torch.utils.data.ConcatDataset(datasets)`. Each epoch's plan is drawn from `(seed, epoch)`:
+at every position a source is chosen with probability proportional to its weight among the
+sources still drawing, and the source gives its next index from a fresh permutation of its
+own (no index repeats within a source before the source is exhausted).
+Cost: per epoch, one vectorised draw of the plan (an int64 array of the epoch's length, the
+same on every rank), cached for the epoch; per index, nothing.
+Adapt here: `STOPS`.
+Trade-off: the plan is a function of `(seed, epoch)` and the settings, so the loader's state
+is the epoch and the batches received (O(1), never O(samples)); a resume regenerates it.
+`stop` decides what a source that runs out does:
+- "all_exhausted" (default): it leaves the draw (the others' weights renormalise); the epoch
+  ends when every source is exhausted: every sample of every source once per epoch, the
+  proportions holding while all sources still draw;
+- "first_exhausted": the epoch ends when the first source runs out;
+- "never": it starts a fresh permutation; the epoch's length is `num_samples` (required),
+  and the proportions hold throughout (a small source repeats, each pass a new permutation).
+`num_samples` also caps the other rules (Streaming's `epoch_size`).
+DDP: the global plan is padded to a multiple of the ranks by repeating its first indices (at
+most `num_replicas - 1`, as `DistributedSampler`) and rank r takes positions r, r + R, ...:
+disjoint, equal counts. With `batch_size`, it is a batch sampler instead: global batches of
+the plan dealt round-robin, and `state_dict(batches_done=)` resumes on another number of ranks
+(elastic), as `LengthBucketSampler`.
+Copy with: common/sharding.py.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from recipes.common.sharding import distributed_world
+
+STOPS = ("all_exhausted", "first_exhausted", "never")
+
+
+class MixtureSampler:
+    """Indices into `ConcatDataset(datasets)` drawn across sources by weight.
+
+    Args:
+        sizes: samples per source, a sequence or a mapping from name to size (in the
+            `ConcatDataset`'s order).
+        weights: per source, the same shape as `sizes` (normalised; need not sum to 1).
+        num_samples: the epoch's length (all ranks together); required with stop="never".
+        stop: "all_exhausted", "first_exhausted" or "never" (see the module docstring).
+        seed: the base seed, the same on every rank.
+        num_replicas, rank: the ranks; `torch.distributed`'s when initialised, else 1 and 0.
+        shuffle: permute each source's indices (in order when False; sources still mix).
+        batch_size: yield batches (lists) of this size instead of indices: a batch sampler,
+            elastic on resume. `drop_last` drops the plan's last partial batch.
+
+    Raises:
+        ValueError: mismatched or non-positive sizes or weights, an unknown `stop`, or
+            stop="never" without `num_samples`.
+
+    Example:
+        >>> mix = MixtureSampler({"web": len(web), "code": len(code)}, {"web": 0.7, "code": 0.3})
+        >>> loader = make_loader(ConcatDataset([web, code]), batch_size=32, sampler=mix)
+    """
+
+    def __init__(self, sizes: Sequence[int] | Mapping[str, int], weights: Sequence[float] | Mapping[str, float], *,
+                 num_samples: int | None = None, stop: str = "all_exhausted", seed: int = 0,
+                 num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
+                 batch_size: int | None = None, drop_last: bool = False):
+        if isinstance(sizes, Mapping):
+            if not isinstance(weights, Mapping) or set(weights) != set(sizes):
+                raise ValueError(f"`weights` must name the same sources as `sizes` ({sorted(sizes)}), but names "
+                                 f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}.")
+            self.names = [str(k) for k in sizes]
+            weights = [weights[k] for k in sizes]
+            sizes = list(sizes.values())
+        else:
+            self.names = [str(i) for i in range(len(sizes))]
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.weights = np.asarray(weights, dtype=np.float64)
+        if self.sizes.ndim != 1 or len(self.sizes) == 0 or self.weights.shape != self.sizes.shape:
+            raise ValueError(f"`sizes` and `weights` need one value per source, but have {len(self.sizes)} and "
+                             f"{self.weights.size}.")
+        if (self.sizes <= 0).any():
+            raise ValueError(f"every source needs samples; sizes are {self.sizes.tolist()} (source "
+                             f"{self.names[int(np.argmin(self.sizes))]!r}).")
+        if not np.isfinite(self.weights).all() or (self.weights < 0).any() or self.weights.sum() <= 0:
+            raise ValueError(f"`weights` must be non-negative and finite with a positive sum, but are "
+                             f"{self.weights.tolist()}.")
+        if stop not in STOPS:
+            raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
+        if stop == "never" and num_samples is None:
+            raise ValueError("stop='never' refills sources for ever: give `num_samples`, the epoch's length.")
+        if num_samples is not None and num_samples <= 0:
+            raise ValueError(f"`num_samples` must be positive, but is {num_samples!r} instead.")
+        if batch_size is not None and batch_size <= 0:
+            raise ValueError(f"`batch_size` must be positive, but is {batch_size!r} instead.")
+        self.weights = self.weights / self.weights.sum()
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
+        self.num_samples, self.stop, self.seed, self.shuffle = num_samples, stop, int(seed), shuffle
+        self.batch_size, self.drop_last = batch_size, drop_last
+        world, here = distributed_world()
+        self.num_replicas = world if num_replicas is None else int(num_replicas)
+        self.rank = here if rank is None else int(rank)
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead.")
+        self.epoch = 0
+        self._start = self._begin = self._yielded = 0  # batch mode: global batches done, as LengthBucketSampler
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    # ---- the epoch's plan --------------------------------------------------------------
+    def global_indices(self, epoch: int | None = None) -> np.ndarray:
+        """Every index of `epoch`'s plan (all ranks), in order: the same on every rank."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, self._draw(epoch))
+        return self._cache[1]
+
+    def _draw(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch, 0x6D6978])
+        sources = self._sources(rng)
+        counts = np.zeros(len(self.sizes), np.int64)
+        out = np.empty(len(sources), np.int64)
+        for s in range(len(self.sizes)):  # the k-th draw from s: pass k // n_s, position k % n_s
+            where = np.flatnonzero(sources == s)
+            if not len(where):
+                continue
+            n = int(self.sizes[s])
+            passes = -(-len(where) // n)
+            perm = np.concatenate([self._permutation(epoch, s, p) for p in range(passes)])[: len(where)]
+            out[where] = self.offsets[s] + perm
+            counts[s] = len(where)
+        return out
+
+    def _permutation(self, epoch: int, source: int, pass_: int) -> np.ndarray:
+        n = int(self.sizes[source])
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        return np.random.default_rng([self.seed, epoch, source, pass_, 0x70]).permutation(n)
+
+    def _sources(self, rng: np.random.Generator) -> np.ndarray:
+        """The source of every position of the epoch. With the exhausting rules, in phases: a
+        phase draws with fixed probabilities over the sources still drawing and ends where one
+        of them gives its last sample (one always does: a phase draws as many positions as
+        the active sources have samples left); the next phase renormalises without it."""
+        cap = self.num_samples
+        if self.stop == "never":
+            return rng.choice(len(self.sizes), size=cap, p=self.weights)
+        left = self.sizes.copy()
+        active = self.weights > 0  # a source of weight 0 never draws
+        total = int(left[active].sum())
+        limit = total if cap is None else min(cap, total)
+        chunks: list[np.ndarray] = []
+        drawn = 0
+        while drawn < limit and active.any():
+            p = np.where(active, self.weights, 0.0)
+            chunk = rng.choice(len(self.sizes), size=int(left[active].sum()), p=p / p.sum())
+            end = len(chunk)
+            for s in np.flatnonzero(active):
+                hits = np.flatnonzero(chunk == s)
+                if len(hits) >= left[s]:
+                    end = min(end, int(hits[left[s] - 1]) + 1)
+            chunk = chunk[:end][: limit - drawn]
+            chunks.append(chunk)
+            drawn += len(chunk)
+            left -= np.bincount(chunk, minlength=len(left))
+            if self.stop == "first_exhausted" and (left[active] == 0).any():
+                break
+            active &= left > 0
+        return np.concatenate(chunks) if chunks else np.empty(0, np.int64)
+
+    def _padded(self, epoch: int) -> np.ndarray:
+        plan = self.global_indices(epoch)
+        r = self.num_replicas
+        if len(plan) % r and len(plan):
+            plan = np.concatenate([plan, plan[np.arange(r - len(plan) % r) % len(plan)]])
+        return plan
+
+    def _global_batches(self, epoch: int) -> list[np.ndarray]:
+        plan = self.global_indices(epoch)
+        b = self.batch_size
+        batches = [plan[i : i + b] for i in range(0, len(plan), b)]
+        if self.drop_last and batches and len(batches[-1]) < b:
+            batches.pop()
+        return batches
+
+    def _batch_plan(self, epoch: int, start: int) -> list[np.ndarray]:
+        batches = self._global_batches(epoch)
+        rest = batches[start:]
+        r = self.num_replicas
+        if len(rest) % r and batches:
+            rest = rest + [batches[i % len(batches)] for i in range(r - len(rest) % r)]
+        return rest[self.rank :: r]
+
+    # ---- Sampler protocol ----------------------------------------------------------------
+    def __iter__(self) -> Iterator:
+        if self.batch_size is None:
+            yield from self._padded(self.epoch)[self.rank :: self.num_replicas].tolist()
+            return
+        plan = self._batch_plan(self.epoch, self._start)
+        self._begin, self._start, self._yielded = self._start, 0, 0
+        for batch in plan:
+            self._yielded += 1
+            yield batch.tolist()
+
+    def __len__(self) -> int:
+        if self.batch_size is None:
+            return len(self._padded(self.epoch)) // self.num_replicas
+        return len(self._batch_plan(self.epoch, self._start))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draws `epoch`'s plan (call before each epoch, as with `DistributedSampler`)."""
+        self.epoch = int(epoch)
+        self._start = self._begin = self._yielded = 0
+
+    # ---- what it drew ----------------------------------------------------------------------
+    def source_of(self, indices) -> np.ndarray:
+        """The source number of each `ConcatDataset` index."""
+        return np.searchsorted(self.offsets, np.asarray(indices, dtype=np.int64), side="right") - 1
+
+    def source_counts(self, samples_done: int | None = None) -> dict[str, int]:
+        """Samples per source among this rank's first `samples_done` of the epoch (all of them
+        when None): the realised mixture, by name."""
+        mine = self._padded(self.epoch)[self.rank :: self.num_replicas] if self.batch_size is None else \
+            np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
+        if samples_done is not None:
+            mine = mine[:samples_done]
+        counts = np.bincount(self.source_of(mine), minlength=len(self.sizes))
+        return {name: int(c) for name, c in zip(self.names, counts, strict=True)}
+
+    # ---- resume ----------------------------------------------------------------------------
+    def plan_settings(self) -> dict:
+        """Every setting that shapes the epoch's plan (JSON), checked when a state is loaded.
+        The ranks are part of it for the index mode (a resume on another number of ranks is
+        the batch mode's: `batch_size=`)."""
+        settings = {"sizes": self.sizes.tolist(), "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
+                    "num_samples": self.num_samples, "stop": self.stop, "seed": self.seed, "shuffle": self.shuffle,
+                    "batch_size": self.batch_size, "drop_last": self.drop_last}
+        if self.batch_size is None:
+            settings["num_replicas"] = self.num_replicas
+        return settings
+
+    def state_dict(self, *, batches_done: int | None = None) -> dict:
+        """Batch mode: the epoch and the global batches done (local batches x ranks), which
+        `load_state_dict` continues on any number of ranks. (In index mode the loader's own
+        state, the epoch and the batches received, is the position: use `loader.state_dict()`.)"""
+        if self.batch_size is None:
+            return {"epoch": self.epoch, "plan": self.plan_settings()}
+        done = self._yielded if batches_done is None else int(batches_done)
+        total = len(self._global_batches(self.epoch))
+        begin = self._start if self._start else self._begin
+        return {"epoch": self.epoch, "global_batches_done": min(total, begin + done * self.num_replicas),
+                "plan": self.plan_settings()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues the saved epoch (batch mode: on this sampler's number of ranks).
+
+        Raises:
+            ValueError: a state saved under other sources, weights or settings.
+        """
+        saved, mine = dict(state.get("plan") or {}), self.plan_settings()
+        if self.batch_size is not None:
+            saved.pop("num_replicas", None)
+        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if differ:
+            raise ValueError("This MixtureSampler state was saved under other settings: " + ", ".join(
+                f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ) + "; resume with the same sources, "
+                "weights and settings (they decide the epoch's plan).")
+        self.epoch = int(state["epoch"])
+        self._start = int(state.get("global_batches_done", 0))
+        self._begin = self._yielded = 0
+
+    def __repr__(self) -> str:
+        mix = ", ".join(f"{n}: {w:.3f} of {s}" for n, w, s in zip(self.names, self.weights, self.sizes, strict=True))
+        return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"

@@ -1,0 +1,208 @@
+"""MixtureSampler (issue 23): realised counts within binomial bounds of the weights, no repeat
+within a source before it is exhausted, the stop rules, disjoint equal ranks, exact resume
+through make_loader (workers and threads) in any epoch, elastic batches, a constant-size
+state, bucketing of a mixture, and LoaderMonitor's realised proportions. The exactly-once
+state machine (test_exactly_once.py) also draws both modes."""
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import ConcatDataset, Dataset
+
+from recipes.common import LengthBucketSampler, LoaderMonitor, MixtureSampler, make_loader
+
+
+class Range(Dataset):
+    def __init__(self, lo, n):
+        self.lo, self.n = lo, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.lo + int(i)
+
+    def thread_batches(self):  # its items are arithmetic: the thread path may read them
+        return True
+
+
+def _data(sizes):
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return ConcatDataset([Range(int(o), int(n)) for o, n in zip(offsets, sizes, strict=True)])
+
+
+def test_counts_follow_the_weights_within_binomial_bounds():
+    sizes, weights, n = [1000, 3000, 500], [0.5, 0.3, 0.2], 3000
+    for seed in range(5):
+        mix = MixtureSampler(sizes, weights, num_samples=n, stop="never", seed=seed)
+        counts = np.bincount(mix.source_of(list(mix)), minlength=3)
+        assert counts.sum() == n
+        for count, w in zip(counts, weights, strict=True):
+            assert abs(count - n * w) <= 4 * np.sqrt(n * w * (1 - w)), (seed, counts)
+
+
+def test_no_index_repeats_within_a_source_before_it_is_exhausted():
+    sizes = [7, 40, 13]
+    mix = MixtureSampler(sizes, [0.4, 0.3, 0.3], num_samples=400, stop="never", seed=3)
+    drawn = np.array(list(mix))
+    sources = mix.source_of(drawn)
+    for s, n in enumerate(sizes):
+        mine = drawn[sources == s]
+        for start in range(0, len(mine) - n + 1, n):  # each pass over the source: a permutation
+            assert sorted(mine[start : start + n]) == list(range(mix.offsets[s], mix.offsets[s] + n))
+        tail = mine[len(mine) - len(mine) % n:]
+        assert len(set(tail.tolist())) == len(tail)
+
+
+def test_the_stop_rules_end_epochs_where_they_say():
+    sizes, weights = [100, 300, 50], [0.5, 0.3, 0.2]
+    every = list(MixtureSampler(sizes, weights, seed=1))  # all_exhausted: every sample once
+    assert Counter(every) == Counter(range(450))
+    first = MixtureSampler(sizes, weights, stop="first_exhausted", seed=1)
+    drawn = np.array(list(first))
+    counts = np.bincount(first.source_of(drawn), minlength=3)
+    exhausted = int(np.flatnonzero(counts == np.array(sizes))[0])
+    assert (counts <= sizes).all() and (counts == sizes).sum() == 1  # one source ran out, the others did not
+    assert first.source_of(drawn[-1:])[0] == exhausted  # the epoch ends at its last sample
+    capped = list(MixtureSampler(sizes, weights, num_samples=120, seed=1))
+    assert len(capped) == 120 and len(set(capped)) == 120
+    with pytest.raises(ValueError, match="give `num_samples`"):
+        MixtureSampler(sizes, weights, stop="never")
+    with pytest.raises(ValueError, match="every source needs samples"):
+        MixtureSampler({"a": 3, "b": 0}, {"a": 1, "b": 1})
+    with pytest.raises(ValueError, match="same sources"):
+        MixtureSampler({"a": 3, "b": 4}, {"a": 1, "c": 1})
+    with pytest.raises(ValueError, match="`stop` must be one of"):
+        MixtureSampler(sizes, weights, stop="sometimes")
+    zero = MixtureSampler(sizes, [0.5, 0.5, 0.0], seed=2)  # a weight of 0: never drawn
+    assert 2 not in set(zero.source_of(list(zero)).tolist())
+
+
+def test_ranks_are_disjoint_equal_and_cover_the_plan():
+    for world in (2, 3):
+        ranks = [MixtureSampler([30, 47], [0.7, 0.3], seed=4, num_replicas=world, rank=r) for r in range(world)]
+        for epoch in (0, 5):
+            for mix in ranks:
+                mix.set_epoch(epoch)
+            got = [list(mix) for mix in ranks]
+            assert len({len(g) for g in got}) == 1
+            plan = ranks[0].global_indices().tolist()
+            together = [i for position in zip(*got, strict=True) for i in position]
+            assert together[: len(plan)] == plan and len(together) - len(plan) < world  # padding only to even
+    a, b = MixtureSampler([30, 47], [0.7, 0.3], seed=4), MixtureSampler([30, 47], [0.7, 0.3], seed=4)
+    b.set_epoch(1)
+    assert list(a) != list(b)  # each epoch its own plan
+
+
+@pytest.mark.parametrize("path", ["workers", "threads"])
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+@pytest.mark.parametrize("cut", [0, 3, 11])
+def test_a_resume_at_any_batch_in_any_epoch_is_the_uninterrupted_run(path, epoch, cut):
+    sizes = [20, 37, 9]
+
+    def build():
+        mix = MixtureSampler(dict(zip("abc", sizes, strict=True)), {"a": 0.5, "b": 0.3, "c": 0.2},
+                             num_samples=48, stop="never", seed=8)
+        settings = dict(num_workers=2) if path == "workers" else dict(path="threads")
+        return make_loader(_data(sizes), batch_size=4, sampler=mix, **settings), mix
+
+    whole, mix = build()
+    expected = []
+    for e in range(epoch + 2):
+        mix.set_epoch(e)
+        expected.append([b.tolist() for b in whole])
+    first, mix = build()
+    for e in range(epoch):
+        mix.set_epoch(e)
+        list(first)
+    mix.set_epoch(epoch)
+    iterator = iter(first)
+    prefix = [next(iterator).tolist() for _ in range(cut)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del iterator
+    second, mix2 = build()
+    mix2.set_epoch(epoch)
+    second.load_state_dict(state)
+    rest = [b.tolist() for b in second]
+    assert Counter(i for b in prefix + rest for i in b) == Counter(i for b in expected[epoch] for i in b)
+    assert prefix + rest == expected[epoch]
+    mix2.set_epoch(epoch + 1)
+    assert [b.tolist() for b in second] == expected[epoch + 1]
+
+
+def test_batches_resume_on_another_number_of_ranks():
+    """Batch mode, 2 ranks to 1 mid-epoch: every global batch of the epoch once (the ranks'
+    padding aside), as LengthBucketSampler."""
+    sizes = [25, 40]
+
+    def loader(world, rank):
+        mix = MixtureSampler(sizes, [0.6, 0.4], seed=5, batch_size=4, num_replicas=world, rank=rank)
+        mix.set_epoch(1)
+        return make_loader(_data(sizes), batch_sampler=mix, num_workers=0), mix
+
+    plan = [b.tolist() for b in loader(1, 0)[1]._global_batches(1)]
+    two = [loader(2, r)[0] for r in range(2)]
+    iterators = [iter(x) for x in two]
+    got = [next(it).tolist() for _ in range(3) for it in iterators]
+    state = json.loads(json.dumps(two[0].state_dict()))
+    one, _ = loader(1, 0)
+    one.load_state_dict(state)
+    got += [b.tolist() for b in one]
+    assert Counter(map(tuple, got)) == Counter(map(tuple, plan))
+
+
+def test_the_state_is_small_and_does_not_grow():
+    """O(sources): the loader's state after 1 batch and after 20,000 samples is the same size."""
+    sizes = [30_000, 90_000]
+    mix = MixtureSampler(sizes, [0.5, 0.5], num_samples=40_000, stop="never", seed=1)
+    loader = make_loader(_data(sizes), batch_size=500, sampler=mix, num_workers=0)
+    iterator = iter(loader)
+    lengths = []
+    for done in (1, 40):
+        while len(lengths) < done:
+            next(iterator)
+            lengths.append(None)
+        lengths[-1] = len(json.dumps(loader.state_dict()))
+    # the same but for the batch count's digits (1 -> 40)
+    assert lengths[-1] - lengths[0] == len("40") - len("1") and lengths[0] < 4000, lengths
+
+
+def test_mix_first_then_bucket_and_the_monitor_reports_the_mixture():
+    sizes = [60, 200]
+    lengths = np.random.default_rng(0).integers(4, 80, sum(sizes))
+    mix = MixtureSampler({"books": 60, "web": 200}, {"books": 0.5, "web": 0.5}, num_samples=200, stop="never",
+                         seed=2, num_replicas=1, rank=0)
+    bucket = LengthBucketSampler(lengths, max_tokens=400, seed=3, mixture=mix)
+    bucket.set_epoch(1)
+    plan = mix.global_indices(1)
+    batches = list(bucket)
+    assert Counter(i for b in batches for i in b) == Counter(plan.tolist())  # the mixture's samples, bucketed
+    assert all(len(b) * max(lengths[b]) <= 400 or len(b) == 1 for b in batches)
+    with pytest.raises(ValueError, match="num_replicas=1"):
+        LengthBucketSampler(lengths, max_tokens=400, mixture=MixtureSampler(sizes, [1, 1], num_replicas=2, rank=0))
+    monitor = LoaderMonitor(make_loader(_data(sizes), batch_sampler=bucket, num_workers=0),
+                            warn_wait_fraction=1.0)
+    bucket.set_epoch(1)
+    for _ in monitor:
+        pass
+    shares = monitor.summary()["sources"]
+    counts = np.bincount(mix.source_of(plan), minlength=2)
+    assert shares == pytest.approx({"books": counts[0] / 200, "web": counts[1] / 200})
+    plain = MixtureSampler({"a": 20, "b": 30}, {"a": 0.8, "b": 0.2}, seed=1)
+    monitored = LoaderMonitor(make_loader(_data([20, 30]), batch_size=5, sampler=plain, num_workers=0),
+                              warn_wait_fraction=1.0)
+    for _ in monitored:
+        pass
+    assert monitored.summary()["sources"] == pytest.approx({"a": 0.4, "b": 0.6})  # all_exhausted: every sample
+
+
+def test_the_loader_takes_the_thread_path_and_torch_seeds_nothing():
+    mix = MixtureSampler([10, 10], [0.5, 0.5], seed=0)
+    torch.manual_seed(0)
+    a = [b.tolist() for b in make_loader(_data([10, 10]), batch_size=4, sampler=mix, num_workers=0)]
+    torch.manual_seed(1)
+    b = [b.tolist() for b in make_loader(_data([10, 10]), batch_size=4, sampler=mix, num_workers=0)]
+    assert a == b  # the plan is the sampler's, from (seed, epoch)
