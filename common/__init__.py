@@ -4,7 +4,7 @@ from recipes.common.autotune import TuneResult, autotune
 from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
 from recipes.common.loader_warning import LoaderWarning
-from recipes.common.mixture import MixtureSampler
+from recipes.common.mixture import MixtureIterable, MixtureSampler
 from recipes.common.monitor import LoaderMonitor
 from recipes.common.packed_strings import PackedStrings
 from recipes.common.prefetch_cache import DownloadError, PrefetchCache
@@ -28,6 +28,7 @@ __all__ = [
     "LoaderMonitor",
     "LoaderRecipe",
     "LoaderWarning",
+    "MixtureIterable",
     "MixtureSampler",
     "PROFILES",
     "PackedStrings",

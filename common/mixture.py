@@ -24,6 +24,8 @@ most `num_replicas - 1`, as `DistributedSampler`) and rank r takes positions r, 
 disjoint, equal counts. With `batch_size`, it is a batch sampler instead: global batches of
 the plan dealt round-robin, and `state_dict(batches_done=)` resumes on another number of ranks
 (elastic), as `LengthBucketSampler`.
+`MixtureIterable` interleaves iterable datasets (`ShardedIterableDataset` shard sets, each
+exact over ranks and workers) by the same weights and stop rules, for remote corpora.
 Copy with: common/sharding.py.
 """
 
@@ -33,6 +35,7 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from recipes.common.sharding import distributed_world
 
@@ -273,3 +276,107 @@ class MixtureSampler:
     def __repr__(self) -> str:
         mix = ", ".join(f"{n}: {w:.3f} of {s}" for n, w, s in zip(self.names, self.weights, self.sizes, strict=True))
         return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"
+
+
+class MixtureIterable(IterableDataset):
+    """A weighted interleave of iterable datasets (`ShardedIterableDataset` shard sets), each
+    split exactly over ranks and workers by itself.
+
+    In each worker of each rank, the next sample comes from a source drawn with probability
+    proportional to its weight among the sources still yielding, from a generator seeded by
+    `(seed, epoch, rank, worker)`: the stream is a function of the epoch and the settings, so a
+    loader resumes it exactly (by reading its prefix again: it has no `resume_after`).
+
+    Args:
+        datasets: iterable datasets (a sequence, or a mapping from name to dataset); each is
+            set to the mixture's epoch.
+        weights: per source, as `datasets`.
+        stop: "all_exhausted" (every sample of every source once per epoch: equal counts per
+            rank when every source is `even`), "first_exhausted" (one rank only: ranks would
+            stop at different steps) or "never" (a source that ends starts again; needs
+            `num_samples`).
+        num_samples: the epoch's length over all ranks and workers (cut into equal shares).
+        seed: the base seed.
+
+    Raises:
+        ValueError: mismatched weights, an unknown `stop`, "never" without `num_samples`, or
+            "first_exhausted" on several ranks.
+    """
+
+    def __init__(self, datasets, weights, *, stop: str = "all_exhausted", num_samples: int | None = None,
+                 seed: int = 0):
+        if isinstance(datasets, Mapping):
+            if not isinstance(weights, Mapping) or set(weights) != set(datasets):
+                raise ValueError(f"`weights` must name the same sources as `datasets` ({sorted(datasets)}).")
+            self.names = [str(k) for k in datasets]
+            weights = [weights[k] for k in datasets]
+            datasets = list(datasets.values())
+        else:
+            self.names = [str(i) for i in range(len(datasets))]
+        self.datasets = list(datasets)
+        self.weights = np.asarray(weights, dtype=np.float64)
+        if not self.datasets or self.weights.shape != (len(self.datasets),) or (self.weights < 0).any() \
+                or not self.weights.sum() > 0:
+            raise ValueError(f"one non-negative weight per source, with a positive sum; got {list(weights)} for "
+                             f"{len(self.datasets)} sources.")
+        if stop not in STOPS:
+            raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
+        if stop == "never" and num_samples is None:
+            raise ValueError("stop='never' restarts sources for ever: give `num_samples`, the epoch's length.")
+        self.weights = self.weights / self.weights.sum()
+        self.stop, self.num_samples, self.seed = stop, num_samples, int(seed)
+        self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))
+        self.rank = int(getattr(self.datasets[0], "rank", distributed_world()[1]))
+        if stop == "first_exhausted" and self.world_size > 1:
+            raise ValueError("stop='first_exhausted' ends each rank's stream at a different step, and DDP would wait "
+                             "on the ranks that ended; use 'all_exhausted' with even sources, or 'never' with "
+                             "num_samples.")
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        for dataset in self.datasets:
+            if hasattr(dataset, "set_epoch"):
+                dataset.set_epoch(epoch)
+
+    def plan_settings(self) -> dict:
+        """What shapes the stream, for the loader's state check."""
+        sources = [getattr(d, "plan_settings", dict)() for d in self.datasets]
+        return {"sources": sources, "weights": f"{zlib.crc32(self.weights.tobytes()):08x}", "stop": self.stop,
+                "num_samples": self.num_samples, "seed": self.seed}
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 0x6974])
+        share = None
+        if self.num_samples is not None:  # this consumer's share of the epoch's length
+            consumers, me = self.world_size * workers, self.rank * workers + worker
+            share = self.num_samples // consumers + (me < self.num_samples % consumers)
+        iterators = [iter(d) for d in self.datasets]
+        active = self.weights > 0
+        yielded = 0
+        while active.any() and (share is None or yielded < share):
+            p = np.where(active, self.weights, 0.0)
+            s = int(rng.choice(len(p), p=p / p.sum()))
+            item = next(iterators[s], _END)
+            if item is _END:
+                if self.stop == "first_exhausted":
+                    return
+                if self.stop == "never":
+                    iterators[s] = iter(self.datasets[s])
+                    item = next(iterators[s], _END)
+                if item is _END:
+                    active[s] = False
+                    continue
+            yield item
+            yielded += 1
+
+    def __repr__(self) -> str:
+        return f"MixtureIterable({dict(zip(self.names, np.round(self.weights, 3).tolist(), strict=True))}, " \
+               f"stop={self.stop!r})"
+
+
+_END = object()

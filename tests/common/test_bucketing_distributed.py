@@ -18,7 +18,8 @@ SHARDS = [13, 22, 30]
 def _launch(folder, modes, ranks):
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(ranks)]
-    out = subprocess.run([*launcher, str(SCRIPT), "bucket,sharded", str(folder), modes], capture_output=True,
+    kinds = "bucket,sharded,mixture_batches" if ranks == 1 else "bucket,sharded,mixture,mixture_batches"
+    out = subprocess.run([*launcher, str(SCRIPT), kinds, str(folder), modes], capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -65,3 +66,22 @@ def test_sharded_dataset_with_workers_under_torchrun_then_resumed_on_one_rank(ru
     stopped, rest = _batches(runs, "sharded", "stop"), _batches(runs, "sharded", "resume")
     done = Counter(i for rank in stopped for b in rank for i in b) + Counter(i for b in rest[0] for i in b)
     assert done == samples  # the same epoch: nothing lost, nothing read twice
+
+
+def test_mixtures_under_torchrun_then_resumed_on_one_rank(runs):
+    """MixtureSampler on 2 ranks with 2 workers each (issue 23): disjoint, equal steps, every
+    sample of the planned pass once (stop="all_exhausted": every sample of both sources); the
+    batch mode stopped on 2 ranks resumes on 1 with every planned batch once."""
+    plan = json.loads((runs / "mixture" / "plan.json").read_text())
+    assert sorted(plan) == list(range(301))
+    epoch = _batches(runs, "mixture", "epoch")
+    assert len(epoch[0]) == len(epoch[1]) > 0
+    ranks = [[i for b in rank for i in b] for rank in epoch]
+    padded = plan + plan[: (-len(plan)) % 2]
+    assert ranks[0] == padded[0::2] and ranks[1] == padded[1::2]  # disjoint positions of one plan
+    assert sum(Counter(ranks[0] + ranks[1]).values()) - 301 <= 1
+    batch_plan = json.loads((runs / "mixture_batches" / "plan.json").read_text())
+    batches = [tuple(batch_plan[i : i + 5]) for i in range(0, len(batch_plan), 5)]
+    stopped, rest = _batches(runs, "mixture_batches", "stop"), _batches(runs, "mixture_batches", "resume")
+    done = [tuple(b) for rank in stopped for b in rank] + [tuple(b) for b in rest[0]]
+    assert Counter(done) == Counter(batches)

@@ -206,3 +206,60 @@ def test_the_loader_takes_the_thread_path_and_torch_seeds_nothing():
     torch.manual_seed(1)
     b = [b.tolist() for b in make_loader(_data([10, 10]), batch_size=4, sampler=mix, num_workers=0)]
     assert a == b  # the plan is the sampler's, from (seed, epoch)
+
+
+def _shard_sets(tmp_path, sizes, per_shard=10):
+    """One ShardedIterableDataset per source: integer samples in text shards of `per_shard`."""
+    from recipes.common import ShardedIterableDataset
+
+    sets, start = [], 0
+    for s, n in enumerate(sizes):
+        paths, lengths = [], []
+        for k, lo in enumerate(range(start, start + n, per_shard)):
+            hi = min(start + n, lo + per_shard)
+            path = tmp_path / f"src{s}-{k}.txt"
+            path.write_text(" ".join(map(str, range(lo, hi))))
+            paths.append(str(path))
+            lengths.append(hi - lo)
+        sets.append(ShardedIterableDataset(paths, lambda p, a, b: [int(x) for x in open(p).read().split()][a:b],
+                                           shard_lengths=lengths, seed=s))
+        start += n
+    return sets
+
+
+def test_iterable_sources_interleave_by_weight_each_exact_over_workers(tmp_path):
+    from recipes.common import MixtureIterable
+
+    sizes = [60, 140]
+    mixed = MixtureIterable({"a": _shard_sets(tmp_path, sizes)[0], "b": _shard_sets(tmp_path, sizes)[1]},
+                            {"a": 0.5, "b": 0.5}, seed=3)
+    for epoch in range(2):
+        mixed.set_epoch(epoch)
+        got = [int(i) for b in make_loader(mixed, batch_size=8, num_workers=2) for i in b]
+        assert Counter(got) == Counter(range(200)), epoch  # all_exhausted: every sample of both once
+        head = np.array(got[:80])
+        assert 0.35 < (head < 60).mean() < 0.65  # 0.5 / 0.5 while both sources yield
+    never = MixtureIterable(_shard_sets(tmp_path, [20, 200]), [0.5, 0.5], stop="never", num_samples=120, seed=1)
+    got = [int(i) for b in make_loader(never, batch_size=8, num_workers=2) for i in b]
+    assert len(got) == 120 and abs((np.array(got) < 20).mean() - 0.5) < 0.2  # the small source restarts
+    loader = make_loader(mixed, batch_size=8, num_workers=2)  # exact resume (by replaying the prefix)
+    mixed.set_epoch(5)
+    whole = [b.tolist() for b in loader]
+    mixed.set_epoch(5)
+    iterator = iter(loader)
+    prefix = [next(iterator).tolist() for _ in range(7)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    resumed = make_loader(mixed, batch_size=8, num_workers=2)
+    mixed.set_epoch(5)
+    resumed.load_state_dict(state)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert prefix + [b.tolist() for b in resumed] == whole
+    two_ranks = _shard_sets(tmp_path, sizes)
+    for d in two_ranks:
+        d.world_size, d.rank = 2, 0
+    with pytest.raises(ValueError, match="ends each rank's stream at a different step"):
+        MixtureIterable(two_ranks, [1, 1], stop="first_exhausted")
