@@ -35,7 +35,7 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
-from torch.utils.data import IterableDataset
+from torch.utils.data import ConcatDataset, IterableDataset
 
 from recipes.common.sharding import distributed_world
 
@@ -276,6 +276,38 @@ class MixtureSampler:
     def __repr__(self) -> str:
         mix = ", ".join(f"{n}: {w:.3f} of {s}" for n, w, s in zip(self.names, self.weights, self.sizes, strict=True))
         return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"
+
+
+class MixtureSources(ConcatDataset):
+    """`ConcatDataset(datasets)` that reads a batch part by part: each part's `__getitems__`
+    (a token cache's one-call batch read) for its indices, the items back in the batch's order.
+    A plain `ConcatDataset` reads item by item (`__getitem__` through `bisect`): on a token
+    cache about half the rate. Use it for a `MixtureSampler`'s sources."""
+
+    def __getitems__(self, indices: list[int]) -> list:
+        cumulative = self.cumulative_sizes
+        if len(cumulative) == 1:
+            source = self.datasets[0]
+            return source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
+        wanted = np.asarray(indices, dtype=np.int64)
+        if len(wanted) and wanted.min() < 0:
+            wanted = np.where(wanted < 0, wanted + len(self), wanted)
+        parts = np.searchsorted(cumulative, wanted, side="right")
+        order = np.argsort(parts, kind="stable")  # the batch's indices part by part
+        bounds = np.searchsorted(parts[order], np.arange(len(cumulative) + 1))
+        starts = [0, *cumulative]
+        got: list = []
+        for part in range(len(cumulative)):
+            lo, hi = int(bounds[part]), int(bounds[part + 1])
+            if lo == hi:
+                continue
+            source = self.datasets[part]
+            local = (wanted[order[lo:hi]] - starts[part]).tolist()
+            got += source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
+        items: list = [None] * len(indices)
+        for position, item in zip(order.tolist(), got, strict=True):
+            items[position] = item
+        return items
 
 
 class MixtureIterable(IterableDataset):

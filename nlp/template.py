@@ -4,12 +4,17 @@
     python train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache /nvme/tokens
     torchrun --nproc_per_node=8 train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache /nvme/tokens
     python train.py --smoke            # a generated corpus, a tokenizer trained on the fly, a tiny BERT
+    python train.py ... --mix code.jsonl --mix-weight 0.3   # two corpora at 0.7 / 0.3 (MixtureSampler)
 
 What to change for your data (lines marked ADAPT):
   - `build_model`: your network (a BERT masked LM from a `BertConfig`, no downloaded weights).
   - `--texts` (.txt, one sample per line, or .jsonl with `--text-field`), `--tokenizer` (a
     saved tokenizer folder), `--cache` (the token cache's folder), `MAX_LENGTH`.
   - `--max-tokens`: padded tokens per batch per rank (the memory a batch may use).
+  - `--mix CORPUS --mix-weight W`: a second corpus drawn at weight W (the first at 1 - W),
+    mixed by `MixtureSampler` and then bucketed; an epoch is as long as both corpora together,
+    and a small corpus repeats (a fresh permutation each pass). `LoaderMonitor` reports the
+    realised shares.
 What each setting buys (measured; README "Benchmarks"):
   - `build_token_cache`: the corpus is tokenized once (faster than the tokenizer's own batch
     encode), then read from a memory map; tokenizing in `__getitem__` ran 19-21x slower.
@@ -30,10 +35,17 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from recipes.common import LengthBucketSampler, LoaderMonitor, make_loader
+from recipes.common import (
+    LengthBucketSampler,
+    LoaderMonitor,
+    MixtureSampler,
+    MixtureSources,
+    make_loader,
+)
 from recipes.nlp import PadCollate, build_token_cache
 
 MAX_LENGTH = 512  # ADAPT: the longest sample, in tokens (longer ones are truncated)
@@ -50,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32768, help="padded tokens per batch per rank")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints")
+    parser.add_argument("--mix", nargs="?", const="", help="a second corpus, mixed in at --mix-weight (with --smoke: "
+                                                           "a generated one)")
+    parser.add_argument("--mix-weight", type=float, default=0.3, help="the second corpus's share (0-1)")
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
     parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
     parser.add_argument("--log-samples", action="store_true", help="log a hash of every sample trained on")
@@ -58,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.epochs, args.max_tokens, args.checkpoint_every = 2, 1024, 1
     elif not (args.texts and args.tokenizer and args.cache):
         parser.error("--texts, --tokenizer and --cache are required (or --smoke)")
+    if args.mix == "" and not args.smoke:
+        parser.error("--mix needs the second corpus's path (only --smoke generates one)")
+    if not 0 < args.mix_weight < 1:
+        parser.error(f"--mix-weight must be between 0 and 1, not {args.mix_weight}")
     return args
 
 
@@ -100,12 +119,25 @@ def prepare_data(args, rank: int, world: int):
             texts = make_text_corpus(240, seed=0)
             Path(args.texts).write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
+            if args.mix is not None:  # a second, smaller corpus
+                second = make_text_corpus(60, seed=1)
+                (args.workdir / "mix.txt").write_text("\n".join(t.replace("\n", " ") for t in second) + "\n")
+        if args.mix is not None:
+            args.mix = str(args.workdir / "mix.txt")
     barrier(world)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
     # Every rank tokenizes its share of the batches; rank 0 joins them and publishes the cache.
     cache = build_token_cache(args.texts, tokenizer, args.cache, max_length=MAX_LENGTH, text_field=args.text_field,
                               distributed=world > 1)
-    return tokenizer, cache
+    if args.mix is None:
+        return tokenizer, cache, None
+    second = build_token_cache(args.mix, tokenizer, args.cache.with_name(args.cache.name + "-mix"),
+                               max_length=MAX_LENGTH, text_field=args.text_field, distributed=world > 1)
+    # one rank's view of the plan: LengthBucketSampler deals the mixed, bucketed batches over the ranks
+    mixture = MixtureSampler({"texts": len(cache), "mix": len(second)},
+                             {"texts": 1 - args.mix_weight, "mix": args.mix_weight},
+                             num_samples=len(cache) + len(second), stop="never", seed=0, num_replicas=1, rank=0)
+    return tokenizer, MixtureSources([cache, second]), mixture
 
 
 def mask_tokens(batch, mask_id: int, generator: torch.Generator):
@@ -126,8 +158,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer, cache = prepare_data(args, rank, world)
-    sampler = LengthBucketSampler(cache.lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0)
+    tokenizer, cache, mixture = prepare_data(args, rank, world)
+    lengths = cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
+    sampler = LengthBucketSampler(lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture)
     loader = LoaderMonitor(make_loader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id)))
     model = build_model(len(tokenizer), args.smoke).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -168,8 +201,10 @@ def main(argv=None) -> None:
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
+            shares = "" if not summary.get("sources") else ", " + ", ".join(
+                f"{name} {share:.0%}" for name, share in summary["sources"].items())
             print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss.item():.3f}, "
-                  f"data wait {summary['wait_fraction']:.0%}", flush=True)
+                  f"data wait {summary['wait_fraction']:.0%}{shares}", flush=True)
             save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
                             epoch=epoch + 1, step=step, loader=None)
     if rank == 0:

@@ -83,3 +83,17 @@ def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, whole):
         _run(script, "--workdir", "elastic", "--log-samples", "--stop-after", "3", ranks=2)
         _run(script, "--workdir", "elastic", "--log-samples", ranks=1)
         assert _samples(folder / "elastic") == _samples(folder / "whole")
+
+
+def test_the_nlp_template_mixes_two_corpora(tmp_path, capsys):
+    """`--mix` (issue 23): a second corpus at its weight, mixed then bucketed; the monitor's
+    realised shares are printed per epoch and follow the weight."""
+    import re
+
+    from recipes.nlp.template import main
+
+    main(["--smoke", "--mix", "--mix-weight", "0.4", "--workdir", str(tmp_path), "--epochs", "2"])
+    out = capsys.readouterr().out
+    shares = [float(x) / 100 for x in re.findall(r"mix (\d+)%", out)]
+    assert len(shares) == 2 and all(abs(s - 0.4) < 0.12 for s in shares), out
+    assert (tmp_path / "tokens").is_dir() and (tmp_path / "tokens-mix").is_dir()

@@ -263,3 +263,24 @@ def test_iterable_sources_interleave_by_weight_each_exact_over_workers(tmp_path)
         d.world_size, d.rank = 2, 0
     with pytest.raises(ValueError, match="ends each rank's stream at a different step"):
         MixtureIterable(two_ranks, [1, 1], stop="first_exhausted")
+
+
+def test_mixture_sources_read_a_batch_part_by_part_in_order():
+    from recipes.common import MixtureSources
+
+    class Batched(Range):
+        calls = 0
+
+        def __getitems__(self, indices):
+            Batched.calls += 1
+            return [self.lo + i for i in indices]
+
+    sources = MixtureSources([Batched(0, 5), Range(100, 7), Batched(200, 3)])
+    plain = ConcatDataset([Range(0, 5), Range(100, 7), Range(200, 3)])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        indices = rng.integers(-15, 15, int(rng.integers(1, 20))).tolist()
+        assert sources.__getitems__(indices) == [plain[i] for i in indices]
+    Batched.calls = 0
+    sources.__getitems__([0, 14, 1, 13])
+    assert Batched.calls == 2  # one call per part that has indices
