@@ -140,7 +140,10 @@ class PrefetchCache:
         return path
 
     def get(self, url: str, *, sha256: str | None = None) -> Path:
-        """A local, complete copy of `url`, downloading it first if needed.
+        """A local, complete copy of `url`, downloading it first if needed. With `sha256`, the
+        download is verified, and so is a copy already in the cache (once per process and file
+        version): a copy that differs (the object was rewritten, or the file damaged) is
+        removed and downloaded again.
 
         Raises:
             ValueError: a refused protocol, or an object larger than `max_bytes`.
@@ -151,6 +154,11 @@ class PrefetchCache:
         self._check_open()
         check_url(url)
         final = self.path_for(url)
+        if sha256 is not None and final.exists() and not _matches(final, sha256):
+            # a copy of another version of the object (rewritten under the same URL) or a damaged
+            # one: never served; removed, and downloaded again below
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final)
         if cache_folder.touch(final):
             self._count(hits=1)
             return final
@@ -378,6 +386,25 @@ class PrefetchCache:
         state = dict(self.__dict__)
         state.update(_parts={}, _fs={}, _adapt=None)
         return state
+
+
+_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, this process's checks of cached copies
+
+
+def _matches(path: Path, sha256: str) -> bool:
+    """Whether the file at `path` has this sha256 (hashed once per process and file version)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return True  # gone meanwhile: the caller downloads it
+    version = (str(path), info.st_size, info.st_mtime_ns)
+    if version not in _VERIFIED:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        _VERIFIED[version] = digest.hexdigest()
+    return _VERIFIED[version] == sha256
 
 
 @functools.lru_cache(maxsize=65536)

@@ -57,6 +57,9 @@ def sample_key(sample: Any, position: int) -> str:
     if "." in os.path.basename(key) or key.endswith("/"):
         raise ShardFormatError(f"sample {position}: key {key!r} has a '.' in its last path part; WebDataset "
                                "readers split the key from the field at the first dot. Replace the dots.")
+    if key.startswith("/") or "//" in key:
+        raise ShardFormatError(f"sample {position}: key {key!r} starts with '/' or holds '//'; a tar member name "
+                               "is a relative path, and readers would return another key. Use a relative key.")
     return key
 
 
@@ -66,6 +69,20 @@ def field_bytes(value: Any, key: str, field: str) -> bytes:
     Raises:
         ShardFormatError: a value of another type, naming the key and the field.
     """
+    ext = field.rsplit(".", 1)[-1]
+    if isinstance(value, (bytes, bytearray, memoryview, str)) and ext in (*INT_FIELDS, *TEXT_FIELDS, *JSON_FIELDS):
+        data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        try:  # what decode_sample will do with it: refused now, naming the sample, not at read time
+            text = data.decode("utf-8")
+            if ext in INT_FIELDS:
+                int(text)
+            elif ext in JSON_FIELDS:
+                json.loads(text)
+        except ValueError:
+            kind = "an integer" if ext in INT_FIELDS else "JSON" if ext in JSON_FIELDS else "UTF-8 text"
+            raise ShardFormatError(f"sample {key!r}, field {field!r}: {value[:40]!r} is not {kind}, which readers "
+                                   f"decode a '.{ext}' field as; store it under another extension.") from None
+        return data
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
@@ -94,9 +111,12 @@ def sample_fields(sample: dict, key: str) -> list[tuple[str, bytes]]:
     """
     fields = []
     for field, value in sample.items():
+        if not isinstance(field, str):
+            raise ShardFormatError(f"sample {key!r}: field {field!r} is a {type(field).__name__}; field names are "
+                                   "extensions such as 'jpg' or 'cls'.")
         if field == "__key__" or (field.startswith("__") and field.endswith("__")):
             continue
-        if not isinstance(field, str) or not field or "/" in field or field.startswith("."):
+        if not field or "/" in field or field.startswith("."):
             raise ShardFormatError(f"sample {key!r}: field {field!r} is not an extension such as 'jpg' or 'cls'.")
         fields.append((field, field_bytes(value, key, field)))
     if not fields:
@@ -264,7 +284,7 @@ def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int]]
     """`(samples, each sample's first header offset)` of a tar, by one pass over its headers."""
     import fsspec
 
-    offsets, last = [], None
+    offsets, last, seen = [], None, set()
     with fsspec.open(path, "rb", **(storage_options or {})) as raw:
         try:
             tar = tarfile.open(fileobj=raw, mode="r:")
@@ -274,8 +294,12 @@ def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int]]
             directory, base = os.path.split(member.name)
             if not member.isfile() or "." not in base:
                 continue
-            key = os.path.join(directory, base.split(".", 1)[0])
+            key = f"{directory}/{base.split('.', 1)[0]}" if directory else base.split(".", 1)[0]
             if key != last:
+                if key in seen:
+                    raise ShardFormatError(f"{path}: the members of key {key!r} are not adjacent; a WebDataset tar "
+                                           "groups each sample's files together (GNU tar: --sort=name).")
+                seen.add(key)
                 offsets.append(member.offset)
                 last = key
     return len(offsets), offsets

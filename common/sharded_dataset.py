@@ -58,6 +58,8 @@ class ShardedIterableDataset(IterableDataset):
         rank, world_size: this rank and the number of ranks; `torch.distributed`'s when
             initialised at construction, else 0 and 1.
         cache: a `PrefetchCache` to download remote shards ahead of reading.
+        shard_sha256: each shard's sha256, when known: the cache verifies its copies with it
+            (a damaged copy, or one of an older version of the shard, is downloaded again).
         split: "auto" (the rule of the module docstring) or "samples": sample ranges of the
             epoch's concatenated shards whatever the shard count (needs `shard_lengths`), so
             that with `even` every sample is read once per epoch and at most
@@ -81,12 +83,14 @@ class ShardedIterableDataset(IterableDataset):
         world_size: int | None = None,
         cache=None,
         split: str = "auto",
+        shard_sha256: Sequence[str] | None = None,
     ):
         if split not in ("auto", "samples"):
             raise ValueError(f"`split` must be 'auto' or 'samples', but is {split!r} instead.")
         if split == "samples" and shard_lengths is None:
             raise ValueError("split='samples' needs `shard_lengths` (the samples per shard) to cut sample ranges.")
         self.split = split
+        self.shard_sha256 = None if shard_sha256 is None else list(shard_sha256)
         self.shards = PackedStrings(shards)
         if len(self.shards) == 0:
             raise ValueError("`shards` is empty; pass at least one shard.")
@@ -360,7 +364,8 @@ class ShardedIterableDataset(IterableDataset):
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator:
         url = self.shards[shard]
-        with self.cache.pinned(url) if self.cache is not None else contextlib.nullcontext(url) as path:
+        sha256 = None if self.shard_sha256 is None else self.shard_sha256[shard]
+        with self.cache.pinned(url, sha256=sha256) if self.cache is not None else contextlib.nullcontext(url) as path:
             if self._ranged:
                 yield from self.read_shard(path, start, stop)
             elif start or stop is not None:

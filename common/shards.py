@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import uuid
 from collections.abc import Iterable, Sequence
@@ -95,6 +96,8 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
         raise ValueError(f"`shard_bytes` must be a positive int, but is {shard_bytes!r} instead.")
     writer = _Writer(os.fspath(url), format, shard_bytes, storage_options)
     world, rank = distributed_world() if distributed else (1, 0)
+    if rank == 0:  # a rewrite: no reader may take the old index while its shards are replaced
+        writer.remove_index()
     if distributed:
         if not isinstance(samples, Sequence) and not (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
             raise TypeError("write_shards(distributed=True) needs a sequence of samples (len and indexing), the same "
@@ -105,6 +108,7 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
         entries = writer.write_stream(samples, progress)
     if rank == 0:
         writer.publish_index(entries)
+        writer.remove_stale({e["name"] for e in entries})  # shards of an earlier, larger write
     if distributed and world > 1:
         import torch.distributed as dist
 
@@ -144,6 +148,14 @@ class _Writer:
         size = len(key)
         for field in self.schema.names[1:]:
             row[field] = value = parquet_value(sample[field], key, field)
+            expected = str(self.schema.field(field).type)
+            kind = {bytes: "binary", str: "string", int: "int64", float: "double"}[type(value)]
+            if kind != expected:
+                raise ShardFormatError(f"sample {key!r}, field {field!r}: a {type(sample[field]).__name__} where the "
+                                       f"first sample set the column's type to {expected}; every row's field must "
+                                       "have the column's type (convert it before writing).")
+            if kind == "int64" and not -2**63 <= value < 2**63:
+                raise ShardFormatError(f"sample {key!r}, field {field!r}: {value} does not fit a 64-bit integer.")
             size += len(value) if isinstance(value, (bytes, str)) else 8
         return row, size, key
 
@@ -228,6 +240,23 @@ class _Writer:
             temp.write(data)
             temp.flush()
             self.fs.put_file(temp.name, final)
+
+    def remove_index(self) -> None:
+        try:
+            self.fs.rm_file(f"{self.root}/{INDEX_NAME}")
+        except FileNotFoundError:
+            pass
+
+    def remove_stale(self, keep: set[str]) -> None:
+        """Shards named as ours but not in the index just written (an earlier write had more)."""
+        pattern = re.compile(r"shard-\d{6}\.(tar|parquet)$")
+        for path in self.fs.ls(self.root, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if pattern.match(name) and name not in keep:
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
 
     def publish_index(self, entries: list[dict]) -> None:
         index = {"format": FORMAT, "version": VERSION, "shard_format": self.format,
@@ -325,6 +354,12 @@ class ShardSet:
             raise ShardIndexError(f"{path} is damaged ({error}); rebuild it with index_shards().") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
             raise ShardIndexError(f"{path} is not a {FORMAT} v{VERSION} index; rebuild it with index_shards().")
+        shards = index.get("shards")
+        if index.get("shard_format") not in FORMATS or not isinstance(shards, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("samples"), int)
+                and e["samples"] >= 0 for e in shards):
+            raise ShardIndexError(f"{path} is incomplete or damaged (no shard_format, or a shard entry without its "
+                                  "name and sample count); rebuild it with index_shards() or rewrite the shards.")
         return cls(url, index, storage_options)
 
     def __len__(self) -> int:
@@ -335,14 +370,28 @@ class ShardSet:
 
     def read(self, shard: int, start: int = 0, stop: int | None = None, *, path: str | None = None,
              decode: bool = True, columns: Sequence[str] | None = None):
-        """The samples `[start, stop)` of shard `shard`, from `path` (a local copy) or its URL."""
+        """The samples `[start, stop)` of shard `shard`, from `path` (a local copy) or its URL.
+        A local file is checked against the index first (size, and sha256 once per process and
+        file version); any read must yield the samples the index promises.
+
+        Raises:
+            ShardFormatError: a shard that differs from its index (damaged, or rewritten since
+                the index was read), or yields fewer samples than it says.
+        """
+        entry = self.entries[shard]
         source = path if path is not None else self.urls[shard]
         options = None if path is not None else self.storage_options
+        local = "://" not in str(source) or str(source).startswith("file://")
+        if local:
+            _check_local(str(source).removeprefix("file://"), entry, self.urls[shard])
         if self.format == "tar":
-            items = read_tar(source, start, stop, offsets=self.entries[shard].get("offsets"), storage_options=options)
-            return (decode_sample(s) for s in items) if decode else items
-        items = read_parquet(source, start, stop, columns=columns, storage_options=options)
-        return (_decoded_row(r, self.columns) for r in items) if decode else items
+            items = read_tar(source, start, stop, offsets=entry.get("offsets"), storage_options=options)
+            items = (decode_sample(s) for s in items) if decode else items
+        else:
+            items = read_parquet(source, start, stop, columns=columns, storage_options=options)
+            items = (_decoded_row(r, self.columns) for r in items) if decode else items
+        want = max(0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start)
+        return _counted(items, want, self.urls[shard])
 
     def dataset(self, *, cache=None, shuffle: bool = True, seed: int = 0, even: bool = True,
                 split: str = "samples", decode: bool = True, columns: Sequence[str] | None = None,
@@ -357,7 +406,8 @@ class ShardSet:
         `transform(sample)`."""
         return ShardedIterableDataset(self.urls, _ShardReader(self, cache, decode, columns, transform),
                                       shard_lengths=self.lengths, shuffle=shuffle, seed=seed, even=even,
-                                      rank=rank, world_size=world_size, cache=cache, split=split)
+                                      rank=rank, world_size=world_size, cache=cache, split=split,
+                                      shard_sha256=[e.get("sha256") for e in self.entries])
 
 
 class _ShardReader:
@@ -375,6 +425,41 @@ class _ShardReader:
         local = None if str(path) == self.shards.urls[shard] else str(path)
         items = self.shards.read(shard, start, stop, path=local, decode=self.decode, columns=self.columns)
         return items if self.transform is None else map(self.transform, items)
+
+
+_CHECKED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: local shards hashed by this process
+
+
+def _check_local(path: str, entry: dict, url: str) -> None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ShardFormatError(f"{url} is missing (its index lists it); rewrite the shards or re-index them.") from None
+    if "bytes" in entry and info.st_size != entry["bytes"]:
+        raise ShardFormatError(f"{url} is {info.st_size:,} bytes but its index says {entry['bytes']:,}: damaged, or "
+                               "rewritten since the index was read. Rewrite the shards (or re-index them).")
+    if entry.get("sha256"):
+        version = (path, info.st_size, info.st_mtime_ns)
+        if version not in _CHECKED:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+            _CHECKED[version] = digest.hexdigest()
+        if _CHECKED[version] != entry["sha256"]:
+            raise ShardFormatError(f"{url} does not match its index (sha256): damaged, or rewritten by another "
+                                   "writer since the index was read. Rewrite the shards (or re-index them).")
+
+
+def _counted(items, want: int, url: str):
+    """`items`, raising if they end before `want` samples (a shard cut short)."""
+    got = 0
+    for item in items:
+        got += 1
+        yield item
+    if got < want:
+        raise ShardFormatError(f"{url} gave {got} samples where its index says {want}: cut short or damaged. "
+                               "Rewrite the shards (or re-index them).")
 
 
 def _decoded_row(row: dict, columns) -> dict:
@@ -403,10 +488,11 @@ def index_shards(urls: Sequence[str], *, url: str | None = None, storage_options
     folders = {u.rsplit("/", 1)[0] for u in urls}
     folder = (url or (folders.pop() if len(folders) == 1 else None))
     if folder is None:
-        raise ValueError("the shards are in several folders; pass url= for the index's folder.")
+        raise ValueError(f"the shards are in {len(folders)} folders, but an index names its shards relative to "
+                         "its own folder: move (or copy) them into one folder and index them there.")
     folder = folder.rstrip("/")
     if any(u.rsplit("/", 1)[0] != folder for u in urls):
-        raise ValueError(f"every shard must be in {folder} (the index names shards relative to it).")
+        raise ValueError(f"every shard must be in {folder}, the index's folder (it names shards relative to it).")
     shard_format = formats.pop()
     entries = []
     for u in tqdm(urls, disable=not progress, desc="indexing shards", unit="shard"):

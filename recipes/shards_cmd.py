@@ -65,16 +65,26 @@ class _FileSamples:
 
     def __init__(self, root: str, files: list[tuple[str, int | None]]):
         self.root, self.files = root, files
+        first: dict[str, str] = {}
+        for path, _ in files:  # two files may map to one key ("a.b.jpg", "a_b.jpg"; "x.jpg", "x.png")
+            key = self.key(path)
+            if key in first:
+                raise ValueError(f"{first[key]} and {path} both become sample key {key!r} (the key is the path "
+                                 "without its extension, dots replaced by '_'); rename one of them.")
+            first[key] = path
+
+    def key(self, path: str) -> str:
+        rel = os.path.splitext(os.path.relpath(path, self.root))[0]
+        directory, stem = os.path.split(rel)
+        return os.path.join(directory, stem.replace(".", "_")).replace(os.sep, "/")
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int) -> dict:
         path, label = self.files[index]
-        rel, ext = os.path.splitext(os.path.relpath(path, self.root))
-        directory, stem = os.path.split(rel)
-        sample = {"__key__": os.path.join(directory, stem.replace(".", "_")).replace(os.sep, "/"),
-                  ext[1:].lower(): Path(path).read_bytes()}
+        ext = os.path.splitext(path)[1]
+        sample = {"__key__": self.key(path), ext[1:].lower(): Path(path).read_bytes()}
         if label is not None:
             sample["cls"] = int(label)
         return sample

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from recipes.common.shard_formats import ShardFormatError, decode_sample, read_parquet, read_tar
 from recipes.common.shards import ShardIndexError, ShardSet, index_shards, write_shards
+from recipes.testing_servers import LocalHTTPServer
 
 pa = pytest.importorskip("pyarrow")
 wds = pytest.importorskip("webdataset")
@@ -329,3 +330,102 @@ def test_the_command_line_writes_and_indexes_shards(tmp_path, image_tree_for_sha
     assert ShardSet.open(tmp_path / "img").lengths.tolist() == images.lengths.tolist()
     assert main(["shards", "vision", str(tmp_path / "missing"), str(tmp_path / "x")]) == 1
     assert "missing" in capsys.readouterr().err
+
+
+def test_damaged_or_rewritten_shards_are_never_served(tmp_path):
+    """A bit flip or a cut in a shard, read locally or through PrefetchCache, raises naming it;
+    a cached copy of a shard since rewritten under the same URL is downloaded again."""
+    from recipes.common import PrefetchCache
+
+    samples = [{"__key__": f"k{i:04d}", "txt": f"text {i}", "cls": i} for i in range(60)]
+    shards = write_shards(samples, tmp_path / "s", shard_bytes=20_000, progress=False)
+    path = tmp_path / "s" / shards.entries[0]["name"]
+    data = bytearray(path.read_bytes())
+    data[700] ^= 0x01  # inside sample 0's text
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match="does not match its index"):
+        list(shards.read(0))
+    path.write_bytes(bytes(data[:4096]))
+    with pytest.raises(ShardFormatError, match="bytes but its index says"):
+        list(shards.dataset(shuffle=False))
+    write_shards(samples, tmp_path / "s", shard_bytes=20_000, progress=False)  # repaired
+    with LocalHTTPServer(tmp_path / "s") as server:
+        remote = ShardSet.open(server.url("").rstrip("/"))
+        cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30)
+        assert [s["cls"] for s in remote.dataset(cache=cache, shuffle=False)] == list(range(60))
+        rewritten = [{**s, "txt": s["txt"].upper()} for s in samples]  # same sizes, other bytes
+        write_shards(rewritten, tmp_path / "s", shard_bytes=20_000, progress=False)
+        again = ShardSet.open(server.url("").rstrip("/"))
+        assert [s["txt"] for s in again.dataset(cache=cache, shuffle=False)] == [s["txt"] for s in rewritten]
+
+
+def test_a_rewrite_removes_the_old_index_first_and_stale_shards_last(tmp_path):
+    big = [{"__key__": f"a{i:04d}", "bin": bytes([i % 256]) * 900} for i in range(100)]
+    write_shards(big, tmp_path / "s", shard_bytes=10_000, progress=False)
+    seen = []
+    import recipes.common.shards as module
+
+    real = module._Writer.write_shard
+
+    def spy(self, number, pending):
+        seen.append((tmp_path / "s" / "index.json").exists())  # while the new shards are written
+        return real(self, number, pending)
+
+    module._Writer.write_shard = spy
+    try:
+        small = write_shards(big[:20], tmp_path / "s", shard_bytes=10_000, progress=False)
+    finally:
+        module._Writer.write_shard = real
+    assert seen and not any(seen)
+    assert sorted(p.name for p in (tmp_path / "s").glob("shard-*")) == [e["name"] for e in small.entries]
+    assert len(index_shards(sorted(str(p) for p in (tmp_path / "s").glob("*.tar")), progress=False)) == 20
+
+
+@pytest.mark.parametrize(("sample", "message"), [
+    ({"__key__": "/abs", "bin": b"x"}, r"starts with '/' or holds '//'"),
+    ({"__key__": "a//b", "bin": b"x"}, r"starts with '/' or holds '//'"),
+    ({"__key__": "k", 3: b"x"}, r"field 3 is a int"),
+    ({"__key__": "k", "cls": b"abc"}, r"b'abc' is not an integer"),
+    ({"__key__": "k", "json": "{not"}, r"is not JSON"),
+    ({"__key__": "k", "txt": b"\xff\xfe"}, r"is not UTF-8 text"),
+])
+def test_more_bad_samples_raise_naming_the_key(tmp_path, sample, message):
+    with pytest.raises(ShardFormatError, match=message):
+        write_shards([sample], tmp_path / "bad", progress=False)
+
+
+def test_parquet_columns_keep_their_type(tmp_path):
+    for later, message in ((2.5, "a float where the first sample set the column's type to int64"),
+                           ("x", "a str where"), (2**70, "does not fit a 64-bit integer")):
+        with pytest.raises(ShardFormatError, match=rf"sample 'b', field 'v': .*{message}"):
+            write_shards([{"__key__": "a", "v": 1}, {"__key__": "b", "v": later}], tmp_path / "p", format="parquet",
+                         progress=False)
+
+
+def test_indexing_refuses_tars_whose_samples_are_not_grouped(tmp_path):
+    import tarfile
+
+    with tarfile.open(tmp_path / "x.tar", "w") as tar:
+        for name in ("a.txt", "b.txt", "a.cls", "b.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(ShardFormatError, match="members of key 'a' are not adjacent"):
+        index_shards([str(tmp_path / "x.tar")], progress=False)
+    (tmp_path / "i.json").write_text(json.dumps({"format": "recipes-shards", "version": 1}))
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "index.json").write_text(json.dumps({"format": "recipes-shards", "version": 1}))
+    with pytest.raises(ShardIndexError, match="incomplete"):
+        ShardSet.open(tmp_path / "inc")
+
+
+def test_the_converter_refuses_files_that_share_a_key(tmp_path):
+    from recipes.shards_cmd import image_folder_samples
+    from recipes.testing import make_image_folder
+
+    root = make_image_folder(tmp_path / "t", classes=1, per_class=2, size=(64, 48), seed=1)
+    source = root / "class_00" / "img_0000.jpg"
+    (root / "class_00" / "img.0000.jpg").write_bytes(source.read_bytes())  # img_0000 after '.' -> '_'
+    with pytest.raises(ValueError, match=r"img.0000.jpg and .*img_0000.jpg both become sample key|img_0000.jpg and "
+                                         r".*img.0000.jpg both become"):
+        image_folder_samples(root)
