@@ -71,8 +71,8 @@ def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
 
 
 def test_a_tight_memory_budget_picks_fewer_workers():
-    ds = Busy(n=64, cost=0.004, item_bytes=2 << 20)  # 16 MiB batches: each worker holds several (a PSS
-    # peak is noisy by a few tens of MiB on a busy machine; two workers hold about 64 MiB more)
+    ds = Busy(n=64, cost=0.004, item_bytes=8 << 20)  # 64 MiB batches: each worker holds several (a PSS
+    # peak is noisy by tens of MiB on a busy machine, run to run; two workers hold about 128 MiB more)
     free = _tune(ds, store=False, seconds_per_trial=0.6)  # peaks are sampled every 0.25 s: longer trials
     peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
     assert peaks[2] > peaks[1] > peaks[0]  # the sweep always reaches 2 workers; each holds batches
