@@ -140,7 +140,7 @@ def main(argv=None) -> None:
         if loader_state is not None:
             loader.loader.load_state_dict(loader_state)
             loader_state = None
-        start = time.perf_counter()
+        start, loss = time.perf_counter(), None
         for batch in loader:
             mels = batch["inputs"].to(device, non_blocking=True).float().unsqueeze(1)  # [B, 1, n_mels, T]
             targets = label_of(batch).to(device, non_blocking=True)
@@ -162,7 +162,8 @@ def main(argv=None) -> None:
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss.item():.3f}, "
+            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
+            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                   f"data wait {summary['wait_fraction']:.0%}", flush=True)
             save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
                             epoch=epoch + 1, step=step, loader=None)

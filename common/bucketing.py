@@ -101,6 +101,10 @@ class LengthBucketSampler(Sampler[list[int]]):
         if mixture is not None and (getattr(mixture, "num_replicas", 1) != 1 or getattr(mixture, "batch_size", None)):
             raise ValueError("LengthBucketSampler(mixture=) buckets the mixture's whole plan and deals the batches over "
                              "the ranks itself: build the MixtureSampler with num_replicas=1, rank=0 and no batch_size.")
+        if mixture is not None and int(np.sum(mixture.sizes)) != len(self.lengths):
+            raise ValueError(f"`lengths` has {len(self.lengths)} entries but the mixture's sources hold "
+                             f"{int(np.sum(mixture.sizes))} samples: give the length of every sample of every source, "
+                             "in the sources' order.")
         self.mixture = mixture
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)

@@ -42,6 +42,15 @@ from recipes.common.sharding import distributed_world
 STOPS = ("all_exhausted", "first_exhausted", "never")
 
 
+def _count(name: str, value, *, minimum: int = 1) -> int | None:
+    """`value` as a plain int (numpy ints too: states are JSON), checked; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer of at least {minimum}, but is {value!r} instead.")
+    return int(value)
+
+
 class MixtureSampler:
     """Indices into `ConcatDataset(datasets)` drawn across sources by weight.
 
@@ -77,9 +86,15 @@ class MixtureSampler:
             self.names = [str(k) for k in sizes]
             weights = [weights[k] for k in sizes]
             sizes = list(sizes.values())
+        elif isinstance(weights, Mapping):
+            raise ValueError("`weights` is a mapping but `sizes` is not: give both as mappings from source name, or "
+                             "both as sequences.")
         else:
             self.names = [str(i) for i in range(len(sizes))]
-        self.sizes = np.asarray(sizes, dtype=np.int64)
+        raw = np.asarray(sizes)
+        if raw.dtype.kind not in "iu" and not (raw.dtype.kind == "f" and np.all(raw == np.floor(raw))):
+            raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
+        self.sizes = raw.astype(np.int64)
         self.weights = np.asarray(weights, dtype=np.float64)
         if self.sizes.ndim != 1 or len(self.sizes) == 0 or self.weights.shape != self.sizes.shape:
             raise ValueError(f"`sizes` and `weights` need one value per source, but have {len(self.sizes)} and "
@@ -94,10 +109,9 @@ class MixtureSampler:
             raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
         if stop == "never" and num_samples is None:
             raise ValueError("stop='never' refills sources for ever: give `num_samples`, the epoch's length.")
-        if num_samples is not None and num_samples <= 0:
-            raise ValueError(f"`num_samples` must be positive, but is {num_samples!r} instead.")
-        if batch_size is not None and batch_size <= 0:
-            raise ValueError(f"`batch_size` must be positive, but is {batch_size!r} instead.")
+        num_samples = _count("num_samples", num_samples)
+        batch_size = _count("batch_size", batch_size)
+        seed = _count("seed", seed, minimum=0)
         self.weights = self.weights / self.weights.sum()
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.num_samples, self.stop, self.seed, self.shuffle = num_samples, stop, int(seed), shuffle
@@ -128,18 +142,18 @@ class MixtureSampler:
             where = np.flatnonzero(sources == s)
             if not len(where):
                 continue
-            n = int(self.sizes[s])
-            passes = -(-len(where) // n)
-            perm = np.concatenate([self._permutation(epoch, s, p) for p in range(passes)])[: len(where)]
-            out[where] = self.offsets[s] + perm
+            out[where] = self.offsets[s] + self._passes(epoch, s, -(-len(where) // int(self.sizes[s])))[: len(where)]
             counts[s] = len(where)
         return out
 
-    def _permutation(self, epoch: int, source: int, pass_: int) -> np.ndarray:
+    def _passes(self, epoch: int, source: int, passes: int) -> np.ndarray:
+        """`passes` permutations of the source's indices, one after the other (all at once: a
+        tiny source drawn a million times is one array operation, not a million generators)."""
         n = int(self.sizes[source])
-        if not self.shuffle:
-            return np.arange(n, dtype=np.int64)
-        return np.random.default_rng([self.seed, epoch, source, pass_, 0x70]).permutation(n)
+        tiled = np.tile(np.arange(n, dtype=np.int64), (passes, 1))
+        if self.shuffle:
+            np.random.default_rng([self.seed, epoch, source, 0x70]).permuted(tiled, axis=1, out=tiled)
+        return tiled.ravel()
 
     def _sources(self, rng: np.random.Generator) -> np.ndarray:
         """The source of every position of the epoch. With the exhausting rules, in phases: a
@@ -221,13 +235,12 @@ class MixtureSampler:
         """The source number of each `ConcatDataset` index."""
         return np.searchsorted(self.offsets, np.asarray(indices, dtype=np.int64), side="right") - 1
 
-    def source_counts(self, samples_done: int | None = None) -> dict[str, int]:
-        """Samples per source among this rank's first `samples_done` of the epoch (all of them
-        when None): the realised mixture, by name."""
+    def source_counts(self, samples_done: int | None = None, *, start: int = 0) -> dict[str, int]:
+        """Samples per source among this rank's `samples_done` samples of the epoch from its
+        `start`-th (all of them when None): the realised mixture, by name."""
         mine = self._padded(self.epoch)[self.rank :: self.num_replicas] if self.batch_size is None else \
             np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
-        if samples_done is not None:
-            mine = mine[:samples_done]
+        mine = mine[start:] if samples_done is None else mine[start : start + samples_done]
         counts = np.bincount(self.source_of(mine), minlength=len(self.sizes))
         return {name: int(c) for name, c in zip(self.names, counts, strict=True)}
 
@@ -290,6 +303,9 @@ class MixtureSources(ConcatDataset):
             source = self.datasets[0]
             return source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
         wanted = np.asarray(indices, dtype=np.int64)
+        if len(wanted) and (wanted.min() < -len(self) or wanted.max() >= len(self)):
+            bad = next(int(i) for i in wanted if not -len(self) <= i < len(self))
+            raise IndexError(f"index {bad} is out of range for the {len(self)} samples of these sources.")
         if len(wanted) and wanted.min() < 0:
             wanted = np.where(wanted < 0, wanted + len(self), wanted)
         parts = np.searchsorted(cumulative, wanted, side="right")
@@ -325,9 +341,16 @@ class MixtureIterable(IterableDataset):
         weights: per source, as `datasets`.
         stop: "all_exhausted" (every sample of every source once per epoch: equal counts per
             rank when every source is `even`), "first_exhausted" (one rank only: ranks would
-            stop at different steps) or "never" (a source that ends starts again; needs
-            `num_samples`).
-        num_samples: the epoch's length over all ranks and workers (cut into equal shares).
+            stop at different steps) or "never" (a source that ends starts again, in the same
+            order within the epoch; needs `num_samples`).
+        num_samples: the epoch's length: `ceil(num_samples / ranks)` per rank, cut over its
+            workers.
+
+    The proportions hold per worker: give each source `shard_lengths` (sample ranges, so every
+    worker reads from every source) or at least as many shards as ranks x workers; a source
+    with fewer whole shards than workers is read by only some of them, which then draw it more
+    and the others not at all. A resume needs the same number of ranks and workers (the
+    stream is a function of both; another number is refused).
         seed: the base seed.
 
     Raises:
@@ -355,18 +378,28 @@ class MixtureIterable(IterableDataset):
             raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
         if stop == "never" and num_samples is None:
             raise ValueError("stop='never' restarts sources for ever: give `num_samples`, the epoch's length.")
+        if not np.isfinite(self.weights).all():
+            raise ValueError(f"`weights` must be finite, but are {self.weights.tolist()}.")
         self.weights = self.weights / self.weights.sum()
-        self.stop, self.num_samples, self.seed = stop, num_samples, int(seed)
+        self.stop, self.num_samples = stop, _count("num_samples", num_samples)
+        self.seed = _count("seed", seed, minimum=0)
         self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))
         self.rank = int(getattr(self.datasets[0], "rank", distributed_world()[1]))
         if stop == "first_exhausted" and self.world_size > 1:
             raise ValueError("stop='first_exhausted' ends each rank's stream at a different step, and DDP would wait "
                              "on the ranks that ended; use 'all_exhausted' with even sources, or 'never' with "
                              "num_samples.")
-        self.epoch = 0
+        import torch
+
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.item())
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        """Sets the epoch (in shared memory: persistent workers see it), for the sources too."""
+        self._epoch.fill_(int(epoch))
         for dataset in self.datasets:
             if hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(epoch)
@@ -375,7 +408,7 @@ class MixtureIterable(IterableDataset):
         """What shapes the stream, for the loader's state check."""
         sources = [getattr(d, "plan_settings", dict)() for d in self.datasets]
         return {"sources": sources, "weights": f"{zlib.crc32(self.weights.tobytes()):08x}", "stop": self.stop,
-                "num_samples": self.num_samples, "seed": self.seed}
+                "num_samples": self.num_samples, "seed": self.seed, "world_size": self.world_size}
 
     def __iter__(self):
         from torch.utils.data import get_worker_info
@@ -384,9 +417,9 @@ class MixtureIterable(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 0x6974])
         share = None
-        if self.num_samples is not None:  # this consumer's share of the epoch's length
-            consumers, me = self.world_size * workers, self.rank * workers + worker
-            share = self.num_samples // consumers + (me < self.num_samples % consumers)
+        if self.num_samples is not None:  # equal per rank (rounded up), then this worker's part of it
+            per_rank = -(-self.num_samples // self.world_size)
+            share = per_rank // workers + (worker < per_rank % workers)
         iterators = [iter(d) for d in self.datasets]
         active = self.weights > 0
         yielded = 0

@@ -269,18 +269,27 @@ class _Epoch:
 
 
 def _realised_mixture(loader, samples: int) -> dict[str, float] | None:
-    """The share of each source among this rank's first `samples` samples of the epoch, from the
-    loader's `MixtureSampler` (its sampler or batch sampler, or a bucketing sampler's
-    `mixture`); None without one."""
+    """The share of each source among the `samples` samples this rank's loop received in the
+    epoch (after the batches a resume skipped), from the loader's `MixtureSampler` (its sampler
+    or batch sampler, or a bucketing sampler's `mixture`); None without one."""
     inner = getattr(loader, "loader", loader)
+    current = getattr(getattr(inner, "_passes", None), "current", None)
+    skip = int(getattr(current, "skip", 0) or 0)  # batches of the epoch a resume skipped
     batch_sampler = getattr(inner, "batch_sampler", None)
     for candidate in (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(inner, "sampler", None)):
         if hasattr(candidate, "source_counts"):
-            counts = candidate.source_counts(samples)
+            if getattr(candidate, "batch_size", None) is not None and candidate is batch_sampler:
+                # a batch sampler resumes by itself: this pass's batches begin at its global position
+                mine = [int(i) for b in candidate._batch_plan(candidate.epoch, candidate._begin)[skip:] for i in b]
+                found = np.bincount(candidate.source_of(mine[:samples]), minlength=len(candidate.names))
+                counts = {name: int(c) for name, c in zip(candidate.names, found, strict=True)}
+            else:
+                counts = candidate.source_counts(samples, start=skip * int(getattr(inner, "batch_size", None) or 1))
             break
         mixture = getattr(candidate, "mixture", None)
         if hasattr(mixture, "source_of") and hasattr(candidate, "_plan"):  # mixed, then bucketed
-            mine = [int(i) for batch in candidate._plan(candidate.epoch, 0) for i in batch][:samples]
+            begin = int(getattr(candidate, "_begin", 0))  # a bucketing sampler resumes by itself too
+            mine = [int(i) for batch in candidate._plan(candidate.epoch, begin)[skip:] for i in batch][:samples]
             found = np.bincount(mixture.source_of(mine), minlength=len(mixture.names)) if mine else []
             counts = {name: int(c) for name, c in zip(mixture.names, found, strict=False)}
             break

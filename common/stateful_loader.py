@@ -198,6 +198,11 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
     """An iterator over the rest of an iterable dataset's epoch, after `current.skip` batches."""
     dataset, skip, state = loader.dataset, current.skip, current.resumed or {}
     if not isinstance(dataset, ResumableIterable):
+        if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
+            raise ValueError(f"{type(dataset).__name__} has no resume_after(): it resumes by reading the epoch's first "
+                             f"{skip} batches again, which only gives the same batches with the same number of workers "
+                             f"(saved with {current.workers}, this loader has {loader.num_workers}). Resume with "
+                             f"num_workers={current.workers}, or from a state saved at an epoch's end.")
         warnings.warn(f"{type(dataset).__name__} has no resume_after(); reading and discarding the first {skip} "
                       "batches of the epoch to resume.", LoaderWarning, stacklevel=3)
         return _dropped(DataLoader.__iter__(loader), skip)

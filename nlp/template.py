@@ -179,7 +179,7 @@ def main(argv=None) -> None:
         if loader_state is not None:
             loader.loader.load_state_dict(loader_state)
             loader_state = None
-        start = time.perf_counter()
+        start, loss = time.perf_counter(), None
         for batch in loader:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             ids, attention, labels = mask_tokens(batch, tokenizer.mask_token_id, generator)
@@ -203,7 +203,8 @@ def main(argv=None) -> None:
             summary = loader.summary()
             shares = "" if not summary.get("sources") else ", " + ", ".join(
                 f"{name} {share:.0%}" for name, share in summary["sources"].items())
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss.item():.3f}, "
+            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
+            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                   f"data wait {summary['wait_fraction']:.0%}{shares}", flush=True)
             save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
                             epoch=epoch + 1, step=step, loader=None)

@@ -97,3 +97,21 @@ def test_the_nlp_template_mixes_two_corpora(tmp_path, capsys):
     shares = [float(x) / 100 for x in re.findall(r"mix (\d+)%", out)]
     assert len(shares) == 2 and all(abs(s - 0.4) < 0.12 for s in shares), out
     assert (tmp_path / "tokens").is_dir() and (tmp_path / "tokens-mix").is_dir()
+
+
+def test_a_crash_at_an_epochs_last_step_resumes(tmp_path, zygote):
+    """The checkpoint saved at an epoch's last step resumes an epoch with no batch left: the
+    run finishes (it stopped with an unbound `loss` before, at every rerun)."""
+    import torch
+
+    code = "import sys\nfrom recipes.nlp.template import main\nmain(sys.argv[1:])\n"
+    args = ["--smoke", "--mix", "--workdir", str(tmp_path)]
+    full = zygote.python(code, *args)
+    assert full.wait(timeout=240) == 0, full.stderr
+    last_step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]  # the last epoch's last step
+    (tmp_path / "checkpoint.pt").unlink()
+    crashed = zygote.python(code, *args, "--stop-after", str(last_step))
+    assert crashed.wait(timeout=240) == 0, crashed.stderr
+    resumed = zygote.python(code, *args)
+    assert resumed.wait(timeout=240) == 0, resumed.stderr
+    assert "loss -" in resumed.stdout  # the resumed epoch had no batch left

@@ -151,7 +151,7 @@ def main(argv=None) -> None:
         if loader_state is not None:
             loader.loader.load_state_dict(loader_state)
             loader_state = None
-        start = time.perf_counter()
+        start, loss = time.perf_counter(), None
         for images, targets in loader:
             images, targets = normalize(images, targets)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -171,7 +171,8 @@ def main(argv=None) -> None:
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss.item():.3f}, "
+            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
+            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                   f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "
                   f"{summary['samples_per_s'] * world:,.0f} images/s", flush=True)
             save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),

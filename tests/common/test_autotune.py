@@ -73,11 +73,11 @@ def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
 def test_a_tight_memory_budget_picks_fewer_workers():
     ds = Busy(n=64, cost=0.004, item_bytes=8 << 20)  # 64 MiB batches: each worker holds several (a PSS
     # peak is noisy by tens of MiB on a busy machine, run to run; two workers hold about 128 MiB more)
-    free = _tune(ds, store=False, seconds_per_trial=0.6)  # peaks are sampled every 0.25 s: longer trials
+    free = _tune(ds, store=False, seconds_per_trial=1.0)  # peaks are sampled every 0.25 s: longer trials
     peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
     assert peaks[2] > peaks[1] > peaks[0]  # the sweep always reaches 2 workers; each holds batches
     budget = (peaks[1] + peaks[2]) // 2
-    tight = _tune(ds, memory_budget=budget, store=False, seconds_per_trial=0.6)
+    tight = _tune(ds, memory_budget=budget, store=False, seconds_per_trial=1.0)
     # Whatever the rates on a busy machine say, the choice fits: not 2 workers with 2 batches
     # each. (2 workers with prefetch_factor=1 hold fewer batches and may fit: measured once.)
     assert (tight["num_workers"], tight.get("prefetch_factor")) != (2, 2), tight.table()

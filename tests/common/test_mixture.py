@@ -284,3 +284,102 @@ def test_mixture_sources_read_a_batch_part_by_part_in_order():
     Batched.calls = 0
     sources.__getitems__([0, 14, 1, 13])
     assert Batched.calls == 2  # one call per part that has indices
+
+
+def test_iterable_mixtures_follow_the_epoch_in_persistent_workers_and_resume_in_later_epochs(tmp_path):
+    from recipes.common import MixtureIterable
+
+    def build():
+        return MixtureIterable(_shard_sets(tmp_path, [60, 140]), [0.5, 0.5], seed=3)
+
+    mixed = build()
+    loader = make_loader(mixed, batch_size=8, num_workers=2, persistent_workers=True)
+    epochs = []
+    for epoch in range(3):
+        mixed.set_epoch(epoch)
+        epochs.append([b.tolist() for b in loader])
+    patterns = [tuple(i < 60 for b in e for i in b) for e in epochs]
+    assert len(set(patterns)) == 3  # a new interleave every epoch, also in persistent workers
+    again = build()
+    resumed = make_loader(again, batch_size=8, num_workers=2, persistent_workers=True)
+    again.set_epoch(2)
+    iterator = iter(resumed)
+    prefix = [next(iterator).tolist() for _ in range(5)]
+    state = json.loads(json.dumps(resumed.state_dict()))
+    del iterator
+    third = build()
+    rest_loader = make_loader(third, batch_size=8, num_workers=2)
+    third.set_epoch(2)
+    rest_loader.load_state_dict(state)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert prefix + [b.tolist() for b in rest_loader] == epochs[2]
+        other = make_loader(build(), batch_size=8, num_workers=0)
+        other.dataset.set_epoch(2)
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match="same number of workers"):
+            list(other)
+
+
+def test_iterable_never_gives_every_rank_the_same_count(tmp_path):
+    from recipes.common import MixtureIterable
+
+    for n in (5, 101):
+        counts = []
+        for rank in range(2):
+            sets = _shard_sets(tmp_path, [20, 30])
+            for d in sets:
+                d.world_size, d.rank, d.even = 2, rank, True
+            counts.append(len(list(MixtureIterable(sets, [0.5, 0.5], stop="never", num_samples=n, seed=1))))
+        assert counts[0] == counts[1] == -(-n // 2), (n, counts)
+
+
+def test_numpy_arguments_keep_the_state_json_and_bad_arguments_are_named():
+    sizes = np.array([30, 40])
+    mix = MixtureSampler(sizes, np.array([0.5, 0.5]), num_samples=sizes.sum(), stop="never", seed=np.int64(2))
+    loader = make_loader(_data([30, 40]), batch_size=4, sampler=mix, num_workers=0)
+    iterator = iter(loader)
+    next(iterator)
+    json.dumps(loader.state_dict())
+    for kwargs, message in (({"num_samples": 1e3}, "`num_samples` must be an integer"),
+                            ({"num_samples": True}, "`num_samples` must be an integer"),
+                            ({"seed": -1}, "`seed` must be an integer of at least 0"),
+                            ({"batch_size": 0}, "`batch_size` must be an integer of at least 1")):
+        with pytest.raises(ValueError, match=message):
+            MixtureSampler([3, 4], [1, 1], **kwargs)
+    with pytest.raises(ValueError, match="whole numbers"):
+        MixtureSampler([3.7, 4], [1, 1])
+    with pytest.raises(ValueError, match="both as mappings"):
+        MixtureSampler([3, 4], {"a": 1, "b": 1})
+    tiny = MixtureSampler([1, 1000], [0.5, 0.5], num_samples=200_000, stop="never", seed=0)
+    assert np.bincount(tiny.source_of(tiny.global_indices()))[0] > 90_000  # one array operation, not 10^5 generators
+    with pytest.raises(ValueError, match="`lengths` has 5 entries but the mixture's sources hold 7"):
+        LengthBucketSampler(np.ones(5, int), max_tokens=10, mixture=MixtureSampler([3, 4], [1, 1], num_replicas=1,
+                                                                                    rank=0))
+    from recipes.common import MixtureSources
+
+    with pytest.raises(IndexError, match="index 15 is out of range"):
+        MixtureSources([Range(0, 5), Range(5, 10)]).__getitems__([15])
+
+
+def test_the_monitor_reports_what_a_resumed_epoch_delivered():
+    sizes = [10, 100]
+
+    def build():
+        mix = MixtureSampler({"a": 10, "b": 100}, {"a": 0.5, "b": 0.5}, seed=4)
+        return make_loader(_data(sizes), batch_size=4, sampler=mix, num_workers=0), mix
+
+    first, _ = build()
+    iterator = iter(first)
+    for _ in range(10):
+        next(iterator)
+    state = first.state_dict()
+    del iterator
+    second, mix = build()
+    second.load_state_dict(state)
+    monitor = LoaderMonitor(second, warn_wait_fraction=1.0)
+    delivered = [i for b in monitor for i in b.tolist()]
+    shares = monitor.summary()["sources"]
+    assert shares["a"] == pytest.approx(sum(i < 10 for i in delivered) / len(delivered))
