@@ -42,6 +42,37 @@ from recipes.common.sharding import distributed_world
 STOPS = ("all_exhausted", "first_exhausted", "never")
 
 
+def _sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
+    """`(names, values, normalised weights)` from two sequences, or two mappings by source name.
+
+    Raises:
+        ValueError: mismatched shapes or names; negative, non-finite or all-zero weights.
+    """
+    if isinstance(values, Mapping):
+        if not isinstance(weights, Mapping) or set(weights) != set(values):
+            raise ValueError(f"`weights` must name the same sources as `{what}` ({sorted(values)}), but names "
+                             f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}.")
+        names, weights, values = [str(k) for k in values], [weights[k] for k in values], list(values.values())
+    elif isinstance(weights, Mapping):
+        raise ValueError(f"`weights` is a mapping but `{what}` is not: give both as mappings from source name, or "
+                         "both as sequences.")
+    else:
+        names, values = [str(i) for i in range(len(values))], list(values)
+    array = np.asarray(weights, dtype=np.float64)
+    if not values or array.shape != (len(values),):
+        raise ValueError(f"`{what}` and `weights` need one value per source, but have {len(values)} and {array.size}.")
+    if not np.isfinite(array).all() or (array < 0).any() or array.sum() <= 0:
+        raise ValueError(f"`weights` must be non-negative and finite with a positive sum, but are {array.tolist()}.")
+    return names, values, array / array.sum()
+
+
+def _stop(stop: str, num_samples) -> None:
+    if stop not in STOPS:
+        raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
+    if stop == "never" and num_samples is None:
+        raise ValueError("stop='never' refills sources for ever: give `num_samples`, the epoch's length.")
+
+
 def _count(name: str, value, *, minimum: int = 1) -> int | None:
     """`value` as a plain int (numpy ints too: states are JSON), checked; None stays None."""
     if value is None:
@@ -79,40 +110,18 @@ class MixtureSampler:
                  num_samples: int | None = None, stop: str = "all_exhausted", seed: int = 0,
                  num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
                  batch_size: int | None = None, drop_last: bool = False):
-        if isinstance(sizes, Mapping):
-            if not isinstance(weights, Mapping) or set(weights) != set(sizes):
-                raise ValueError(f"`weights` must name the same sources as `sizes` ({sorted(sizes)}), but names "
-                                 f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}.")
-            self.names = [str(k) for k in sizes]
-            weights = [weights[k] for k in sizes]
-            sizes = list(sizes.values())
-        elif isinstance(weights, Mapping):
-            raise ValueError("`weights` is a mapping but `sizes` is not: give both as mappings from source name, or "
-                             "both as sequences.")
-        else:
-            self.names = [str(i) for i in range(len(sizes))]
+        self.names, sizes, self.weights = _sources(sizes, weights, "sizes")
         raw = np.asarray(sizes)
         if raw.dtype.kind not in "iu" and not (raw.dtype.kind == "f" and np.all(raw == np.floor(raw))):
             raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
         self.sizes = raw.astype(np.int64)
-        self.weights = np.asarray(weights, dtype=np.float64)
-        if self.sizes.ndim != 1 or len(self.sizes) == 0 or self.weights.shape != self.sizes.shape:
-            raise ValueError(f"`sizes` and `weights` need one value per source, but have {len(self.sizes)} and "
-                             f"{self.weights.size}.")
         if (self.sizes <= 0).any():
             raise ValueError(f"every source needs samples; sizes are {self.sizes.tolist()} (source "
                              f"{self.names[int(np.argmin(self.sizes))]!r}).")
-        if not np.isfinite(self.weights).all() or (self.weights < 0).any() or self.weights.sum() <= 0:
-            raise ValueError(f"`weights` must be non-negative and finite with a positive sum, but are "
-                             f"{self.weights.tolist()}.")
-        if stop not in STOPS:
-            raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
-        if stop == "never" and num_samples is None:
-            raise ValueError("stop='never' refills sources for ever: give `num_samples`, the epoch's length.")
+        _stop(stop, num_samples)
         num_samples = _count("num_samples", num_samples)
         batch_size = _count("batch_size", batch_size)
         seed = _count("seed", seed, minimum=0)
-        self.weights = self.weights / self.weights.sum()
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.num_samples, self.stop, self.seed, self.shuffle = num_samples, stop, int(seed), shuffle
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -136,14 +145,12 @@ class MixtureSampler:
     def _draw(self, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, epoch, 0x6D6978])
         sources = self._sources(rng)
-        counts = np.zeros(len(self.sizes), np.int64)
         out = np.empty(len(sources), np.int64)
         for s in range(len(self.sizes)):  # the k-th draw from s: pass k // n_s, position k % n_s
             where = np.flatnonzero(sources == s)
             if not len(where):
                 continue
             out[where] = self.offsets[s] + self._passes(epoch, s, -(-len(where) // int(self.sizes[s])))[: len(where)]
-            counts[s] = len(where)
         return out
 
     def _passes(self, epoch: int, source: int, passes: int) -> np.ndarray:
@@ -360,27 +367,8 @@ class MixtureIterable(IterableDataset):
 
     def __init__(self, datasets, weights, *, stop: str = "all_exhausted", num_samples: int | None = None,
                  seed: int = 0):
-        if isinstance(datasets, Mapping):
-            if not isinstance(weights, Mapping) or set(weights) != set(datasets):
-                raise ValueError(f"`weights` must name the same sources as `datasets` ({sorted(datasets)}).")
-            self.names = [str(k) for k in datasets]
-            weights = [weights[k] for k in datasets]
-            datasets = list(datasets.values())
-        else:
-            self.names = [str(i) for i in range(len(datasets))]
-        self.datasets = list(datasets)
-        self.weights = np.asarray(weights, dtype=np.float64)
-        if not self.datasets or self.weights.shape != (len(self.datasets),) or (self.weights < 0).any() \
-                or not self.weights.sum() > 0:
-            raise ValueError(f"one non-negative weight per source, with a positive sum; got {list(weights)} for "
-                             f"{len(self.datasets)} sources.")
-        if stop not in STOPS:
-            raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
-        if stop == "never" and num_samples is None:
-            raise ValueError("stop='never' restarts sources for ever: give `num_samples`, the epoch's length.")
-        if not np.isfinite(self.weights).all():
-            raise ValueError(f"`weights` must be finite, but are {self.weights.tolist()}.")
-        self.weights = self.weights / self.weights.sum()
+        self.names, self.datasets, self.weights = _sources(datasets, weights, "datasets")
+        _stop(stop, num_samples)
         self.stop, self.num_samples = stop, _count("num_samples", num_samples)
         self.seed = _count("seed", seed, minimum=0)
         self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))

@@ -290,7 +290,7 @@ def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: 
                                       mixture=mix)
         return make_loader(sources, batch_sampler=sampler, collate_fn=collate, num_workers=0), mix
 
-    count = _RealTokens
+    count = _real_tokens
     rows = best_interleaved(lambda: measure("one source: LengthBucketSampler", single(), counter=count),
                             lambda: measure("two sources: MixtureSampler + LengthBucketSampler(mixture=)",
                                             mixed()[0], counter=count), repeat=repeat)
@@ -302,7 +302,7 @@ def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: 
     return rows, draw
 
 
-def _RealTokens(batch) -> int:
+def _real_tokens(batch) -> int:
     return int(batch["lengths"].sum())
 
 

@@ -429,3 +429,41 @@ def test_the_converter_refuses_files_that_share_a_key(tmp_path):
     with pytest.raises(ValueError, match=r"img.0000.jpg and .*img_0000.jpg both become sample key|img_0000.jpg and "
                                          r".*img.0000.jpg both become"):
         image_folder_samples(root)
+
+
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+def test_a_resume_in_a_later_epoch_through_make_loader_and_the_cache(tmp_path, fmt):
+    """make_loader's defaults (2 persistent workers here), PrefetchCache over HTTP, fewer shards
+    than consumers for Parquet: a state saved mid-epoch 1 resumes exactly in a fresh loader."""
+    from recipes.common import PrefetchCache, make_loader
+
+    samples = [{"__key__": f"k{i:04d}", "txt": f"text {i}", "cls": i} for i in range(90)]
+    write_shards(samples, tmp_path / "s", format=fmt, shard_bytes=8_000 if fmt == "tar" else 1 << 20,
+                 progress=False)
+    with LocalHTTPServer(tmp_path / "s") as server:
+        def build(name):
+            shards = ShardSet.open(server.url("").rstrip("/"))
+            ds = shards.dataset(cache=PrefetchCache(tmp_path / name, max_bytes=2**30), seed=4)
+            return make_loader(ds, batch_size=4, num_workers=2, persistent_workers=True), ds
+
+        whole, ds = build("a")
+        expected = []
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            expected.append([b["cls"].tolist() for b in whole])
+        first, ds = build("b")
+        ds.set_epoch(0)
+        list(first)
+        ds.set_epoch(1)
+        iterator = iter(first)
+        prefix = [next(iterator)["cls"].tolist() for _ in range(7)]
+        state = json.loads(json.dumps(first.state_dict()))
+        del iterator
+        second, ds2 = build("c")
+        ds2.set_epoch(1)
+        second.load_state_dict(state)
+        rest = [b["cls"].tolist() for b in second]
+        assert sorted(i for b in prefix + rest for i in b) == list(range(90))
+        assert prefix + rest == expected[1]
+        ds2.set_epoch(2)
+        assert [b["cls"].tolist() for b in second] == expected[2]
