@@ -19,6 +19,7 @@ Copy with: common/process_lifetime.py.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -51,20 +52,33 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def replace_dir(new: Path, target: Path) -> None:
-    """Moves the complete folder `new` to `target`. An old `target` is moved aside first and
-    deleted after, so a reader sees the old folder, none, or the new one, never a mix."""
+def replace_dir(new: Path, target: Path, *, keep: Callable[[], bool] | None = None) -> bool:
+    """Moves the complete folder `new` to `target`, unless `target` exists and `keep()` says
+    it is a valid copy already (another process built the same cache meanwhile): then `new`
+    is deleted and the first one stays, so a process reading it (or adding an eval view to
+    it) never has it moved away. An invalid `target` is moved aside first and deleted after,
+    so a reader sees the old folder, none, or the new one, never a mix. True when `new` was
+    published."""
     fsync_path(new)
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(new, target)
-    fsync_path(target.parent)
-    if old is not None:
+    while True:
+        try:
+            os.rename(new, target)  # atomic; fails when `target` is a folder with files in it
+            break
+        except OSError as why:
+            if why.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if keep is not None and keep():
+            shutil.rmtree(new, ignore_errors=True)
+            return False
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_host()}.{os.getpid()}.", suffix=".old.tmp",
+                                   dir=target.parent))  # swept like a temp if this process dies
+        try:
+            os.replace(target, old)  # onto an empty folder: allowed
+        except FileNotFoundError:  # another process moved it aside first: try again
+            pass
         shutil.rmtree(old, ignore_errors=True)
-
-
+    fsync_path(target.parent)
+    return True
 
 
 # ---- the cache-file protocol ------------------------------------------------------------
@@ -264,11 +278,24 @@ class FolderBuild:
         self.rank, self.world = _rank_and_world() if distributed else (0, 1)
         self.path: Path | None = None
         self._published = False
+        self._open_cache: Callable[[], object] | None = None
+        self._error: type[Exception] = Exception
+
+    def _valid(self) -> bool:
+        """Whether `target` opens as a valid cache now (another process published it first)."""
+        if self._open_cache is None:
+            return False
+        try:
+            self._open_cache()
+        except self._error:
+            return False
+        return True
 
     def needed(self, open_cache: Callable[[], object], error: type[Exception]) -> bool:
         """Whether to build: rank 0 tries `open_cache()`, which raises `error` for a missing,
         stale or damaged cache, and every rank gets the answer."""
         answer = None
+        self._open_cache, self._error = open_cache, error
         if self.rank == 0:
             try:
                 open_cache()
@@ -331,11 +358,13 @@ class FolderBuild:
 
     def publish(self, header: dict | None) -> None:
         """After every rank is done: rank 0 writes its `header` to `header.json` and renames the
-        folder into place (the other ranks' `header` is ignored)."""
+        folder into place (the other ranks' `header` is ignored). When another process has
+        published a valid copy meanwhile (the `open_cache` of `needed` opens it), that copy
+        stays and this build is deleted: the first to publish wins."""
         self.barrier()
         if self.rank == 0:
             write_synced(self.path / "header.json", json.dumps(header, indent=1).encode("utf-8"))
-            replace_dir(self.path, self.target)
+            replace_dir(self.path, self.target, keep=self._valid)
         self._published = True
         self.barrier()  # no rank reads the cache before it is in place
 

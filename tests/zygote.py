@@ -31,6 +31,8 @@ for name in sys.argv[1:]:
     importlib.import_module(name)
 for line in sys.stdin:
     request = json.loads(line)
+    if request["op"] == "exit":
+        break
     if request["op"] == "run":
         pid = os.fork()
         if pid == 0:
@@ -101,8 +103,20 @@ class Zygote:
         return Child(self, pid, out, err)
 
     def close(self) -> None:
-        self._server.stdin.close()
-        self._server.wait(timeout=30)
+        """Asked, not by end of input: a process forked from the test session (a loader's
+        persistent worker not yet collected) holds a copy of the pipe's write end, so the
+        zygote may never read an end of input."""
+        try:
+            self._server.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self._server.stdin.close()
+        except OSError:  # it ended already; wait() reports how
+            pass
+        try:
+            self._server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            self._server.wait()
+            raise
 
 
 class Child:

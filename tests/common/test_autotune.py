@@ -80,7 +80,10 @@ ds = Busy(n=64, cost=0.004, item_bytes=8 << 20)  # 64 MiB batches: each worker h
 # peak is noisy by tens of MiB on a busy machine, run to run; two workers hold about 128 MiB more)
 free = _tune(ds, store=False, seconds_per_trial=1.0)  # peaks are sampled every 0.25 s: longer trials
 peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
-assert peaks[2] > peaks[1] > peaks[0], peaks  # the sweep always reaches 2 workers; each holds batches
+# The sweep always reaches 2 workers, whose batches stand clear of 0 and 1 worker. Those two are
+# not ordered: 0 workers make a batch in the main process (items and the collated copy), 1 worker
+# hands it over in shared memory, and a 0.25 s sampler sees about the same (CI: 440 vs 438 MB).
+assert peaks[2] > max(peaks[0], peaks[1]), peaks
 budget = (peaks[1] + peaks[2]) // 2
 tight = _tune(ds, memory_budget=budget, store=False, seconds_per_trial=1.0)
 # Whatever the rates on a busy machine say, the choice fits: not 2 workers with 2 batches
@@ -95,6 +98,7 @@ assert "within the memory budget" in tight.reason
 """
 
 
+@pytest.mark.slow  # a long run (23 s): 2 sweeps of 1 s trials; the no-fit budget case runs in the fast tier
 def test_a_tight_memory_budget_picks_fewer_workers(zygote, tmp_path):
     """In a fresh process (the zygote's child): the peaks include the main process, whose heap
     in a long test session moves by more than a worker's batches."""

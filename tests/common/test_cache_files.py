@@ -35,6 +35,44 @@ def test_a_folder_build_publishes_whole_or_not_at_all(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
 
 
+def test_the_first_of_two_builders_to_publish_wins(tmp_path):
+    """Two processes found no cache and built it. The second to publish keeps the first's
+    folder (a reader has it open, and may be adding an eval view to it) and deletes its own;
+    a folder that does not open as a valid cache is replaced."""
+    import json
+
+    from recipes.common.cache_files import FolderBuild
+
+    target = tmp_path / "cache"
+
+    def open_cache():
+        if json.loads((target / "header.json").read_text())["version"] != 1:
+            raise KeyError("stale")
+
+    first, second = FolderBuild(target), FolderBuild(target)
+    assert first.needed(lambda: open_cache(), (KeyError, OSError))
+    assert second.needed(lambda: open_cache(), (KeyError, OSError))
+    with first, second:
+        (first.path / "data.bin").write_bytes(b"first")
+        (second.path / "data.bin").write_bytes(b"second")
+        first.publish({"version": 1})
+        (target / "eval-view.bin").write_bytes(b"added by the first builder's process")
+        second.publish({"version": 1})
+    assert sorted(p.name for p in target.iterdir()) == ["data.bin", "eval-view.bin", "header.json"]
+    assert (target / "data.bin").read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # the second's temp folder is gone
+
+    (target / "header.json").write_text(json.dumps({"version": 0}))  # stale: replaced
+    third = FolderBuild(target)
+    assert third.needed(lambda: open_cache(), (KeyError, OSError))
+    with third:
+        (third.path / "data.bin").write_bytes(b"third")
+        third.publish({"version": 1})
+    assert sorted(p.name for p in target.iterdir()) == ["data.bin", "header.json"]
+    assert (target / "data.bin").read_bytes() == b"third"
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]
+
+
 def test_dead_builders_temps_are_swept_live_and_foreign_ones_kept(tmp_path):
     import os
     import subprocess

@@ -1,10 +1,12 @@
 """A small `recipes bench remote` in the default run, with conservative ratios."""
 
 import numpy as np
+import pytest
 
 from recipes.bench.remote import RECORD_BYTES, compare
 
 
+@pytest.mark.slow  # a long run (7 s) over HTTP; the S3 comparison runs in the fast tier
 def test_prefetching_beats_simplecache_and_warm_epochs_approach_local_disk(tmp_path):
     per_shard = 64  # 512 KiB shards
     rng = np.random.default_rng(0)

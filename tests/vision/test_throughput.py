@@ -25,6 +25,7 @@ def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
     assert threads >= 8 * baseline and threads > warm, rows
 
 
+@pytest.mark.slow  # a long run (12 s): the train rows of `recipes bench vision`; the eval rows run in the fast tier
 def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree, tmp_path):
     from recipes.bench.vision import compare_train
     from recipes.vision.region_decode import region_decode_available
