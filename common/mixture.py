@@ -31,6 +31,7 @@ Copy with: common/sharding.py.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -309,28 +310,40 @@ class MixtureSources(ConcatDataset):
         if len(cumulative) == 1:
             source = self.datasets[0]
             return source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
-        wanted = np.asarray(indices, dtype=np.int64)
-        if len(wanted) and (wanted.min() < -len(self) or wanted.max() >= len(self)):
-            bad = next(int(i) for i in wanted if not -len(self) <= i < len(self))
-            raise IndexError(f"index {bad} is out of range for the {len(self)} samples of these sources.")
-        if len(wanted) and wanted.min() < 0:
-            wanted = np.where(wanted < 0, wanted + len(self), wanted)
-        parts = np.searchsorted(cumulative, wanted, side="right")
-        order = np.argsort(parts, kind="stable")  # the batch's indices part by part
-        bounds = np.searchsorted(parts[order], np.arange(len(cumulative) + 1))
-        starts = [0, *cumulative]
+        n = len(self)
+        wanted = np.fromiter(indices, np.int64, len(indices))
+        if not len(wanted):
+            return []
+        low, high = int(wanted.min()), int(wanted.max())
+        if low < -n or high >= n:
+            bad = next(int(i) for i in wanted if not -n <= i < n)
+            raise IndexError(f"index {bad} is out of range for the {n} samples of these sources.")
+        if low < 0:
+            wanted = np.where(wanted < 0, wanted + n, wanted)
+        bounds = self._bounds()
+        parts = bounds.searchsorted(wanted, side="right") - 1  # each index's source
+        order = parts.argsort(kind="stable")  # the batch's indices source by source
+        local = (wanted - bounds[parts])[order].tolist()
         got: list = []
-        for part in range(len(cumulative)):
-            lo, hi = int(bounds[part]), int(bounds[part + 1])
-            if lo == hi:
-                continue
-            source = self.datasets[part]
-            local = (wanted[order[lo:hi]] - starts[part]).tolist()
-            got += source.__getitems__(local) if hasattr(source, "__getitems__") else [source[i] for i in local]
-        items: list = [None] * len(indices)
-        for position, item in zip(order.tolist(), got, strict=True):
-            items[position] = item
-        return items
+        at = 0
+        for part, count in enumerate(np.bincount(parts, minlength=len(self.datasets)).tolist()):
+            if count:
+                source, ids = self.datasets[part], local[at : at + count]
+                got += source.__getitems__(ids) if hasattr(source, "__getitems__") else [source[i] for i in ids]
+                at += count
+        if len(got) != len(order):
+            raise RuntimeError(f"the sources returned {len(got)} items for {len(order)} indices.")
+        if len(got) == 1:
+            return got
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))  # each batch position's place in `got`
+        return list(operator.itemgetter(*back.tolist())(got))  # the batch's order, in one C call
+
+    def _bounds(self) -> np.ndarray:
+        """Each source's first global index (int64, one per source)."""
+        if getattr(self, "_starts", None) is None or len(self._starts) != len(self.cumulative_sizes):
+            self._starts = np.asarray([0, *self.cumulative_sizes[:-1]], dtype=np.int64)
+        return self._starts
 
 
 class MixtureIterable(IterableDataset):

@@ -162,7 +162,10 @@ class ImageCache:
         w = int(self.shapes[index][1])
         buffer = self._scratch(bh * w * 3) if scratch is None else scratch[: bh * w * 3]
         rows = self.read_rows(index, top, bh, buffer.reshape(bh, w, 3))
-        image = resize_uint8(rows[:, left : left + bw], size)
+        crop = rows[:, left : left + bw]
+        if bw != w and (bh, bw) != tuple(size):  # torch's kernel is ~6% faster on contiguous rows than the copy costs
+            crop = np.ascontiguousarray(crop)
+        image = resize_uint8(crop, size)
         if (bh, bw) == tuple(size):  # a view of the scratch buffer, which the next read reuses
             image = image.clone()
         return image
