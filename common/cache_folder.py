@@ -10,7 +10,7 @@ lock; `sweep` removes temp files whose writer died.
 Cost: a directory scan per reservation that must free space, and per `used_bytes`; an open and
 an flock per lock taken.
 Adapt here: nothing; the caller chooses keys (e.g. hashes of URLs) and the budget.
-Trade-off: LRU by modification time (`touch` marks a use), not by access counts; the budget
+Trade-off: LRU by access time (`touch` marks a use), not by access counts; the budget
 counts reservations of writes in flight, so a big write waits for room rather than overshoot.
 Copy with: common/held_descriptors.py, common/process_lifetime.py.
 """
@@ -40,9 +40,10 @@ def make_folder(folder: Path) -> None:
 
 
 def touch(path: Path) -> bool:
-    """Marks `path` as just used (LRU) and says whether it exists."""
+    """Marks `path` as just used (LRU: its access time) and says whether it exists. The
+    modification time stays the content's: a record of the file's checksum names it."""
     try:
-        os.utime(path)
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
         return True
     except FileNotFoundError:
         return False
@@ -113,7 +114,7 @@ def evict_until(folder: Path, budget: int) -> bool:
     if used <= budget:
         return True
     files = [e for e in os.scandir(folder) if e.is_file() and not e.name.startswith(".")]
-    for entry in sorted(files, key=lambda e: e.stat().st_mtime_ns):  # least recently used first
+    for entry in sorted(files, key=lambda e: e.stat().st_atime_ns):  # least recently used first
         lock, token = open_held(folder / ".locks" / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not pinned, not downloading

@@ -325,6 +325,8 @@ class PrefetchCache:
             else:
                 download_whole(fs, remote, fd, size, check=self._check_open)
             verify_download(url, fd, size, sha256)
+            if sha256 is not None:
+                _record(fd, sha256)
             os.fsync(fd)
             os.replace(tmp, final)
             fsync_path(self.dir)
@@ -388,23 +390,48 @@ class PrefetchCache:
         return state
 
 
-_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256, this process's checks of cached copies
+# A cached copy's verified sha256, recorded with the file (an extended attribute) so that every
+# process (each epoch's fresh DataLoader workers too) trusts one check: "<size>:<mtime_ns>:<sha256>",
+# the size and modification time of the content it was computed on. Where the filesystem keeps
+# no user attributes, each process hashes once per file version (`_VERIFIED`).
+_XATTR = "user.recipes.sha256"
+_VERIFIED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> sha256, this process's checks
+
+
+def _record(target, sha256: str) -> None:
+    """Records `sha256` as the checksum of the file `target` (a path or descriptor) as it is now."""
+    info = os.stat(target)
+    try:
+        os.setxattr(target, _XATTR, f"{info.st_size}:{info.st_mtime_ns}:{sha256}".encode())
+    except OSError:  # no user attributes here (tmpfs before Linux 6.6, some network filesystems)
+        pass
 
 
 def _matches(path: Path, sha256: str) -> bool:
-    """Whether the file at `path` has this sha256 (hashed once per process and file version)."""
+    """Whether the file at `path` has this sha256: its record when it describes the file as it
+    is, else hashed (once per process and file version) and recorded."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
         return True  # gone meanwhile: the caller downloads it
-    version = (str(path), info.st_size, info.st_mtime_ns)
-    if version not in _VERIFIED:
+    version = f"{info.st_size}:{info.st_mtime_ns}:"
+    try:
+        recorded = os.getxattr(path, _XATTR).decode()
+    except OSError:
+        recorded = ""
+    if recorded.startswith(version):
+        return recorded[len(version):] == sha256
+    key = (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+    if key not in _VERIFIED:
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             while block := f.read(1 << 20):
                 digest.update(block)
-        _VERIFIED[version] = digest.hexdigest()
-    return _VERIFIED[version] == sha256
+        _VERIFIED[key] = digest.hexdigest()
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_mtime_ns == info.st_mtime_ns:
+                _record(path, _VERIFIED[key])
+    return _VERIFIED[key] == sha256
 
 
 @functools.lru_cache(maxsize=65536)

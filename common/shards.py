@@ -369,10 +369,11 @@ class ShardSet:
         return f"ShardSet({self.url!r}, {self.format}, {len(self.entries)} shards, {len(self)} samples)"
 
     def read(self, shard: int, start: int = 0, stop: int | None = None, *, path: str | None = None,
-             decode: bool = True, columns: Sequence[str] | None = None):
+             decode: bool = True, columns: Sequence[str] | None = None, verified: bool = False):
         """The samples `[start, stop)` of shard `shard`, from `path` (a local copy) or its URL.
         A local file is checked against the index first (size, and sha256 once per process and
-        file version); any read must yield the samples the index promises.
+        file version, unless `verified`: a copy `PrefetchCache.get(url, sha256=)` checked);
+        any read must yield the samples the index promises.
 
         Raises:
             ShardFormatError: a shard that differs from its index (damaged, or rewritten since
@@ -383,7 +384,7 @@ class ShardSet:
         options = None if path is not None else self.storage_options
         local = "://" not in str(source) or str(source).startswith("file://")
         if local:
-            _check_local(str(source).removeprefix("file://"), entry, self.urls[shard])
+            _check_local(str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified)
         if self.format == "tar":
             items = read_tar(source, start, stop, offsets=entry.get("offsets"), storage_options=options)
             items = (decode_sample(s) for s in items) if decode else items
@@ -423,14 +424,16 @@ class _ShardReader:
     def __call__(self, path, start, stop):
         shard = self.by_path[str(path)]
         local = None if str(path) == self.shards.urls[shard] else str(path)
-        items = self.shards.read(shard, start, stop, path=local, decode=self.decode, columns=self.columns)
+        # a cached copy: the dataset read it through `cache.pinned(url, sha256=)`, which checked it
+        items = self.shards.read(shard, start, stop, path=local, decode=self.decode, columns=self.columns,
+                                 verified=local is not None)
         return items if self.transform is None else map(self.transform, items)
 
 
-_CHECKED: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: local shards hashed by this process
+_CHECKED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> sha256: local shards hashed by this process
 
 
-def _check_local(path: str, entry: dict, url: str) -> None:
+def _check_local(path: str, entry: dict, url: str, *, hash: bool = True) -> None:
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -438,8 +441,8 @@ def _check_local(path: str, entry: dict, url: str) -> None:
     if "bytes" in entry and info.st_size != entry["bytes"]:
         raise ShardFormatError(f"{url} is {info.st_size:,} bytes but its index says {entry['bytes']:,}: damaged, or "
                                "rewritten since the index was read. Rewrite the shards (or re-index them).")
-    if entry.get("sha256"):
-        version = (path, info.st_size, info.st_mtime_ns)
+    if hash and entry.get("sha256"):
+        version = (path, info.st_ino, info.st_size, info.st_mtime_ns)
         if version not in _CHECKED:
             digest = hashlib.sha256()
             with open(path, "rb") as f:

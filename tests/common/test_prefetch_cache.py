@@ -138,6 +138,38 @@ def test_sha256_is_verified(tmp_path, shards):
         assert _cache(tmp_path).get(url, sha256=hashlib.sha256(data).hexdigest()).read_bytes() == data
 
 
+def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_path, shards, monkeypatch):
+    """The checksum a download verified is recorded with the file: a fresh process (each
+    epoch's new DataLoader workers) serves the copy without hashing it again, an LRU use keeps
+    the record valid, and a copy changed in place is hashed, found to differ and downloaded
+    again."""
+    import recipes.common.prefetch_cache as prefetch_cache
+
+    data = (shards / "shard-2.bin").read_bytes()
+    good = hashlib.sha256(data).hexdigest()
+    with LocalHTTPServer(shards) as server:
+        url = server.url("shard-2.bin")
+        path = _cache(tmp_path).get(url, sha256=good)
+        try:
+            os.getxattr(path, "user.recipes.sha256")
+        except OSError:
+            pytest.skip("this filesystem keeps no user attributes: each process hashes once instead")
+        mtime = path.stat().st_mtime_ns
+        monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})  # a new process's memory
+        with monkeypatch.context() as m:
+            m.setattr(prefetch_cache.hashlib, "sha256", None)  # any hashing would raise
+            for _ in range(3):
+                assert _cache(tmp_path).get(url, sha256=good) == path
+        assert path.stat().st_mtime_ns == mtime  # uses mark the access time only
+        assert server.gets["shard-2.bin"] == 1
+        with open(path, "r+b") as f:  # damaged in place after the download
+            f.write(b"X")
+        monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})
+        assert _cache(tmp_path).get(url, sha256=good).read_bytes() == data
+        assert server.gets["shard-2.bin"] == 2
+        assert os.getxattr(path, "user.recipes.sha256").decode().endswith(good)
+
+
 def test_disk_full_removes_the_temp_file_and_raises(tmp_path, shards, monkeypatch):
     import errno
 
