@@ -18,6 +18,7 @@ Copy with: common/cache_files.py, common/process_lifetime.py, vision/batch_buffe
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -71,14 +72,14 @@ def fill_cached_batch(dataset: ImageFolderFast, indices: list[int], rng: np.rand
             box = eval_box(h, w, out, dataset.CROP_PCT)
         if scratch is None:
             scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)
-        image = cache.read_crop(index, box, out, scratch=scratch)  # [3, h, w], channels-last in memory
+        # the crop's flip is drawn after its box, as the worker path draws them
         flip = dataset.train and rng.random() < 0.5
-        if image.permute(1, 2, 0).is_contiguous() and rows[row].is_contiguous():
-            pixels, target = image.permute(1, 2, 0).numpy(), rows[row].numpy()
-            if flip:  # mirrored straight into the row (the GIL released)
-                _opencv().flip(pixels, 1, dst=target)
-            else:
-                np.copyto(target, pixels)
+        if not flip and rows[row].is_contiguous():
+            cache.read_crop(index, box, out, scratch=scratch, out=batch[row])  # resized into the row
+            continue
+        image = cache.read_crop(index, box, out, scratch=scratch)  # [3, h, w], channels-last in memory
+        if flip and rows[row].is_contiguous():  # mirrored straight into the row (the GIL released)
+            _opencv().flip(image.permute(1, 2, 0).numpy(), 1, dst=rows[row].numpy())
         else:
             copy_image(batch[row], image.flip(-1) if flip else image)
     return batch
@@ -90,8 +91,11 @@ def fill_decoded_batch(dataset: ImageFolderFast, indices: list[int], rng: np.ran
     `rng`; with on_error="skip" a bad file's replacement, counted); returns their targets."""
     targets = np.empty(len(indices), np.int64)
     for row, index in enumerate(indices):
-        image, targets[row], _ = dataset._load_or_skip(index, lambda i: dataset._output_image(i, rng), rng)
-        copy_image(batch[row], image)
+        into = batch[row]
+        image, targets[row], _ = dataset._load_or_skip(
+            index, functools.partial(dataset._output_image, rng=rng, into=into), rng)
+        if image.data_ptr() != into.data_ptr():  # not written in place (a layout that forbids it)
+            copy_image(into, image)
     trim_heap()  # decode buffers fragment the heap (batch_buffers.trim_heap)
     return targets
 

@@ -153,11 +153,12 @@ class ImageCache:
         return h, w
 
     def read_crop(self, index: int, box: tuple[int, int, int, int], size: tuple[int, int], *,
-                  scratch: np.ndarray | None = None) -> torch.Tensor:
+                  scratch: np.ndarray | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The `box` (top, left, height, width) of image `index` resized to `size` (`resize_uint8`):
-        uint8 `[3, h, w]`, channels-last in memory. Only the box's rows are read, with one `preadv`
-        into `scratch` (uint8, at least `max_side^2 * 3` bytes: one per reader thread), else a
-        per-process scratch buffer (one reader thread at a time)."""
+        uint8 `[3, h, w]`, channels-last in memory, written into `out` when given (a batch row).
+        Only the box's rows are read, with one `preadv` into `scratch` (uint8, at least
+        `max_side^2 * 3` bytes: one per reader thread), else a per-process scratch buffer (one
+        reader thread at a time)."""
         top, left, bh, bw = box
         w = int(self.shapes[index][1])
         buffer = self._scratch(bh * w * 3) if scratch is None else scratch[: bh * w * 3]
@@ -165,9 +166,9 @@ class ImageCache:
         crop = rows[:, left : left + bw]
         if bw != w and (bh, bw) != tuple(size):  # torch's kernel is ~6% faster on contiguous rows than the copy costs
             crop = np.ascontiguousarray(crop)
-        image = resize_uint8(crop, size)
-        if (bh, bw) == tuple(size):  # a view of the scratch buffer, which the next read reuses
-            image = image.clone()
+        image = resize_uint8(crop, size, out=out)
+        if out is None and (bh, bw) == tuple(size):  # a view of the scratch buffer, which the next read reuses
+            image = image.permute(1, 2, 0).clone().permute(2, 0, 1)
         return image
 
     def _scratch(self, nbytes: int) -> np.ndarray:

@@ -232,3 +232,32 @@ def test_threads_get_their_own_reports(mutated, damaged):
 
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(raises, names)) == [name in damaged for name in names]
+
+
+@pytest.mark.parametrize("size", [(224, 224), (100, 160), (300, 200)])  # down, down, up
+def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
+    """`resize_uint8` against torchvision's own resize (PIL-free, antialiased bilinear), into a
+    channels-last batch row (what the thread path writes), into a planar row, and into a new
+    tensor, from contiguous and column-sliced input."""
+    import numpy as np
+    import torch
+    import torchvision.transforms.v2.functional as F
+
+    from recipes.vision.decode import resize_uint8
+
+    rng = np.random.default_rng(0)
+    whole = rng.integers(0, 256, (260, 340, 3), dtype=np.uint8)
+    for image in (whole, whole[:, 20:300]):
+        expected = F.resize(torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1), list(size), antialias=True)
+        fresh = resize_uint8(image, size)
+        assert fresh.permute(1, 2, 0).is_contiguous()  # channels-last in memory
+        channels_last = torch.zeros((2, *size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+        planar = torch.zeros((2, 3, *size), dtype=torch.uint8)
+        for out in (channels_last[1], planar[1]):
+            assert resize_uint8(image, size, out=out) is out
+        for got in (fresh, channels_last[1], planar[1]):
+            assert torch.equal(got, expected)
+        assert not channels_last[0].any() and not planar[0].any()  # the neighbouring row untouched
+    same = whole[:224, :224]
+    row = torch.zeros((224, 224, 3), dtype=torch.uint8).permute(2, 0, 1)
+    assert torch.equal(resize_uint8(same, (224, 224), out=row), torch.from_numpy(same).permute(2, 0, 1))
