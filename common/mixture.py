@@ -311,7 +311,11 @@ class MixtureSources(ConcatDataset):
             source = self.datasets[0]
             return source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
         n = len(self)
-        wanted = np.fromiter(indices, np.int64, len(indices))
+        try:
+            wanted = np.fromiter(indices, np.int64, len(indices))
+        except OverflowError:  # an index beyond int64 is beyond any dataset
+            bad = next(int(i) for i in indices if not -(2**63) <= int(i) < 2**63)
+            raise IndexError(f"index {bad} is out of range for the {n} samples of these sources.") from None
         if not len(wanted):
             return []
         low, high = int(wanted.min()), int(wanted.max())

@@ -29,7 +29,6 @@ Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_pat
 from __future__ import annotations
 
 import collections
-import functools
 import inspect
 import os
 import sys
@@ -100,8 +99,7 @@ class ThreadLoader(StatefulLoader):
     def __iter__(self):
         current = self._passes.start(0)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader",
-                                            initializer=_one_op_thread)
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
         batches = _Batches(self, iter(self._index_sampler), current)
         return Counting(self._passes, current, batches)
 
@@ -216,20 +214,6 @@ class _Batches:
     def __del__(self):
         for future in self._pending:
             future.cancel()
-
-
-def _one_op_thread() -> None:
-    """A pool thread runs torch ops (a crop's resize) on one thread of its own: the pool's
-    threads are the parallelism, and an OpenMP team per thread would oversubscribe the cores
-    (measured 7% slower at 2 threads on 2 cores). Under OpenMP the setting is the calling
-    thread's; under another backend it is the process's, and the training step's: left alone."""
-    if _openmp():
-        torch.set_num_threads(1)
-
-
-@functools.cache
-def _openmp() -> bool:
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def _concat_items(dataset: ConcatDataset, indices: list[int], rng) -> list:

@@ -362,6 +362,9 @@ def test_numpy_arguments_keep_the_state_json_and_bad_arguments_are_named():
 
     with pytest.raises(IndexError, match="index 15 is out of range"):
         MixtureSources([Range(0, 5), Range(5, 10)]).__getitems__([15])
+    for huge in (2**63, -(2**64)):  # beyond int64: still the IndexError, naming the index
+        with pytest.raises(IndexError, match=f"index {huge} is out of range"):
+            MixtureSources([Range(0, 5), Range(5, 10)]).__getitems__([0, huge])
 
 
 def test_the_monitor_reports_what_a_resumed_epoch_delivered():

@@ -3,6 +3,7 @@ yielded in order, with StatefulLoader's exact resume in any epoch and at the bou
 exactly-once state machine (test_exactly_once.py) also draws the thread path."""
 
 import json
+import textwrap
 import os
 import threading
 import time
@@ -374,3 +375,45 @@ def test_a_script_exits_quietly(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          cwd=str(Path(__file__).parents[2]), env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
     assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_the_training_threads_keep_torchs_thread_count(tmp_path):
+    """Batches made in pool threads (a torch resize in each) leave the training loop's intra-op
+    threads alone: the main thread, and a thread started after the loader, have as many as in
+    a fresh interpreter. (A pool thread calling torch.set_num_threads(1) set the process-wide
+    count that threads take at their first parallel op: the loop's matmuls ran on one core.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import threading, torch
+        from recipes.common import make_loader
+
+        class Resized(torch.utils.data.Dataset):
+            def __len__(self):
+                return 16
+            def __getitem__(self, i):
+                return i
+            def thread_batches(self):
+                return True
+            def read_batch(self, indices, rng):
+                big = torch.zeros((1, 3, 512, 512), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+                out = torch.nn.functional.interpolate(big, size=(224, 224), mode="bilinear", antialias=True)
+                return out.expand(len(indices), -1, -1, -1), torch.tensor(indices)
+
+        loader = make_loader(Resized(), batch_size=4)
+        for images, _ in loader:  # no torch op in this thread before the loader's
+            during = torch.get_num_threads()
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        print(during, torch.get_num_threads(), later[0])
+    """))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                           text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [fresh.stdout.strip()] * 3, (out.stdout, fresh.stdout)
