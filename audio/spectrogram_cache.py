@@ -15,8 +15,8 @@ renamed into place; split over the ranks of a process group with `distributed=Tr
   features.bin   every item's [n_mels, F_i] block back to back (a fixed layout is [N, n_mels, F])
   offsets.bin    int64 x (N + 1), in frames: item i is frames offsets[i]:offsets[i + 1]
   info.bin       int64 file index, float64 start second, int64 valid frames, per item
-Copy with: audio/chunked.py, common/cache_files.py, common/packed_strings.py,
-  common/process_lifetime.py.
+Copy with: audio/chunked.py, common/cache_files.py, common/held_descriptors.py,
+  common/packed_strings.py, common/process_lifetime.py.
 """
 
 from __future__ import annotations

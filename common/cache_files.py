@@ -15,11 +15,13 @@ Cost: one fsync per file and per folder; one JSON read and a `stat` per data fil
 Adapt here: nothing; each cache passes its own format name, error type and rebuild hint.
 Trade-off: sizes catch truncation, not bit flips inside a file (no checksum pass on open); a
 build across nodes needs a folder every rank can write (a shared file system).
-Copy with: common/process_lifetime.py.
+Copy with: common/held_descriptors.py, common/process_lifetime.py.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.common.held_descriptors import open_held, release
 from recipes.common.process_lifetime import die_with_parent, pid_alive
 
 
@@ -52,33 +55,48 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """An exclusive `flock` on the folder itself (no lock file left beside the caches), held
+    by this thread: the check-and-swap of a publish, against other publishers of the folder.
+    Fork-safe (`open_held`): a child forked meanwhile does not keep it held."""
+    fd, token = open_held(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        release(fd, token)  # closing the descriptor drops the flock
+
+
 def replace_dir(new: Path, target: Path, *, keep: Callable[[], bool] | None = None) -> bool:
     """Moves the complete folder `new` to `target`, unless `target` exists and `keep()` says
     it is a valid copy already (another process built the same cache meanwhile): then `new`
     is deleted and the first one stays, so a process reading it (or adding an eval view to
-    it) never has it moved away. An invalid `target` is moved aside first and deleted after,
-    so a reader sees the old folder, none, or the new one, never a mix. True when `new` was
-    published."""
+    it) never has it moved away. An invalid `target` is moved aside and deleted after, so a
+    reader sees the old folder, none, or the new one, never a mix. The check and the swap
+    happen under `folder_lock(target.parent)`: two publishers never both see the old folder
+    invalid and then swap each other's valid one away. True when `new` was published."""
     fsync_path(new)
-    while True:
+    old = None
+    with folder_lock(target.parent):
         try:
             os.rename(new, target)  # atomic; fails when `target` is a folder with files in it
-            break
+            published = True
         except OSError as why:
             if why.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-        if keep is not None and keep():
-            shutil.rmtree(new, ignore_errors=True)
-            return False
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_host()}.{os.getpid()}.", suffix=".old.tmp",
-                                   dir=target.parent))  # swept like a temp if this process dies
-        try:
-            os.replace(target, old)  # onto an empty folder: allowed
-        except FileNotFoundError:  # another process moved it aside first: try again
-            pass
+            published = keep is None or not keep()
+            if published:
+                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_host()}.{os.getpid()}.", suffix=".old.tmp",
+                                           dir=target.parent))  # swept like a temp if this process dies
+                os.replace(target, old)  # onto an empty folder: allowed
+                os.rename(new, target)
+        fsync_path(target.parent)
+    if not published:
+        shutil.rmtree(new, ignore_errors=True)
+    elif old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    fsync_path(target.parent)
-    return True
+    return published
 
 
 # ---- the cache-file protocol ------------------------------------------------------------
@@ -293,10 +311,13 @@ class FolderBuild:
 
     def needed(self, open_cache: Callable[[], object], error: type[Exception]) -> bool:
         """Whether to build: rank 0 tries `open_cache()`, which raises `error` for a missing,
-        stale or damaged cache, and every rank gets the answer."""
+        stale or damaged cache, and every rank gets the answer. Rank 0 first removes the temp
+        folders of this cache's dead builders (a build killed midway)."""
         answer = None
         self._open_cache, self._error = open_cache, error
         if self.rank == 0:
+            if self.target.parent.is_dir():  # a build killed midway, even when no build follows
+                sweep_dead_temps(self.target.parent, self.target.name)
             try:
                 open_cache()
                 answer = False

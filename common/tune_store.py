@@ -7,7 +7,8 @@ Adapt here: `dataset_key` (a dataset can define `tune_key()` to say what identif
 Trade-off: the key is the dataset's type, length and `repr` (ImageFolderFast's names its root,
 size, mode and whether it reads a cache); two datasets that print alike share a result.
 Files are `$RECIPES_TUNE_DIR`, else `$XDG_CACHE_HOME/recipes/tune` (`~/.cache/recipes/tune`).
-Copy with: common/cache_files.py, common/process_lifetime.py, common/resources.py, common/sizing.py.
+Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py,
+  common/resources.py, common/sizing.py.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in th
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
 workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
-Copy with: common/cache_files.py, common/packed_strings.py, common/process_lifetime.py,
-  nlp/texts.py.
+Copy with: common/cache_files.py, common/held_descriptors.py, common/packed_strings.py,
+  common/process_lifetime.py, nlp/texts.py.
 """
 
 from __future__ import annotations

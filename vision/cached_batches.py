@@ -11,9 +11,9 @@ Cost: per image one `preadv` (eval view) or one `preadv` plus one resize; the GI
 in both.
 Adapt here: nothing; the crops are `ImageFolderFast.SCALE`/`RATIO`/`CROP_PCT`.
 Trade-off: the scratch buffer is per call (`max_side^2 * 3` bytes), not per thread.
-Copy with: common/cache_files.py, common/process_lifetime.py, vision/batch_buffers.py,
-  vision/crop.py, vision/decode.py, vision/eval_view.py, vision/image_cache.py,
-  vision/stale_caches.py.
+Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py,
+  vision/batch_buffers.py, vision/crop.py, vision/decode.py, vision/eval_view.py,
+  vision/image_cache.py, vision/stale_caches.py.
 """
 
 from __future__ import annotations

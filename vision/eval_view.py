@@ -18,10 +18,14 @@ the whole images until `build_image_cache` adds that view.
 Files, beside the cache's own in `images-<fingerprint[:24]>/`:
   eval-<h>x<w>-crop<pct>.bin    uint8 N x h x w x 3, image i at byte i * h * w * 3
   eval-<h>x<w>-crop<pct>.json   {"format", "version", "fingerprint", "count", "size", "crop_pct"}
-The `.bin` is written to a temp file, fsynced and renamed first; the `.json`, renamed last,
-commits it. A view whose header names another cache fingerprint, count or size, or whose data
-file has another size, is not served (and is rebuilt by the next `build_image_cache`).
-Copy with: common/cache_files.py, common/process_lifetime.py, vision/crop.py, vision/decode.py.
+The `.bin` and `.json` are written to temp files (`.<name>.<host>.<pid>.{data,json}.tmp`,
+swept when their builder on this host is dead) and fsynced; under the cache folder's lock,
+unless a valid view appeared meanwhile, the `.bin` is renamed into place first and the `.json`,
+renamed last, commits it. A view whose header names another cache fingerprint, count or size,
+or whose data file has another size, is not served (and is rebuilt by the next
+`build_image_cache`).
+Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py,
+  vision/crop.py, vision/decode.py.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.common.cache_files import LazyMap, build_loader, fsync_path, write_synced
+from recipes.common.cache_files import (
+    LazyMap,
+    _host,
+    build_loader,
+    folder_lock,
+    fsync_path,
+    write_synced,
+)
+from recipes.common.process_lifetime import pid_alive
 from recipes.vision.crop import _resized, resize_side
 from recipes.vision.decode import decode_image, resize_uint8
 
@@ -99,6 +111,18 @@ def open_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
     return EvalView(folder, name, tuple(size), count, error)
 
 
+def sweep_view_temps(folder: Path) -> int:
+    """Removes the temp files of eval-view builds in the cache `folder` whose builder on this
+    host is dead (`.<name>.<host>.<pid>.{data,json}.tmp`); returns how many."""
+    removed, host = 0, _host()
+    for temp in folder.glob(".eval-*.tmp"):
+        parts = temp.name.rsplit(".", 4)
+        if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not pid_alive(int(parts[2])):
+            temp.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
                     error: type[Exception]) -> EvalView:
     """Decodes every image of an eval `dataset` (`eval_record(i)`: the file path's untransformed
@@ -107,7 +131,9 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
 
     size, count = dataset.resolution, len(dataset)
     name = view_name(size, dataset.CROP_PCT)
-    temp = folder / f".{name}.{os.getpid()}.tmp"
+    sweep_view_temps(folder)  # left by a builder killed midway
+    temp = folder / f".{name}.{_host()}.{os.getpid()}.data.tmp"
+    temp_header = folder / f".{name}.{_host()}.{os.getpid()}.json.tmp"
     loader = build_loader(_EvalItems(dataset), num_workers=num_workers, batch_size=16, collate_fn=list)
     try:
         with open(temp, "wb") as out, tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar:
@@ -117,37 +143,23 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
                 bar.update(len(images))
             out.flush()
             os.fsync(out.fileno())
-        def valid() -> bool:
-            return open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error) is not None
-
-        if not valid():
-            # Another process may be committing the same view: the first link of the data wins (a
-            # link never replaces). Data already there that makes no valid view is a crashed or
-            # damaged build's: replaced, unless the other process's view became valid meanwhile.
-            if not _link(temp, folder / f"{name}.bin") and not valid():
+        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
+                  "size": list(size), "crop_pct": dataset.CROP_PCT}
+        write_synced(temp_header, json.dumps(header).encode())
+        # Another process may be committing the same view: the check and the commit happen under
+        # the cache folder's lock, so a view that became valid meanwhile (and may be open in a
+        # reader) is kept, and an invalid one (a crashed or damaged build's) is replaced.
+        with folder_lock(folder):
+            if open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error) is None:
                 os.replace(temp, folder / f"{name}.bin")
-            header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-                      "size": list(size), "crop_pct": dataset.CROP_PCT}
-            temp_header = temp.with_suffix(".json.tmp")  # never `temp`: linked, it is the data file now
-            write_synced(temp_header, json.dumps(header).encode())
-            if not _link(temp_header, folder / f"{name}.json") and not valid():
-                os.replace(temp_header, folder / f"{name}.json")  # a stale header (another cache's): replaced
-            fsync_path(folder)
+                os.replace(temp_header, folder / f"{name}.json")  # the header commits the data
+                fsync_path(folder)
     finally:
         temp.unlink(missing_ok=True)
-        temp.with_suffix(".json.tmp").unlink(missing_ok=True)
+        temp_header.unlink(missing_ok=True)
     view = open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error)
     assert view is not None, f"the eval view {name} just written in {folder} did not open"
     return view
-
-
-def _link(source: Path, target: Path) -> bool:
-    """`source` also at `target` unless `target` exists; True when linked."""
-    try:
-        os.link(source, target)
-    except FileExistsError:
-        return False
-    return True
 
 
 class _EvalItems:

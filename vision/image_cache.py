@@ -29,8 +29,8 @@ served either.
 
 The build reads the dataset through its public side: `paths`, `targets`, `root`, `max_side`,
 `len()`, `cache_record(i)` (called in the build's DataLoader workers) and `use_cache(cache)`.
-Copy with: common/cache_files.py, common/process_lifetime.py, vision/crop.py, vision/decode.py,
-  vision/eval_view.py, vision/stale_caches.py.
+Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py,
+  vision/crop.py, vision/decode.py, vision/eval_view.py, vision/stale_caches.py.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from recipes.common.cache_files import (
     write_synced,
 )
 from recipes.vision.decode import ImageHeader, dct_reduction, decode_image, resize_uint8
-from recipes.vision.eval_view import build_eval_view
+from recipes.vision.eval_view import build_eval_view, sweep_view_temps
 from recipes.vision.stale_caches import (
     describe_change,
     find_stale_caches,
@@ -264,7 +264,7 @@ def attach_image_cache(cache_dir: Path, root: str, paths, targets: np.ndarray, m
     (a dataset's). Without one, or with one that is damaged or that `use_cache` refuses
     (`ImageCacheError`), it warns and hands over nothing: the dataset decodes from files. The
     warning names what changed when a cache of the same `root` was built from other inputs. A
-    temp folder left by a build killed midway is removed.
+    temp folder (or eval-view temp file) left by a build killed midway is removed.
     """
     fingerprint, rels, table = cache_inputs(paths, targets, root, max_side)
     path = ImageCache.folder_for(cache_dir, fingerprint)
@@ -278,6 +278,7 @@ def attach_image_cache(cache_dir: Path, root: str, paths, targets: np.ndarray, m
                           "rebuild with build_image_cache() or `recipes cache vision`, which replaces it.",
                           stacklevel=3)  # the caller of ImageFolderFast(...)
         return
+    sweep_view_temps(path)  # an eval-view build killed midway leaves its temp files in the cache
     try:
         use_cache(ImageCache.open(path, fingerprint=fingerprint))
     except ImageCacheError as why:

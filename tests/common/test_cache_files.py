@@ -2,6 +2,7 @@
 memory maps that refuse a file changed under them."""
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -88,6 +89,13 @@ def test_dead_builders_temps_are_swept_live_and_foreign_ones_kept(tmp_path):
         (tmp_path / name).mkdir()
     assert sweep_dead_temps(tmp_path, "c") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
+
+    from recipes.common.cache_files import FolderBuild
+
+    (tmp_path / "c").mkdir()  # a valid cache: no build follows, but its dead builders' temps go
+    (tmp_path / names["dead"]).mkdir()
+    assert not FolderBuild(tmp_path / "c").needed(lambda: None, KeyError)
+    assert not (tmp_path / names["dead"]).exists() and (tmp_path / names["live"]).exists()
 
 
 def test_a_lazy_map_reopens_per_process_and_pickles_as_its_path(tmp_path):
@@ -191,3 +199,48 @@ def test_a_replaced_file_is_served_whole_where_mapped_and_refused_where_not(tmp_
     os.unlink(tmp_path / "d.bin")
     with pytest.raises(_CacheError, match=r"d\.bin was removed after the cache was opened; rebuild"):
         _ = pickle.loads(pickle.dumps(mapped)).array
+
+
+def test_a_publisher_never_swaps_away_a_cache_published_after_its_check(tmp_path):
+    """B finds the old cache invalid; before B swaps, A publishes a valid one. Without the
+    folder lock around check and swap, B moved A's published cache aside and deleted it (A had
+    returned True, and a reader of A's folder lost it). With it, A waits for B, then keeps B's."""
+    import json
+    import threading
+
+    from recipes.common.cache_files import replace_dir
+
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "header.json").write_text(json.dumps({"valid": False}))  # a stale cache
+
+    def valid() -> bool:
+        try:
+            return json.loads((target / "header.json").read_text())["valid"]
+        except (OSError, ValueError):
+            return False
+
+    checked = threading.Event()
+
+    def slow_valid() -> bool:  # B's check: it answers, then B is descheduled for a while
+        answer = valid()
+        checked.set()
+        time.sleep(0.5)
+        return answer
+
+    builds = {}
+    for name in ("a", "b"):
+        builds[name] = tmp_path / f".cache.{name}.tmp"
+        builds[name].mkdir()
+        (builds[name] / "header.json").write_text(json.dumps({"valid": True, "by": name}))
+    results = {}
+    b = threading.Thread(target=lambda: results.update(b=replace_dir(builds["b"], target, keep=slow_valid)))
+    b.start()
+    checked.wait(5)
+    results["a"] = replace_dir(builds["a"], target, keep=valid)  # A publishes while B sits between check and swap
+    b.join()
+    final = json.loads((target / "header.json").read_text())["by"]
+    winners = [name for name, published in results.items() if published]
+    assert winners == [final], (results, final)  # whoever returned True is what stayed
+    assert final == "b" and results == {"a": False, "b": True}  # A waited for B's swap, then kept B's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]

@@ -141,3 +141,20 @@ def test_thread_train_batches_are_the_crops_and_flips_their_rng_draws(photos, tm
             expected, flips = expected.flip(-1), flips + 1
         assert torch.equal(images[row], expected), row
     assert 0 < flips < len(indices) and targets.tolist() == ds.targets.tolist()
+
+
+def test_a_killed_view_builds_temp_files_are_swept(photos, tmp_path):
+    """An eval-view build killed midway leaves `.eval-*.tmp` files inside the cache folder:
+    the next dataset that opens the cache removes a dead builder's, never a live one's."""
+    from recipes.common.cache_files import _host
+    from tests.vision.test_image_cache import _dead_pid
+
+    cache = build_image_cache(ImageFolderFast(photos, size=64), tmp_path, num_workers=0, progress=False)
+    dead, live = _dead_pid(), __import__("os").getpid()
+    names = [f".eval-64x64-crop0.875.{_host()}.{dead}.data.tmp", f".eval-64x64-crop0.875.{_host()}.{dead}.json.tmp",
+             f".eval-96x96-crop0.875.{_host()}.{live}.data.tmp", f".eval-64x64-crop0.875.elsewhere.{dead}.data.tmp"]
+    for name in names:
+        (cache.path / name).write_bytes(b"partial")
+    ds = ImageFolderFast(photos, size=64, cache_dir=tmp_path)
+    assert ds.eval_view is not None
+    assert sorted(p.name for p in cache.path.glob(".eval-*")) == sorted(names[2:])
