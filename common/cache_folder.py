@@ -10,7 +10,7 @@ lock; `sweep` removes temp files whose writer died.
 Cost: a directory scan per reservation that must free space, and per `used_bytes`; an open and
 an flock per lock taken.
 Adapt here: nothing; the caller chooses keys (e.g. hashes of URLs) and the budget.
-Trade-off: LRU by access time (`touch` marks a use), not by access counts; the budget
+Trade-off: LRU by last use (`touch` marks it on the key's lock file), not by access counts; the budget
 counts reservations of writes in flight, so a big write waits for room rather than overshoot.
 Copy with: common/held_descriptors.py, common/process_lifetime.py.
 """
@@ -40,13 +40,59 @@ def make_folder(folder: Path) -> None:
 
 
 def touch(path: Path) -> bool:
-    """Marks `path` as just used (LRU: its access time) and says whether it exists. The
-    modification time stays the content's: a record of the file's checksum names it."""
-    try:
-        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
-        return True
-    except FileNotFoundError:
+    """Marks `path` as just used and says whether it exists. The use is recorded on its key's
+    lock file (`.locks/<name>.lock`, its modification time), never on the file itself: the
+    file's own times (its ctime above all) then change only when its content does, which is
+    what a record of its checksum (`record_sum`) relies on."""
+    if not path.exists():
         return False
+    lock = path.parent / ".locks" / f"{path.name}.lock"
+    now = time.time_ns()  # set explicitly: the kernel's own stamp is coarse (jiffies), uses ms apart would tie
+    try:
+        os.utime(lock, ns=(now, now))
+    except FileNotFoundError:
+        os.close(os.open(lock, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.utime(lock, ns=(now, now))
+    return True
+
+
+def last_use(folder: Path, name: str, file_mtime_ns: int) -> int:
+    """When the file `name` was last used (`touch`), in ns; its own mtime if never touched."""
+    try:
+        return os.stat(folder / ".locks" / f"{name}.lock").st_mtime_ns
+    except FileNotFoundError:
+        return file_mtime_ns
+
+
+# ---- checksums recorded beside the files ----------------------------------------------------
+# `.locks/<name>.sum` holds "<inode>:<size>:<mtime_ns>:<ctime_ns>:<sha256>" of the file `name`
+# as it was when hashed. The kernel moves a file's ctime on every write and every change of its
+# metadata (`utime` included), and nobody can set it back: a record that matches the file's
+# inode, size, mtime and ctime describes its content now.
+def _identity(info: os.stat_result) -> str:
+    return f"{info.st_ino}:{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}:"
+
+
+def record_sum(path: Path, sha256: str, info: os.stat_result | None = None) -> None:
+    """Records `sha256` as the checksum of `path` as it is now (or as `info` found it), atomically."""
+    info = info or os.stat(path)
+    record = path.parent / ".locks" / f"{path.name}.sum"
+    temp = record.with_name(f"{record.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        temp.write_text(_identity(info) + sha256)
+        os.replace(temp, record)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def recorded_sum(path: Path, info: os.stat_result) -> str | None:
+    """The checksum recorded for `path` if the record describes the file `info` found, else None."""
+    try:
+        text = (path.parent / ".locks" / f"{path.name}.sum").read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    identity = _identity(info)
+    return text[len(identity):] if text.startswith(identity) else None
 
 
 @contextlib.contextmanager
@@ -114,7 +160,10 @@ def evict_until(folder: Path, budget: int) -> bool:
     if used <= budget:
         return True
     files = [e for e in os.scandir(folder) if e.is_file() and not e.name.startswith(".")]
-    for entry in sorted(files, key=lambda e: e.stat().st_atime_ns):  # least recently used first
+    def last_used(entry) -> int:
+        return last_use(folder, entry.name, entry.stat().st_mtime_ns)
+
+    for entry in sorted(files, key=last_used):  # least recently used first
         lock, token = open_held(folder / ".locks" / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not pinned, not downloading
@@ -127,6 +176,9 @@ def evict_until(folder: Path, budget: int) -> bool:
             used -= size
         except FileNotFoundError:
             pass
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / ".locks" / f"{entry.name}.sum")
         finally:
             release(lock, token)
         if used <= budget:

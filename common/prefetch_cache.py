@@ -325,11 +325,12 @@ class PrefetchCache:
             else:
                 download_whole(fs, remote, fd, size, check=self._check_open)
             verify_download(url, fd, size, sha256)
-            if sha256 is not None:
-                _record(fd, sha256)
             os.fsync(fd)
             os.replace(tmp, final)
             fsync_path(self.dir)
+            cache_folder.touch(final)  # used now: its download just finished
+            if sha256 is not None:
+                cache_folder.record_sum(final, sha256)
         except BaseException:
             if tmp is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -390,38 +391,21 @@ class PrefetchCache:
         return state
 
 
-# A cached copy's verified sha256, recorded with the file (an extended attribute) so that every
-# process (each epoch's fresh DataLoader workers too) trusts one check: "<size>:<mtime_ns>:<sha256>",
-# the size and modification time of the content it was computed on. Where the filesystem keeps
-# no user attributes, each process hashes once per file version (`_VERIFIED`).
-_XATTR = "user.recipes.sha256"
-_VERIFIED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> sha256, this process's checks
-
-
-def _record(target, sha256: str) -> None:
-    """Records `sha256` as the checksum of the file `target` (a path or descriptor) as it is now."""
-    info = os.stat(target)
-    try:
-        os.setxattr(target, _XATTR, f"{info.st_size}:{info.st_mtime_ns}:{sha256}".encode())
-    except OSError:  # no user attributes here (tmpfs before Linux 6.6, some network filesystems)
-        pass
+_VERIFIED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns, ctime_ns) -> sha256, this process's checks
 
 
 def _matches(path: Path, sha256: str) -> bool:
-    """Whether the file at `path` has this sha256: its record when it describes the file as it
-    is, else hashed (once per process and file version) and recorded."""
+    """Whether the file at `path` has this sha256: the checksum recorded beside it when the
+    record still describes it (`cache_folder.record_sum`: its inode, size, mtime and ctime),
+    else hashed (once per process and file version) and recorded for every other process."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
         return True  # gone meanwhile: the caller downloads it
-    version = f"{info.st_size}:{info.st_mtime_ns}:"
-    try:
-        recorded = os.getxattr(path, _XATTR).decode()
-    except OSError:
-        recorded = ""
-    if recorded.startswith(version):
-        return recorded[len(version):] == sha256
-    key = (str(path), info.st_ino, info.st_size, info.st_mtime_ns)
+    recorded = cache_folder.recorded_sum(path, info)
+    if recorded is not None:
+        return recorded == sha256
+    key = (str(path), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
     if key not in _VERIFIED:
         digest = hashlib.sha256()
         with open(path, "rb") as f:
@@ -429,8 +413,8 @@ def _matches(path: Path, sha256: str) -> bool:
                 digest.update(block)
         _VERIFIED[key] = digest.hexdigest()
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_mtime_ns == info.st_mtime_ns:
-                _record(path, _VERIFIED[key])
+            if os.stat(path).st_ctime_ns == info.st_ctime_ns:  # unchanged while it was hashed
+                cache_folder.record_sum(path, _VERIFIED[key], info)
     return _VERIFIED[key] == sha256
 
 

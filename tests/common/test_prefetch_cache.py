@@ -139,10 +139,11 @@ def test_sha256_is_verified(tmp_path, shards):
 
 
 def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_path, shards, monkeypatch):
-    """The checksum a download verified is recorded with the file: a fresh process (each
-    epoch's new DataLoader workers) serves the copy without hashing it again, an LRU use keeps
-    the record valid, and a copy changed in place is hashed, found to differ and downloaded
-    again."""
+    """The checksum a download verified is recorded beside the file (with its inode, size,
+    mtime and ctime): a fresh process (each epoch's new DataLoader workers) serves the copy
+    without hashing it again, and a use keeps the record valid. A copy changed in place is
+    hashed, found to differ and downloaded again, also when its mtime was set back (the
+    kernel moves the ctime, which nobody can set back)."""
     import recipes.common.prefetch_cache as prefetch_cache
 
     data = (shards / "shard-2.bin").read_bytes()
@@ -150,45 +151,47 @@ def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_p
     with LocalHTTPServer(shards) as server:
         url = server.url("shard-2.bin")
         path = _cache(tmp_path).get(url, sha256=good)
-        try:
-            os.getxattr(path, "user.recipes.sha256")
-        except OSError:
-            pytest.skip("this filesystem keeps no user attributes: each process hashes once instead")
-        mtime = path.stat().st_mtime_ns
+        record = path.parent / ".locks" / f"{path.name}.sum"
+        assert record.read_text().endswith(good)
+        before = path.stat()
         monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})  # a new process's memory
         with monkeypatch.context() as m:
             m.setattr(prefetch_cache.hashlib, "sha256", None)  # any hashing would raise
             for _ in range(3):
                 assert _cache(tmp_path).get(url, sha256=good) == path
-        assert path.stat().st_mtime_ns == mtime  # uses mark the access time only
+        after = path.stat()
+        assert (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)  # uses leave it alone
         assert server.gets["shard-2.bin"] == 1
-        with open(path, "r+b") as f:  # damaged in place after the download
-            f.write(b"X")
-        monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})
-        assert _cache(tmp_path).get(url, sha256=good).read_bytes() == data
-        assert server.gets["shard-2.bin"] == 2
-        assert os.getxattr(path, "user.recipes.sha256").decode().endswith(good)
+        for restore_mtime in (False, True):
+            with open(path, "r+b") as f:  # damaged in place after the download
+                f.write(b"X")
+            if restore_mtime:
+                os.utime(path, ns=(before.st_atime_ns, path.stat().st_mtime_ns - 10**9))
+            monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})
+            assert _cache(tmp_path).get(url, sha256=good).read_bytes() == data
+            assert record.read_text().endswith(good)
+        assert server.gets["shard-2.bin"] == 3
 
 
-def test_disk_full_removes_the_temp_file_and_raises(tmp_path, shards, monkeypatch):
-    import errno
-
-    real_pwrite, calls = os.pwrite, []
-
-    def full_disk(fd, data, offset):  # as a full disk does: what fits, a short count, then ENOSPC
-        calls.append(offset)
-        if len(calls) == 1:
-            return real_pwrite(fd, bytes(data[:1000]), offset)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "pwrite", full_disk)  # every download writes through the cache's descriptor
-    cache = _cache(tmp_path)
-    with pytest.raises(OSError, match="No space left"):
-        cache.get(str(shards / "shard-0.bin"))
-    assert calls == [0, 1000]  # the short write was continued where it stopped, not ignored
-    assert _temps(tmp_path / "cache") == [] and not cache.path_for(str(shards / "shard-0.bin")).exists()
-
-
+def test_eviction_takes_the_least_recently_used_and_a_finished_download_counts_as_a_use(tmp_path, shards):
+    """Files used last go last; a prefetched file whose download just ended is as fresh as a
+    use then, never evicted before files used while it downloaded (its download began before)."""
+    with LocalHTTPServer(shards) as server:
+        cache = _cache(tmp_path, max_bytes=450_000)
+        a, b, c, d = (server.url(f"shard-{i}.bin") for i in (0, 3, 2, 1))  # 100, 180, 60 and 250 kB
+        cache.get(a)
+        cache.get(b)
+        server.bandwidth = 200_000  # c's body takes 0.3 s: its file is created, then written for a while
+        slow = cache.prefetch([c])
+        time.sleep(0.1)
+        cache.get(b)  # hits, used while c downloads: b, then a
+        cache.get(a)
+        slow[0].result(timeout=30)
+        server.bandwidth = None
+        cache.get(d)  # 250 kB more: room for it means evicting b alone, the least recently used
+        kept = [n for n, u in zip("abcd", (a, b, c, d), strict=True) if cache.path_for(u).exists()]
+        assert kept == ["a", "c", "d"], kept
+        assert server.gets["shard-2.bin"] == 1
 def test_refused_urls_and_safe_names(tmp_path, shards):
     cache = _cache(tmp_path)
     for url in ("pipe:curl http://x | tar x", "simplecache::http://x/a", "ftp://host/a", "data:text/plain,hi"):

@@ -3,8 +3,8 @@ yielded in order, with StatefulLoader's exact resume in any epoch and at the bou
 exactly-once state machine (test_exactly_once.py) also draws the thread path."""
 
 import json
-import textwrap
 import os
+import textwrap
 import threading
 import time
 from collections import Counter
