@@ -61,7 +61,8 @@ def whole(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("domain", ["vision"] + [pytest.param(d, marks=pytest.mark.slow) for d in ("nlp", "audio")])
+@pytest.mark.slow  # a long run (6 s per domain) under torchrun; the killed-and-resumed vision template runs on 2 ranks in the fast tier
+@pytest.mark.parametrize("domain", ["vision", "nlp", "audio"])
 def test_template_smoke_under_torchrun(domain, whole):
     script, out = whole(domain, 2)
     assert "epoch 1:" in out
@@ -99,6 +100,7 @@ def test_the_nlp_template_mixes_two_corpora(tmp_path, capsys):
     assert (tmp_path / "tokens").is_dir() and (tmp_path / "tokens-mix").is_dir()
 
 
+@pytest.mark.slow  # a long run (11 s); the loaders' epoch-boundary resumes are tested in the fast tier (test_resume_repros.py, test_thread_loader.py)
 def test_a_crash_at_an_epochs_last_step_resumes(tmp_path, zygote):
     """The checkpoint saved at an epoch's last step resumes an epoch with no batch left: the
     run finishes (it stopped with an unbound `loss` before, at every rerun)."""

@@ -236,6 +236,7 @@ def image_tree_for_shards(tmp_path):
     return make_image_folder(tmp_path / "tree", classes=2, per_class=4, size=(160, 120), seed=9)
 
 
+@pytest.mark.slow  # a long run (14 s): torchrun, 2 ranks x 2 workers over S3; the single-process splits run in the fast tier
 def test_two_ranks_write_the_same_bytes_and_read_every_sample_once_from_s3(tmp_path, monkeypatch):
     """torchrun, 2 ranks: shards split over the ranks are byte-identical to one process's, on
     disk and on S3 (moto through s3fs); read back through PrefetchCache by 2 ranks x 2 workers
