@@ -256,10 +256,14 @@ class PrefetchCache:
         part = self._parts.get(os.getpid())
         if part is None:  # this process never downloaded through this object
             return
-        with part.idle:  # after any `prefetch` or `_running` holding it: each sees `_closed` next
+        with part.idle:  # after any `prefetch` holding it: each sees `_closed` next, so no pool is made later
+            pool = part.pool
+        if pool is not None:  # queued prefetches cancelled first: a running one woken below would end
+            pool.shutdown(wait=False, cancel_futures=True)  # and its thread take the next one
+        with part.idle:  # after any `_running` holding it
             part.closing.set()  # wakes retry waits and lock polls
-        if part.pool is not None:
-            part.pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True)
         with part.idle:  # `get`s waiting or downloading in callers' threads
             part.idle.wait_for(lambda: part.running == 0)
         self._fs = {k: v for k, v in self._fs.items() if k[0] != os.getpid()}
