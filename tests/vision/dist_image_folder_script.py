@@ -40,6 +40,8 @@ def main(root: str, report: str) -> None:
         }
         with open(report, "w") as f:
             json.dump(result, f)
+    loader.close()  # its persistent worker ends now, not in interpreter finalisation
+    dist.barrier()
     dist.destroy_process_group()
 
 
