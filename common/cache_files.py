@@ -254,13 +254,19 @@ _IOV_MAX = 1024
 
 
 def sweep_dead_temps(folder: Path, name: str) -> int:
-    """Removes temp folders of `name` (`.{name}.{host}.{pid}.*.tmp`) whose builder on this host
-    is dead; returns how many. Temps of other hosts (a shared file system) are left alone."""
+    """Removes temp folders and files of `name` (`.{name}.{host}.{pid}.*.tmp`; `name` may be a
+    glob pattern, e.g. `eval-*`) whose builder on this host is dead; returns how many. Temps of
+    other hosts (a shared file system) are left alone."""
     removed, host = 0, _host()
     for tmp in Path(folder).glob(f".{name}.*.tmp"):
-        parts = tmp.name[len(name) + 2:].split(".")
-        if len(parts) >= 3 and parts[0] == host and parts[1].isdigit() and not pid_alive(int(parts[1])):
-            shutil.rmtree(tmp, ignore_errors=True)
+        parts = tmp.name.split(".")  # the host has no dots (`_host`); a name may have some
+        owner = next((int(parts[i + 1]) for i in range(len(parts) - 1)
+                      if parts[i] == host and parts[i + 1].isdigit()), None)
+        if owner is not None and not pid_alive(owner):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
             removed += 1
     return removed
 

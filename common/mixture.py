@@ -305,6 +305,10 @@ class MixtureSources(ConcatDataset):
     A plain `ConcatDataset` reads item by item (`__getitem__` through `bisect`): on a token
     cache about half the rate. Use it for a `MixtureSampler`'s sources."""
 
+    def __init__(self, datasets):
+        super().__init__(datasets)
+        self._starts = np.asarray([0, *self.cumulative_sizes[:-1]], dtype=np.int64)  # each source's first index
+
     def __getitems__(self, indices: list[int]) -> list:
         cumulative = self.cumulative_sizes
         if len(cumulative) == 1:
@@ -324,7 +328,7 @@ class MixtureSources(ConcatDataset):
             raise IndexError(f"index {bad} is out of range for the {n} samples of these sources.")
         if low < 0:
             wanted = np.where(wanted < 0, wanted + n, wanted)
-        bounds = self._bounds()
+        bounds = self._starts
         parts = bounds.searchsorted(wanted, side="right") - 1  # each index's source
         order = parts.argsort(kind="stable")  # the batch's indices source by source
         local = (wanted - bounds[parts])[order].tolist()
@@ -343,11 +347,6 @@ class MixtureSources(ConcatDataset):
         back[order] = np.arange(len(order))  # each batch position's place in `got`
         return list(operator.itemgetter(*back.tolist())(got))  # the batch's order, in one C call
 
-    def _bounds(self) -> np.ndarray:
-        """Each source's first global index (int64, one per source)."""
-        if getattr(self, "_starts", None) is None or len(self._starts) != len(self.cumulative_sizes):
-            self._starts = np.asarray([0, *self.cumulative_sizes[:-1]], dtype=np.int64)
-        return self._starts
 
 
 class MixtureIterable(IterableDataset):

@@ -73,9 +73,31 @@ def verify_download(url: str, fd: int, size: int | None, sha256: str | None) -> 
     if size is not None and actual != size:
         raise ShortBody(f"{url}: got {actual:,} of {size:,} bytes")
     if sha256 is not None:
-        digest, offset = hashlib.sha256(), 0
-        while block := os.pread(fd, 1 << 20, offset):
-            digest.update(block)
-            offset += len(block)
-        if digest.hexdigest() != sha256:
-            raise ChecksumMismatch(f"{url}: sha256 {digest.hexdigest()} differs from the expected {sha256}")
+        digest = _sha256_of(fd)
+        if digest != sha256:
+            raise ChecksumMismatch(f"{url}: sha256 {digest} differs from the expected {sha256}")
+
+
+_HASHED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns, ctime_ns) -> sha256, this process's
+
+
+def file_sha256(path: str | os.PathLike, info: os.stat_result) -> str:
+    """The sha256 of the file at `path` that `info` (its `os.stat`) describes, hashed once per
+    process and file version: a write, a replace or a change of its times (the ctime, which
+    nobody can set back) makes another version."""
+    key = (os.fspath(path), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    if key not in _HASHED:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _HASHED[key] = _sha256_of(fd)
+        finally:
+            os.close(fd)
+    return _HASHED[key]
+
+
+def _sha256_of(fd: int) -> str:
+    digest, offset = hashlib.sha256(), 0
+    while block := os.pread(fd, 1 << 20, offset):
+        digest.update(block)
+        offset += len(block)
+    return digest.hexdigest()

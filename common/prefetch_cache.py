@@ -47,7 +47,7 @@ import torch
 from recipes.common import cache_folder
 from recipes.common.cache_files import fsync_path
 from recipes.common.held_descriptors import release
-from recipes.common.object_download import download_whole, verify_download
+from recipes.common.object_download import download_whole, file_sha256, verify_download
 from recipes.common.ranged_download import ConcurrencySearch, NoRangeSupport, download_ranges
 from recipes.common.retries import StopRetrying, call_with_retries
 
@@ -395,13 +395,11 @@ class PrefetchCache:
         return state
 
 
-_VERIFIED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns, ctime_ns) -> sha256, this process's checks
-
-
 def _matches(path: Path, sha256: str) -> bool:
     """Whether the file at `path` has this sha256: the checksum recorded beside it when the
     record still describes it (`cache_folder.record_sum`: its inode, size, mtime and ctime),
-    else hashed (once per process and file version) and recorded for every other process."""
+    else hashed (`file_sha256`: once per process and file version) and recorded for every
+    other process."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -409,17 +407,11 @@ def _matches(path: Path, sha256: str) -> bool:
     recorded = cache_folder.recorded_sum(path, info)
     if recorded is not None:
         return recorded == sha256
-    key = (str(path), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-    if key not in _VERIFIED:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-        _VERIFIED[key] = digest.hexdigest()
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ctime_ns == info.st_ctime_ns:  # unchanged while it was hashed
-                cache_folder.record_sum(path, _VERIFIED[key], info)
-    return _VERIFIED[key] == sha256
+    digest = file_sha256(path, info)
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_ctime_ns == info.st_ctime_ns:  # unchanged while it was hashed
+            cache_folder.record_sum(path, digest, info)
+    return digest == sha256
 
 
 @functools.lru_cache(maxsize=65536)

@@ -20,8 +20,8 @@ still has ~1,600 shards for exact splits over ranks x workers.
 
 The index (`index.json`, JSON) per shard: its name, sample count, byte size, sha256 and, for tar,
 each sample's first header offset; for Parquet, rows per row group.
-Copy with: common/packed_strings.py, common/shard_formats.py, common/sharded_dataset.py,
-  common/sharding.py.
+Copy with: common/object_download.py, common/packed_strings.py, common/shard_formats.py,
+  common/sharded_dataset.py, common/sharding.py.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from recipes.common.object_download import file_sha256
 from recipes.common.shard_formats import (
     ShardFormatError,
     decode_sample,
@@ -430,9 +431,6 @@ class _ShardReader:
         return items if self.transform is None else map(self.transform, items)
 
 
-_CHECKED: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> sha256: local shards hashed by this process
-
-
 def _check_local(path: str, entry: dict, url: str, *, hash: bool = True) -> None:
     try:
         info = os.stat(path)
@@ -442,14 +440,7 @@ def _check_local(path: str, entry: dict, url: str, *, hash: bool = True) -> None
         raise ShardFormatError(f"{url} is {info.st_size:,} bytes but its index says {entry['bytes']:,}: damaged, or "
                                "rewritten since the index was read. Rewrite the shards (or re-index them).")
     if hash and entry.get("sha256"):
-        version = (path, info.st_ino, info.st_size, info.st_mtime_ns)
-        if version not in _CHECKED:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-            _CHECKED[version] = digest.hexdigest()
-        if _CHECKED[version] != entry["sha256"]:
+        if file_sha256(path, info) != entry["sha256"]:
             raise ShardFormatError(f"{url} does not match its index (sha256): damaged, or rewritten by another "
                                    "writer since the index was read. Rewrite the shards (or re-index them).")
 

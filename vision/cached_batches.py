@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from recipes.vision.batch_buffers import copy_image, trim_heap
+from recipes.vision.batch_buffers import trim_heap
 from recipes.vision.crop import eval_box, random_resized_box
-from recipes.vision.decode import _opencv
 from recipes.vision.eval_view import EvalView, open_eval_view
 from recipes.vision.image_cache import ImageCacheError
 
@@ -58,7 +57,7 @@ def fill_cached_batch(dataset: ImageFolderFast, indices: list[int], rng: np.rand
                       batch: torch.Tensor) -> torch.Tensor:
     """Fills `batch` (uint8 `[B, 3, H, W]`, channels-last) with the cached items of `indices`,
     drawing each train item's crop, then its flip, from `rng`; returns `batch`."""
-    cache, view, out = dataset.cache, dataset.eval_view, dataset.resolution
+    cache, view, size = dataset.cache, dataset.eval_view, dataset.resolution
     rows = batch.permute(0, 2, 3, 1)  # [B, H, W, 3], contiguous
     scratch = None
     for row, index in enumerate(indices):
@@ -69,19 +68,11 @@ def fill_cached_batch(dataset: ImageFolderFast, indices: list[int], rng: np.rand
         if dataset.train:
             box = random_resized_box(h, w, rng, dataset.SCALE, dataset.RATIO)
         else:
-            box = eval_box(h, w, out, dataset.CROP_PCT)
+            box = eval_box(h, w, size, dataset.CROP_PCT)
         if scratch is None:
             scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)
-        # the crop's flip is drawn after its box, as the worker path draws them
-        flip = dataset.train and rng.random() < 0.5
-        if not flip and rows[row].is_contiguous():
-            cache.read_crop(index, box, out, scratch=scratch, out=batch[row])  # resized into the row
-            continue
-        image = cache.read_crop(index, box, out, scratch=scratch)  # [3, h, w], channels-last in memory
-        if flip and rows[row].is_contiguous():  # mirrored straight into the row (the GIL released)
-            _opencv().flip(image.permute(1, 2, 0).numpy(), 1, dst=rows[row].numpy())
-        else:
-            copy_image(batch[row], image.flip(-1) if flip else image)
+        mirror = dataset.train and rng.random() < 0.5  # drawn after its box, as the worker path draws them
+        cache.read_crop(index, box, size, scratch=scratch, out=batch[row], mirror=mirror)  # into the row
     return batch
 
 
@@ -91,11 +82,8 @@ def fill_decoded_batch(dataset: ImageFolderFast, indices: list[int], rng: np.ran
     `rng`; with on_error="skip" a bad file's replacement, counted); returns their targets."""
     targets = np.empty(len(indices), np.int64)
     for row, index in enumerate(indices):
-        into = batch[row]
-        image, targets[row], _ = dataset._load_or_skip(
-            index, functools.partial(dataset._output_image, rng=rng, into=into), rng)
-        if image.data_ptr() != into.data_ptr():  # not written in place (a layout that forbids it)
-            copy_image(into, image)
+        _, targets[row], _ = dataset._load_or_skip(  # resized into the row (no transform on this path)
+            index, functools.partial(dataset._output_image, rng=rng, into=batch[row]), rng)
     trim_heap()  # decode buffers fragment the heap (batch_buffers.trim_heap)
     return targets
 

@@ -252,10 +252,13 @@ def _decode_with_pillow(data: bytes, path: str, index: int | None) -> np.ndarray
         ) from None
 
 
-def resize_uint8(image: np.ndarray, size: tuple[int, int], *, out: torch.Tensor | None = None) -> torch.Tensor:
+def resize_uint8(image: np.ndarray, size: tuple[int, int], *, out: torch.Tensor | None = None,
+                 mirror: bool = False) -> torch.Tensor:
     """Antialiased bilinear resize of an `[H, W, 3]` uint8 array to a `[3, h, w]` uint8 tensor,
     channels-last in memory: written into `out` when given (a row of a channels-last batch),
     else into a new tensor; a view of `image` when no resize is needed and no `out` is given.
+    With `mirror`, flipped left to right: resized apart, then mirrored into `out` by OpenCV
+    (the GIL released).
 
     The same filter as Pillow's and torchvision's `Resize(antialias=True)`. torch's uint8
     kernel reads channels-last input; asked for channels-last output (its `out=`) it also
@@ -263,6 +266,14 @@ def resize_uint8(image: np.ndarray, size: tuple[int, int], *, out: torch.Tensor 
     ms with the copy into a channels-last batch row that planar output then needs (one
     thread, 2-core Xeon). Pillow takes 0.78 ms.
     """
+    if mirror:
+        resized = resize_uint8(image, size)
+        if out is None:
+            out = torch.empty((size[0], size[1], 3), dtype=torch.uint8).permute(2, 0, 1)
+        if out.permute(1, 2, 0).is_contiguous():
+            _opencv().flip(resized.permute(1, 2, 0).numpy(), 1, dst=out.permute(1, 2, 0).numpy())
+            return out
+        return out.copy_(resized.flip(-1))
     tensor = torch.from_numpy(image).permute(2, 0, 1)
     if tuple(tensor.shape[1:]) == tuple(size):
         if out is None:

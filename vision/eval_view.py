@@ -42,9 +42,9 @@ from recipes.common.cache_files import (
     build_loader,
     folder_lock,
     fsync_path,
+    sweep_dead_temps,
     write_synced,
 )
-from recipes.common.process_lifetime import pid_alive
 from recipes.vision.crop import _resized, resize_side
 from recipes.vision.decode import decode_image, resize_uint8
 
@@ -111,18 +111,6 @@ def open_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
     return EvalView(folder, name, tuple(size), count, error)
 
 
-def sweep_view_temps(folder: Path) -> int:
-    """Removes the temp files of eval-view builds in the cache `folder` whose builder on this
-    host is dead (`.<name>.<host>.<pid>.{data,json}.tmp`); returns how many."""
-    removed, host = 0, _host()
-    for temp in folder.glob(".eval-*.tmp"):
-        parts = temp.name.rsplit(".", 4)
-        if len(parts) == 5 and parts[1] == host and parts[2].isdigit() and not pid_alive(int(parts[2])):
-            temp.unlink(missing_ok=True)
-            removed += 1
-    return removed
-
-
 def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
                     error: type[Exception]) -> EvalView:
     """Decodes every image of an eval `dataset` (`eval_record(i)`: the file path's untransformed
@@ -131,7 +119,7 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
 
     size, count = dataset.resolution, len(dataset)
     name = view_name(size, dataset.CROP_PCT)
-    sweep_view_temps(folder)  # left by a builder killed midway
+    sweep_dead_temps(folder, "eval-*")  # left by a builder killed midway
     temp = folder / f".{name}.{_host()}.{os.getpid()}.data.tmp"
     temp_header = folder / f".{name}.{_host()}.{os.getpid()}.json.tmp"
     loader = build_loader(_EvalItems(dataset), num_workers=num_workers, batch_size=16, collate_fn=list)

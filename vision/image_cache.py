@@ -54,7 +54,7 @@ from recipes.common.cache_files import (
     write_synced,
 )
 from recipes.vision.decode import ImageHeader, dct_reduction, decode_image, resize_uint8
-from recipes.vision.eval_view import build_eval_view, sweep_view_temps
+from recipes.vision.eval_view import build_eval_view
 from recipes.vision.stale_caches import (
     describe_change,
     find_stale_caches,
@@ -153,9 +153,11 @@ class ImageCache:
         return h, w
 
     def read_crop(self, index: int, box: tuple[int, int, int, int], size: tuple[int, int], *,
-                  scratch: np.ndarray | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The `box` (top, left, height, width) of image `index` resized to `size` (`resize_uint8`):
-        uint8 `[3, h, w]`, channels-last in memory, written into `out` when given (a batch row).
+                  scratch: np.ndarray | None = None, out: torch.Tensor | None = None,
+                  mirror: bool = False) -> torch.Tensor:
+        """The `box` (top, left, height, width) of image `index` resized to `size` (`resize_uint8`,
+        flipped left to right with `mirror`): uint8 `[3, h, w]`, channels-last in memory, written
+        into `out` when given (a batch row).
         Only the box's rows are read, with one `preadv` into `scratch` (uint8, at least
         `max_side^2 * 3` bytes: one per reader thread), else a per-process scratch buffer (one
         reader thread at a time)."""
@@ -166,8 +168,8 @@ class ImageCache:
         crop = rows[:, left : left + bw]
         if bw != w and (bh, bw) != tuple(size):  # torch's kernel is ~6% faster on contiguous rows than the copy costs
             crop = np.ascontiguousarray(crop)
-        image = resize_uint8(crop, size, out=out)
-        if out is None and (bh, bw) == tuple(size):  # a view of the scratch buffer, which the next read reuses
+        image = resize_uint8(crop, size, out=out, mirror=mirror)
+        if out is None and not mirror and (bh, bw) == tuple(size):  # a view of the scratch buffer, reused next read
             image = image.permute(1, 2, 0).clone().permute(2, 0, 1)
         return image
 
@@ -278,7 +280,7 @@ def attach_image_cache(cache_dir: Path, root: str, paths, targets: np.ndarray, m
                           "rebuild with build_image_cache() or `recipes cache vision`, which replaces it.",
                           stacklevel=3)  # the caller of ImageFolderFast(...)
         return
-    sweep_view_temps(path)  # an eval-view build killed midway leaves its temp files in the cache
+    sweep_dead_temps(path, "eval-*")  # an eval-view build killed midway leaves its temp files in the cache
     try:
         use_cache(ImageCache.open(path, fingerprint=fingerprint))
     except ImageCacheError as why:

@@ -53,7 +53,6 @@ from recipes.vision.cached_batches import (
 from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
 from recipes.vision.decode import (
     ImageDecodeError,
-    _opencv,
     check_encoded,
     read_image_file,
     resize_uint8,
@@ -289,24 +288,20 @@ class ImageFolderFast(Dataset):
     def _output_image(self, index: int, rng: np.random.Generator | None = None, *,
                       into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """`(uint8 [3, H, W], target)` decoded from the file, crop and flip drawn from `rng`
-        (this process's generator when None). With `into` (a channels-last batch row, no
-        `transform`), the image is resized (and flipped) straight into it and `into` returned."""
+        (this process's generator when None). With `into` (a batch row; no `transform`), the
+        image is resized (and flipped) straight into it and `into` returned."""
         rng = rng or self._generator()
         path, data, header = self._read(index)
-        out = self.resolution
+        size = self.resolution
         if self.train:
             box = random_resized_box(header.height, header.width, rng, self.SCALE, self.RATIO)
         else:
-            box = eval_box(header.height, header.width, out, self.CROP_PCT)
-        image = self._decode_box(data, header, box, out, path, index)
-        if into is None or self.transform is not None or not into.permute(1, 2, 0).is_contiguous():
-            return self._finish(resize_uint8(image, out), rng), int(self._targets[index])
-        if self.train and rng.random() < 0.5:  # the flip `_finish` would draw, mirrored into the row
-            resized = resize_uint8(image, out)
-            _opencv().flip(resized.permute(1, 2, 0).numpy(), 1, dst=into.permute(1, 2, 0).numpy())
-        else:
-            resize_uint8(image, out, out=into)
-        return into, int(self._targets[index])
+            box = eval_box(header.height, header.width, size, self.CROP_PCT)
+        image = self._decode_box(data, header, box, size, path, index)
+        if into is None or self.transform is not None:
+            return self._finish(resize_uint8(image, size), rng), int(self._targets[index])
+        mirror = self.train and rng.random() < 0.5  # the flip `_finish` would draw
+        return resize_uint8(image, size, out=into, mirror=mirror), int(self._targets[index])
 
     def _encoded_item(self, index: int) -> tuple[dict, int]:
         """decode="gpu": the file's bytes (checked as far as a header allows), its crop box in

@@ -144,7 +144,7 @@ def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_p
     without hashing it again, and a use keeps the record valid. A copy changed in place is
     hashed, found to differ and downloaded again, also when its mtime was set back (the
     kernel moves the ctime, which nobody can set back)."""
-    import recipes.common.prefetch_cache as prefetch_cache
+    import recipes.common.object_download as object_download
 
     data = (shards / "shard-2.bin").read_bytes()
     good = hashlib.sha256(data).hexdigest()
@@ -154,9 +154,9 @@ def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_p
         record = path.parent / ".locks" / f"{path.name}.sum"
         assert record.read_text().endswith(good)
         before = path.stat()
-        monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})  # a new process's memory
+        monkeypatch.setattr(object_download, "_HASHED", {})  # a new process's memory
         with monkeypatch.context() as m:
-            m.setattr(prefetch_cache.hashlib, "sha256", None)  # any hashing would raise
+            m.setattr(object_download.hashlib, "sha256", None)  # any hashing would raise
             for _ in range(3):
                 assert _cache(tmp_path).get(url, sha256=good) == path
         after = path.stat()
@@ -167,7 +167,7 @@ def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_p
                 f.write(b"X")
             if restore_mtime:
                 os.utime(path, ns=(before.st_atime_ns, path.stat().st_mtime_ns - 10**9))
-            monkeypatch.setattr(prefetch_cache, "_VERIFIED", {})
+            monkeypatch.setattr(object_download, "_HASHED", {})
             assert _cache(tmp_path).get(url, sha256=good).read_bytes() == data
             assert record.read_text().endswith(good)
         assert server.gets["shard-2.bin"] == 3

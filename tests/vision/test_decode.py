@@ -238,7 +238,7 @@ def test_threads_get_their_own_reports(mutated, damaged):
 def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
     """`resize_uint8` against torchvision's own resize (PIL-free, antialiased bilinear), into a
     channels-last batch row (what the thread path writes), into a planar row, and into a new
-    tensor, from contiguous and column-sliced input."""
+    tensor, from contiguous and column-sliced input, mirrored or not."""
     import numpy as np
     import torch
     import torchvision.transforms.v2.functional as F
@@ -253,11 +253,15 @@ def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
         assert fresh.permute(1, 2, 0).is_contiguous()  # channels-last in memory
         channels_last = torch.zeros((2, *size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
         planar = torch.zeros((2, 3, *size), dtype=torch.uint8)
-        for out in (channels_last[1], planar[1]):
-            assert resize_uint8(image, size, out=out) is out
-        for got in (fresh, channels_last[1], planar[1]):
-            assert torch.equal(got, expected)
-        assert not channels_last[0].any() and not planar[0].any()  # the neighbouring row untouched
-    same = whole[:224, :224]
-    row = torch.zeros((224, 224, 3), dtype=torch.uint8).permute(2, 0, 1)
-    assert torch.equal(resize_uint8(same, (224, 224), out=row), torch.from_numpy(same).permute(2, 0, 1))
+        for mirror in (False, True):
+            want = expected.flip(-1) if mirror else expected
+            for out in (channels_last[1], planar[1]):
+                assert resize_uint8(image, size, out=out, mirror=mirror) is out
+            for got in (resize_uint8(image, size, mirror=mirror) if mirror else fresh, channels_last[1], planar[1]):
+                assert torch.equal(got, want), mirror
+            assert not channels_last[0].any() and not planar[0].any()  # the neighbouring row untouched
+    same = whole[:224, 10:234]  # no resize: copied (or mirrored) from a column slice
+    for mirror in (False, True):
+        row = torch.zeros((224, 224, 3), dtype=torch.uint8).permute(2, 0, 1)
+        want = torch.from_numpy(np.ascontiguousarray(same)).permute(2, 0, 1)
+        assert torch.equal(resize_uint8(same, (224, 224), out=row, mirror=mirror), want.flip(-1) if mirror else want)
