@@ -11,14 +11,22 @@ same on every rank), cached for the epoch; per index, nothing.
 Adapt here: `STOPS`.
 Trade-off: the plan is a function of `(seed, epoch)` and the settings, so the loader's state
 is the epoch and the batches received (O(1), never O(samples)); a resume regenerates it.
-`stop` decides what a source that runs out does:
-- "all_exhausted" (default): it leaves the draw (the others' weights renormalise); the epoch
-  ends when every source is exhausted: every sample of every source once per epoch, the
-  proportions holding while all sources still draw;
-- "first_exhausted": the epoch ends when the first source runs out;
+`stop` decides what a source that runs out does, each rule named for what it does (the
+names of Hugging Face `datasets` and torchdata in brackets):
+- "drop_exhausted" (default): it leaves the draw (the others' weights renormalise); the epoch
+  ends when every source is exhausted: every sample of every source exactly once per epoch,
+  the proportions holding while all sources still draw (torchdata `ALL_DATASETS_EXHAUSTED`);
+- "first_exhausted": the epoch ends with the first source's last sample (HF
+  `first_exhausted`, torchdata `FIRST_DATASET_EXHAUSTED`);
+- "cycle_until_all_exhausted": it starts a fresh permutation, and the epoch ends with the
+  last source's last sample of its first pass: the proportions hold throughout and every
+  sample is seen at least once (HF `all_exhausted`, torchdata
+  `CYCLE_UNTIL_ALL_DATASETS_EXHAUSTED`); a source of small weight makes the epoch long;
 - "never": it starts a fresh permutation; the epoch's length is `num_samples` (required),
   and the proportions hold throughout (a small source repeats, each pass a new permutation).
-`num_samples` also caps the other rules (Streaming's `epoch_size`).
+`num_samples` also caps the other rules (Streaming's `epoch_size`). "all_exhausted" is
+refused: HF's meaning (cycle) and this library's former one (drop) differ, so the rule must
+be named.
 DDP: the global plan is padded to a multiple of the ranks by repeating its first indices (at
 most `num_replicas - 1`, as `DistributedSampler`) and rank r takes positions r, r + R, ...:
 disjoint, equal counts. With `batch_size`, it is a batch sampler instead: global batches of
@@ -40,7 +48,10 @@ from torch.utils.data import ConcatDataset, IterableDataset
 
 from recipes.common.sharding import distributed_world
 
-STOPS = ("all_exhausted", "first_exhausted", "never")
+STOPS = ("drop_exhausted", "first_exhausted", "cycle_until_all_exhausted", "never")
+# The longest epoch "cycle_until_all_exhausted" may plan without `num_samples`: about
+# max(size / weight) positions (an int64 array of it).
+MAX_CYCLED = 2**31
 
 
 def _sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
@@ -64,10 +75,18 @@ def _sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
         raise ValueError(f"`{what}` and `weights` need one value per source, but have {len(values)} and {array.size}.")
     if not np.isfinite(array).all() or (array < 0).any() or array.sum() <= 0:
         raise ValueError(f"`weights` must be non-negative and finite with a positive sum, but are {array.tolist()}.")
+    if not np.isfinite(array.sum()):
+        raise ValueError(f"`weights` sum to infinity in float64 (they are {array.tolist()}): only their ratios "
+                         "matter, so scale them down (divide by the largest).")
     return names, values, array / array.sum()
 
 
 def _stop(stop: str, num_samples) -> None:
+    if stop == "all_exhausted":
+        raise ValueError("stop='all_exhausted' is ambiguous: Hugging Face `datasets` cycles exhausted sources "
+                         "until all are seen whole (here 'cycle_until_all_exhausted': the proportions hold), "
+                         "and recipes 0.1 dropped them (here 'drop_exhausted', the default: every sample "
+                         "exactly once). Name the rule you want.")
     if stop not in STOPS:
         raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
     if stop == "never" and num_samples is None:
@@ -91,7 +110,8 @@ class MixtureSampler:
             `ConcatDataset`'s order).
         weights: per source, the same shape as `sizes` (normalised; need not sum to 1).
         num_samples: the epoch's length (all ranks together); required with stop="never".
-        stop: "all_exhausted", "first_exhausted" or "never" (see the module docstring).
+        stop: "drop_exhausted", "first_exhausted", "cycle_until_all_exhausted" or "never"
+            (see the module docstring).
         seed: the base seed, the same on every rank.
         num_replicas, rank: the ranks; `torch.distributed`'s when initialised, else 1 and 0.
         shuffle: permute each source's indices (in order when False; sources still mix).
@@ -99,8 +119,9 @@ class MixtureSampler:
             elastic on resume. `drop_last` drops the plan's last partial batch.
 
     Raises:
-        ValueError: mismatched or non-positive sizes or weights, an unknown `stop`, or
-            stop="never" without `num_samples`.
+        ValueError: mismatched or non-positive sizes or weights (or weights whose sum
+            overflows), an unknown or ambiguous `stop`, stop="never" without `num_samples`,
+            or a "cycle_until_all_exhausted" epoch of over `MAX_CYCLED` samples.
 
     Example:
         >>> mix = MixtureSampler({"web": len(web), "code": len(code)}, {"web": 0.7, "code": 0.3})
@@ -108,7 +129,7 @@ class MixtureSampler:
     """
 
     def __init__(self, sizes: Sequence[int] | Mapping[str, int], weights: Sequence[float] | Mapping[str, float], *,
-                 num_samples: int | None = None, stop: str = "all_exhausted", seed: int = 0,
+                 num_samples: int | None = None, stop: str = "drop_exhausted", seed: int = 0,
                  num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
                  batch_size: int | None = None, drop_last: bool = False):
         self.names, sizes, self.weights = _sources(sizes, weights, "sizes")
@@ -123,6 +144,12 @@ class MixtureSampler:
         num_samples = _count("num_samples", num_samples)
         batch_size = _count("batch_size", batch_size)
         seed = _count("seed", seed, minimum=0)
+        if stop == "cycle_until_all_exhausted" and num_samples is None:
+            drawn = self.weights > 0
+            longest = float((self.sizes[drawn] / self.weights[drawn]).max())
+            if longest > MAX_CYCLED:
+                raise ValueError(f"stop='cycle_until_all_exhausted' would plan about {longest:.3g} samples per epoch "
+                                 "(a source's size over its weight); give `num_samples` to cap the epoch.")
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.num_samples, self.stop, self.seed, self.shuffle = num_samples, stop, int(seed), shuffle
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -171,6 +198,8 @@ class MixtureSampler:
         cap = self.num_samples
         if self.stop == "never":
             return rng.choice(len(self.sizes), size=cap, p=self.weights)
+        if self.stop == "cycle_until_all_exhausted":
+            return self._cycled(rng, cap)
         left = self.sizes.copy()
         active = self.weights > 0  # a source of weight 0 never draws
         total = int(left[active].sum())
@@ -193,6 +222,26 @@ class MixtureSampler:
                 break
             active &= left > 0
         return np.concatenate(chunks) if chunks else np.empty(0, np.int64)
+
+    def _cycled(self, rng: np.random.Generator, cap: int | None) -> np.ndarray:
+        """Sources drawn with the fixed weights (an exhausted one starts another pass in
+        `_draw`) up to the draw that completes the last source's first pass: that source's
+        `size`-th draw. Drawn in blocks of the sources' total size until every source drawing
+        has been drawn that often."""
+        drawing = self.weights > 0
+        counts = np.zeros(len(self.sizes), np.int64)
+        blocks: list[np.ndarray] = []
+        total = 0
+        while not (counts[drawing] >= self.sizes[drawing]).all() and (cap is None or total < cap):
+            block = rng.choice(len(self.sizes), size=int(self.sizes.sum()), p=self.weights)
+            blocks.append(block)
+            counts += np.bincount(block, minlength=len(self.sizes))
+            total += len(block)
+        draws = np.concatenate(blocks)
+        end = len(draws)
+        if (counts[drawing] >= self.sizes[drawing]).all():
+            end = 1 + max(int(np.flatnonzero(draws == s)[self.sizes[s] - 1]) for s in np.flatnonzero(drawing))
+        return draws[: end if cap is None else min(end, cap)]
 
     def _padded(self, epoch: int) -> np.ndarray:
         plan = self.global_indices(epoch)
@@ -362,10 +411,12 @@ class MixtureIterable(IterableDataset):
         datasets: iterable datasets (a sequence, or a mapping from name to dataset); each is
             set to the mixture's epoch.
         weights: per source, as `datasets`.
-        stop: "all_exhausted" (every sample of every source once per epoch: equal counts per
-            rank when every source is `even`), "first_exhausted" (one rank only: ranks would
-            stop at different steps) or "never" (a source that ends starts again, in the same
-            order within the epoch; needs `num_samples`).
+        stop: "drop_exhausted" (every sample of every source once per epoch: equal counts per
+            rank when every source is `even`), "first_exhausted" and
+            "cycle_until_all_exhausted" (a source that ends starts again until every source
+            has ended once; both one rank only: ranks would stop at different steps) or
+            "never" (a source that ends starts again, in the same order within the epoch;
+            needs `num_samples`).
         num_samples: the epoch's length: `ceil(num_samples / ranks)` per rank, cut over its
             workers.
 
@@ -378,10 +429,10 @@ class MixtureIterable(IterableDataset):
 
     Raises:
         ValueError: mismatched weights, an unknown `stop`, "never" without `num_samples`, or
-            "first_exhausted" on several ranks.
+            "first_exhausted" or "cycle_until_all_exhausted" on several ranks.
     """
 
-    def __init__(self, datasets, weights, *, stop: str = "all_exhausted", num_samples: int | None = None,
+    def __init__(self, datasets, weights, *, stop: str = "drop_exhausted", num_samples: int | None = None,
                  seed: int = 0):
         self.names, self.datasets, self.weights = _sources(datasets, weights, "datasets")
         _stop(stop, num_samples)
@@ -389,9 +440,9 @@ class MixtureIterable(IterableDataset):
         self.seed = _count("seed", seed, minimum=0)
         self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))
         self.rank = int(getattr(self.datasets[0], "rank", distributed_world()[1]))
-        if stop == "first_exhausted" and self.world_size > 1:
-            raise ValueError("stop='first_exhausted' ends each rank's stream at a different step, and DDP would wait "
-                             "on the ranks that ended; use 'all_exhausted' with even sources, or 'never' with "
+        if stop in ("first_exhausted", "cycle_until_all_exhausted") and self.world_size > 1:
+            raise ValueError(f"stop={stop!r} ends each rank's stream at a different step, and DDP would wait on the "
+                             "ranks that ended; use 'drop_exhausted' with even sources, or 'never' with "
                              "num_samples.")
         import torch
 
@@ -426,6 +477,7 @@ class MixtureIterable(IterableDataset):
             share = per_rank // workers + (worker < per_rank % workers)
         iterators = [iter(d) for d in self.datasets]
         active = self.weights > 0
+        ended = ~active  # "cycle_until_all_exhausted": the sources that have ended once
         yielded = 0
         while active.any() and (share is None or yielded < share):
             p = np.where(active, self.weights, 0.0)
@@ -434,7 +486,10 @@ class MixtureIterable(IterableDataset):
             if item is _END:
                 if self.stop == "first_exhausted":
                     return
-                if self.stop == "never":
+                ended[s] = True
+                if self.stop == "cycle_until_all_exhausted" and ended.all():
+                    return
+                if self.stop in ("never", "cycle_until_all_exhausted"):
                     iterators[s] = iter(self.datasets[s])
                     item = next(iterators[s], _END)
                 if item is _END:

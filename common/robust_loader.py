@@ -96,23 +96,28 @@ class RobustLoader:
         self.loader.load_state_dict(state)
 
     def __iter__(self):
-        failures = 0
-        iterator = _own_failures(iter(self.loader))
+        """Batches of one epoch. A failure is survived wherever the loop meets it: in `next()`,
+        and in `iter()` itself, where persistent workers that died between epochs (the OOM
+        killer during validation or a checkpoint) are found by DataLoader's `_reset`."""
+        failures, iterator = 0, None
         while True:
             try:
+                if iterator is None:
+                    iterator = _own_failures(iter(self.loader))
                 batch = self._next(iterator)
             except StopIteration:
                 return
             except (RuntimeError, OSError, EOFError) as error:
-                cause = _cause(error) or _worker_died(iterator)
+                broken = iterator if iterator is not None else self.loader._iterator
+                cause = _cause(error) or _worker_died(broken)
                 if cause is None or failures >= self.max_restarts:
                     raise
                 failures += 1
                 state = self.loader.state_dict()
-                _shut_down(iterator, kill_first=cause == "hang")
+                _shut_down(broken, kill_first=cause == "hang")
                 self._step_down(cause, state["batches_yielded"])
                 self.loader.load_state_dict(state)
-                iterator = _own_failures(iter(self.loader))
+                iterator = None
                 continue
             yield batch
 

@@ -70,7 +70,7 @@ def test_sharded_dataset_with_workers_under_torchrun_then_resumed_on_one_rank(ru
 
 def test_mixtures_under_torchrun_then_resumed_on_one_rank(runs):
     """MixtureSampler on 2 ranks with 2 workers each (issue 23): disjoint, equal steps, every
-    sample of the planned pass once (stop="all_exhausted": every sample of both sources); the
+    sample of the planned pass once (stop="drop_exhausted": every sample of both sources); the
     batch mode stopped on 2 ranks resumes on 1 with every planned batch once."""
     plan = json.loads((runs / "mixture" / "plan.json").read_text())
     assert sorted(plan) == list(range(301))

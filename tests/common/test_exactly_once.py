@@ -182,6 +182,12 @@ def num_workers(loader) -> int:
     return getattr(loader, "loader", loader).num_workers
 
 
+def _live_workers(loader) -> list:
+    """A RobustLoader's live persistent workers (they outlive the epoch)."""
+    iterator = getattr(loader.loader, "_iterator", None)
+    return [w for w in getattr(iterator, "_workers", []) if w.is_alive()]
+
+
 class References:
     """Uninterrupted runs, one per (kind, world, rank, workers): epoch e is the e-th pass."""
 
@@ -210,9 +216,16 @@ CONFIGS = st.fixed_dictionaries({"workers": st.sampled_from([0, 1, 2]), "persist
 class ExactlyOnce(RuleBasedStateMachine):
     world_builder: World
     references: References
+    robust_only = False  # `DeathsAtAnyMoment`: every loader a RobustLoader with persistent workers
+
+    def _config(self, config: dict) -> dict:
+        if self.robust_only:
+            return {**config, "robust": True, "persistent": True, "workers": max(1, config["workers"])}
+        return config
 
     @initialize(kind=st.sampled_from(KINDS), config=CONFIGS)
     def start(self, kind, config):
+        config = self._config(config)
         self.kind, self.epoch, self.world = kind, 0, 1
         self.loaders = [self.world_builder.build(kind, config)]
         self.iterators = [None]
@@ -270,6 +283,7 @@ class ExactlyOnce(RuleBasedStateMachine):
 
     @rule(config=CONFIGS)
     def save_and_rebuild(self, config):
+        config = self._config(config)
         if self.world > 1:
             config = {**config, "workers": min(config["workers"], 1), "robust": False}
         state = json.loads(json.dumps(self.loaders[0].state_dict()))  # plain JSON, as a checkpoint holds it
@@ -299,6 +313,27 @@ class ExactlyOnce(RuleBasedStateMachine):
         upcoming = plan[len(self.received[0]) + ahead:]
         if upcoming and upcoming[0]:
             Path(self.world_builder.marker).write_text(str(upcoming[0][0]))
+
+    @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader)
+                  and _live_workers(self.loaders[0]))
+    @rule()
+    def kill_a_worker_now(self):
+        """SIGKILLs a persistent worker wherever the loop is: mid-epoch between batches, after
+        the epoch's last batch, between epochs (the OOM killer during validation; issue #27)."""
+        worker = _live_workers(self.loaders[0])[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+
+    @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader) and self.finished
+                  and num_workers(self.loaders[0]) > 0 and self.kind != "packed")
+    @rule()
+    def kill_a_worker_at_the_next_start(self):
+        """Arms a SIGKILL for the next epoch's first sample: the death comes inside `iter()`,
+        while the workers prefetch."""
+        workers = num_workers(self.loaders[0])
+        plan = self.references.epoch(self.kind, self.epoch + 1, workers=workers)
+        if plan and plan[0]:
+            Path(self.world_builder.marker).write_text(str(plan[0][0]))
 
     def _replace(self, loaders, state):
         for loader in loaders:
@@ -351,6 +386,14 @@ class ExactlyOnce(RuleBasedStateMachine):
         Path(self.world_builder.marker).unlink(missing_ok=True)
 
 
+class DeathsAtAnyMoment(ExactlyOnce):
+    """The same machine, every loader a RobustLoader on persistent workers, so that the bounded
+    default suite draws deaths at every moment: mid-epoch, after the last batch, between
+    epochs, inside `iter()` (issue #27)."""
+
+    robust_only = True
+
+
 @pytest.fixture(scope="module")
 def world_builder():
     from recipes.nlp import build_token_cache
@@ -363,15 +406,16 @@ def world_builder():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_exactly_once_in_any_epoch_at_any_point(world_builder):
+@pytest.mark.parametrize("machine", [ExactlyOnce, DeathsAtAnyMoment], ids=["any_loader", "deaths_at_any_moment"])
+def test_exactly_once_in_any_epoch_at_any_point(world_builder, machine):
     import warnings
 
     from recipes.common import LoaderWarning
 
-    ExactlyOnce.world_builder = world_builder
-    ExactlyOnce.references = References(world_builder)
+    machine.world_builder = world_builder
+    machine.references = References(world_builder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LoaderWarning)  # restarts announce themselves
         warnings.simplefilter("ignore", UserWarning)
-        ExactlyOnce.TestCase.settings = settings()
-        ExactlyOnce.TestCase().runTest()
+        machine.TestCase.settings = settings()
+        machine.TestCase().runTest()

@@ -59,7 +59,7 @@ def test_no_index_repeats_within_a_source_before_it_is_exhausted():
 
 def test_the_stop_rules_end_epochs_where_they_say():
     sizes, weights = [100, 300, 50], [0.5, 0.3, 0.2]
-    every = list(MixtureSampler(sizes, weights, seed=1))  # all_exhausted: every sample once
+    every = list(MixtureSampler(sizes, weights, seed=1))  # drop_exhausted: every sample once
     assert Counter(every) == Counter(range(450))
     first = MixtureSampler(sizes, weights, stop="first_exhausted", seed=1)
     drawn = np.array(list(first))
@@ -77,8 +77,68 @@ def test_the_stop_rules_end_epochs_where_they_say():
         MixtureSampler({"a": 3, "b": 4}, {"a": 1, "c": 1})
     with pytest.raises(ValueError, match="`stop` must be one of"):
         MixtureSampler(sizes, weights, stop="sometimes")
+    with pytest.raises(ValueError, match="ambiguous.*cycle_until_all_exhausted.*drop_exhausted"):
+        MixtureSampler(sizes, weights, stop="all_exhausted")  # HF's name, another meaning: named, never guessed
     zero = MixtureSampler(sizes, [0.5, 0.5, 0.0], seed=2)  # a weight of 0: never drawn
     assert 2 not in set(zero.source_of(list(zero)).tolist())
+
+
+def _stop_facts(sources: np.ndarray, sizes: np.ndarray, rule: str) -> bool:
+    """What a stop rule promises of one epoch's sequence of sources, whatever the seed."""
+    counts = np.bincount(sources, minlength=len(sizes))
+    last = int(sources[-1])
+    if rule == "first_exhausted":  # the first source to give its last sample ends the epoch with it
+        return counts[last] == sizes[last] and int((counts >= sizes).sum()) == 1
+    # every source seen whole; the epoch ends with the last one's last sample of its first pass
+    return bool((counts >= sizes).all()) and counts[last] == sizes[last]
+
+
+@pytest.mark.parametrize("rule, hf_rule", [("first_exhausted", "first_exhausted"),
+                                           ("cycle_until_all_exhausted", "all_exhausted")])
+def test_stop_rules_count_as_hugging_face_datasets_does(rule, hf_rule):
+    """Issue #27: the rule that HF calls `all_exhausted` (cycle until every source was seen
+    whole) is `cycle_until_all_exhausted` here; `first_exhausted` means the same in both. The
+    plans differ by seed, so what is compared is what no seed changes (each epoch's ending,
+    every source's count against its size) and the mean counts over many seeds."""
+    datasets = pytest.importorskip("datasets")
+    sizes, weights = np.array([30, 120, 12]), [0.5, 0.3, 0.2]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    parts = [datasets.Dataset.from_dict({"i": list(range(o, o + n))}) for o, n in zip(offsets, sizes)]
+    ours, theirs = [], []
+    for seed in range(100):
+        mix = MixtureSampler(sizes.tolist(), weights, stop=rule, seed=seed)
+        plan = np.array(list(mix))
+        hf = np.array(datasets.interleave_datasets(parts, probabilities=weights, seed=seed,
+                                                   stopping_strategy=hf_rule)["i"])
+        for got, counted in ((mix.source_of(plan), ours), (mix.source_of(hf), theirs)):
+            assert _stop_facts(got, sizes, rule), (seed, np.bincount(got, minlength=3))
+            counted.append(np.bincount(got, minlength=3))
+        if rule == "cycle_until_all_exhausted":  # every sample once before any sample twice, per source
+            for s in range(3):
+                mine = plan[mix.source_of(plan) == s]
+                assert Counter(mine[: sizes[s]].tolist()) == Counter(range(offsets[s], offsets[s] + sizes[s]))
+    ours, theirs = np.mean(ours, axis=0), np.mean(theirs, axis=0)
+    assert ours.sum() == pytest.approx(theirs.sum(), rel=0.08)  # the epoch's expected length
+    assert ours == pytest.approx(theirs, rel=0.12)  # and each source's expected count
+
+
+def test_cycled_iterables_end_when_every_source_has_ended_once(tmp_path):
+    from recipes.common import MixtureIterable
+
+    small, large = _shard_sets(tmp_path, [10, 90])
+    mixed = MixtureIterable([small, large], [0.5, 0.5], stop="cycle_until_all_exhausted", seed=4)
+    got = np.array([int(i) for i in mixed])
+    counts = Counter(got.tolist())
+    assert set(counts) == set(range(100))  # every sample of both, the small source several times
+    assert all(counts[i] == 1 for i in range(10, 100)) and sum(counts[i] for i in range(10)) > 10
+    assert abs((got < 10).mean() - 0.5) < 0.15  # the proportions hold throughout
+    with pytest.raises(ValueError, match="give `num_samples`"):
+        MixtureSampler([5, 10**9], [1.0, 1e-9], stop="cycle_until_all_exhausted")
+
+
+def test_weights_whose_sum_overflows_are_refused():
+    with pytest.raises(ValueError, match="sum to infinity.*scale them down"):
+        MixtureSampler([5, 5], [1e308, 1e308])
 
 
 def test_ranks_are_disjoint_equal_and_cover_the_plan():
@@ -236,7 +296,7 @@ def test_iterable_sources_interleave_by_weight_each_exact_over_workers(tmp_path)
     for epoch in range(2):
         mixed.set_epoch(epoch)
         got = [int(i) for b in make_loader(mixed, batch_size=8, num_workers=2) for i in b]
-        assert Counter(got) == Counter(range(200)), epoch  # all_exhausted: every sample of both once
+        assert Counter(got) == Counter(range(200)), epoch  # drop_exhausted: every sample of both once
         head = np.array(got[:80])
         assert 0.35 < (head < 60).mean() < 0.65  # 0.5 / 0.5 while both sources yield
     never = MixtureIterable(_shard_sets(tmp_path, [20, 200]), [0.5, 0.5], stop="never", num_samples=120, seed=1)

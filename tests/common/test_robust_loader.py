@@ -4,6 +4,7 @@ planned batch exactly once, in order (issue #10)."""
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +200,69 @@ def test_a_dataset_error_that_says_timed_out_is_raised_not_swallowed(workers):
         for batch in RobustLoader(SaysTimedOut(), batch_size=4, num_workers=workers, timeout=5):
             got += batch.tolist()
     assert got == list(range(12))
+
+
+def _persistent_workers(loader: RobustLoader) -> list:
+    """The live worker processes of a RobustLoader's persistent workers (between epochs too)."""
+    iterator = loader.loader._iterator
+    return [w for w in getattr(iterator, "_workers", []) if w.is_alive()]
+
+
+def _kill_one(loader: RobustLoader) -> None:
+    worker = _persistent_workers(loader)[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "sharded"])
+@pytest.mark.parametrize("moment", ["between_epochs", "after_last_batch", "during_validation"])
+def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, moment, tmp_path):
+    """Issue #27: a persistent worker SIGKILLed while the loop is elsewhere (validating,
+    checkpointing) was found by DataLoader's `_reset` inside `iter()`, beyond any retry."""
+    def build_with(num_workers=2):
+        torch.manual_seed(0)
+        if kind == "sharded":
+            sizes = [9, 14, 6, 11, 8, 12]
+            ds = ShardedIterableDataset(make_int_shards(tmp_path / "shards", sizes), read_ints,
+                                        shard_lengths=sizes, seed=2, rank=0, world_size=1)
+            return RobustLoader(ds, batch_size=4, num_workers=num_workers, persistent_workers=True,
+                                timeout=60), ds
+        return RobustLoader(list(range(40)), batch_size=4, shuffle=True, num_workers=num_workers,
+                            persistent_workers=True, tuned=False, timeout=60), None
+
+    build = build_with
+
+    def epochs(loader, ds, kill):
+        got, last = [], 15 if kind == "sharded" else 10
+        for epoch in range(3):
+            if ds is not None:
+                ds.set_epoch(epoch)
+            iterator, batches = iter(loader), []
+            for batch in iterator:
+                batches.append(_ids(batch))
+                if epoch == 1 and moment == "after_last_batch" and len(batches) == last and kill:
+                    _kill_one(loader)  # the epoch's last batch is out; StopIteration is still to come
+            got.append(batches)
+            if epoch == 0 and kill and moment == "between_epochs":
+                _kill_one(loader)
+            if epoch == 0 and moment == "during_validation":
+                validation = make_loader(list(range(12)), batch_size=4, num_workers=1)
+                for step, _ in enumerate(validation):
+                    if step == 1 and kill:
+                        _kill_one(loader)
+                        time.sleep(0.2)  # SIGCHLD arrives while the validation loader runs
+        return got
+
+    expected = epochs(*build(), kill=False)
+    loader, ds = build()
+    with pytest.warns(LoaderWarning, match="worker died"):
+        got = epochs(loader, ds, kill=True)
+    for epoch, batches in enumerate(got):  # every sample exactly once per epoch, counted
+        assert Counter(i for b in batches for i in b) == Counter(i for b in expected[epoch] for i in b)
+    if kind == "sharded":  # an iterable's epoch order follows the workers it begins with: one, after the restart
+        one_worker = epochs(*build_with(num_workers=1), kill=False)
+        assert all(g in (e, o) for g, e, o in zip(got, expected, one_worker)) and got != expected
+    else:
+        assert got == expected  # a map-style order never depends on the workers
+    assert [cause for cause, _ in loader.restarts] == ["death"]
+    loader.close()
