@@ -3,6 +3,7 @@
 from recipes.audio.chunked import AudioDecodeError, ChunkedAudioDataset
 from recipes.audio.collate import AudioPadCollate, pad_collate
 from recipes.audio.shard_audio import ShardAudio, ShardAudioError
+from recipes.audio.shard_utterances import ShardUtterances
 from recipes.audio.spectrogram_cache import (
     SpectrogramCache,
     SpectrogramCacheError,
@@ -17,6 +18,7 @@ __all__ = [
     "LengthBucketSampler",
     "ShardAudio",
     "ShardAudioError",
+    "ShardUtterances",
     "SpectrogramCache",
     "SpectrogramCacheError",
     "build_spectrogram_cache",

@@ -15,12 +15,20 @@ renamed into place; split over the ranks of a process group with `distributed=Tr
   features.bin   every item's [n_mels, F_i] block back to back (a fixed layout is [N, n_mels, F])
   offsets.bin    int64 x (N + 1), in frames: item i is frames offsets[i]:offsets[i + 1]
   info.bin       int64 file index, float64 start second, int64 valid frames, per item
-Copy with: audio/chunked.py, common/cache_files.py, common/held_descriptors.py,
-  common/packed_strings.py, common/process_lifetime.py.
+  checksums.bin  uint64 x N: item i's checksum, checked when read (`verify=`: "first_read" per
+                 process by default, "always" or "never"; `recipes.common.cache_checks`)
+The header holds its own checksum and those of the other small files (checked on open).
+Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py, common/cache_checks.py,
+  common/cache_files.py,
+  common/held_descriptors.py, common/object_download.py, common/packed_strings.py,
+  common/process_lifetime.py, common/shard_checks.py, common/shard_content.py,
+  common/shard_formats.py, common/shard_samples.py, common/sharded_dataset.py, common/sharding.py,
+  common/shards.py.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -31,6 +39,15 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.audio.chunked import ChunkedAudioDataset
+from recipes.audio.shard_utterances import ShardUtterances
+from recipes.common.cache_checks import (
+    ItemChecks,
+    VerifyMode,
+    algorithm,
+    file_checksums,
+    read_checked,
+    write_item_sums,
+)
 from recipes.common.cache_files import (
     FolderBuild,
     LazyMap,
@@ -40,9 +57,11 @@ from recipes.common.cache_files import (
     write_synced,
 )
 from recipes.common.packed_strings import resolve_index, resolve_indices
+from recipes.common.shards import ShardSet
 
 FORMAT = "recipes-spectrogram-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-item checksums, a header checksum
+_BUILD_HINT = "build_spectrogram_cache() or `recipes cache audio`"
 _INFO = np.dtype([("file", "<i8"), ("start", "<f8"), ("frames", "<i8")])
 
 
@@ -59,7 +78,8 @@ class SpectrogramCache(Dataset):
     replaced since `open` raises `SpectrogramCacheError` then (reopen the cache).
     """
 
-    def __init__(self, path: Path, header: dict, offsets: np.ndarray, info: np.ndarray):
+    def __init__(self, path: Path, header: dict, offsets: np.ndarray, info: np.ndarray, sums: np.ndarray,
+                 verify: VerifyMode = "first_read"):
         self.path = Path(path)
         self.header = header
         self.n_mels = int(header["n_mels"])
@@ -69,9 +89,12 @@ class SpectrogramCache(Dataset):
         size = int(header["total_frames"]) * self.n_mels
         self._features = LazyMap(self.path / "features.bin", np.dtype(header["dtype"]).newbyteorder("<"), (size,),
                                  error=SpectrogramCacheError)
+        self.checks = ItemChecks(self.path / "features.bin", sums, header["checksum"], verify=verify,
+                                 error=SpectrogramCacheError, hint=_BUILD_HINT)
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> SpectrogramCache:
+    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None,
+             verify: VerifyMode = "first_read") -> SpectrogramCache:
         """Opens and validates a cache folder.
 
         Raises:
@@ -80,8 +103,8 @@ class SpectrogramCache(Dataset):
         path = Path(cache_dir)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
                              error=SpectrogramCacheError,
-                             build_hint="build_spectrogram_cache() or `recipes cache audio`",
-                             fields=("count", "total_frames", "n_mels", "dtype", "layout"))
+                             build_hint=_BUILD_HINT,
+                             fields=("count", "total_frames", "n_mels", "dtype", "layout", "checksum", "file_checksums"))
         try:
             count, total = int(header["count"]), int(header["total_frames"])
             itemsize = np.dtype(header["dtype"]).itemsize
@@ -91,10 +114,12 @@ class SpectrogramCache(Dataset):
         check_size(path / "features.bin", features_bytes, SpectrogramCacheError)
         check_size(path / "offsets.bin", (count + 1) * 8, SpectrogramCacheError)
         check_size(path / "info.bin", count * _INFO.itemsize, SpectrogramCacheError)
-        offsets = np.fromfile(path / "offsets.bin", dtype="<i8")
+        check_size(path / "checksums.bin", count * 8, SpectrogramCacheError)
+        read = functools.partial(read_checked, path, header=header, error=SpectrogramCacheError, hint=_BUILD_HINT)
+        offsets, info, sums = read("offsets.bin", "<i8"), read("info.bin", _INFO), read("checksums.bin", "<u8")
         if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
             raise SpectrogramCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
-        return cls(path, header, offsets, np.fromfile(path / "info.bin", dtype=_INFO))
+        return cls(path, header, offsets, info, sums, verify)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -125,6 +150,8 @@ class SpectrogramCache(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict]:
         i = resolve_index(index, len(self), f"the {len(self)} items in {self.path}")
         block = self._map()[self.offsets[i] * self.n_mels : self.offsets[i + 1] * self.n_mels]
+        if self.checks.needed(i):
+            self.checks.check(i, block)
         features = torch.from_numpy(block.astype(np.float32)).view(self.n_mels, -1)
         return features, self._info(i)
 
@@ -133,6 +160,8 @@ class SpectrogramCache(Dataset):
         if self.header["layout"] != "fixed":
             return [self[i] for i in indices]
         idx = resolve_indices(indices, len(self), f"the {len(self)} items in {self.path}")
+        for i in self.checks.pending(idx).tolist():  # each item's first read in this process, by default
+            self.checks.check(i, self.features[i])
         order = np.argsort(idx, kind="stable")
         gathered = np.empty((len(idx), self.n_mels, int(self.lengths[0])), np.float32)
         gathered[order] = self.features[idx[order]]  # ascending file order, then float32
@@ -162,6 +191,9 @@ def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, lo
 def cache_fingerprint(dataset, settings: dict) -> str:
     digest = hashlib.sha256(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **settings},
                                        sort_keys=True).encode())
+    if isinstance(dataset, ShardUtterances):  # the shards' index: no shard is read
+        digest.update(f"\nshards\0{dataset.content_hash()}".encode())
+        return digest.hexdigest()
     for path in dataset.files:
         st = os.stat(path)
         digest.update(f"\n{path}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
@@ -203,8 +235,8 @@ def _identity(batch):
     return batch
 
 
-def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.PathLike, *, n_fft: int = 400,
-                            hop_length: int = 160, n_mels: int = 80, log: bool = True, dtype: str = "float16",
+def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | ShardSet,
+                            cache_dir: str | os.PathLike, *, n_fft: int = 400, hop_length: int = 160, n_mels: int = 80, log: bool = True, dtype: str = "float16",
                             num_workers: int | None = None, progress: bool = True,
                             distributed: bool = False) -> SpectrogramCache:
     """Computes (log-)mel features of every item of a `ChunkedAudioDataset` once.
@@ -214,7 +246,10 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.Pa
     mtimes, chunking, rate, feature parameters, format version) is reused.
 
     Args:
-        dataset: a `ChunkedAudioDataset`.
+        dataset: a `ChunkedAudioDataset`; or audio shards: a `ShardSet` (`write_shards` samples
+            with a "flac", "wav", ... field; one ragged item per sample at the samples' common
+            rate, keyed on the index's sha256s) or a `ShardUtterances` over one (to resample,
+            keep channels or name the field).
         cache_dir: the cache folder (replaced atomically when rebuilt).
         n_fft, hop_length, n_mels: `torchaudio.transforms.MelSpectrogram` parameters.
         log: store `log(mel + 1e-6)`.
@@ -230,13 +265,18 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.Pa
         length (padded or dropped windows), ragged otherwise (utterances, kept windows).
 
     Raises:
-        TypeError: `dataset` is not a `ChunkedAudioDataset`.
+        TypeError: `dataset` is none of those (a path: open it as a dataset or `ShardSet` first).
+        ShardAudioError, ShardFormatError: a shard sample without audio or at another rate, or a
+            shard that differs from its index.
     """
     from tqdm import tqdm
 
-    if not isinstance(dataset, ChunkedAudioDataset):
-        raise TypeError(f"`dataset` must be a ChunkedAudioDataset (its windows and files are the cache's "
-                        f"inputs), but is {type(dataset).__name__} instead.")
+    if isinstance(dataset, ShardSet):
+        dataset = ShardUtterances(dataset)
+    if not isinstance(dataset, (ChunkedAudioDataset, ShardUtterances)):
+        raise TypeError(f"`dataset` must be a ChunkedAudioDataset, a ShardSet or ShardUtterances, but is "
+                        f"{type(dataset).__name__} instead (for a folder of files: ChunkedAudioDataset(folder); "
+                        "of shards: ShardSet.open(folder)).")
     if dtype not in ("float16", "float32"):
         raise ValueError(f"`dtype` must be 'float16' or 'float32', but is {dtype!r} instead.")
     for name, value in (("n_fft", n_fft), ("hop_length", hop_length), ("n_mels", n_mels)):
@@ -273,7 +313,11 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset, cache_dir: str | os.Pa
                 offsets = np.concatenate(([0], np.cumsum(all_lengths))).astype("<i8")
                 write_synced(build.path / "offsets.bin", offsets.tobytes())
                 layout = "fixed" if len(np.unique(all_lengths)) <= 1 else "ragged"
+                checksum = algorithm()
+                write_item_sums(build.path, "features.bin", offsets * n_mels * np.dtype(dtype).itemsize, checksum)
                 header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
-                          "count": len(dataset), "total_frames": int(offsets[-1]), "layout": layout, **settings}
+                          "count": len(dataset), "total_frames": int(offsets[-1]), "layout": layout, **settings,
+                          "checksum": checksum, "file_checksums": file_checksums(
+                              build.path, ("offsets.bin", "info.bin", "checksums.bin"), checksum)}
             build.publish(header)
     return SpectrogramCache.open(target, fingerprint=fingerprint)

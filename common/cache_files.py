@@ -13,8 +13,9 @@ writes a cache that workers, other ranks or a rerun after a crash will read.
   `build_loader` is the DataLoader of a build pass: its workers die with their parent.
 Cost: one fsync per file and per folder; one JSON read and a `stat` per data file on open.
 Adapt here: nothing; each cache passes its own format name, error type and rebuild hint.
-Trade-off: sizes catch truncation, not bit flips inside a file (no checksum pass on open); a
-build across nodes needs a folder every rank can write (a shared file system).
+Trade-off: sizes catch truncation and the header's own checksum a damaged header (reported as
+damaged, not as stale); bit flips inside data files need `common/cache_checks.py` (per-item
+checksums). A build across nodes needs a folder every rank can write (a shared file system).
 Copy with: common/held_descriptors.py, common/process_lifetime.py.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -105,14 +107,24 @@ def read_header(folder: Path, *, fmt: str, version: int, fingerprint: str | None
     """`folder/header.json`, checked for format, version, fingerprint and `fields`.
 
     Raises:
-        error: unreadable, not an object, another format or version, another fingerprint,
-            or missing fields; the message says how to rebuild.
+        error: missing; damaged (not a JSON object, or a checksum that differs from its
+            content: "damaged"); another format or version, another fingerprint ("built from
+            other inputs"), or missing fields; the message says how to rebuild.
     """
     try:
-        header = json.loads((Path(folder) / "header.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as why:
+        text = (Path(folder) / "header.json").read_bytes()
+    except OSError as why:
         raise error(f"No readable cache at {folder} ({why}); build it with {build_hint}.") from None
-    if not isinstance(header, dict) or not set(fields) <= set(header):
+    try:  # a header whose checksum differs, or lacks one at the current version, is damaged, not stale
+        header = json.loads(text)
+        seal = header.pop("header_sha256", None) if isinstance(header, dict) else None
+        damaged = not isinstance(header, dict) or (seal != _seal(header) and (seal or header.get("version") == version))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        damaged = True
+    if damaged:
+        raise error(f"{folder}/header.json is damaged (not a JSON object, or its checksum differs from its "
+                    f"content); rebuild the cache with {build_hint}.")
+    if not set(fields) <= set(header):
         raise error(f"{folder}/header.json is not a complete cache header; rebuild it with {build_hint}.")
     if header.get("format") != fmt or header.get("version") != version:
         raise error(f"{folder} holds format {header.get('format')} v{header.get('version')}, expected {fmt} "
@@ -120,6 +132,11 @@ def read_header(folder: Path, *, fmt: str, version: int, fingerprint: str | None
     if fingerprint is not None and header.get("fingerprint") != fingerprint:
         raise error(f"{folder} was built from other inputs or settings; rebuild it with {build_hint}.")
     return header
+
+
+def _seal(header: dict) -> str:
+    """The checksum `publish` adds to a header (`header_sha256`): of its other fields."""
+    return hashlib.sha256(json.dumps(header, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def check_size(path: Path, expected: int, error: type[Exception]) -> None:
@@ -390,6 +407,7 @@ class FolderBuild:
         stays and this build is deleted: the first to publish wins."""
         self.barrier()
         if self.rank == 0:
+            header = {**header, "header_sha256": _seal(header)}
             write_synced(self.path / "header.json", json.dumps(header, indent=1).encode("utf-8"))
             replace_dir(self.path, self.target, keep=self._valid)
         self._published = True

@@ -47,7 +47,12 @@ import torch
 from recipes.common import cache_folder
 from recipes.common.cache_files import fsync_path
 from recipes.common.held_descriptors import release
-from recipes.common.object_download import download_whole, file_sha256, verify_download
+from recipes.common.object_download import (
+    ChecksumMismatch,
+    download_whole,
+    file_sha256,
+    verify_download,
+)
 from recipes.common.ranged_download import ConcurrencySearch, NoRangeSupport, download_ranges
 from recipes.common.retries import StopRetrying, call_with_retries
 
@@ -165,8 +170,11 @@ class PrefetchCache:
         with self._running(), cache_folder.key_lock(self.dir, final.name, fcntl.LOCK_EX, pause=self._pause,
                                                     unless=final.exists):
             if cache_folder.touch(final):  # another process or thread finished it while we waited
-                self._count(hits=1)
-                return final
+                if sha256 is None or _matches(final, sha256):  # (a prefetch downloads unverified)
+                    self._count(hits=1)
+                    return final
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(final)
             self._download(url, final, sha256)
         self._count(misses=1, downloaded=final.stat().st_size)
         return final
@@ -299,7 +307,23 @@ class PrefetchCache:
 
     def _download(self, url: str, final: Path, sha256: str | None) -> None:
         fs, remote = self._filesystem(url)
-        call_with_retries(functools.partial(self._attempt, fs, remote, url, final, sha256),
+        mismatches = []
+
+        def attempt() -> None:
+            try:
+                self._attempt(fs, remote, url, final, sha256)
+            except ChecksumMismatch as error:
+                # once: bytes damaged on the wire, worth another download; twice: the stored
+                # object is damaged (or not the one indexed), and backing off will not mend it
+                mismatches.append(error)
+                if len(mismatches) < 2:
+                    raise
+                failure = DownloadError(f"{error}, on two downloads: the object is damaged where it is stored, or "
+                                        "was rewritten since its checksum was recorded (not damage in transit); "
+                                        "rewrite it, or re-index it.")
+                failure.transient = False
+                raise failure from error
+        call_with_retries(attempt,
                           retries=self.retries, backoff=self.backoff, sleep=self._pause,
                           final=lambda attempts, last: DownloadError(
                               f"{url}: failed after {attempts} attempts; last error: {type(last).__name__}: {last}"))

@@ -28,9 +28,10 @@ class StopRetrying(Exception):
 
 def is_transient(error: BaseException) -> bool:
     """Worth retrying: network errors, 5xx, short bodies. Not: missing objects, permissions,
-    refused arguments, a full disk, interrupts, `StopRetrying`."""
+    refused arguments, a full disk, interrupts, `StopRetrying`, an error marked
+    `transient = False` (a checksum that differs again: damage at the source)."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, ValueError, KeyboardInterrupt,
-                          SystemExit, GeneratorExit, StopRetrying)):
+                          SystemExit, GeneratorExit, StopRetrying)) or getattr(error, "transient", None) is False:
         return False
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False

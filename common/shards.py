@@ -18,10 +18,12 @@ Why 64 MiB shards by default: LitData (`chunk_bytes="64MB"`) and MosaicML Stream
 bandwidth, `PrefetchCache` holds a few per worker within a small disk budget, and a 100 GB set
 still has ~1,600 shards for exact splits over ranks x workers.
 
-The index (`index.json`, JSON) per shard: its name, sample count, byte size, sha256 and, for tar,
-each sample's first header offset; for Parquet, rows per row group.
-Copy with: common/object_download.py, common/packed_strings.py, common/shard_formats.py,
-  common/sharded_dataset.py, common/sharding.py.
+The index (`index.json`, JSON, version 2) per shard: its name, sample count, byte size, sha256
+and, for tar, each sample's first header offset, the end of its last sample and each sample's
+xxh3-64; for Parquet, rows per row group and an xxh3-64 per row group and column. Every read checks
+what it serves against it (see `recipes.common.shard_checks`); v1 indexes read, unverified.
+Copy with: common/object_download.py, common/packed_strings.py, common/shard_checks.py,
+  common/shard_formats.py, common/shard_samples.py, common/sharded_dataset.py, common/sharding.py.
 """
 
 from __future__ import annotations
@@ -36,35 +38,47 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from recipes.common.object_download import file_sha256
+from recipes.common.shard_checks import (
+    FORMAT,
+    SUMS,
+    VERSION,
+    ShardIndexError,
+    check_index,
+    check_local_shard,
+    check_versioned,
+    counted,
+    file_digests,
+    parquet_digests,
+    parquet_group_check,
+    tar_range_check,
+)
 from recipes.common.shard_formats import (
-    ShardFormatError,
-    decode_sample,
-    parquet_rows,
     parquet_schema,
     parquet_shard,
     parquet_value,
     read_parquet,
     read_tar,
-    sample_fields,
-    sample_key,
     scan_tar,
     tar_end,
     tar_sample,
 )
+from recipes.common.shard_samples import (
+    ShardFormatError,
+    decode_row,
+    decode_sample,
+    sample_fields,
+    sample_key,
+)
 from recipes.common.sharded_dataset import ShardedIterableDataset
 from recipes.common.sharding import distributed_world
 
-FORMAT, VERSION = "recipes-shards", 1
+__all__ = ["ShardFormatError", "ShardIndexError", "ShardSet", "index_shards", "write_shards"]
 DEFAULT_SHARD_BYTES = 64 * 2**20
 SHARD_NAME = "shard-{:06d}.{}"
 INDEX_NAME = "index.json"
 FORMATS = ("tar", "parquet")
-
-
-class ShardIndexError(ValueError):
-    """An index that is missing, damaged, of another version, or disagrees with its shards."""
 
 
 def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str = "tar",
@@ -75,8 +89,9 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
 
     Args:
         samples: dicts in WebDataset's convention (`"__key__"` plus fields keyed by extension:
-            `"jpg"`: bytes, `"cls"`: int, `"txt"`: str, `"json"`: dict). For Parquet each field
-            is a column, its type set by the first sample. With `distributed`, a sequence
+            `"jpg"`: bytes, `"cls"`: int, `"txt"`: str, `"json"`: dict; a value other than bytes
+            only under a field that reads back as its type: `recipes.common.shard_samples`).
+            For Parquet each field is a column, its type set by the first sample. With `distributed`, a sequence
             (`len` and indexing) that every rank holds the same.
         format: "tar" (WebDataset) or "parquet".
         shard_bytes: a shard is closed before the sample that would take it past this size
@@ -88,7 +103,8 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
 
     Raises:
         ShardFormatError: a sample without a key, a bad key or value (naming the sample key),
-            or a key twice in one shard.
+            a value readers would not give back (an int over 64 bits, an int under "jpg", a
+            field `__x__`), or a key twice in one shard.
         ValueError: bad arguments.
     """
     if format not in FORMATS:
@@ -217,10 +233,11 @@ class _Writer:
             offsets = np.cumsum([0] + [len(blob) for _, blob in pending[:-1]]).tolist() if pending else []
             members = b"".join(blob for _, blob in pending)
             data = members + tar_end(len(members))
-            entry["offsets"] = [int(o) for o in offsets]
+            entry["offsets"], entry["end"] = [int(o) for o in offsets], len(members)
+            entry[SUMS] = [xxhash.xxh3_64_intdigest(blob) for _, blob in pending]
         else:
             data = parquet_shard([row for _, row in pending], self.schema)
-            entry["row_groups"] = _row_groups(data)
+            entry["row_groups"], entry[SUMS], _ = parquet_digests(data)
         entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
         self.publish(name, data)
         return entry
@@ -264,6 +281,11 @@ class _Writer:
                  "samples": int(sum(e["samples"] for e in entries)), "shards": entries}
         if self.schema is not None:
             index["columns"] = [[f.name, str(f.type)] for f in self.schema]
+        elif self.format == "parquet":  # index_shards: others' files, one schema
+            index["columns"] = entries[0].pop("columns") if entries else []
+            if any(e.pop("columns", index["columns"]) != index["columns"] for e in entries):
+                raise ShardFormatError(f"the Parquet files under {self.url} have different columns; an index "
+                                       "describes one schema. Index each schema's files apart.")
         self.publish(INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
 
 
@@ -287,15 +309,6 @@ def _all_gather(obj, world: int) -> list:
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
-
-
-def _row_groups(data: bytes) -> list[int]:
-    import io
-
-    import pyarrow.parquet as pq
-
-    meta = pq.ParquetFile(io.BytesIO(data)).metadata
-    return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
 
 def _protocols(fs) -> tuple:
@@ -333,6 +346,10 @@ class ShardSet:
         self.urls = [f"{self.url}/{e['name']}" for e in self.entries]
         self.lengths = np.array([e["samples"] for e in self.entries], dtype=np.int64)
         self.columns = index.get("columns")
+        # per shard, its samples' xxh3-64s (tar) or its row groups' x columns' (Parquet); None for a
+        # v1 index (its samples are not checked byte for byte)
+        self.checksums = None if index.get("version", VERSION) < 2 else [
+            np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
 
     @classmethod
     def open(cls, url: str | os.PathLike, storage_options: dict | None = None) -> ShardSet:
@@ -351,16 +368,10 @@ class ShardSet:
         except FileNotFoundError:
             raise ShardIndexError(f"{path} does not exist: write the shards with write_shards(), or index shards "
                                   "written by another tool with index_shards() (`recipes shards index`).") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
             raise ShardIndexError(f"{path} is damaged ({error}); rebuild it with index_shards().") from None
-        if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
-            raise ShardIndexError(f"{path} is not a {FORMAT} v{VERSION} index; rebuild it with index_shards().")
-        shards = index.get("shards")
-        if index.get("shard_format") not in FORMATS or not isinstance(shards, list) or not all(
-                isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("samples"), int)
-                and e["samples"] >= 0 for e in shards):
-            raise ShardIndexError(f"{path} is incomplete or damaged (no shard_format, or a shard entry without its "
-                                  "name and sample count); rebuild it with index_shards() or rewrite the shards.")
+        check_index(index, path)
+        check_versioned(index, path)
         return cls(url, index, storage_options)
 
     def __len__(self) -> int:
@@ -376,24 +387,35 @@ class ShardSet:
         file version, unless `verified`: a copy `PrefetchCache.get(url, sha256=)` checked);
         any read must yield the samples the index promises.
 
+        Every sample is checked against the index's checksums (xxh3-64) before it is yielded (a v2 index), on
+        every path: a local file, a cached copy, a remote object read by ranges.
+
         Raises:
             ShardFormatError: a shard that differs from its index (damaged, or rewritten since
-                the index was read), or yields fewer samples than it says.
+                the index was read: its size, sha256, a sample's checksum, offset or count), or a
+                field that does not decode (naming the key and the field).
         """
         entry = self.entries[shard]
         source = path if path is not None else self.urls[shard]
         options = None if path is not None else self.storage_options
         local = "://" not in str(source) or str(source).startswith("file://")
         if local:
-            _check_local(str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified)
+            check_local_shard(str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified)
+        url, crcs = self.urls[shard], None if self.checksums is None else self.checksums[shard]
         if self.format == "tar":
-            items = read_tar(source, start, stop, offsets=entry.get("offsets"), storage_options=options)
-            items = (decode_sample(s) for s in items) if decode else items
+            offsets = entry.get("offsets")
+            check = None if crcs is None or offsets is None else tar_range_check(url, offsets, entry["end"], crcs,
+                                                                                  start, stop)
+            items = read_tar(source, start, stop, offsets=offsets, end=entry.get("end"), check=check,
+                             storage_options=options)
+            items = (decode_sample(s, url) for s in items) if decode else items
         else:
-            items = read_parquet(source, start, stop, columns=columns, storage_options=options)
-            items = (_decoded_row(r, self.columns) for r in items) if decode else items
+            check = parquet_group_check(url, self.columns, None if crcs is None else crcs.tolist())
+            items = read_parquet(source, start, stop, columns=columns, row_groups=entry["row_groups"], check=check,
+                                 storage_options=options)
+            items = (decode_row(r, url) for r in items) if decode else items
         want = max(0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start)
-        return _counted(items, want, self.urls[shard])
+        return counted(items, want, url)
 
     def dataset(self, *, cache=None, shuffle: bool = True, seed: int = 0, even: bool = True,
                 split: str = "samples", decode: bool = True, columns: Sequence[str] | None = None,
@@ -431,36 +453,6 @@ class _ShardReader:
         return items if self.transform is None else map(self.transform, items)
 
 
-def _check_local(path: str, entry: dict, url: str, *, hash: bool = True) -> None:
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise ShardFormatError(f"{url} is missing (its index lists it); rewrite the shards or re-index them.") from None
-    if "bytes" in entry and info.st_size != entry["bytes"]:
-        raise ShardFormatError(f"{url} is {info.st_size:,} bytes but its index says {entry['bytes']:,}: damaged, or "
-                               "rewritten since the index was read. Rewrite the shards (or re-index them).")
-    if hash and entry.get("sha256"):
-        if file_sha256(path, info) != entry["sha256"]:
-            raise ShardFormatError(f"{url} does not match its index (sha256): damaged, or rewritten by another "
-                                   "writer since the index was read. Rewrite the shards (or re-index them).")
-
-
-def _counted(items, want: int, url: str):
-    """`items`, raising if they end before `want` samples (a shard cut short)."""
-    got = 0
-    for item in items:
-        got += 1
-        yield item
-    if got < want:
-        raise ShardFormatError(f"{url} gave {got} samples where its index says {want}: cut short or damaged. "
-                               "Rewrite the shards (or re-index them).")
-
-
-def _decoded_row(row: dict, columns) -> dict:
-    """JSON columns (written from dicts/lists) are text in Parquet: decoded by field name."""
-    return {k: (json.loads(v) if k == "json" and isinstance(v, str) else v) for k, v in row.items()}
-
-
 def index_shards(urls: Sequence[str], *, url: str | None = None, storage_options: dict | None = None,
                  progress: bool = True) -> ShardSet:
     """Indexes existing shards (tars in WebDataset's layout, or Parquet files) by one scan each
@@ -490,18 +482,17 @@ def index_shards(urls: Sequence[str], *, url: str | None = None, storage_options
     shard_format = formats.pop()
     entries = []
     for u in tqdm(urls, disable=not progress, desc="indexing shards", unit="shard"):
-        with fsspec.open(u, "rb", **(storage_options or {})) as f:
-            digest, size = hashlib.sha256(), 0
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-                size += len(chunk)
         entry: dict[str, Any] = {"name": u.rsplit("/", 1)[1]}
-        if shard_format == "tar":
-            entry["samples"], entry["offsets"] = scan_tar(u, storage_options)
+        if shard_format == "tar":  # the headers, then every byte once: sha256 and each sample's xxh3-64
+            entry["samples"], entry["offsets"], entry["end"] = scan_tar(u, storage_options)
+            with fsspec.open(u, "rb", **(storage_options or {})) as f:
+                entry["bytes"], entry["sha256"], entry[SUMS] = file_digests(f, [*entry["offsets"], entry["end"]])
         else:
-            entry["row_groups"] = parquet_rows(u, storage_options)
+            with fsspec.open(u, "rb", **(storage_options or {})) as f:
+                entry["bytes"], entry["sha256"], _ = file_digests(f, [])
+                f.seek(0)
+                entry["row_groups"], entry[SUMS], entry["columns"] = parquet_digests(f, u)
             entry["samples"] = int(sum(entry["row_groups"]))
-        entry["bytes"], entry["sha256"] = size, digest.hexdigest()
         entries.append(entry)
     writer = _Writer(folder, shard_format, DEFAULT_SHARD_BYTES, storage_options)
     writer.publish_index(entries)

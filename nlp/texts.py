@@ -1,13 +1,19 @@
-"""Text inputs for the token cache: a list of strings, a .txt, .jsonl or .parquet file or fsspec
-URL, or a Hugging Face `datasets.Dataset`.
+"""Text inputs for the token cache: a list of strings; a .txt, .jsonl or .parquet file or fsspec
+URL; a folder, a glob or a list of `pathlib.Path`s of such files; a `ShardSet` (or its folder);
+or a Hugging Face `datasets.Dataset`.
 
 Use when: reading a corpus line by line (or row by row) with errors that point at the line.
 Cost: streaming; files are read twice when a cache is built (once to hash, once to tokenize);
-a Parquet file row group by row group, only the `text_field` column.
+a Parquet file row group by row group, only the `text_field` column. A shard set is hashed from
+its index (each shard's sha256: no read) and each shard is checked against it as it is read.
 Adapt here: `_parse_line` for another format.
 Trade-off: one sample per line; multi-line samples need `.jsonl` or Parquet. A `datasets.Dataset`
-is hashed by its own fingerprint when it has one (else by its texts).
-Copy with: nothing.
+is hashed by its own fingerprint when it has one (else by its texts). A list of strings is
+texts, never paths: one whose strings are all existing paths is refused (issue 27); pass
+`Path`s, a folder or a glob to read files.
+Copy with: common/object_download.py, common/packed_strings.py, common/shard_checks.py,
+  common/shard_content.py, common/shard_formats.py, common/shard_samples.py,
+  common/sharded_dataset.py, common/sharding.py, common/shards.py.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 
 _KINDS = (".txt", ".jsonl", ".parquet")
@@ -24,29 +31,82 @@ class TextSource:
     """Samples from `texts` (see `build_token_cache`), in batches, with a content hash."""
 
     def __init__(self, texts, *, text_field: str = "text"):
+        from recipes.common.shards import ShardSet
+
         self.text_field = text_field
-        if isinstance(texts, (str, os.PathLike)):
+        self.url = self.strings = self.shards = self.files = None
+        if isinstance(texts, ShardSet):
+            self._take_shards(texts)
+        elif isinstance(texts, (str, os.PathLike)):
             self.url = os.fspath(texts)
-            self.kind = _kind(self.url)
-            self.strings = None
+            self._take_url()
         elif _is_hf_dataset(texts):
             if text_field not in texts.column_names:
                 raise ValueError(f"the dataset has no column {text_field!r} (its columns: {texts.column_names}); "
                                  "pass text_field= with the right name.")
-            self.url, self.kind, self.strings = None, "datasets", texts
+            self.kind, self.strings = "datasets", texts
+        elif isinstance(texts, Sequence) and len(texts) and all(isinstance(t, os.PathLike) for t in texts):
+            self.kind, self.files = "files", [TextSource(t, text_field=text_field) for t in texts]
         elif isinstance(texts, Sequence):
-            self.url, self.kind, self.strings = None, "strings", texts
+            _refuse_paths(texts)
+            self.kind, self.strings = "strings", texts
         else:
-            raise ValueError(f"`texts` must be a sequence of strings, a path or a URL, but is "
+            raise ValueError(f"`texts` must be a sequence of strings, a path, a URL or a ShardSet, but is "
                              f"{type(texts).__name__} instead.")
 
+    def _take_url(self) -> None:
+        """A file (by its suffix), else a glob, a shard set's folder or a folder of text files."""
+        # "?" starts a URL's query, a glob pattern only in a local path
+        magic = any(c in self.url for c in "*[") or ("?" in self.url and "://" not in self.url)
+        if not magic and _known(self.url):
+            self.kind = _kind(self.url)
+            return
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(self.url)
+        if not magic and not fs.isdir(path):
+            _kind(self.url)  # raises: an unknown file type
+        if not magic and fs.exists(f"{path.rstrip('/')}/index.json"):
+            from recipes.common.shards import ShardSet
+
+            self._take_shards(ShardSet.open(self.url))
+            return
+        found = sorted(fs.glob(path) if magic else fs.ls(path, detail=False))
+        names = [p for p in found if _known(p) and not p.rstrip("/").rsplit("/", 1)[-1].startswith((".", "_"))]
+        if not names:
+            raise ValueError(f"{self.url}: no .txt, .jsonl or .parquet files {'match' if magic else 'in it'} "
+                             f"({len(found)} other entries); pass a file, a folder or a glob of text files, "
+                             "or ShardSet.open(url) for shards.")
+        if not magic and any(re.fullmatch(r"shard-\d{6}\.\w+", n.rsplit("/", 1)[-1]) for n in names):
+            raise ValueError(f"{self.url} holds shards but no index.json (a write_shards() in progress, or "
+                             "killed midway): rerun write_shards(), or index_shards() for other tools' shards.")
+        local = "://" not in self.url
+        self.kind = "files"
+        self.files = [TextSource(p if local else fs.unstrip_protocol(p), text_field=self.text_field)
+                      for p in names]
+
+    def _take_shards(self, shards) -> None:
+        if shards.format == "parquet" and shards.columns and self.text_field not in [c for c, _ in shards.columns]:
+            raise ValueError(f"{shards.url}: its shards have no column {self.text_field!r} (their columns: "
+                             f"{[c for c, _ in shards.columns]}); pass text_field= with the right name.")
+        self.kind, self.shards, self.url = "shards", shards, shards.url
+
     def describe(self) -> str:
-        return self.url if self.url is not None else f"<{len(self.strings)} {self.kind}>"
+        if self.url is not None:
+            return self.url
+        return f"<{len(self.files)} files>" if self.files is not None else f"<{len(self.strings)} {self.kind}>"
 
     def content_hash(self) -> str:
-        field = self.text_field if self.kind in (".jsonl", ".parquet", "datasets") else ""
+        field = self.text_field if self.kind in (".jsonl", ".parquet", "datasets", "shards") else ""
         digest = hashlib.sha256(f"{self.kind}|{field}|".encode())
-        if self.kind == "datasets" and getattr(self.strings, "_fingerprint", None):
+        if self.shards is not None:  # from the index: no shard is read
+            from recipes.common.shard_content import content_hash
+
+            digest.update(content_hash(self.shards, field).encode())
+        elif self.files is not None:  # each file's own hash, in order
+            for part in self.files:
+                digest.update(part.content_hash().encode())
+        elif self.kind == "datasets" and getattr(self.strings, "_fingerprint", None):
             digest.update(str(self.strings._fingerprint).encode())
         elif self.kind == "datasets":
             for text in self._samples():
@@ -86,6 +146,16 @@ class TextSource:
             return
         if self.strings is not None:
             yield from self.strings
+            return
+        if self.files is not None:  # `wanted` counts samples across the files
+            done = 0
+            for part in self.files:
+                for text in part._samples(lambda k, before=done: wanted(before + k)):
+                    done += 1
+                    yield text
+            return
+        if self.shards is not None:
+            yield from self._shard_samples()
             return
         if self.kind == ".parquet":
             yield from self._parquet_rows()
@@ -139,6 +209,19 @@ class TextSource:
                     yield self._checked(text, f"row {row}")
                     row += 1
 
+    def _shard_samples(self) -> Iterator[str]:
+        from recipes.common.shard_content import read_checked
+
+        columns = [self.text_field] if self.shards.format == "parquet" else None
+        for shard, url in enumerate(self.shards.urls):
+            for sample in read_checked(self.shards, shard, columns=columns):
+                where = f"shard {url.rsplit('/', 1)[-1]}, sample {sample.get('__key__')!r}"
+                if self.text_field not in sample:
+                    raise ValueError(f"{self.url}, {where}: no field {self.text_field!r} (found "
+                                     f"{sorted(k for k in sample if k != '__key__')}); pass text_field= with the "
+                                     "right name.")
+                yield self._checked(sample[self.text_field], where)
+
     def _checked(self, value, where: str) -> str:
         if not isinstance(value, str):
             raise ValueError(f"{self.describe()}, {where}: field {self.text_field!r} is {type(value).__name__}, "
@@ -156,6 +239,26 @@ def _is_hf_dataset(texts) -> bool:
     return type(texts).__module__.startswith("datasets.") and hasattr(texts, "column_names")
 
 
+def _refuse_paths(texts: Sequence) -> None:
+    """A list of strings that all name existing paths is files passed by mistake: tokenizing it
+    would cache the paths themselves (issue 27). Stops at the first string that is not a path."""
+    if not len(texts) or not all(isinstance(t, str) and os.path.exists(t) for t in texts):
+        return
+    shown = ", ".join(repr(t) for t in list(texts[:2]))
+    more = ", ..." if len(texts) > 2 else ""
+    raise ValueError(f"`texts` is {len(texts)} strings that are all existing paths ({shown}{more}): a list of strings is tokenized as texts, so this would tokenize the paths. To read the "
+                     "files, pass them as `pathlib.Path`s ([Path(p) for p in paths]), their folder, or a glob such "
+                     "as 'data/*.parquet'; pass shards as ShardSet.open(url) or their folder.")
+
+
+def _known(url: str) -> bool:
+    try:
+        _kind(url)
+    except ValueError:
+        return False
+    return True
+
+
 def _kind(url: str) -> str:
     name = url.split("?")[0].lower()
     for compression in (".gz", ".bz2", ".xz", ".zst"):
@@ -165,4 +268,5 @@ def _kind(url: str) -> str:
         if name.endswith(kind):
             return kind
     raise ValueError(f"{url}: unknown text file type; use .txt (one sample per line), .jsonl "
-                     "(one JSON object per line) or .parquet (`text_field` column), or pass a list of strings.")
+                     "(one JSON object per line) or .parquet (`text_field` column), a folder or glob of them, a shard set's "
+                     "folder, or a list of strings.")

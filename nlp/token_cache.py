@@ -17,13 +17,18 @@ renamed into place; split over the ranks of a process group with `distributed=Tr
                  "num_tokens", "dtype", ...}
   tokens.bin    uint16/uint32 x num_tokens, all samples back to back
   offsets.bin   int64 x (count + 1); sample i is tokens[offsets[i]:offsets[i + 1]]
+  checksums.bin uint64 x count: sample i's checksum, checked when read (`verify=`: "first_read"
+                per process by default, "always" or "never"; `recipes.common.cache_checks`)
+The header holds its own checksum and those of `offsets.bin` and `checksums.bin` (checked on open).
 
 The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in the parent
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
 workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
-Copy with: common/cache_files.py, common/held_descriptors.py, common/packed_strings.py,
-  common/process_lifetime.py, nlp/texts.py.
+Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py, common/object_download.py,
+  common/packed_strings.py, common/process_lifetime.py, common/shard_checks.py,
+  common/shard_content.py, common/shard_formats.py, common/shard_samples.py,
+  common/sharded_dataset.py, common/sharding.py, common/shards.py, nlp/texts.py.
 """
 
 from __future__ import annotations
@@ -40,12 +45,21 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from recipes.common.cache_checks import (
+    ItemChecks,
+    VerifyMode,
+    algorithm,
+    file_checksums,
+    read_checked,
+    write_item_sums,
+)
 from recipes.common.cache_files import FolderBuild, LazyMap, check_size, read_header
 from recipes.common.packed_strings import resolve_index, resolve_indices
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-sample checksums, a header checksum
+_BUILD_HINT = "build_token_cache() or `recipes cache nlp`"
 
 
 class TokenCacheError(ValueError):
@@ -67,7 +81,8 @@ class TokenCache(Dataset):
 
     recommended_profile = "text"
 
-    def __init__(self, path: Path, header: dict, offsets: np.ndarray):
+    def __init__(self, path: Path, header: dict, offsets: np.ndarray, sums: np.ndarray,
+                 verify: VerifyMode = "first_read"):
         self.path = Path(path)
         self.header = header
         self.offsets = offsets
@@ -75,19 +90,23 @@ class TokenCache(Dataset):
         # copy-on-write: writable views for torch, the file is never written
         self._tokens = LazyMap(self.path / "tokens.bin", np.dtype(header["dtype"]).newbyteorder("<"),
                                (int(header["num_tokens"]),), mode="c", error=TokenCacheError)
+        self.checks = ItemChecks(self.path / "tokens.bin", sums, header["checksum"], verify=verify, error=TokenCacheError,
+                                 hint=_BUILD_HINT, label="sample")
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None) -> TokenCache:
-        """Opens and validates a cache folder (header, sizes, offsets).
+    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None,
+             verify: VerifyMode = "first_read") -> TokenCache:
+        """Opens and validates a cache folder (header, sizes, checksums of the small files,
+        offsets); `verify` says when a sample is checked as it is read.
 
         Raises:
-            TokenCacheError: missing, truncated, corrupt, another format version, or (with
+            TokenCacheError: missing, truncated, damaged, another format version, or (with
                 `fingerprint`) built from other inputs; the message says to rebuild.
         """
         path = Path(cache_dir)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
-                             error=TokenCacheError, build_hint="build_token_cache() or `recipes cache nlp`",
-                             fields=("count", "num_tokens", "dtype"))
+                             error=TokenCacheError, build_hint=_BUILD_HINT,
+                             fields=("count", "num_tokens", "dtype", "checksum", "file_checksums"))
         try:
             count, num_tokens = int(header["count"]), int(header["num_tokens"])
             itemsize = np.dtype(header["dtype"]).itemsize
@@ -95,10 +114,12 @@ class TokenCache(Dataset):
             raise TokenCacheError(f"{path}/header.json has invalid fields; rebuild the cache.") from None
         check_size(path / "tokens.bin", num_tokens * itemsize, TokenCacheError)
         check_size(path / "offsets.bin", (count + 1) * 8, TokenCacheError)
-        offsets = np.fromfile(path / "offsets.bin", dtype="<i8")
+        check_size(path / "checksums.bin", count * 8, TokenCacheError)
+        offsets = read_checked(path, "offsets.bin", "<i8", header, TokenCacheError, _BUILD_HINT)
+        sums = read_checked(path, "checksums.bin", "<u8", header, TokenCacheError, _BUILD_HINT)
         if offsets[0] != 0 or offsets[-1] != num_tokens or (count and (np.diff(offsets) < 0).any()):
             raise TokenCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
-        return cls(path, header, offsets)
+        return cls(path, header, offsets, sums, verify)
 
     @property
     def fingerprint(self) -> str:
@@ -117,11 +138,15 @@ class TokenCache(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         i = resolve_index(index, len(self), f"the {len(self)} samples in {self.path}")
         ids = self._map()[self.offsets[i] : self.offsets[i + 1]]
+        if self.checks.needed(i):
+            self.checks.check(i, ids)
         return {"input_ids": torch.from_numpy(ids.astype(np.int64))}
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """A whole batch with one gather from the memory map; items are views of one tensor."""
         idx = resolve_indices(indices, len(self), f"the {len(self)} samples in {self.path}")
+        for i in self.checks.pending(idx).tolist():  # each sample's first read in this process, by default
+            self.checks.check(i, self._map()[self.offsets[i] : self.offsets[i + 1]])
         starts, lengths = self.offsets[idx], self.lengths[idx]
         # positions of every token of the batch: each start, then +1 within its sample
         shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
@@ -181,8 +206,13 @@ def build_token_cache(
     Args:
         texts: a sequence of strings, a `.txt` file (one sample per line), a `.jsonl` file
             (`text_field` of each line, also `.gz`/`.zst`...), a `.parquet` file (its
-            `text_field` column), an fsspec URL of any of them (`s3://`, `https://`, ...), or a
-            Hugging Face `datasets.Dataset` (its `text_field` column; not a dependency).
+            `text_field` column), an fsspec URL of any of them (`s3://`, `https://`, ...); a
+            folder of such files, a glob (`"data/*.parquet"`) or a list of `pathlib.Path`s,
+            read in sorted (or list) order; a `ShardSet` or its folder (`write_shards` output,
+            tar or Parquet: the `text_field` field or column; keyed on the index's sha256s,
+            each shard checked against them as it is read); or a Hugging Face
+            `datasets.Dataset` (its `text_field` column; not a dependency). A list of strings
+            is always texts: one whose strings are all existing paths is refused.
         tokenizer: a `transformers` tokenizer (fast is best; a slow one works, with a warning).
         cache_dir: the cache folder; replaced atomically when rebuilt.
         max_length: truncate to this many tokens (special tokens included), as
@@ -201,7 +231,10 @@ def build_token_cache(
 
     Raises:
         ValueError: invalid UTF-8 (naming the file and line), a `.jsonl` line without
-            `text_field` or not JSON (naming the line), or an unknown file type.
+            `text_field` or not JSON (naming the line), an unknown file type, a folder or glob
+            without text files, or a list of strings that are all existing paths.
+        ShardIndexError, ShardFormatError: a shard set without a valid index, or a shard
+            that differs from it.
     """
     from tqdm import tqdm
 
@@ -223,9 +256,14 @@ def build_token_cache(
             _write_part(source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar)
             count, num_tokens = map(sum, zip(*build.gather(_part_totals(build)), strict=True))
             build.barrier()  # every part is complete
+            checksum, files = build.gather(algorithm())[0], None
             if build.rank == 0:
                 _join_parts(build, batch_size, dtype)
+                offsets = np.fromfile(build.path / "offsets.bin", "<i8")
+                write_item_sums(build.path, "tokens.bin", offsets * dtype.itemsize, checksum)
+                files = file_checksums(build.path, ("offsets.bin", "checksums.bin"), checksum)
             build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
+                           "checksum": checksum, "file_checksums": files,
                            "count": int(count), "num_tokens": int(num_tokens), "dtype": dtype.name,
                            "max_length": max_length, "add_special_tokens": add_special_tokens,
                            "vocab_size": len(tokenizer), "tokenizer": type(tokenizer).__name__,

@@ -1,4 +1,5 @@
-"""`recipes cache DOMAIN ...`: build a domain's cache from the command line, with a progress bar."""
+"""`recipes cache DOMAIN ...`: build a domain's cache from the command line, with a progress bar;
+`recipes cache verify DIR`: check every item of one (exit status 1 naming the damaged ones)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vision.set_defaults(handler=run_vision)
 
     nlp = domains.add_parser("nlp", help="tokenize a corpus once into a memory-mapped token cache")
-    nlp.add_argument("texts", help=".txt (one sample per line) or .jsonl file, local or an fsspec URL")
+    nlp.add_argument("texts", help=".txt (one sample per line), .jsonl or .parquet file, a folder or glob of "
+                     "them, or a shard set's folder; local or an fsspec URL")
     nlp.add_argument("tokenizer_dir", type=Path, help="a saved tokenizer folder (tokenizer.json, ...)")
     nlp.add_argument("cache_dir", type=Path, help="the cache folder (replaced atomically)")
     nlp.add_argument("--max-length", type=int, default=None, help="truncate samples to N tokens")
@@ -26,13 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     nlp.set_defaults(handler=run_nlp)
 
     audio = domains.add_parser("audio", help="compute log-mel features of a folder of audio once")
-    audio.add_argument("audio_dir", type=Path, help="folder searched recursively for WAV/FLAC/OGG files")
+    audio.add_argument("audio_dir", type=Path, help="folder searched recursively for WAV/FLAC/OGG files, or a shard set's "
+                       "folder (index.json; one item per sample)")
     audio.add_argument("cache_dir", type=Path, help="the cache folder (replaced atomically)")
     audio.add_argument("--chunk-seconds", type=float, default=None, help="window length (default: whole files)")
     audio.add_argument("--sample-rate", type=int, default=None, help="resample to this rate")
     audio.add_argument("--n-mels", type=int, default=80)
     audio.add_argument("--workers", type=int, default=None, help="feature workers (default: smart_num_workers)")
     audio.set_defaults(handler=run_audio)
+
+    verify = domains.add_parser("verify", help="check every item of a cache folder against its checksums")
+    verify.add_argument("cache_dir", type=Path, help="a cache folder, or a folder of image caches (images-*)")
+    verify.set_defaults(handler=run_verify)
 
 
 def run_vision(args: argparse.Namespace) -> int:
@@ -61,10 +68,23 @@ def run_nlp(args: argparse.Namespace) -> int:
 
 
 def run_audio(args: argparse.Namespace) -> int:
-    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache
+    from recipes.audio import ChunkedAudioDataset, ShardUtterances, build_spectrogram_cache
+    from recipes.common.shards import ShardSet
 
-    dataset = ChunkedAudioDataset(args.audio_dir, chunk_seconds=args.chunk_seconds, sample_rate=args.sample_rate)
+    if (args.audio_dir / "index.json").is_file():  # shards (issue 27): utterances, no windows
+        if args.chunk_seconds is not None:
+            raise ValueError("--chunk-seconds does not apply to shards (one item per sample); cut windows before "
+                             "writing the shards.")
+        dataset = ShardUtterances(ShardSet.open(args.audio_dir), sample_rate=args.sample_rate)
+    else:
+        dataset = ChunkedAudioDataset(args.audio_dir, chunk_seconds=args.chunk_seconds, sample_rate=args.sample_rate)
     cache = build_spectrogram_cache(dataset, args.cache_dir, n_mels=args.n_mels, num_workers=args.workers)
     print(f"{cache.path}: {len(cache)} items, {cache.n_mels} mels, {cache.header['layout']} layout, "
           f"{int(cache.lengths.sum()):,} frames")
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from recipes.cache_verify import run
+
+    return run(args)

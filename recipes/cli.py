@@ -16,6 +16,7 @@ BENCHES = {
     "audio": "recipes.bench.audio",
     "remote": "recipes.bench.remote",
     "shards": "recipes.bench.shards",
+    "verify": "recipes.bench.verify_cost",
     "train": "recipes.bench.train",
 }
 

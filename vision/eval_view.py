@@ -17,15 +17,18 @@ the whole images until `build_image_cache` adds that view.
 
 Files, beside the cache's own in `images-<fingerprint[:24]>/`:
   eval-<h>x<w>-crop<pct>.bin    uint8 N x h x w x 3, image i at byte i * h * w * 3
-  eval-<h>x<w>-crop<pct>.json   {"format", "version", "fingerprint", "count", "size", "crop_pct"}
-The `.bin` and `.json` are written to temp files (`.<name>.<host>.<pid>.{data,json}.tmp`,
-swept when their builder on this host is dead) and fsynced; under the cache folder's lock,
-unless a valid view appeared meanwhile, the `.bin` is renamed into place first and the `.json`,
-renamed last, commits it. A view whose header names another cache fingerprint, count or size,
-or whose data file has another size, is not served (and is rebuilt by the next
-`build_image_cache`).
-Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py,
-  vision/crop.py, vision/decode.py.
+  eval-<h>x<w>-crop<pct>.sums   uint64 x N, image i's checksum (`recipes.common.cache_checks`)
+  eval-<h>x<w>-crop<pct>.json   {"format", "version", "fingerprint", "count", "size", "crop_pct",
+                                 "checksum", "sums_checksum", "header_sha256"}
+They are written to temp files (`.<name>.<host>.<pid>.{data,sums,json}.tmp`, swept when their
+builder on this host is dead) and fsynced; under the cache folder's lock, unless a valid view
+appeared meanwhile, the `.bin` and `.sums` are renamed into place first and the `.json`,
+renamed last, commits them. A view whose header is damaged or names another cache
+fingerprint, count or size, or whose data file has another size or sums file another
+checksum, is not opened (`eval_view_of` warns, naming it, and the next `build_image_cache`
+rebuilds it); an image whose row differs from its checksum raises the cache's error when read.
+Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
+  common/process_lifetime.py, vision/crop.py, vision/decode.py.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.common.cache_checks import ItemChecks, VerifyMode, algorithm, file_checksum, hasher
 from recipes.common.cache_files import (
     LazyMap,
     _host,
+    _seal,
     build_loader,
     folder_lock,
     fsync_path,
@@ -49,7 +54,7 @@ from recipes.vision.crop import _resized, resize_side
 from recipes.vision.decode import decode_image, resize_uint8
 
 FORMAT = "recipes-image-eval-view"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-image checksums, a header checksum
 
 
 def eval_image(decoded: np.ndarray, size: tuple[int, int], crop_pct: float):
@@ -81,34 +86,61 @@ def view_name(size: tuple[int, int], crop_pct: float) -> str:
 
 class EvalView:
     """An opened eval view: `read_into(out, i)` fills `out` (uint8 `[h, w, 3]`, C-contiguous)
-    with image `i` in one `preadv`."""
+    with image `i` in one `preadv`, checked by `checks` (`checks.verify` says when)."""
 
-    def __init__(self, folder: Path, name: str, size: tuple[int, int], count: int, error: type[Exception]):
-        self.path, self.size, self.count = folder / f"{name}.bin", size, count
+    def __init__(self, folder: Path, name: str, size: tuple[int, int], count: int, error: type[Exception],
+                 checks: ItemChecks):
+        self.path, self.size, self.count, self.checks = folder / f"{name}.bin", size, count, checks
         self._rows = LazyMap(self.path, np.uint8, (count, size[0], size[1], 3), mode="c", error=error)
 
     def read_into(self, out: np.ndarray, index: int) -> np.ndarray:
-        return self._rows.read_into(out, index * self.size[0] * self.size[1] * 3)
+        """Raises: the cache's error: the row differs from its checksum (a damaged view)."""
+        self._rows.read_into(out, index * self.size[0] * self.size[1] * 3)
+        if self.checks.needed(index):  # `out` may be a list of row buffers (device_crop.py)
+            self.checks.check(index, *(out if isinstance(out, list) else [out]))
+        return out
 
     def __repr__(self) -> str:
         return f"EvalView({str(self.path)!r}, n={self.count}, size={self.size})"
 
 
 def open_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, int], crop_pct: float,
-                   error: type[Exception]) -> EvalView | None:
+                   error: type[Exception], verify: VerifyMode = "first_read") -> EvalView | None:
     """The view of `size` in the cache `folder`, or None when there is none that matches
-    (another fingerprint, count or size, an unreadable header, a data file of another size)."""
+    (`find_eval_view` says why)."""
+    return find_eval_view(folder, fingerprint, count, size, crop_pct, error, verify)[0]
+
+
+def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, int], crop_pct: float,
+                   error: type[Exception], verify: VerifyMode = "first_read") -> tuple[EvalView | None, str]:
+    """`(view, "")`, or `(None, why)`: none, damaged (its header or sums file), for another
+    cache, count or size, an older format, or a data file of another size."""
     name = view_name(size, crop_pct)
     try:
-        header = json.loads((folder / f"{name}.json").read_text())
-        matches = (header.get("format") == FORMAT and header.get("version") == FORMAT_VERSION
-                   and header.get("fingerprint") == fingerprint and header.get("count") == count
-                   and tuple(header.get("size", ())) == tuple(size))
-        if not matches or (folder / f"{name}.bin").stat().st_size != count * size[0] * size[1] * 3:
-            return None
-    except (OSError, ValueError):
-        return None
-    return EvalView(folder, name, tuple(size), count, error)
+        header = json.loads((folder / f"{name}.json").read_bytes())
+    except FileNotFoundError:
+        return None, f"there is no {name}.json"
+    except (OSError, ValueError) as why:
+        return None, f"{name}.json is damaged ({why})"
+    seal = header.pop("header_sha256", None) if isinstance(header, dict) else None
+    if not isinstance(header, dict) or (seal != _seal(header) and (seal or header.get("version") == FORMAT_VERSION)):
+        return None, f"{name}.json is damaged (its checksum differs from its content)"
+    if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
+        return None, f"{name}.json is of an older format (v{header.get('version')}, expected v{FORMAT_VERSION})"
+    if (header.get("fingerprint"), header.get("count"), tuple(header.get("size", ()))) != (fingerprint, count,
+                                                                                            tuple(size)):
+        return None, f"{name}.json was built for another cache, count or size"
+    try:
+        if (folder / f"{name}.bin").stat().st_size != count * size[0] * size[1] * 3:
+            return None, f"{name}.bin is truncated or of another size"
+        sums = (folder / f"{name}.sums").read_bytes()
+        if f"{hasher(header['checksum'], error)(sums):016x}" != header.get("sums_checksum") or len(sums) != 8 * count:
+            return None, f"{name}.sums is damaged (its checksum differs from the header's)"
+    except (OSError, KeyError, error) as why:
+        return None, f"{name} is incomplete or unreadable ({why})"
+    checks = ItemChecks(folder / f"{name}.bin", np.frombuffer(sums, "<u8"), header["checksum"], verify=verify,
+                        error=error, hint="build_image_cache() on an eval dataset of this size", label="image")
+    return EvalView(folder, name, tuple(size), count, error, checks), ""
 
 
 def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
@@ -120,34 +152,59 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
     size, count = dataset.resolution, len(dataset)
     name = view_name(size, dataset.CROP_PCT)
     sweep_dead_temps(folder, "eval-*")  # left by a builder killed midway
-    temp = folder / f".{name}.{_host()}.{os.getpid()}.data.tmp"
-    temp_header = folder / f".{name}.{_host()}.{os.getpid()}.json.tmp"
+    temp, temp_sums, temp_header = (folder / f".{name}.{_host()}.{os.getpid()}.{kind}.tmp"
+                                    for kind in ("data", "sums", "json"))
     loader = build_loader(_EvalItems(dataset), num_workers=num_workers, batch_size=16, collate_fn=list)
+    checksum = algorithm()
+    hash_, sums = hasher(checksum), np.zeros(count, "<u8")
     try:
         with open(temp, "wb") as out, tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar:
+            done = 0
             for images in loader:
                 for image in images:
-                    out.write(np.ascontiguousarray(image.permute(1, 2, 0).numpy()).tobytes())
+                    row = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+                    out.write(row.tobytes())
+                    sums[done], done = hash_(row), done + 1
                 bar.update(len(images))
             out.flush()
             os.fsync(out.fileno())
+        write_synced(temp_sums, sums.tobytes())
         header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-                  "size": list(size), "crop_pct": dataset.CROP_PCT}
-        write_synced(temp_header, json.dumps(header).encode())
+                  "size": list(size), "crop_pct": dataset.CROP_PCT, "checksum": checksum,
+                  "sums_checksum": file_checksum(temp_sums, checksum)}
+        write_synced(temp_header, json.dumps({**header, "header_sha256": _seal(header)}).encode())
         # Another process may be committing the same view: the check and the commit happen under
         # the cache folder's lock, so a view that became valid meanwhile (and may be open in a
         # reader) is kept, and an invalid one (a crashed or damaged build's) is replaced.
         with folder_lock(folder):
             if open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error) is None:
                 os.replace(temp, folder / f"{name}.bin")
+                os.replace(temp_sums, folder / f"{name}.sums")
                 os.replace(temp_header, folder / f"{name}.json")  # the header commits the data
                 fsync_path(folder)
     finally:
-        temp.unlink(missing_ok=True)
-        temp_header.unlink(missing_ok=True)
+        for path in (temp, temp_sums, temp_header):
+            path.unlink(missing_ok=True)
     view = open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error)
     assert view is not None, f"the eval view {name} just written in {folder} did not open"
     return view
+
+
+def ensure_eval_view(dataset, cache, *, builder: bool, distributed: bool, num_workers: int | None,
+                     progress: bool, error: type[Exception]) -> None:
+    """After a cache build: the eval view of an eval `dataset`'s resolution in `cache`'s
+    folder, built by the `builder` rank unless a valid one is there (the others wait)."""
+    dataset._views.clear()
+    if open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
+                      error) is None:
+        if builder:
+            build_eval_view(dataset, cache.path, cache.fingerprint, num_workers=num_workers, progress=progress,
+                            error=error)
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+    dataset._views.clear()
 
 
 class _EvalItems:

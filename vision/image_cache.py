@@ -7,34 +7,34 @@ uint8 file of variable-size records. Train crops are drawn over the whole stored
 follow torchvision's `RandomResizedCrop` on the original (scale and ratio relative to its area
 and aspect) and reach its borders; eval crops come from the same record.
 Cost: one decode per image at build (DataLoader workers, split over the ranks with
-`distributed=True`); then per item a crop from a memory map: only a crop's rows are read.
+`distributed=True`); then per item a crop from a memory map: only a crop's rows are read, but
+an image is read whole and hashed at its first read in a process (its check, below).
 Adapt here: `max_side` (an `ImageFolderFast` argument); `decode_stored` for how an image is
 stored (change `FORMAT_VERSION` with it).
-Trade-off: about `max_side^2 * 3 * 0.75` bytes per 4:3 image (450 KB at 448: use local NVMe,
-or a smaller `max_side` for large datasets).
-
+Trade-off: about `max_side^2 * 3 * 0.75` bytes per 4:3 image (450 KB at 448: local NVMe).
 Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.cache_files` protocol):
-  header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count",
-                 "max_side", "skipped", "root"}
+  header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count", "max_side",
+                 "skipped", "root", "checksum", "file_checksums", "header_sha256"}
   labels.bin    int64 x N
   shapes.bin    int32 x N x 2 (h, w of each stored image)
   offsets.bin   int64 x (N + 1): image i is bytes offsets[i]:offsets[i + 1], [h, w, 3] uint8
   images.bin    the images back to back
+  checksums.bin uint64 x N: image i's checksum (`recipes.common.cache_checks`)
   files.npy     per input file: path hash, size, mtime (names what changed in a stale cache)
 The fingerprint covers the relative paths, sizes, mtimes, targets, `max_side` and decode
 settings; a cache built from other inputs is never served: a warning names the changed files.
-A dataset attaching a cache compares `labels.bin` with its targets (one array compare; a
-skipped index holds the label of the image stored in its place): a damaged label file is not
-served either.
-
-The build reads the dataset through its public side: `paths`, `targets`, `root`, `max_side`,
+A damaged file is not served either: the header holds its own checksum and one per small file
+(checked on open), and each image is checked against `checksums.bin` when read (`verify=`:
+"first_read" per process by default, "always" or "never"; `ImageCache.checks`). The build reads the dataset through its public side: `paths`, `targets`, `root`, `max_side`,
 `len()`, `cache_record(i)` (called in the build's DataLoader workers) and `use_cache(cache)`.
-Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py,
-  vision/crop.py, vision/decode.py, vision/eval_view.py, vision/stale_caches.py.
+Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
+  common/process_lifetime.py, vision/crop.py, vision/decode.py, vision/eval_view.py,
+  vision/stale_caches.py.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -44,6 +44,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from recipes.common.cache_checks import (
+    ItemChecks,
+    VerifyMode,
+    algorithm,
+    file_checksums,
+    hasher,
+    read_checked,
+)
 from recipes.common.cache_files import (
     FolderBuild,
     LazyMap,
@@ -54,19 +62,14 @@ from recipes.common.cache_files import (
     write_synced,
 )
 from recipes.vision.decode import ImageHeader, dct_reduction, decode_image, resize_uint8
-from recipes.vision.eval_view import build_eval_view
-from recipes.vision.stale_caches import (
-    describe_change,
-    find_stale_caches,
-    make_file_table,
-    remove_cache,
-)
+from recipes.vision.eval_view import ensure_eval_view
+from recipes.vision.stale_caches import describe_change, find_stale_caches, remove_cache, stat_files
 
 if TYPE_CHECKING:
     from recipes.vision.image_folder import ImageFolderFast
 
 FORMAT = "recipes-image-cache"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: per-image checksums, a header checksum
 _BUILD_HINT = "build_image_cache() or `recipes cache vision`"
 
 
@@ -84,37 +87,41 @@ class ImageCache:
     """An opened, validated decoded-image cache folder; its files are mapped lazily per process.
 
     Image `i` is `shapes[i]` = (h, w) pixels, stored as `uint8 [h, w, 3]` at byte `offsets[i]`
-    of `images.bin`.
+    of `images.bin`; `checks` verifies it when read (`checks.verify` sets when).
     """
 
-    def __init__(self, path: Path, header: dict, shapes: np.ndarray, offsets: np.ndarray):
+    def __init__(self, path: Path, header: dict, shapes: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
+                 sums: np.ndarray, verify: VerifyMode = "first_read"):
         self.path, self.header = Path(path), header
         self.count, self.max_side = int(header["count"]), int(header["max_side"])
         self.fingerprint: str = header["fingerprint"]
         self.skipped: tuple[int, ...] = tuple(header["skipped"])
         self.shapes, self.offsets = shapes, offsets
-        # copy-on-write: writable views for torch.from_numpy; the file is never written. A file
-        # truncated or replaced after this open raises ImageCacheError in the process that
+        self.labels = labels  # `int64 [N]`, checked against its checksum on open
+        # A file truncated or replaced after this open raises ImageCacheError in the process that
         # maps it next (a fresh worker), naming it.
-        self._labels = LazyMap(self.path / "labels.bin", "<i8", (self.count,), mode="c", error=ImageCacheError)
         self._images = LazyMap(self.path / "images.bin", np.uint8, (int(offsets[-1]),), error=ImageCacheError)
+        self.checks = ItemChecks(self.path / "images.bin", sums, header["checksum"], verify=verify,
+                                 error=ImageCacheError, hint=_BUILD_HINT, label="image")
 
     @staticmethod
     def folder_for(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
         return Path(cache_dir) / f"images-{fingerprint[:24]}"
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, fingerprint: str | None = None) -> ImageCache:
-        """Opens and validates a cache folder (header, file sizes, offsets).
+    def open(cls, path: str | os.PathLike, *, fingerprint: str | None = None,
+             verify: VerifyMode = "first_read") -> ImageCache:
+        """Opens and validates a cache folder (header, file sizes and checksums, offsets);
+        `verify` says when an image is checked as it is read (`ImageCache.checks`).
 
         Raises:
-            ImageCacheError: missing, truncated, corrupt, another format version, or (with
+            ImageCacheError: missing, truncated, damaged, another format version, or (with
                 `fingerprint`) built from other inputs; the message says to rebuild.
         """
         path = Path(path)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
                              error=ImageCacheError, build_hint=_BUILD_HINT,
-                             fields=("fingerprint", "count", "max_side", "skipped"))
+                             fields=("fingerprint", "count", "max_side", "skipped", "checksum", "file_checksums"))
         invalid = ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.")
         try:
             count, max_side = int(header["count"]), int(header["max_side"])
@@ -126,13 +133,15 @@ class ImageCache:
         check_size(path / "labels.bin", 8 * count, ImageCacheError)
         check_size(path / "shapes.bin", 8 * count, ImageCacheError)
         check_size(path / "offsets.bin", 8 * (count + 1), ImageCacheError)
-        shapes = np.fromfile(path / "shapes.bin", "<i4").reshape(count, 2)
-        offsets = np.fromfile(path / "offsets.bin", "<i8")
+        check_size(path / "checksums.bin", 8 * count, ImageCacheError)
+        read = functools.partial(read_checked, path, header=header, error=ImageCacheError, hint=_BUILD_HINT)
+        shapes, offsets = read("shapes.bin", "<i4").reshape(count, 2), read("offsets.bin", "<i8")
+        sums, labels, _ = read("checksums.bin", "<u8"), read("labels.bin", "<i8"), read("files.npy", np.uint8)
         expected = np.concatenate(([0], np.cumsum(shapes[:, 0].astype(np.int64) * shapes[:, 1] * 3)))
         if (shapes < 1).any() or (shapes > max_side).any() or not np.array_equal(offsets, expected):
             raise ImageCacheError(f"{path}/shapes.bin or offsets.bin is corrupt; rebuild it with {_BUILD_HINT}.")
         check_size(path / "images.bin", int(offsets[-1]), ImageCacheError)
-        return cls(path, header, shapes, offsets)
+        return cls(path, header, shapes, offsets, labels, sums, verify)
 
     def read(self, index: int) -> np.ndarray:
         """Image `index` as a fresh `uint8 [h, w, 3]` array."""
@@ -141,15 +150,27 @@ class ImageCache:
 
     def read_rows(self, index: int, top: int, rows: int, out: np.ndarray) -> np.ndarray:
         """Rows `top : top + rows` of image `index` into `out` (`uint8 [rows, w, 3]`,
-        C-contiguous) with one `preadv`; returns `out`."""
-        w = int(self.shapes[index][1])
-        return self._images.read_into(out, int(self.offsets[index]) + top * w * 3)
+        C-contiguous) with one `preadv`; returns `out`. An image `checks` must verify now is
+        read whole and checked first.
+
+        Raises:
+            ImageCacheError: its bytes differ from its checksum (`images.bin` is damaged)."""
+        h, w = (int(v) for v in self.shapes[index])
+        if not self.checks.needed(index):
+            return self._images.read_into(out, int(self.offsets[index]) + top * w * 3)
+        whole = out if (top, rows) == (0, h) else np.empty((h, w, 3), np.uint8)
+        self.checks.check(index, self._images.read_into(whole, int(self.offsets[index])))
+        if whole is not out:
+            out[...] = whole[top : top + rows]
+        return out
 
     def read_padded(self, index: int, out: np.ndarray) -> tuple[int, int]:
         """Image `index` into the top-left corner of `out` (`uint8 [M, M, 3]`, M >= max_side),
         one `preadv` with a buffer per row; returns its `(h, w)`."""
         h, w = (int(v) for v in self.shapes[index])
-        self._images.read_into([out[r, :w] for r in range(h)], int(self.offsets[index]))
+        rows = self._images.read_into([out[r, :w] for r in range(h)], int(self.offsets[index]))
+        if self.checks.needed(index):
+            self.checks.check(index, *rows)
         return h, w
 
     def read_crop(self, index: int, box: tuple[int, int, int, int], size: tuple[int, int], *,
@@ -162,9 +183,10 @@ class ImageCache:
         `max_side^2 * 3` bytes: one per reader thread), else a per-process scratch buffer (one
         reader thread at a time)."""
         top, left, bh, bw = box
-        w = int(self.shapes[index][1])
-        buffer = self._scratch(bh * w * 3) if scratch is None else scratch[: bh * w * 3]
-        rows = self.read_rows(index, top, bh, buffer.reshape(bh, w, 3))
+        h, w = (int(v) for v in self.shapes[index])
+        first, count = (0, h) if self.checks.needed(index) else (top, bh)  # an image to check is read whole
+        buffer = self._scratch(count * w * 3) if scratch is None else scratch[: count * w * 3]
+        rows = self.read_rows(index, first, count, buffer.reshape(count, w, 3))[top - first : top - first + bh]
         crop = rows[:, left : left + bw]
         if bw != w and (bh, bw) != tuple(size):  # torch's kernel is ~6% faster on contiguous rows than the copy costs
             crop = np.ascontiguousarray(crop)
@@ -181,20 +203,13 @@ class ImageCache:
             self._scratch_pid = os.getpid()
         return self._scratch_buf[:nbytes]
 
-
-    @property
-    def labels(self) -> np.ndarray:
-        """`int64 [N]` memory map."""
-        return self._labels.array
-
     def check_labels(self, targets: np.ndarray) -> None:
         """Checks `labels.bin` against the dataset's `targets` (`int [N]`): image `i` is labelled
         `targets[i]`, or, for a skipped index, the target of the image stored in its place (the
         next index not skipped, wrapping around, as `on_error="skip"` chose it at build).
 
         Raises:
-            ImageCacheError: a label differs (a damaged file); names the first index and says
-                to rebuild.
+            ImageCacheError: a label differs; names the first index and says to rebuild.
         """
         expected = np.array(targets, dtype=np.int64)
         if self.skipped:
@@ -202,10 +217,7 @@ class ImageCache:
             kept = np.setdiff1d(np.arange(self.count), skipped)
             if len(kept):
                 expected[skipped] = expected[kept[np.searchsorted(kept, skipped) % len(kept)]]
-        stored = np.fromfile(self.path / "labels.bin", "<i8", count=self.count)
-        if len(stored) != self.count:  # shrank since `open` checked its size
-            raise ImageCacheError(f"{self.path}/labels.bin holds {len(stored)} labels, expected {self.count}; "
-                                  f"rebuild it with {_BUILD_HINT}.")
+        stored = self.labels
         wrong = np.flatnonzero(stored != expected)
         if len(wrong):
             i = int(wrong[0])
@@ -221,27 +233,11 @@ class ImageCache:
 
 
 def cache_inputs(paths, targets: np.ndarray, root: str, max_side: int) -> tuple[str, list[str], np.ndarray]:
-    """`(fingerprint, relative paths, file table)` of a dataset's files: one `stat` per file.
-
-    The fingerprint is the sha256 of the relative paths, sizes, mtimes, targets, `max_side`
-    and decode settings (this format's version, the resize, OpenCV's version).
-    """
-    import hashlib
-
+    """`(fingerprint, relative paths, file table)` of a dataset's files (`stale_caches.stat_files`),
+    under this format's version and decode settings (`max_side`, the resize, OpenCV's version)."""
     import cv2
 
-    digest = hashlib.sha256()
-    settings = f"v{FORMAT_VERSION}|max_side={max_side}|resize=bilinear-aa|cv2={cv2.__version__}"
-    digest.update(settings.encode())
-    rels, sizes, mtimes = [], [], []
-    for path, target in zip(paths, targets.tolist(), strict=True):
-        st = os.stat(path)
-        rel = os.path.relpath(path, root)
-        digest.update(f"\n{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{target}".encode("utf-8", "surrogateescape"))
-        rels.append(rel)
-        sizes.append(st.st_size)
-        mtimes.append(st.st_mtime_ns)
-    return digest.hexdigest(), rels, make_file_table(rels, sizes, mtimes)
+    return stat_files(paths, targets, root, f"v{FORMAT_VERSION}|max_side={max_side}|resize=bilinear-aa|cv2={cv2.__version__}")
 
 
 def decode_stored(data: bytes, header: ImageHeader, max_side: int, *, strict: bool, path: str,
@@ -315,17 +311,26 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
     Raises:
         ImageDecodeError: a bad image when the dataset has `on_error="raise"` (with "skip",
             the next good image is stored in its place and the index is recorded).
+        TypeError: `dataset` is not an `ImageFolderFast` (a `ShardSet`, a path: see the message).
     """
+    if not hasattr(dataset, "cache_record"):  # issue 27: the cache is that dataset's, read back by it
+        raise TypeError(f"`dataset` must be an ImageFolderFast, but is {type(dataset).__name__} instead: the cache "
+                        "is read back by that dataset, by index, its labels checked against the dataset's targets. "
+                        "Image shards: decode per sample with ShardSet.dataset(transform=ShardImages(...)), or "
+                        "write their images to root/<class>/<key>.jpg and cache ImageFolderFast(root).")
     fingerprint, _, table = cache_inputs(dataset.paths, dataset.targets, dataset.root, dataset.max_side)
     target = ImageCache.folder_for(cache_dir, fingerprint)
     build = FolderBuild(target, distributed=distributed)
     if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint).check_labels(dataset.targets),
                     ImageCacheError):
         with build:
-            shapes, labels, skipped = _decode_part(dataset, build, num_workers, progress and build.rank == 0)
+            checksum = build.gather(algorithm())[0]  # rank 0's, on every rank
+            shapes, labels, skipped, sums = _decode_part(dataset, build, num_workers, progress and build.rank == 0,
+                                                         hasher(checksum))
             write_synced(build.part("labels.bin"), labels.astype("<i8").tobytes())
             write_synced(build.part("shapes.bin"), shapes.astype("<i4").tobytes())
-            for name in ("images.bin", "labels.bin", "shapes.bin"):
+            write_synced(build.part("checksums.bin"), sums.tobytes())
+            for name in ("images.bin", "labels.bin", "shapes.bin", "checksums.bin"):
                 build.concat(name)
             skipped = sorted(i for part in build.gather(skipped) for i in part)
             if build.rank == 0:
@@ -334,25 +339,19 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
                 write_synced(build.path / "offsets.bin", offsets.astype("<i8").tobytes())
                 with open(build.path / "files.npy", "wb") as f:
                     np.save(f, table, allow_pickle=False)
+                table = file_checksums(build.path, ("labels.bin", "shapes.bin", "offsets.bin", "checksums.bin",
+                                                    "files.npy"), checksum)
             build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
                            "count": len(dataset), "max_side": dataset.max_side, "skipped": skipped,
-                           "root": os.path.abspath(dataset.root)})
+                           "root": os.path.abspath(dataset.root), "checksum": checksum, "file_checksums": table})
     if build.rank == 0:  # replaced, not left beside it
         for stale in find_stale_caches(Path(cache_dir), os.path.abspath(dataset.root), fingerprint):
             remove_cache(stale)
     cache = ImageCache.open(target, fingerprint=fingerprint)
     dataset.use_cache(cache)
     if not dataset.train:  # evaluation at this resolution serves rows of an eval view
-        dataset._views.clear()
-        if dataset.eval_view is None:
-            if build.rank == 0:
-                build_eval_view(dataset, cache.path, fingerprint, num_workers=num_workers, progress=progress,
-                                error=ImageCacheError)
-            if distributed:
-                import torch.distributed as dist
-
-                dist.barrier()
-            dataset._views.clear()
+        ensure_eval_view(dataset, cache, builder=build.rank == 0, distributed=distributed, num_workers=num_workers,
+                         progress=progress, error=ImageCacheError)
     return cache
 
 
@@ -374,13 +373,14 @@ def _as_lists(batch):
     return list(zip(*batch, strict=True))
 
 
-def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress: bool):
+def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress: bool, hash_):
     """This rank's block, decoded in index order into `part("images.bin")`; returns the
-    block's `(shapes [n, 2], labels [n], skipped indices)`."""
+    block's `(shapes [n, 2], labels [n], skipped indices, checksums [n])`."""
     from tqdm import tqdm
 
     block = build.block(len(dataset))
     shapes, labels = np.zeros((len(block), 2), np.int64), np.zeros(len(block), np.int64)
+    sums = np.zeros(len(block), "<u8")
     skipped: list[int] = []
     loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=_as_lists)
     with open(build.part("images.bin"), "wb") as out, \
@@ -388,6 +388,7 @@ def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress:
         for indices, arrays, targets, was_skipped in loader:
             for index, array, target, skip in zip(indices, arrays, targets, was_skipped, strict=True):
                 out.write(array.tobytes())
+                sums[index - block.start] = hash_(array)  # of the bytes written
                 shapes[index - block.start] = array.shape[:2]
                 labels[index - block.start] = target
                 if skip:
@@ -395,4 +396,4 @@ def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress:
             bar.update(len(indices) * build.world)
         out.flush()
         os.fsync(out.fileno())
-    return shapes, labels, skipped
+    return shapes, labels, skipped, sums

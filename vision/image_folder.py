@@ -24,7 +24,7 @@ objects for forked workers to copy on read.
 
 The decoded cache (`build_image_cache`, `ImageCache`) is `recipes.vision.image_cache`; it reads
 this dataset through `cache_record` and `use_cache`.
-Copy with: common/cache_files.py, common/held_descriptors.py, common/packed_strings.py,
+Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py, common/packed_strings.py,
   common/process_lifetime.py, vision/batch_buffers.py, vision/cached_batches.py, vision/crop.py,
   vision/decode.py, vision/device.py, vision/eval_view.py, vision/image_cache.py,
   vision/region_decode.py, vision/stale_caches.py.

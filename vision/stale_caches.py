@@ -1,6 +1,7 @@
 """Which files a decoded-image cache was built from, to name what changed in a stale one.
 
-Use when: a dataset finds no cache for its current inputs but one built from the same root:
+Use when: fingerprinting a dataset's files (`stat_files`, one `stat` each), and when a dataset
+finds no cache for its current inputs but one built from the same root:
 instead of a silent fall back to decoding (about 10x slower), the warning names the files
 added or changed (size or mtime) since, and counts those removed. `build_image_cache` removes
 such caches once the new one is built (and the older single-file format, version 1).
@@ -21,6 +22,24 @@ import numpy as np
 _MAX_NAMED = 5
 _FILES = np.dtype([("path", "<i8"), ("size", "<i8"), ("mtime", "<i8")])
 _LEGACY_MAGIC = b"RCPIMG01"  # format 1: one file `images-<fp>.bin` with a 4 KiB header
+
+
+def stat_files(paths, targets: np.ndarray, root: str, settings: str) -> tuple[str, list[str], np.ndarray]:
+    """`(fingerprint, relative paths, file table)` of a dataset's files: one `stat` per file.
+    The fingerprint is the sha256 of `settings` and the relative paths, sizes, mtimes and targets."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256(settings.encode())
+    rels, sizes, mtimes = [], [], []
+    for path, target in zip(paths, targets.tolist(), strict=True):
+        st = os.stat(path)
+        rel = os.path.relpath(path, root)
+        digest.update(f"\n{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{target}".encode("utf-8", "surrogateescape"))
+        rels.append(rel)
+        sizes.append(st.st_size)
+        mtimes.append(st.st_mtime_ns)
+    return digest.hexdigest(), rels, make_file_table(rels, sizes, mtimes)
 
 
 def make_file_table(rel_paths: list[str], sizes: list[int], mtimes: list[int]) -> np.ndarray:

@@ -11,7 +11,10 @@ curl; it has no S3 client of its own without the AWS CLI).
 Adapt here: `--shard-mb`, `--latency`, `--bandwidth`, `--workers`.
 Trade-off: the peers are measured only when installed (`pip install webdataset litdata`); their
 rows are left out otherwise, and the output says so. Reading counts samples (dicts of the
-encoded bytes), no decoding: the transport and the reader are what differ.
+encoded bytes), no decoding: the transport and the reader are what differ. The rows "checksums
+off" read the same shards with the per-sample checks of `recipes.common.shard_checks`
+turned off (a `ShardSet` whose `checksums` is None, as a v1 index's), interleaved with the rows
+that check: the checks' cost, on the paths where reading is not held up by the network.
 """
 
 from __future__ import annotations
@@ -151,9 +154,18 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
             rows.append(measure("LitData StreamingDataset over S3, epoch 1", _Epochs(
                 lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))
         local = ShardSet.open(out / "ours").dataset(seed=0)
+        unchecked_set = ShardSet.open("s3://bench/ours", storage_options=options)
+        unchecked_local_set = ShardSet.open(out / "ours")
+        unchecked_set.checksums = unchecked_local_set.checksums = None  # the bench's switch: checks off
+        unchecked = unchecked_set.dataset(cache=cache, seed=0)
+        unchecked_local = unchecked_local_set.dataset(seed=0)
         second = [lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2",
                                   _Epochs(lambda: DataLoader(ours, **settings), epoch=1)),
-                  lambda: measure("recipes ShardSet from local disk", _Epochs(lambda: DataLoader(local, **settings)))]
+                  lambda: measure("recipes ShardSet from local disk", _Epochs(lambda: DataLoader(local, **settings))),
+                  lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2, checksums off",
+                                  _Epochs(lambda: DataLoader(unchecked, **settings), epoch=1)),
+                  lambda: measure("recipes ShardSet from local disk, checksums off",
+                                  _Epochs(lambda: DataLoader(unchecked_local, **settings)))]
         if lit is not None:
             second.append(lambda: measure("LitData StreamingDataset over S3, epoch 2", _Epochs(
                 lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))

@@ -103,7 +103,7 @@ def test_stop_rules_count_as_hugging_face_datasets_does(rule, hf_rule):
     datasets = pytest.importorskip("datasets")
     sizes, weights = np.array([30, 120, 12]), [0.5, 0.3, 0.2]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    parts = [datasets.Dataset.from_dict({"i": list(range(o, o + n))}) for o, n in zip(offsets, sizes)]
+    parts = [datasets.Dataset.from_dict({"i": list(range(o, o + n))}) for o, n in zip(offsets, sizes, strict=True)]
     ours, theirs = [], []
     for seed in range(100):
         mix = MixtureSampler(sizes.tolist(), weights, stop=rule, seed=seed)

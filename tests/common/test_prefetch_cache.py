@@ -138,6 +138,33 @@ def test_sha256_is_verified(tmp_path, shards):
         assert _cache(tmp_path).get(url, sha256=hashlib.sha256(data).hexdigest()).read_bytes() == data
 
 
+def test_a_checksum_that_differs_twice_fails_at_once_not_after_every_backoff(tmp_path, shards):
+    """Issue #27: a mismatch is downloaded once more (a flip on the wire), then it is damage at
+    the source, raised at once: retrying it with backoff only delayed the error (15 s)."""
+    with LocalHTTPServer(shards) as server:
+        start = time.monotonic()
+        with pytest.raises(DownloadError, match="on two downloads: the object is damaged where it is stored"):
+            _cache(tmp_path, retries=5, backoff=2.0).get(server.url("shard-2.bin"), sha256="0" * 64)
+        assert time.monotonic() - start < 2 * 2.0 * 1.5 + 1  # one retry's wait at most, never five
+        assert not (tmp_path / "cache" / PrefetchCache(tmp_path / "cache", max_bytes=1).path_for(
+            server.url("shard-2.bin")).name).exists()
+
+
+def test_a_get_with_sha256_that_waited_on_a_prefetch_verifies_its_copy(tmp_path, shards):
+    """Issue #27: `prefetch()` downloads without a checksum; a `get(sha256=)` that waited on that
+    download (the key's lock) took its copy unchecked: here another version of the object."""
+    wanted = hashlib.sha256(b"the indexed version").hexdigest()
+    with LocalHTTPServer(shards, latency=0.5) as server:
+        url = server.url("shard-1.bin")
+        cache = _cache(tmp_path, retries=1)
+        running = cache.prefetch([url])
+        time.sleep(0.2)  # the prefetch holds the key's lock, its download under way
+        with pytest.raises(DownloadError, match="sha256"):
+            cache.get(url, sha256=wanted)
+        running[0].result()
+        assert server.gets["shard-1.bin"] >= 2  # downloaded again to verify, never served as it was
+
+
 def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_path, shards, monkeypatch):
     """The checksum a download verified is recorded beside the file (with its inode, size,
     mtime and ctime): a fresh process (each epoch's new DataLoader workers) serves the copy

@@ -261,7 +261,7 @@ def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, m
         assert Counter(i for b in batches for i in b) == Counter(i for b in expected[epoch] for i in b)
     if kind == "sharded":  # an iterable's epoch order follows the workers it begins with: one, after the restart
         one_worker = epochs(*build_with(num_workers=1), kill=False)
-        assert all(g in (e, o) for g, e, o in zip(got, expected, one_worker)) and got != expected
+        assert all(g in (e, o) for g, e, o in zip(got, expected, one_worker, strict=True)) and got != expected
     else:
         assert got == expected  # a map-style order never depends on the workers
     assert [cause for cause, _ in loader.restarts] == ["death"]

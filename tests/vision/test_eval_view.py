@@ -55,7 +55,8 @@ def test_the_view_is_built_for_eval_reopened_and_other_resolutions_fall_back(pho
     first = [ds[i][0].clone() for i in range(3)]  # served from the whole images meanwhile
     build_image_cache(ds, tmp_path, num_workers=0, progress=False)  # adds the view to the existing cache
     assert sorted(p.name for p in ds.cache.path.glob("eval-*")) == ["eval-96x96-crop0.875.bin",
-                                                                    "eval-96x96-crop0.875.json"]
+                                                                    "eval-96x96-crop0.875.json",
+                                                                    "eval-96x96-crop0.875.sums"]
     again = ImageFolderFast(photos, size=96, max_side=192, cache_dir=tmp_path)
     assert again.eval_view is not None
     rows = [again[i][0] for i in range(len(again))]
