@@ -18,6 +18,8 @@ renamed into place; split over the ranks of a process group with `distributed=Tr
   checksums.bin  uint64 x N: item i's checksum, checked when read (`verify=`: "first_read" per
                  process by default, "always" or "never"; `recipes.common.cache_checks`)
 The header holds its own checksum and those of the other small files (checked on open).
+  damaged.json   written when a read (or `recipes cache verify`) finds a damaged item: the folder
+                 then fails to open, so `build_spectrogram_cache` rebuilds it instead of reusing it
 Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py, common/cache_checks.py,
   common/cache_files.py,
   common/held_descriptors.py, common/object_download.py, common/packed_strings.py,
@@ -44,6 +46,7 @@ from recipes.common.cache_checks import (
     ItemChecks,
     VerifyMode,
     algorithm,
+    check_damage,
     file_checksums,
     read_checked,
     write_item_sums,
@@ -98,7 +101,8 @@ class SpectrogramCache(Dataset):
         """Opens and validates a cache folder.
 
         Raises:
-            SpectrogramCacheError: missing, truncated, corrupt, another version or other inputs.
+            SpectrogramCacheError: missing, truncated, corrupt, damaged (an item found damaged
+                when read is recorded in `damaged.json`), another version or other inputs.
         """
         path = Path(cache_dir)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
@@ -119,6 +123,7 @@ class SpectrogramCache(Dataset):
         offsets, info, sums = read("offsets.bin", "<i8"), read("info.bin", _INFO), read("checksums.bin", "<u8")
         if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
             raise SpectrogramCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
+        check_damage(path, ("features.bin",), SpectrogramCacheError, _BUILD_HINT)  # a read found damage: rebuild
         return cls(path, header, offsets, info, sums, verify)
 
     def __len__(self) -> int:

@@ -16,20 +16,30 @@ Cost: one hash of an item's bytes per check: xxh3-64 (`pip install xxhash`) ~60 
 zlib's CRC32 ~2.3 GB/s (2.4 against 66 us per 150 KB eval image, measured on a 2-core VM);
 "first_read" then a bool lookup per item. 8 bytes per item on disk.
 Adapt here: `algorithm()`, the hash a build uses (the header records it; readers follow it).
+Damage found is recorded: a failed item check (or `recipes cache verify`) writes `damaged.json`
+in the cache folder (`record_damage`: atomic, best-effort; a read-only folder keeps none), and
+opening a folder whose record names one of its files raises the cache's error
+(`check_damage`), so the cache's `build_*` function, which rebuilds a cache that does not
+open, replaces it instead of reusing it. A rebuild writes a new folder, without the record.
 Trade-off: checksums find damage; they cannot repair it: a damaged item raises the cache's
 error naming the file and item, and the fix is a rebuild.
-Copy with: nothing.
+Copy with: common/cache_files.py, common/held_descriptors.py, common/process_lifetime.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+from recipes.common.cache_files import fsync_path, write_synced
 
 VerifyMode = Literal["always", "first_read", "never"]
 VERIFY_MODES = ("always", "first_read", "never")
@@ -164,9 +174,14 @@ class ItemChecks:
         """
         got = self._hash(*parts)
         if got != int(self.sums[index]):
+            unrecorded = record_damage(self.path, [index], self.label)
+            fix = (f"Rebuild the cache with {self.hint}, which replaces it (the damage is recorded in "
+                   f"{DAMAGE_RECORD})" if unrecorded is None else
+                   f"The damage could not be recorded ({unrecorded}): remove {self.path.parent}, then rebuild "
+                   f"it with {self.hint}")
             raise self.error(f"{self.path} is damaged: {self.label} {index} has checksum {got:016x}, but "
-                             f"{int(self.sums[index]):016x} was written at build. Rebuild the cache with {self.hint} "
-                             f"(`recipes cache verify {self.path.parent}` lists every damaged {self.label}).")
+                             f"{int(self.sums[index]):016x} was written at build. {fix} (`recipes cache verify "
+                             f"{self.path.parent}` lists every damaged {self.label}).")
         if self.verify == "first_read":
             self._flags()[index] = True
 
@@ -202,3 +217,88 @@ def write_item_sums(folder: Path, data_name: str, bounds: np.ndarray, name: str)
         f.write(sums.tobytes())
         f.flush()
         os.fsync(f.fileno())
+
+
+DAMAGE_RECORD = "damaged.json"
+
+
+def record_damage(path: Path, items: list[int], label: str = "item") -> str | None:
+    """Adds "`items` of the data file `path` failed their checksums" to `path.parent/damaged.json`
+    (written to a temp file, fsynced, renamed into place). Best-effort: returns None when
+    recorded, else why not (a read-only folder). Two processes recording at once may keep
+    one's entry only: either makes the folder damaged."""
+    path = Path(path)
+    record = path.parent / DAMAGE_RECORD
+    try:
+        entries = _read_record(path.parent)
+        old = entries.get(path.name) if isinstance(entries.get(path.name), dict) else {}
+        found = sorted(set(old.get("items", [])) | {int(i) for i in items})
+        if found == old.get("items"):  # recorded already (a damaged item read again)
+            return None
+        entries[path.name] = {"items": found, "label": label, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                    time.gmtime())}
+        fd, temp = tempfile.mkstemp(prefix=f".{DAMAGE_RECORD}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            write_synced(Path(temp), json.dumps(entries, indent=1).encode("utf-8"))
+            os.replace(temp, record)
+        finally:
+            Path(temp).unlink(missing_ok=True)
+        fsync_path(path.parent)
+    except OSError as why:
+        return str(why)
+    return None
+
+
+def clear_damage(folder: Path, name: str) -> None:
+    """Removes the record of damage to `folder/name` (a file just rebuilt in place: an eval view)."""
+    entries = _read_record(folder)
+    if name in entries:
+        del entries[name]
+        record = Path(folder) / DAMAGE_RECORD
+        if not entries:
+            record.unlink(missing_ok=True)
+            return
+        temp = record.with_name(f".{DAMAGE_RECORD}.{os.getpid()}.tmp")
+        write_synced(temp, json.dumps(entries, indent=1).encode("utf-8"))
+        os.replace(temp, record)
+
+
+def _read_record(folder: Path) -> dict:
+    """The entries of `folder/damaged.json` (none when absent; an unreadable record still counts)."""
+    try:
+        entries = json.loads((Path(folder) / DAMAGE_RECORD).read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return {"?": "its damage record damaged.json is unreadable"}
+    return entries if isinstance(entries, dict) else {}
+
+
+def recorded_damage(folder: Path, names: tuple[str, ...]) -> str | None:
+    """What `folder/damaged.json` records against the files `names`, or None: e.g. "tokens.bin
+    sample 3 failed its checksum on 2025-01-02 03:04:05 UTC"."""
+    entries = _read_record(folder)
+    for name in (*names, "?"):
+        entry = entries.get(name)
+        if name == "?" and entry is not None:
+            return str(entry)
+        if isinstance(entry, dict):
+            items = [str(i) for i in entry.get("items", [])]
+            shown = ", ".join(items[:10]) + (", ..." if len(items) > 10 else "")
+            plural = "s" if len(items) > 1 else ""
+            return (f"{name} {entry.get('label', 'item')}{plural} {shown} failed {'their checksums' if plural else 'its checksum'} "
+                    f"on {entry.get('date', 'an unknown date')}")
+    return None
+
+
+def check_damage(folder: Path, names: tuple[str, ...], error: type[Exception], hint: str) -> None:
+    """Raises `error` when `folder/damaged.json` records damage to one of the files `names`.
+
+    Raises:
+        error: "<folder> is damaged: <file> item <i> failed its checksum on <date>; rebuild it
+            with <hint>, which replaces it."
+    """
+    found = recorded_damage(folder, names)
+    if found is not None:
+        raise error(f"{folder} is damaged: {found} ({DAMAGE_RECORD}); rebuild it with {hint}, which replaces it.")

@@ -70,10 +70,15 @@ class RobustLoader:
 
     def _build(self, changes: dict[str, Any]):
         from recipes.common.loader import make_loader
+        from recipes.common.loader_path import choose_path
 
         # DataLoader's own timeout is a poll (it ignores it without workers): each expiry is a
         # chance to notice a dead worker inside next(); `self.timeout` bounds the whole wait.
-        kwargs = {**self._kwargs, **changes, "timeout": min(_POLL_SECONDS, self.timeout)}
+        # The thread path has no workers to watch: it gets none (it would refuse it, and "auto"
+        # would take worker processes for it).
+        kwargs = {**self._kwargs, **changes}
+        if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs)[0] == "workers":
+            kwargs["timeout"] = min(_POLL_SECONDS, self.timeout)
         return make_loader(self.dataset, batch_size=self.batch_size, **kwargs)
 
     def __len__(self) -> int:

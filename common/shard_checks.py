@@ -15,8 +15,10 @@ types through their Python values).
 Trade-off: a 64-bit checksum detects damage (all but 1 in 2^64 of random changes), not
 tampering; that is the shard's sha256's job where the file is whole. A v1 index (written
 before the checksums) still reads, with a warning: its samples are checked against their
-counts and offsets, not their bytes.
-Copy with: common/object_download.py, common/shard_samples.py.
+counts and offsets, not their bytes; one whose entries carry the v2 checksums is refused as
+damaged (its version was changed, which would turn the checks off). Every offset a tar read
+uses must start a key's first header (`ShardIndexError`, a `ShardFormatError` too).
+Copy with: common/object_download.py, common/shard_formats.py, common/shard_samples.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import xxhash
 
 from recipes.common.object_download import file_sha256
+from recipes.common.shard_formats import tar_header_at, tar_key_starts
 from recipes.common.shard_samples import ShardFormatError
 
 FORMAT, VERSION, VERSIONS = "recipes-shards", 2, (1, 2)  # 2: per-sample xxh3-64s (`xxh3`) and tar `end`
@@ -36,8 +39,9 @@ SUMS = "xxh3"  # an entry's key for its checksums
 _LIMIT = 2**64
 
 
-class ShardIndexError(ValueError):
-    """An index that is missing, damaged, of another version, or disagrees with its shards."""
+class ShardIndexError(ShardFormatError):
+    """An index that is missing, damaged, of another version, or disagrees with its shards (a
+    `ShardFormatError` too, and a `ValueError`: one `except ShardFormatError` catches both)."""
 
 
 def check_index(index, path: str) -> None:
@@ -86,8 +90,11 @@ def _ints(values, length: int | None = None) -> bool:
 
 def _tar_problem(entry: dict) -> str | None:
     offsets, n, size = entry.get("offsets"), entry["samples"], entry.get("bytes")
-    if not _ints(offsets, n):
-        return f"says {n} samples but lists {len(offsets) if isinstance(offsets, list) else 'no'} offsets"
+    if not _ints(offsets):
+        kind = "offsets that are not all integers" if isinstance(offsets, list) else "no offsets"
+        return f"has {kind} (each sample's first tar header, in bytes)"
+    if len(offsets) != n:
+        return f"says {n} samples but lists {len(offsets)} offsets"
     if offsets and (offsets[0] < 0 or any(b <= a for a, b in zip(offsets, offsets[1:], strict=False)) or any(o % 512 for o in offsets)):
         return "has offsets that are not increasing tar block boundaries (each starts a new sample)"
     if isinstance(size, int) and offsets and offsets[-1] + 512 > size:
@@ -118,6 +125,10 @@ def _parquet_problem(entry: dict, columns) -> str | None:
 
 def check_versioned(index: dict, path: str) -> None:
     """A v2 index must carry the checksums; a v1 index reads, with a warning that says what it lacks."""
+    if index["version"] == 1 and any(SUMS in e or "end" in e for e in index["shards"]):
+        raise ShardIndexError(f"{path} is damaged: a version-1 index with version-2 checksums (`xxh3`, `end`), "
+                              "so its version was changed and its checks would be skipped; rebuild it with "
+                              "index_shards() or rewrite the shards.")
     if index["version"] >= 2:
         missing = [e["name"] for e in index["shards"] if SUMS not in e or (
             index["shard_format"] == "tar" and "end" not in e)]
@@ -173,12 +184,18 @@ def counted(items, want: int, url: str):
 
 
 # ---- tar: one xxh3-64 per sample over its members' bytes -------------------------------------
-def tar_range_check(url: str, offsets: Sequence[int], end: int, crcs: np.ndarray, start: int, stop: int | None):
-    """`read_tar`'s `check(data, begin)`: each sample of `[start, stop)` in the bytes read from
-    `begin` has the checksum of the index (a sample runs to the next one's offset, the last to `end`)."""
+def tar_range_check(url: str, offsets: Sequence[int], end: int | None, crcs: np.ndarray | None, start: int,
+                    stop: int | None):
+    """`read_tar`'s `check(data, begin)`: in the bytes read from `begin`, each offset of `[start,
+    stop)` starts the tar header of a new key (`ShardIndexError` naming the offset), then (with
+    `crcs`) each sample has the checksum of the index (a sample runs to the next one's offset, the
+    last to `end`)."""
     stop = len(offsets) if stop is None else min(stop, len(offsets))
 
     def check(data: bytes, begin: int) -> None:
+        check_starts(url, [int(offsets[i]) - begin for i in range(start, stop)], data, begin, start)
+        if crcs is None:
+            return
         view = memoryview(data)
         for i in range(start, stop):
             lo, hi = offsets[i] - begin, (offsets[i + 1] if i + 1 < len(offsets) else end) - begin
@@ -187,6 +204,32 @@ def tar_range_check(url: str, offsets: Sequence[int], end: int, crcs: np.ndarray
                                        "its index (checksum): damaged, or rewritten since the index was read. Rewrite "
                                        "the shards (or re-index them).")
     return check
+
+
+def check_starts(url: str, wanted: list[int], data: bytes, begin: int, first: int) -> None:
+    """The keys in `data` (read from byte `begin`) start at `wanted` (sample `first`'s onwards),
+    no more, no fewer: as far as the headers parse (damage is the checksums' to name). The first
+    offset must start a tar header; whether its key is new would need the bytes before it, which
+    a range read does not fetch: there the checksum catches an offset on a sample's later member.
+
+    Raises:
+        ShardIndexError: an offset that does not start a tar header of a new key, or a key that
+            starts where the index lists no offset, naming the shard and the byte.
+    """
+    starts, known = tar_key_starts(data)
+    found, listed = set(starts), set(wanted)
+    for i, at in enumerate(wanted, start=first):
+        header = tar_header_at(data, at)
+        if header is False or (header and at < known and at not in found):
+            what = "a tar header of a new key" if header else "a tar header"
+            raise ShardIndexError(f"{url}: its index says sample {i} starts at byte {at + begin:,}, but that byte "
+                                  f"does not start {what}: the index is damaged, or not this shard's. Rebuild it with "
+                                  "index_shards() or rewrite the shards.")
+    extra = next((at for at in starts if at < known and at not in listed), None)
+    if extra is not None:
+        raise ShardIndexError(f"{url}: a new key starts at byte {extra + begin:,}, but its index lists no sample "
+                              "there: the index is damaged, or not this shard's. Rebuild it with index_shards() or "
+                              "rewrite the shards.")
 
 
 def file_digests(f, bounds: Sequence[int]) -> tuple[int, str, list[int]]:

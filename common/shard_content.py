@@ -2,8 +2,10 @@
 
 Use when: a cache built from a `ShardSet` (tokens, spectrograms) must be keyed on the shards'
 content: the index holds each shard's sha256, so the key costs one small JSON read and a cache
-is reused or rebuilt before any shard is fetched (issue 27).
-Cost: `content_hash`: nothing beyond the index (a shard it gives no sha256 is read and hashed).
+is reused or rebuilt before any shard is fetched (issue 27). `listed_shard`: a shard file named
+alone (a path, a glob's match) is still read through its set's index, never as a plain file.
+Cost: `listed_shard`: one existence check (and index read) per folder.
+`content_hash`: nothing beyond the index (a shard it gives no sha256 is read and hashed).
 `read_checked`: a local shard is hashed once per process and file version before its samples
 come (`ShardSet.read`); a remote one is downloaded whole to a temp file and checked the same
 way, so every sample a cache stores comes from bytes the index vouches for.
@@ -23,7 +25,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from recipes.common.shards import ShardSet
+from recipes.common.shard_checks import FORMAT, VERSION
+from recipes.common.shards import INDEX_NAME, ShardSet
 
 
 def content_hash(shards: ShardSet, *settings: str) -> str:
@@ -68,3 +71,41 @@ def _hash(url: str, storage_options: dict | None) -> str:
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+def listed_shard(path: str, sets: dict) -> ShardSet | None:
+    """The one-shard `ShardSet` of the file `path` when it sits beside the index of a shard set that
+    lists it (so that its samples are checked against the index, never read as a plain file);
+    None for another file. `sets` holds each folder's set (or None) between calls.
+
+    Raises:
+        ShardIndexError: the index beside it is ours (or no JSON) but damaged.
+    """
+    folder, name = path.rstrip("/").rsplit("/", 1) if "/" in path else (".", path)
+    if not name.endswith((".tar", ".parquet")):
+        return None
+    if folder not in sets:
+        sets[folder] = _set_in(folder)
+    shards = sets[folder]
+    entry = next((e for e in shards.entries if e["name"] == name), None) if shards is not None else None
+    if entry is None:
+        return None
+    index = {"format": FORMAT, "version": 1 if shards.checksums is None else VERSION, "shard_format": shards.format,
+             "columns": shards.columns, "samples": entry["samples"], "shards": [entry]}
+    return ShardSet(shards.url, index, shards.storage_options)
+
+
+def _set_in(folder: str) -> ShardSet | None:
+    """The shard set whose index is in `folder`; None where there is no index, or another tool's."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(folder)
+    try:
+        index = json.loads(fs.cat_file(f"{root.rstrip('/')}/{INDEX_NAME}"))
+    except FileNotFoundError:
+        return None
+    except (ValueError, RecursionError):  # not JSON: ours damaged, or another's; `open` says so
+        index = {"format": FORMAT}
+    if not isinstance(index, dict) or (index.get("format") != FORMAT and "shards" not in index):
+        return None
+    return ShardSet.open(folder)

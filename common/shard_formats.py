@@ -17,7 +17,6 @@ Copy with: common/shard_samples.py.
 from __future__ import annotations
 
 import io
-import json
 import os
 import tarfile
 from collections.abc import Iterator, Sequence
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from recipes.common import shard_samples as stored
 from recipes.common.shard_samples import ShardFormatError, check_codec, check_field_name
 from recipes.common.shard_samples import (
     decode_sample as decode_sample,  # re-exported: read_tar's samples decoded
@@ -121,7 +121,51 @@ class _NotUstar(Exception):
     pass
 
 
-def _members(data: bytes) -> Iterator[tuple[int, str, bytes]]:
+def tar_key_starts(data: bytes) -> tuple[list[int], int]:
+    """Where each key's first member header starts in tar bytes (`read_tar`'s grouping; an
+    extended header counts as its member's), and the byte up to which that is known: all of the
+    data, or up to the last header before one that does not parse (damage: the checksums say so)."""
+    found: list[tuple[int, str]] = []
+    try:
+        for at, name, _ in _members(data, bodies=False):
+            found.append((at, name))
+        known = len(data)
+    except _NotUstar:
+        found, known = _tarfile_names(data)
+    except ShardFormatError:
+        known = found[-1][0] + 1 if found else 0
+    starts, last = [], None
+    for at, name in found:
+        key = _key_field(name)[0]
+        if key is not None and key != last:
+            starts.append(at)
+            last = key
+    return starts, known
+
+
+def tar_header_at(data: bytes, pos: int) -> bool | None:
+    """Whether a tar header starts at `pos`: True, False, or None for a damaged one (the ustar magic,
+    but a header checksum that fails) or the end of the data."""
+    header = data[pos : pos + _BLOCK]
+    field = header[148:156].split(b"\0", 1)[0].strip()
+    if len(header) == _BLOCK and header.count(0) != _BLOCK and field and set(field) <= set(b"01234567") and int(
+            field, 8) == sum(header[:148]) + 8 * 32 + sum(header[156:_BLOCK]):
+        return True
+    return None if len(header) < _BLOCK or header[257:262] == b"ustar" else False
+
+
+def _tarfile_names(data: bytes) -> tuple[list[tuple[int, str]], int]:
+    found: list[tuple[int, str]] = []
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
+        found = [(m.offset, m.name) for m in tar if m.isfile()]
+    except tarfile.TarError:
+        return found, 0
+    clean = data.count(0, tar.offset) == len(data) - tar.offset  # tarfile stops quietly at a damaged header
+    return found, len(data) if clean else (found[-1][0] + 1 if found else 0)
+
+
+def _members(data: bytes, bodies: bool = True) -> Iterator[tuple[int, str, bytes | None]]:
     """`(header offset, name, bytes)` of the regular files in tar bytes with plain ustar/v7 headers; raises
     `_NotUstar` for extended headers (PAX, GNU long names) and `ShardFormatError` for damage."""
     view = memoryview(data)
@@ -148,7 +192,7 @@ def _members(data: bytes) -> Iterator[tuple[int, str, bytes]]:
         if body + size > n:
             raise ShardFormatError(f"a tar member at byte {pos} runs past the end of the data")
         if kind in (b"0", b"\0", b"7"):
-            yield pos, name.decode("utf-8", "surrogateescape"), bytes(view[body : body + size])
+            yield pos, name.decode("utf-8", "surrogateescape"), bytes(view[body : body + size]) if bodies else None
         pos = body + size + (-size % _BLOCK)
     if pos < n and data.count(0, pos) != n - pos:
         raise ShardFormatError(f"{n - pos} bytes at byte {pos} that are not a tar header")
@@ -247,14 +291,22 @@ def _pyarrow():
 
 def parquet_value(value: Any, key: str, field: str):
     """A field's value in its Parquet column: bytes, str and int as they are, dict/list as JSON text
-    (under a JSON field only: readers decode JSON text back by field name)."""
+    (under a JSON field only: readers decode it back by extension). Text or bytes under a field
+    that readers decode are checked as the tar writer checks them (one rule for both formats).
+    """
     if isinstance(value, (dict, list)):
         check_codec(value, key, field)
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return stored.json_text(value, key, field)
+    if isinstance(value, (bytes, bytearray, memoryview, str)) and field.rsplit(".", 1)[-1] in stored.DECODED:
+        stored.text_bytes(value, key, field)  # what readers decode it as: refused now if it does not decode
+        return value if isinstance(value, str) else bytes(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
-    if isinstance(value, str) or (isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))):
-        return value if isinstance(value, str) else int(value)
+    if isinstance(value, str):
+        stored.utf8(value, key, field)  # pyarrow's UnicodeEncodeError, named
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return stored.fits_64_bits(int(value), key, field)
     if isinstance(value, (float, np.floating)):
         return float(value)
     raise ShardFormatError(f"sample {key!r}, field {field!r}: a Parquet column takes bytes, str, int, float or "
@@ -271,7 +323,8 @@ def parquet_shard(rows: list[dict], schema) -> bytes:
 
 
 def parquet_schema(sample: dict, key: str):
-    """The schema the first sample sets: `__key__` string, then one column per field."""
+    """The schema the first sample sets: `__key__` string, then one column per field (`{}`: an
+    empty write's, `__key__` only)."""
     pa = _pyarrow()
     types = [("__key__", pa.string())]
     for field, value in sample.items():

@@ -66,7 +66,6 @@ from recipes.common.shard_formats import (
 )
 from recipes.common.shard_samples import (
     ShardFormatError,
-    decode_row,
     decode_sample,
     sample_fields,
     sample_key,
@@ -171,8 +170,6 @@ class _Writer:
                 raise ShardFormatError(f"sample {key!r}, field {field!r}: a {type(sample[field]).__name__} where the "
                                        f"first sample set the column's type to {expected}; every row's field must "
                                        "have the column's type (convert it before writing).")
-            if kind == "int64" and not -2**63 <= value < 2**63:
-                raise ShardFormatError(f"sample {key!r}, field {field!r}: {value} does not fit a 64-bit integer.")
             size += len(value) if isinstance(value, (bytes, str)) else 8
         return row, size, key
 
@@ -236,6 +233,7 @@ class _Writer:
             entry["offsets"], entry["end"] = [int(o) for o in offsets], len(members)
             entry[SUMS] = [xxhash.xxh3_64_intdigest(blob) for _, blob in pending]
         else:
+            self.schema = parquet_schema({}, "") if self.schema is None else self.schema  # an empty write
             data = parquet_shard([row for _, row in pending], self.schema)
             entry["row_groups"], entry[SUMS], _ = parquet_digests(data)
         entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
@@ -394,6 +392,7 @@ class ShardSet:
             ShardFormatError: a shard that differs from its index (damaged, or rewritten since
                 the index was read: its size, sha256, a sample's checksum, offset or count), or a
                 field that does not decode (naming the key and the field).
+            ShardIndexError: (a ShardFormatError) a tar offset of the range that starts no key's header.
         """
         entry = self.entries[shard]
         source = path if path is not None else self.urls[shard]
@@ -404,8 +403,7 @@ class ShardSet:
         url, crcs = self.urls[shard], None if self.checksums is None else self.checksums[shard]
         if self.format == "tar":
             offsets = entry.get("offsets")
-            check = None if crcs is None or offsets is None else tar_range_check(url, offsets, entry["end"], crcs,
-                                                                                  start, stop)
+            check = None if offsets is None else tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
             items = read_tar(source, start, stop, offsets=offsets, end=entry.get("end"), check=check,
                              storage_options=options)
             items = (decode_sample(s, url) for s in items) if decode else items
@@ -413,7 +411,7 @@ class ShardSet:
             check = parquet_group_check(url, self.columns, None if crcs is None else crcs.tolist())
             items = read_parquet(source, start, stop, columns=columns, row_groups=entry["row_groups"], check=check,
                                  storage_options=options)
-            items = (decode_row(r, url) for r in items) if decode else items
+            items = (decode_sample(r, url) for r in items) if decode else items
         want = max(0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start)
         return counted(items, want, url)
 

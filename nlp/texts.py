@@ -6,6 +6,8 @@ Use when: reading a corpus line by line (or row by row) with errors that point a
 Cost: streaming; files are read twice when a cache is built (once to hash, once to tokenize);
 a Parquet file row group by row group, only the `text_field` column. A shard set is hashed from
 its index (each shard's sha256: no read) and each shard is checked against it as it is read.
+A shard file named alone (a path, a glob's match, a `Path` of a list) that its folder's index
+lists is read the same way, through its set: never as a plain Parquet file, unchecked.
 Adapt here: `_parse_line` for another format.
 Trade-off: one sample per line; multi-line samples need `.jsonl` or Parquet. A `datasets.Dataset`
 is hashed by its own fingerprint when it has one (else by its texts). A list of strings is
@@ -46,7 +48,8 @@ class TextSource:
                                  "pass text_field= with the right name.")
             self.kind, self.strings = "datasets", texts
         elif isinstance(texts, Sequence) and len(texts) and all(isinstance(t, os.PathLike) for t in texts):
-            self.kind, self.files = "files", [TextSource(t, text_field=text_field) for t in texts]
+            sets: dict = {}
+            self.kind, self.files = "files", [_source(os.fspath(t), text_field, sets) for t in texts]
         elif isinstance(texts, Sequence):
             _refuse_paths(texts)
             self.kind, self.strings = "strings", texts
@@ -58,6 +61,10 @@ class TextSource:
         """A file (by its suffix), else a glob, a shard set's folder or a folder of text files."""
         # "?" starts a URL's query, a glob pattern only in a local path
         magic = any(c in self.url for c in "*[") or ("?" in self.url and "://" not in self.url)
+        shard = None if magic else _listed_shard(self.url, {})
+        if shard is not None:  # a shard file alone: read through its set's index, every sample checked
+            self._take_shards(shard)
+            return
         if not magic and _known(self.url):
             self.kind = _kind(self.url)
             return
@@ -72,7 +79,11 @@ class TextSource:
             self._take_shards(ShardSet.open(self.url))
             return
         found = sorted(fs.glob(path) if magic else fs.ls(path, detail=False))
-        names = [p for p in found if _known(p) and not p.rstrip("/").rsplit("/", 1)[-1].startswith((".", "_"))]
+        local, sets = "://" not in self.url, {}
+        found = [p if local else fs.unstrip_protocol(p) for p in found]
+        shards = {p: _listed_shard(p, sets) for p in found if p.endswith((".tar", ".parquet"))}
+        names = [p for p in found if (_known(p) or shards.get(p)) and not p.rstrip("/").rsplit("/", 1)[-1].startswith(
+            (".", "_"))]
         if not names:
             raise ValueError(f"{self.url}: no .txt, .jsonl or .parquet files {'match' if magic else 'in it'} "
                              f"({len(found)} other entries); pass a file, a folder or a glob of text files, "
@@ -80,10 +91,8 @@ class TextSource:
         if not magic and any(re.fullmatch(r"shard-\d{6}\.\w+", n.rsplit("/", 1)[-1]) for n in names):
             raise ValueError(f"{self.url} holds shards but no index.json (a write_shards() in progress, or "
                              "killed midway): rerun write_shards(), or index_shards() for other tools' shards.")
-        local = "://" not in self.url
-        self.kind = "files"
-        self.files = [TextSource(p if local else fs.unstrip_protocol(p), text_field=self.text_field)
-                      for p in names]
+        self.kind = "files"  # a shard of a set (beside its index, listed in it): through the set
+        self.files = [TextSource(shards.get(p) or p, text_field=self.text_field) for p in names]
 
     def _take_shards(self, shards) -> None:
         if shards.format == "parquet" and shards.columns and self.text_field not in [c for c, _ in shards.columns]:
@@ -232,6 +241,18 @@ class TextSource:
         import fsspec
 
         return fsspec.open(self.url, "rb", compression="infer").open()
+
+
+def _listed_shard(path: str, sets: dict):
+    from recipes.common.shard_content import listed_shard
+
+    return listed_shard(path, sets)
+
+
+def _source(path: str, text_field: str, sets: dict) -> TextSource:
+    """A file's source: a shard listed by its set's index is read through the set (every sample
+    checked against the index), never as a plain Parquet file."""
+    return TextSource(_listed_shard(path, sets) or path, text_field=text_field)
 
 
 def _is_hf_dataset(texts) -> bool:

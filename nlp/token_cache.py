@@ -20,6 +20,8 @@ renamed into place; split over the ranks of a process group with `distributed=Tr
   checksums.bin uint64 x count: sample i's checksum, checked when read (`verify=`: "first_read"
                 per process by default, "always" or "never"; `recipes.common.cache_checks`)
 The header holds its own checksum and those of `offsets.bin` and `checksums.bin` (checked on open).
+  damaged.json  written when a read (or `recipes cache verify`) finds a damaged sample: the folder
+                then fails to open, so `build_token_cache` rebuilds it instead of reusing it
 
 The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in the parent
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
@@ -49,6 +51,7 @@ from recipes.common.cache_checks import (
     ItemChecks,
     VerifyMode,
     algorithm,
+    check_damage,
     file_checksums,
     read_checked,
     write_item_sums,
@@ -100,8 +103,9 @@ class TokenCache(Dataset):
         offsets); `verify` says when a sample is checked as it is read.
 
         Raises:
-            TokenCacheError: missing, truncated, damaged, another format version, or (with
-                `fingerprint`) built from other inputs; the message says to rebuild.
+            TokenCacheError: missing, truncated, damaged (a sample found damaged when read is
+                recorded in `damaged.json`), another format version, or (with `fingerprint`)
+                built from other inputs; the message says to rebuild.
         """
         path = Path(cache_dir)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
@@ -119,6 +123,7 @@ class TokenCache(Dataset):
         sums = read_checked(path, "checksums.bin", "<u8", header, TokenCacheError, _BUILD_HINT)
         if offsets[0] != 0 or offsets[-1] != num_tokens or (count and (np.diff(offsets) < 0).any()):
             raise TokenCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
+        check_damage(path, ("tokens.bin",), TokenCacheError, _BUILD_HINT)  # a read found damage: rebuild
         return cls(path, header, offsets, sums, verify)
 
     @property

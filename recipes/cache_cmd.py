@@ -1,5 +1,6 @@
 """`recipes cache DOMAIN ...`: build a domain's cache from the command line, with a progress bar;
-`recipes cache verify DIR`: check every item of one (exit status 1 naming the damaged ones)."""
+`recipes cache verify DIR`: check every item of one (exit status 1 naming the damaged ones, which
+it records in the folder's `damaged.json`: the next build of that cache rebuilds it)."""
 
 from __future__ import annotations
 

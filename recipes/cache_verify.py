@@ -3,7 +3,10 @@
 Opening a cache checks its header and small files; this reads every item of its data files
 (and, for an image cache, of each eval view) and lists the damaged ones, so damage that
 `verify="first_read"` would meet only when an item is first read is found before training.
-Exit status 0 when everything matches, 1 otherwise (each damaged file and item named).
+Exit status 0 when everything matches, 1 otherwise (each damaged file and item named). Damage
+found is recorded in the folder's `damaged.json` (`recipes.common.cache_checks.record_damage`),
+as a read that finds it does: the cache then fails to open, and its `build_*` function rebuilds
+it (an eval view's damage: that view alone) instead of reusing it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _flat(path: Path) -> np.ndarray:
 
 def check_folder(folder: Path) -> tuple[int, list[str]]:
     """`(items checked, problems)` of one cache folder; a problem names the file (and item)."""
-    from recipes.common.cache_checks import verify_items
+    from recipes.common.cache_checks import record_damage, verify_items
 
     try:
         fmt = json.loads((folder / "header.json").read_bytes()).get("format")
@@ -47,8 +50,11 @@ def check_folder(folder: Path) -> tuple[int, list[str]]:
         bad = verify_items(_flat(path), bounds, checks)
         checked += len(checks.sums)
         shown = ", ".join(map(str, bad[:20])) + (", ..." if len(bad) > 20 else "")
-        if bad:
-            problems.append(f"{path}: {len(bad)} of {len(checks.sums)} {checks.label}s damaged: {shown}")
+        if bad:  # recorded, so that the build function rebuilds the cache (or view) instead of reusing it
+            unrecorded = record_damage(path, bad, checks.label)
+            fix = (f"recorded in damaged.json; rebuild with {checks.hint}" if unrecorded is None else
+                   f"not recorded ({unrecorded}): remove {folder}, then rebuild with {checks.hint}")
+            problems.append(f"{path}: {len(bad)} of {len(checks.sums)} {checks.label}s damaged: {shown}; {fix}")
     return checked, problems
 
 

@@ -91,6 +91,8 @@ def test_first_read_is_per_process_and_always_sees_later_damage(tree, tmp_path):
     ds = _eval_cache(tree, tmp_path)
     cache = ImageCache.open(ds.cache.path)
     assert cache.checks.verify == "first_read"
+    with pytest.raises(ValueError, match="`verify` must be one of"):
+        ImageCache.open(ds.cache.path, verify="sometimes")
     cache.read(0)
     flags = cache.checks._flags()
     assert isinstance(flags, np.ndarray) and flags.dtype == bool and flags.tolist() == [True] + [False] * 5
@@ -109,8 +111,6 @@ def test_first_read_is_per_process_and_always_sees_later_damage(tree, tmp_path):
         cache.read(0)
     cache.checks.verify = "never"
     cache.read(0)  # never: served unchecked (documented)
-    with pytest.raises(ValueError, match="`verify` must be one of"):
-        ImageCache.open(ds.cache.path, verify="sometimes")
 
 
 def test_a_flipped_token_raises_naming_tokens_bin(texts, tokenizer, tmp_path):
@@ -203,6 +203,95 @@ def test_cache_verify_names_damaged_items_and_exits_non_zero(tree, texts, tokeni
     assert main(["cache", "verify", str(tmp_path / "tokens")]) == 1
     assert "offsets.bin is damaged" in capsys.readouterr().out
     assert main(["cache", "verify", str(tmp_path / "nothing")]) == 1
+
+
+# ---- B1: damage found is recorded, and the build function rebuilds instead of reusing ---------
+def _kind(kind, tree, texts, tokenizer, audio, folder):
+    """`(build, served, expected, damage, read, opener, error, hint)` of one cache kind: `damage`
+    flips a byte of item `at` of the built cache's data file; `read` reads that item freshly."""
+    if kind == "image":
+        files = ImageFolderFast(tree, size=48, max_side=96, train=True)  # the uncached decode
+        return (lambda: build_image_cache(ImageFolderFast(tree, size=48, max_side=96, train=True), folder,
+                                          num_workers=0, progress=False),
+                lambda c: [c.read(i) for i in range(c.count)], [files.cache_record(i)[0] for i in range(6)],
+                lambda c: _flip(c.path / "images.bin", int(c.offsets[4]) + 7), lambda c: ImageCache.open(c.path).read(4),
+                ImageCache.open, ImageCacheError, r"images.bin image 4 .*build_image_cache\(\)")
+    if kind == "token":
+        return (lambda: build_token_cache(texts, tokenizer, folder, progress=False),
+                lambda c: [c[i]["input_ids"].tolist() for i in range(len(c))], tokenizer(texts)["input_ids"],
+                lambda c: _flip(c.path / "tokens.bin", int(c.offsets[5]) * 2), lambda c: TokenCache.open(c.path)[5],
+                TokenCache.open, TokenCacheError, r"tokens.bin sample 5 .*build_token_cache\(\)")
+    ds = ChunkedAudioDataset(audio, chunk_seconds=0.25)
+    mel = featurizer(ds.sample_rate, n_fft=400, hop_length=160, n_mels=16, log=True)  # on the fly
+    return (lambda: build_spectrogram_cache(ds, folder, n_mels=16, num_workers=0, progress=False),
+            lambda c: [c[i][0].numpy() for i in range(len(c))],
+            [mel(ds[i][0]).numpy().astype(np.float16).astype(np.float32) for i in range(len(ds))],
+            lambda c: _flip(c.path / "features.bin", int(c.offsets[2]) * 16 * 2 + 5),
+            lambda c: SpectrogramCache.open(c.path)[2], SpectrogramCache.open, SpectrogramCacheError,
+            r"features.bin item 2 .*build_spectrogram_cache\(\)")
+
+
+def _assert_served(served, expected):
+    assert len(served) == len(expected)
+    assert all(np.array_equal(np.asarray(got), np.asarray(want)) for got, want in zip(served, expected, strict=True))
+
+
+@pytest.mark.parametrize("found_by", ["read", "verify"])
+@pytest.mark.parametrize("kind", ["image", "token", "spectrogram"])
+def test_damage_found_makes_the_build_function_rebuild(kind, found_by, tree, texts, tokenizer, audio, tmp_path, capsys):
+    folder = tmp_path / "c"
+    build, served, expected, damage, read, opener, error, hint = _kind(kind, tree, texts, tokenizer, audio, folder)
+    cache = build()
+    damage(cache)
+    if found_by == "read":
+        with pytest.raises(error, match=r"is damaged: .*Rebuild the cache with build_.*which replaces it"):
+            read(cache)
+    else:
+        assert main(["cache", "verify", str(folder)]) == 1
+        assert "recorded in damaged.json; rebuild with build_" in capsys.readouterr().out
+    with pytest.raises(error, match=rf"is damaged: {hint}.*which replaces it"):
+        opener(cache.path)  # recorded: the folder no longer opens as a valid cache
+    rebuilt = build()  # no longer the damaged cache reused
+    assert not (rebuilt.path / "damaged.json").exists()
+    _assert_served(served(rebuilt), expected)
+    _assert_served(served(opener(rebuilt.path)), expected)
+    assert main(["cache", "verify", str(folder)]) == 0
+
+
+@pytest.mark.parametrize("found_by", ["read", "verify"])
+def test_a_damaged_eval_view_is_rebuilt_alone(found_by, tree, tmp_path, capsys):
+    ds = _eval_cache(tree, tmp_path)
+    images, view = ds.cache.path / "images.bin", ds.eval_view.path
+    before = images.stat().st_ino
+    _flip(view, 3 * 48 * 48 * 3 + 100)  # image 3
+    if found_by == "read":
+        with pytest.raises(ImageCacheError, match=r"eval-48x48-crop0.875.bin is damaged: image 3.*which replaces it"):
+            ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)[3]
+    else:
+        assert main(["cache", "verify", str(tmp_path)]) == 1
+        assert "eval-48x48-crop0.875.bin: 1 of 6 images damaged: 3; recorded" in capsys.readouterr().out
+    fresh = ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)  # the whole images stay usable
+    with pytest.warns(UserWarning, match=r"eval-48x48-crop0.875 in .*: damaged: eval-48x48-crop0.875.bin image 3 failed"):
+        assert fresh.eval_view is None
+    build_image_cache(fresh, tmp_path, num_workers=0, progress=False)
+    assert images.stat().st_ino == before and not (ds.cache.path / "damaged.json").exists()  # the view alone
+    files = ImageFolderFast(tree, size=48, max_side=96)  # uncached: the full decode
+    again = ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)
+    assert again.eval_view is not None
+    assert all(torch.equal(again[i][0], files.eval_record(i)) for i in range(6))
+    assert main(["cache", "verify", str(tmp_path)]) == 0
+
+
+def test_damage_that_cannot_be_recorded_says_to_remove_the_folder(texts, tokenizer, tmp_path, monkeypatch):
+    cache = build_token_cache(texts, tokenizer, tmp_path / "c", progress=False)
+    _flip(tmp_path / "c" / "tokens.bin", int(cache.offsets[5]) * 2)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr("recipes.common.cache_checks.tempfile.mkstemp", read_only)
+    with pytest.raises(TokenCacheError, match=r"could not be recorded \(.*Permission denied\): remove .*c, then"):
+        TokenCache.open(tmp_path / "c")[5]
+    assert not (tmp_path / "c" / "damaged.json").exists()
 
 
 # ---- the fuzz ---------------------------------------------------------------------------------

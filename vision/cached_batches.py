@@ -56,7 +56,7 @@ def eval_view_of(dataset: ImageFolderFast) -> EvalView | None:
         if view is None:
             warnings.warn(f"No usable eval view {view_name(size, dataset.CROP_PCT)} in {cache.path}: {why}. Eval "
                           "items are resized from the whole cached images instead: about 5x slower, and pixels "
-                          "up to ~1.6 grey levels from the file path's. Rebuild it with build_image_cache(dataset) "
+                          "~1.6 grey levels from torchvision's (the view's). Rebuild it with build_image_cache(dataset) "
                           f"on this eval dataset (train=False, size={size}), or `recipes cache vision ROOT "
                           f"CACHE_DIR --size {size[0]}` for a square size.", stacklevel=3)
         dataset._views[size] = view

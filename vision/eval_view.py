@@ -26,7 +26,9 @@ appeared meanwhile, the `.bin` and `.sums` are renamed into place first and the 
 renamed last, commits them. A view whose header is damaged or names another cache
 fingerprint, count or size, or whose data file has another size or sums file another
 checksum, is not opened (`eval_view_of` warns, naming it, and the next `build_image_cache`
-rebuilds it); an image whose row differs from its checksum raises the cache's error when read.
+rebuilds it); an image whose row differs from its checksum raises the cache's error when read
+and is recorded in the cache's `damaged.json`: the view is then not opened, and the next
+`build_image_cache` on an eval dataset rebuilds the view alone (not the whole images).
 Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
   common/process_lifetime.py, vision/crop.py, vision/decode.py.
 """
@@ -39,7 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
-from recipes.common.cache_checks import ItemChecks, VerifyMode, algorithm, file_checksum, hasher
+from recipes.common.cache_checks import (
+    ItemChecks,
+    VerifyMode,
+    algorithm,
+    clear_damage,
+    file_checksum,
+    hasher,
+    recorded_damage,
+)
 from recipes.common.cache_files import (
     LazyMap,
     _host,
@@ -68,7 +78,9 @@ def eval_image(decoded: np.ndarray, size: tuple[int, int], crop_pct: float):
 
 def eval_record(dataset, index: int):
     """`ImageFolderFast.eval_record`: what an eval view stores at `index` (`eval_image` of a
-    full decode of its file; with on_error="skip", of the next good file's)."""
+    full decode of its file; with on_error="skip", of the next good file's). torchvision's eval
+    pixels, not the uncached file path's: that one crops, then resizes the crop (a box rounded
+    to whole source pixels), a mean ~2 grey levels away and more at edges."""
     if dataset.train:
         raise ValueError("eval_record is what evaluation sees, but this dataset has train=True.")
 
@@ -138,6 +150,9 @@ def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
             return None, f"{name}.sums is damaged (its checksum differs from the header's)"
     except (OSError, KeyError, error) as why:
         return None, f"{name} is incomplete or unreadable ({why})"
+    damage = recorded_damage(folder, (f"{name}.bin",))  # a read or `recipes cache verify` found damage
+    if damage is not None:
+        return None, f"damaged: {damage}"
     checks = ItemChecks(folder / f"{name}.bin", np.frombuffer(sums, "<u8"), header["checksum"], verify=verify,
                         error=error, hint="build_image_cache() on an eval dataset of this size", label="image")
     return EvalView(folder, name, tuple(size), count, error, checks), ""
@@ -145,8 +160,9 @@ def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
 
 def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
                     error: type[Exception]) -> EvalView:
-    """Decodes every image of an eval `dataset` (`eval_record(i)`: the file path's untransformed
-    eval output) into the view of its resolution in `folder`, atomically (see the module doc)."""
+    """Decodes every image of an eval `dataset` (`eval_record(i)`: torchvision's eval pixels)
+    into the view of its resolution in `folder`, atomically (see the module doc); a record of
+    damage to the view it replaces (`damaged.json`) is removed with it."""
     from tqdm import tqdm
 
     size, count = dataset.resolution, len(dataset)
@@ -181,6 +197,7 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
                 os.replace(temp, folder / f"{name}.bin")
                 os.replace(temp_sums, folder / f"{name}.sums")
                 os.replace(temp_header, folder / f"{name}.json")  # the header commits the data
+                clear_damage(folder, f"{name}.bin")  # the damage recorded was the replaced file's
                 fsync_path(folder)
     finally:
         for path in (temp, temp_sums, temp_header):

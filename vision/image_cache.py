@@ -24,9 +24,10 @@ Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.cache_file
 The fingerprint covers the relative paths, sizes, mtimes, targets, `max_side` and decode
 settings; a cache built from other inputs is never served: a warning names the changed files.
 A damaged file is not served either: the header holds its own checksum and one per small file
-(checked on open), and each image is checked against `checksums.bin` when read (`verify=`:
-"first_read" per process by default, "always" or "never"; `ImageCache.checks`). The build reads the dataset through its public side: `paths`, `targets`, `root`, `max_side`,
-`len()`, `cache_record(i)` (called in the build's DataLoader workers) and `use_cache(cache)`.
+(checked on open), and each image is checked against `checksums.bin` when read (`verify=`,
+`ImageCache.checks`); an image found damaged is recorded in `damaged.json`, and the folder then
+fails to open, so `build_image_cache` rebuilds it. The build reads the dataset through its public
+side: `paths`, `targets`, `root`, `max_side`, `len()`, `cache_record(i)` and `use_cache(cache)`.
 Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
   common/process_lifetime.py, vision/crop.py, vision/decode.py, vision/eval_view.py,
   vision/stale_caches.py.
@@ -48,6 +49,7 @@ from recipes.common.cache_checks import (
     ItemChecks,
     VerifyMode,
     algorithm,
+    check_damage,
     file_checksums,
     hasher,
     read_checked,
@@ -98,8 +100,7 @@ class ImageCache:
         self.skipped: tuple[int, ...] = tuple(header["skipped"])
         self.shapes, self.offsets = shapes, offsets
         self.labels = labels  # `int64 [N]`, checked against its checksum on open
-        # A file truncated or replaced after this open raises ImageCacheError in the process that
-        # maps it next (a fresh worker), naming it.
+        # images.bin truncated or replaced after this open: ImageCacheError where it is mapped next
         self._images = LazyMap(self.path / "images.bin", np.uint8, (int(offsets[-1]),), error=ImageCacheError)
         self.checks = ItemChecks(self.path / "images.bin", sums, header["checksum"], verify=verify,
                                  error=ImageCacheError, hint=_BUILD_HINT, label="image")
@@ -115,8 +116,8 @@ class ImageCache:
         `verify` says when an image is checked as it is read (`ImageCache.checks`).
 
         Raises:
-            ImageCacheError: missing, truncated, damaged, another format version, or (with
-                `fingerprint`) built from other inputs; the message says to rebuild.
+            ImageCacheError: missing, truncated, damaged (`damaged.json` names images.bin),
+                another format version, or (with `fingerprint`) other inputs; says to rebuild.
         """
         path = Path(path)
         header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
@@ -141,6 +142,7 @@ class ImageCache:
         if (shapes < 1).any() or (shapes > max_side).any() or not np.array_equal(offsets, expected):
             raise ImageCacheError(f"{path}/shapes.bin or offsets.bin is corrupt; rebuild it with {_BUILD_HINT}.")
         check_size(path / "images.bin", int(offsets[-1]), ImageCacheError)
+        check_damage(path, ("images.bin",), ImageCacheError, _BUILD_HINT)  # a read found damage (not a view's)
         return cls(path, header, shapes, offsets, labels, sums, verify)
 
     def read(self, index: int) -> np.ndarray:
@@ -287,14 +289,16 @@ def build_image_cache(dataset: ImageFolderFast, cache_dir: str | os.PathLike, *,
                       progress: bool = True, distributed: bool = False) -> ImageCache:
     """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
 
-    For an eval dataset (`train=False`) it also stores the eval view of its resolution (each
-    image exactly as the file path makes it, `recipes.vision.eval_view`), unless there is one:
-    eval items are then row copies. Each whole image is stored with its aspect ratio, its longer side resized to at most the
-    dataset's `max_side` (decoded at the coarsest DCT scale that allows it), by parallel
-    DataLoader workers with a tqdm bar, into a temp folder renamed into place when complete.
-    Train crops from the cache then follow torchvision's `RandomResizedCrop` over the original
-    image. An existing valid cache is reused; caches of the same tree built from other inputs
-    are removed. The dataset reads the cache from then on.
+    Each whole image is stored with its aspect ratio, its longer side at most the dataset's
+    `max_side` (decoded at the coarsest DCT scale that allows it), by DataLoader workers with a
+    tqdm bar, into a temp folder renamed into place when complete. Train crops from the cache
+    follow torchvision's `RandomResizedCrop` over the original image. For an eval dataset
+    (`train=False`) it also stores the eval view of its resolution (`recipes.vision.eval_view`):
+    each image as torchvision's `Resize + CenterCrop` makes it from a full decode, to within a
+    grey level; eval items are then row copies. These are not the uncached file path's pixels,
+    which crops before it resizes (a mean ~2 grey levels apart, more at edges and on upscaled
+    small images). A valid cache (and view) is reused; one recorded damaged (`damaged.json`) is
+    rebuilt; caches of the same tree from other inputs are removed. The dataset then reads it.
 
     Args:
         dataset: an `ImageFolderFast`.
@@ -369,10 +373,6 @@ class _CacheItems:
         return (index, *self.dataset.cache_record(index))
 
 
-def _as_lists(batch):
-    return list(zip(*batch, strict=True))
-
-
 def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress: bool, hash_):
     """This rank's block, decoded in index order into `part("images.bin")`; returns the
     block's `(shapes [n, 2], labels [n], skipped indices, checksums [n])`."""
@@ -382,18 +382,18 @@ def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress:
     shapes, labels = np.zeros((len(block), 2), np.int64), np.zeros(len(block), np.int64)
     sums = np.zeros(len(block), "<u8")
     skipped: list[int] = []
-    loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=_as_lists)
+    loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list)
     with open(build.part("images.bin"), "wb") as out, \
             tqdm(total=len(dataset), disable=not progress, desc="decoding images", unit="img") as bar:
-        for indices, arrays, targets, was_skipped in loader:
-            for index, array, target, skip in zip(indices, arrays, targets, was_skipped, strict=True):
+        for batch in loader:  # items (index, image, target, skipped) in index order
+            for index, array, target, skip in batch:
                 out.write(array.tobytes())
                 sums[index - block.start] = hash_(array)  # of the bytes written
                 shapes[index - block.start] = array.shape[:2]
                 labels[index - block.start] = target
                 if skip:
                     skipped.append(index)
-            bar.update(len(indices) * build.world)
+            bar.update(len(batch) * build.world)
         out.flush()
         os.fsync(out.fileno())
     return shapes, labels, skipped, sums

@@ -266,3 +266,30 @@ def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, m
         assert got == expected  # a map-style order never depends on the workers
     assert [cause for cause, _ in loader.restarts] == ["death"]
     loader.close()
+
+
+class ThreadIds(torch.utils.data.Dataset):
+    """Item i is i, with batches made in threads (`ThreadBatched`: a memory-speed cache's kind)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return int(i)
+
+    def thread_batches(self):
+        return True
+
+    def read_batch(self, indices, rng):
+        return torch.tensor([int(i) for i in indices])
+
+
+@pytest.mark.parametrize("path", ["threads", "auto"])
+def test_a_thread_capable_dataset_keeps_the_thread_path(path):
+    """Review of #27: RobustLoader always passed `timeout=`, which path='threads' refuses and
+    which made path='auto' choose worker processes for a cache the thread path serves faster."""
+    torch.manual_seed(0)
+    loader = RobustLoader(ThreadIds(), batch_size=4, shuffle=True, path=path)
+    assert loader.loader.recipe.reasons["path"].startswith("threads") or path == "threads"
+    assert loader.loader.num_workers == 0
+    assert Counter(i for b in loader for i in _ids(b)) == Counter(range(40))

@@ -68,8 +68,8 @@ def test_an_index_that_disagrees_with_itself_or_its_shard_is_refused_naming_the_
         with pytest.raises(ShardIndexError, match=message):
             ShardSet.open(tmp_path / "s")
         return
-    shards = ShardSet.open(tmp_path / "s")  # an offset moved by one block: caught when read
-    with pytest.raises(ShardFormatError, match=r"shard-000000\.tar: sample 1"):
+    shards = ShardSet.open(tmp_path / "s")  # an offset moved by one block: caught when read, as the index's fault
+    with pytest.raises(ShardIndexError, match=r"shard-000000\.tar: its index says sample 2 starts at byte [\d,]+, but"):
         list(shards.read(0))
 
 
@@ -148,7 +148,7 @@ def test_a_json_field_that_is_not_json_names_the_shard_and_the_key(tmp_path):
 
     pq.write_table(pa.table({"__key__": ["a", "b"], "json": ["{}", "nope"]}), tmp_path / "p" / "x.parquet")
     shards = index_shards([str(tmp_path / "p" / "x.parquet")], progress=False)
-    with pytest.raises(ShardFormatError, match=r"x\.parquet: sample 'b', field 'json' is not JSON"):
+    with pytest.raises(ShardFormatError, match=r"x\.parquet: sample 'b', field 'json' does not decode as '\.json'"):
         list(shards.read(0))
 
 
@@ -262,3 +262,48 @@ def test_fuzz_flipped_bytes_are_never_served(tmp_path, fmt, place):
 def test_fuzz_flipped_bytes_are_never_served_long(tmp_path, fmt, place):
     for seed in range(2, 6):
         _fuzz(tmp_path / str(seed), fmt, place, trials=300, seed=seed)
+
+
+# ---- review B3: a version turned back to 1 does not turn the checks off ---------------------------
+@pytest.mark.parametrize("fmt", ["tar", "parquet"])
+def test_a_v2_index_relabelled_v1_is_refused_as_damaged(tmp_path, fmt):
+    write_shards(_samples(12), tmp_path / "s", format=fmt, progress=False)
+    text = (tmp_path / "s" / "index.json").read_text()
+    (tmp_path / "s" / "index.json").write_text(text.replace('"version":2', '"version":1'))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a warning: an error
+        with pytest.raises(ShardIndexError, match=r"index\.json is damaged: a version-1 index with version-2 checksums"):
+            ShardSet.open(tmp_path / "s")
+
+
+# ---- review B7: an offset the shard does not start a key at is the index's fault ------------------
+def _offsets_edited(tmp_path, edit):
+    shards = write_shards([{"__key__": f"k{i}", "bin": bytes([i]) * 700, "cls": i} for i in range(6)],
+                          tmp_path / "s", progress=False)
+    index = json.loads((tmp_path / "s" / "index.json").read_text())
+    edit(index["shards"][0]["offsets"], shards.entries[0]["offsets"])
+    (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(("moved", "what"), [(512, "a tar header"), (1536, "a tar header of a new key")])
+def test_an_offset_that_does_not_start_a_key_raises_shard_index_error_before_the_checksums(tmp_path, moved, what):
+    # 512: into sample 2's data; 1536: onto the header of its second member (`cls`): a header, not a new key
+    _offsets_edited(tmp_path, lambda offsets, _: offsets.__setitem__(2, offsets[2] + moved))
+    shards = ShardSet.open(tmp_path / "s")
+    at = shards.entries[0]["offsets"][2]
+    for lo, hi in ((0, None), (2, 3), (1, 3)):  # the whole shard, the sample alone, a range ending at it
+        if (lo, moved) == (2, 1536):  # a range's first header: whether its key is new needs the bytes before it
+            with pytest.raises(ShardFormatError, match=r"sample 2 .* does not match its index \(checksum\)"):
+                list(shards.read(0, lo, hi))
+            continue
+        with pytest.raises(ShardIndexError, match=rf"shard-000000\.tar: its index says sample 2 starts at byte "
+                                                  rf"{at:,}, but that byte does not start {what}: the index is damaged"):
+            list(shards.read(0, lo, hi))
+    assert [s["cls"] for s in shards.read(0, 3, 6)] == [3, 4, 5]  # ranges that do not use it read
+
+
+def test_shard_index_error_is_a_shard_format_error_and_float_offsets_are_named(tmp_path):
+    assert issubclass(ShardIndexError, ShardFormatError) and issubclass(ShardIndexError, ValueError)
+    _offsets_edited(tmp_path, lambda offsets, _: offsets.__setitem__(1, float(offsets[1])))
+    with pytest.raises(ShardIndexError, match=r"shard-000000\.tar has offsets that are not all integers"):
+        ShardSet.open(tmp_path / "s")

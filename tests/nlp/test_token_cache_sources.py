@@ -149,3 +149,40 @@ def test_cli_takes_a_shard_folder(corpus, tokenizer, tmp_path, parquet_shards):
     stamp = (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns
     cache = build_token_cache(parquet_shards, tokenizer, tmp_path / "c", progress=False)  # the same key: reused
     assert (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns == stamp and _ids(cache) == _direct(tokenizer, corpus)
+
+
+def _replace_shard(folder, name):
+    """A shard swapped for another valid Parquet file: a plain read would tokenize its texts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"__key__": ["x"], "text": ["not the shard's text"]}), folder / name)
+
+
+def test_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer, tmp_path, parquet_shards):
+    # review B4: a glob, a list of `Path`s or one path of shards is read through the set, every sample checked
+    name = parquet_shards.entries[1]["name"]
+    paths = [tmp_path / "pq" / e["name"] for e in parquet_shards.entries]
+    cache = build_token_cache(paths[1], tokenizer, tmp_path / "one", progress=False)
+    first, second = (int(n) for n in parquet_shards.lengths[:2])
+    assert _ids(cache) == _direct(tokenizer, corpus[first : first + second])  # the shard's texts, checked
+    _replace_shard(tmp_path / "pq", name)
+    sources = [str(tmp_path / "pq" / "*.parquet"), paths, paths[1], str(paths[1])]
+    for n, source in enumerate(sources):
+        with pytest.raises(ShardFormatError, match=rf"{name} is \d[\d,]* bytes but its index says"):
+            build_token_cache(source, tokenizer, tmp_path / f"c{n}", progress=False)
+
+
+def test_tar_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer, tmp_path):
+    shards = write_shards(({"__key__": f"k{i}", "txt": t} for i, t in enumerate(corpus)), tmp_path / "tar",
+                          shard_bytes=20_000, progress=False)
+    paths = [tmp_path / "tar" / e["name"] for e in shards.entries]
+    for n, source in enumerate([str(tmp_path / "tar" / "*.tar"), paths]):
+        cache = build_token_cache(source, tokenizer, tmp_path / f"c{n}", progress=False, text_field="txt")
+        assert _ids(cache) == _direct(tokenizer, corpus)
+
+
+def test_a_damaged_index_beside_shard_files_is_refused(tokenizer, tmp_path, parquet_shards):
+    (tmp_path / "pq" / "index.json").write_text("{not json")
+    with pytest.raises(ShardIndexError, match="damaged"):
+        build_token_cache(str(tmp_path / "pq" / "*.parquet"), tokenizer, tmp_path / "c", progress=False)
