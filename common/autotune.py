@@ -12,12 +12,13 @@ Adapt here: `_worker_counts`, `GAIN` (what counts as "helping"), `WAIT_TARGET`.
 Trade-off: trials are short, so figures carry ~5-10% noise (the second round keeps one burst
 of background work from deciding); a dataset whose cost changes over an epoch (cache warming)
 is tuned as it is now. Results are stored per dataset, batch size and machine, and `make_loader` reuses them.
-Copy with: common/cache_files.py, common/cache_folder.py, common/held_descriptors.py,
-  common/loader.py, common/loader_contract.py, common/loader_passes.py, common/loader_path.py,
-  common/loader_state.py, common/loader_warning.py, common/monitor.py, common/object_download.py,
-  common/prefetch_cache.py, common/probes.py, common/process_lifetime.py, common/profiles.py,
-  common/ranged_download.py, common/resources.py, common/retries.py, common/sizing.py,
-  common/stateful_loader.py, common/thread_loader.py, common/tune_store.py, common/worker.py.
+Copy with: common/batch_seeds.py, common/cache_files.py, common/cache_folder.py,
+  common/dataset_state.py, common/held_descriptors.py, common/loader.py, common/loader_contract.py,
+  common/loader_passes.py, common/loader_path.py, common/loader_state.py, common/loader_warning.py,
+  common/monitor.py, common/object_download.py, common/prefetch_cache.py, common/probes.py,
+  common/process_lifetime.py, common/profiles.py, common/ranged_download.py, common/resources.py,
+  common/retries.py, common/sizing.py, common/stateful_loader.py, common/thread_loader.py,
+  common/tune_store.py, common/worker.py.
 """
 
 from __future__ import annotations

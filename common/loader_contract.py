@@ -29,14 +29,19 @@ What the loader guarantees (the state is plain JSON, constant size, loaded in a 
      position in the pass in that state; they are epoch-seeded or hold a generator, which the
      loader uses instead, counting the loop's batches itself.)
   4. Nothing random (`SequentialSampler`, a list of indices): nothing to capture.
+  An iterable dataset is resumed by its `resume_after` (`ResumableIterable`), else by its own
+  `state_dict()` (`StatefulDataset`, per worker), else by replaying the epoch's first batches.
   Every epoch's first draw is also watched: a sampler that draws from torch's, NumPy's or
   Python's global random generator gets a `LoaderWarning` (no state can restore those).
-- A pass ends when the loop ends: its iterator is exhausted (`StopIteration`) or dropped
-  (`break`). A state saved mid-pass resumes at the first batch the loop did not receive; one
-  saved after a pass ended resumes at the start of the next epoch (the next `set_epoch`, or
-  the next iteration for a loader that counts its epochs) and names the epoch that ended
-  (`finished_epoch`); one saved after `set_epoch(e)` and before the epoch's first batch
-  resumes at the start of e.
+- A pass ends when its iterator is exhausted (`StopIteration`); a loop left early (`break`,
+  an error) only pauses it. A state saved mid-pass (or paused) resumes at the first batch the
+  loop did not receive; one saved after a pass ended resumes at the start of the next epoch
+  (the next `set_epoch`, or the next iteration for a loader that counts its epochs) and names
+  the epoch that ended (`finished_epoch`); one saved after `set_epoch(e)` and before the
+  epoch's first batch resumes at the start of e.
+- A map-style dataset's own random draws (`torch.rand`, `np.random`, `random` in
+  `__getitem__`) are seeded per batch from `(seed, epoch, position)` (`batch_seeds.py`): a
+  resumed run draws what the uninterrupted one drew, with any number of workers.
 - `load_state_dict` refuses a state saved under other settings that shape the plan
   (batch size, `drop_last`, dataset size, the sampler's own settings via `plan_settings()`).
 - `PositionedBatchSampler` and `ResumableIterable` resume on another number of ranks (elastic).
@@ -66,6 +71,18 @@ class StatefulSampler(Protocol):
     """A sampler whose order follows from its state when `iter` is called (torchdata's
     `Stateful`): the loader saves `state_dict()` at the draw and restores it at the resumed draw,
     then skips the batches the loop had received."""
+
+    def state_dict(self) -> dict[str, JSON]: ...
+
+    def load_state_dict(self, state: dict[str, JSON]) -> None: ...
+
+
+@runtime_checkable
+class StatefulDataset(Protocol):
+    """An iterable dataset that keeps its own position (torchdata's protocol; Hugging Face
+    `datasets.IterableDataset`): the loader saves, per worker, the state of the dataset copy
+    that made the last batch the loop received, and loads it into that worker's copy on
+    resume, before `iter(dataset)` (`dataset_state.py`). `resume_after` takes precedence."""
 
     def state_dict(self) -> dict[str, JSON]: ...
 

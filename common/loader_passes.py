@@ -5,19 +5,21 @@ Use when: you read how `loader.state_dict()` is computed; `StatefulLoader` is th
 Cost: per pass, one capture of the sampler's random state at the draw and a check that no
 global random generator was drawn from; per batch, one counter increment.
 Adapt here: `_Passes.state` (what a state holds at each point of a pass).
-Trade-off: a pass ends when the loop ends: its iterator is exhausted or dropped (`break`); a
-state saved after that is for the next epoch, except while an exception is being handled (a
-state saved in an `except` or `finally` block around the loop, after an error or Ctrl-C in the
-loop body dropped the iterator): that state resumes at the first batch the loop did not get.
+Trade-off: a pass ends when its iterator is exhausted; a state saved after that is for the
+next epoch. A loop left early (`break` at a step limit, an error or Ctrl-C in the loop body)
+only pauses its pass: a state saved then resumes at the first batch the loop did not get, as
+torchdata's does (issue #28), while iterating the same loader again starts the next epoch, as
+DataLoader does.
 A batch whose making raised (a dataset error, in a worker or a thread) counts as used: the loop
 moved past it, and a resume does not make it again.
-Copy with: common/loader_contract.py, common/loader_state.py, common/loader_warning.py.
+Copy with: common/batch_seeds.py, common/dataset_state.py, common/loader_contract.py,
+  common/loader_state.py, common/loader_warning.py.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
+from recipes.common.batch_seeds import batch_seed, seeded
+from recipes.common.dataset_state import Carried, keeps_own_state
 from recipes.common.loader_contract import EpochSeeded, ResumableIterable, StatefulSampler
 from recipes.common.loader_state import GlobalDraws, capture, find_generators, restore
 from recipes.common.loader_warning import LoaderWarning
@@ -42,10 +46,11 @@ class Pass:
     resumed: dict | None = None  # the loaded state this pass resumes
     yielded: int = 0
     done: bool = False  # the loop ended: StopIteration, or its iterator dropped
-    dropped: bool = False  # ended by its iterator being dropped (break, or an exception in the loop)
+    dropped: bool = False  # left by the loop (break, or an exception): paused, its state mid-epoch
     closed: bool = False  # the loader was closed (its workers shut down) before the pass ended
     drawn: bool = False
     snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
+    dataset_states: dict = field(default_factory=dict)  # worker -> its dataset copy's state (`dataset_state.py`)
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
     # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
 
@@ -58,6 +63,7 @@ class Passes:
     def __init__(self, loader):
         self.dataset = loader.dataset
         self.iterable = isinstance(loader.dataset, IterableDataset)
+        self.own_state = keeps_own_state(loader.dataset)  # resumes itself: its state_dict() per worker
         roles = _roles(loader)
         self.positioned = loader.batch_sampler if _positioned(loader.batch_sampler) else None
         self.holder = _epoch_holder(loader.dataset, roles)
@@ -73,6 +79,7 @@ class Passes:
         self.blind = None if self.iterable else _blind_spot(roles, self, unreproducible)
         self.current: Pass | None = None
         self.pending: dict | None = None
+        self.seed: int | None = None  # the batches' seeds' (`batch_seeds.py`); set by the loader
         self.warned: set[str] = set()
 
     def _holder_epoch(self) -> int | None:
@@ -135,12 +142,12 @@ class Passes:
             return self._fresh(epoch)
         if current is None:
             return self._fresh(0 if epoch is None else epoch)
-        if current.done and not (current.dropped and sys.exc_info()[0] is not None):
+        if current.done and not current.dropped:
             if self.holder is not None:  # the next pass is the sampler's epoch: set_epoch says which
                 return self._fresh(epoch, finished=current.epoch)
             return self._fresh(current.epoch + 1, finished=current.epoch)
-        if not current.drawn and self.holder is not None and epoch != current.epoch:
-            return self._fresh(epoch)  # set_epoch before the (lazy) first draw
+        if (current.dropped or not current.drawn) and self.holder is not None and epoch != current.epoch:
+            return self._fresh(epoch)  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
         state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
                  "num_workers": current.workers,
                  "order": current.snapshot if current.drawn else ((current.resumed or {}).get("order")
@@ -149,7 +156,18 @@ class Passes:
             state["sampler"] = self.positioned.state_dict(batches_done=current.yielded)
         if self.iterable and isinstance(self.dataset, ResumableIterable):
             self._iterable_position(state, current)
+        elif self.own_state:
+            self._dataset_states(state, current)
         return state
+
+    def _dataset_states(self, state: dict[str, Any], current: Pass) -> None:
+        """The states of the dataset copies that made the batches received (this process's
+        without workers), over those a resumed pass began with."""
+        if not current.workers:
+            state["dataset_states"] = {"main": self.dataset.state_dict()}
+            return
+        saved = dict((current.resumed or {}).get("dataset_states") or {})
+        state["dataset_states"] = {**saved, **{str(w): s for w, s in current.dataset_states.items()}}
 
     def _fresh(self, epoch: int, *, finished: int | None = None) -> dict[str, Any]:
         """The state of a pass not begun: `epoch` from its start. `finished_epoch` names the
@@ -224,8 +242,13 @@ class PassSampler:
             first, skip = next(iterator, _END), skip - 1
         if first is _END:
             return
-        yield first
-        yield from iterator
+        if passes.seed is None or passes.iterable:
+            yield first
+            yield from iterator
+            return
+        seed, epoch = passes.seed, current.epoch  # each batch's draws follow its position (batch_seeds.py)
+        for position, item in enumerate(itertools.chain((first,), iterator), start=current.skip):
+            yield seeded(item, batch_seed(seed, epoch, position))
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -266,7 +289,11 @@ class Counting:
             if _used_up(error, self._inner):  # the dataset's error: that batch's position is used up
                 self._target().yielded += 1
             raise
-        self._target().yielded += 1
+        target = self._target()
+        target.yielded += 1
+        if isinstance(batch, Carried):  # a worker's batch with its dataset copy's state
+            target.dataset_states[batch.worker] = batch.state
+            return batch.batch
         return batch
 
     def __len__(self) -> int:

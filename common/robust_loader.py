@@ -12,11 +12,11 @@ texts of other failure kinds.
 Trade-off: restarts cost a worker start-up each; after `max_restarts` the error is raised.
 Errors raised by the dataset itself (a bad file, a bug) are never retried: they would fail
 again.
-Copy with: common/cache_files.py, common/held_descriptors.py, common/loader.py,
-  common/loader_contract.py, common/loader_passes.py, common/loader_path.py, common/loader_state.py,
-  common/loader_warning.py, common/process_lifetime.py, common/profiles.py, common/resources.py,
-  common/sizing.py, common/stateful_loader.py, common/thread_loader.py, common/tune_store.py,
-  common/worker.py.
+Copy with: common/batch_seeds.py, common/cache_files.py, common/dataset_state.py,
+  common/held_descriptors.py, common/loader.py, common/loader_contract.py, common/loader_passes.py,
+  common/loader_path.py, common/loader_state.py, common/loader_warning.py,
+  common/process_lifetime.py, common/profiles.py, common/resources.py, common/sizing.py,
+  common/stateful_loader.py, common/thread_loader.py, common/tune_store.py, common/worker.py.
 """
 
 from __future__ import annotations

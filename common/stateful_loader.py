@@ -25,8 +25,8 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 `"world_size"` (an iterable dataset's ranks) make a resume elastic, from N ranks to M;
 `"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
 state are computed in `loader_passes.py`.
-Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_state.py,
-  common/loader_warning.py.
+Copy with: common/batch_seeds.py, common/dataset_state.py, common/loader_contract.py,
+  common/loader_passes.py, common/loader_state.py, common/loader_warning.py.
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from recipes.common.batch_seeds import SeededFetcher
+from recipes.common.dataset_state import (
+    DatasetStateCarrier,
+    RotatedIter,
+    StateLoadingInit,
+    keeps_own_state,
+)
 from recipes.common.loader_contract import Prefetching, ReadAheadAware, ResumableIterable
 from recipes.common.loader_passes import STATE_VERSION, Counting, Pass, Passes, PassSampler
 from recipes.common.loader_state import differences, find_generators, plan_settings
@@ -65,6 +72,11 @@ class StatefulLoader(DataLoader):
     """
 
     def __init__(self, dataset, **kwargs: Any):
+        if kwargs.get("in_order") is False and kwargs.get("num_workers", 0) > 0:
+            raise ValueError("in_order=False hands batches over in the order workers finish them, and a loader state "
+                             "counts the batches the loop received, not which ones: a resume would lose some and "
+                             "repeat others. Keep in_order=True (the default); a slow sample holds up only its own "
+                             "batch's place, which prefetch_factor covers.")
         if kwargs.get("shuffle") and not isinstance(dataset, IterableDataset) and kwargs.get("sampler") is None \
                 and kwargs.get("batch_sampler") is None:
             kwargs["shuffle"] = False
@@ -72,6 +84,11 @@ class StatefulLoader(DataLoader):
         super().__init__(dataset, **kwargs)
         self._unshare_base_seed()
         self._passes = Passes(self)
+        # the seed of every batch's own random draws (`batch_seeds.py`): from `generator=` when
+        # given, else from torch's generator (so that `torch.manual_seed` reproduces runs)
+        self._passes.seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        if self._passes.own_state and self.num_workers:  # each batch brings its worker's dataset state back
+            self.collate_fn = DatasetStateCarrier(self.collate_fn)
         if self.num_workers:  # a sampler's own count now runs ahead of the loop: let it say so
             for holder in (self.batch_sampler, self.sampler):
                 if isinstance(holder, ReadAheadAware):
@@ -86,6 +103,12 @@ class StatefulLoader(DataLoader):
                                                           "batch_sampler": self.batch_sampler}).values())
         if shared:
             self.generator = _order_generator(self.generator)
+
+    def _get_iterator(self):
+        rotate, self._rotate_next = getattr(self, "_rotate_next", 0), 0
+        if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
+            return RotatedIter(self, rotate)
+        return super()._get_iterator()
 
     # The one hook into DataLoader's internals (see the module doc). The wrapper holds the
     # pass tracker, never the loader (see `Passes`).
@@ -104,6 +127,8 @@ class StatefulLoader(DataLoader):
             if current.resumed is None and isinstance(self.dataset, Prefetching):
                 self.dataset.start_downloads(num_workers=max(1, self.num_workers))  # before the workers fork
             inner = super().__iter__()
+            if hasattr(inner, "_dataset_fetcher") and not iterable:  # no workers: batches made here, seeded
+                inner._dataset_fetcher = SeededFetcher(inner._dataset_fetcher)
         _track(inner)
         return Counting(self._passes, current, inner)
 
@@ -131,6 +156,7 @@ class StatefulLoader(DataLoader):
         doc and `loader_contract.py` for what a state saved at each point resumes)."""
         state = self._passes.state()
         state["plan"] = self._plan()
+        state["batch_seed"] = self._passes.seed
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,6 +180,8 @@ class StatefulLoader(DataLoader):
                              "which samples each batch holds: " + "; ".join(diff) + ". Build the loader as the run "
                              "that saved it did.")
         self._passes.load(state)
+        if state.get("batch_seed") is not None:
+            self._passes.seed = int(state["batch_seed"])
 
     def _plan(self) -> dict[str, Any]:
         plan: dict[str, Any] = {"batch_size": self.batch_size, "drop_last": self.drop_last}
@@ -197,6 +225,9 @@ os.register_at_fork(after_in_child=_disown_in_child)
 def _resumed_iterable(loader: StatefulLoader, current: Pass):
     """An iterator over the rest of an iterable dataset's epoch, after `current.skip` batches."""
     dataset, skip, state = loader.dataset, current.skip, current.resumed or {}
+    states = state.get("dataset_states")
+    if keeps_own_state(dataset) and states is not None and current.workers == loader.num_workers:
+        return _resumed_by_dataset(loader, states, skip)
     if not isinstance(dataset, ResumableIterable):
         if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
             raise ValueError(f"{type(dataset).__name__} has no resume_after(): it resumes by reading the epoch's first "
@@ -229,6 +260,24 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
     if loader.num_workers:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return iter(DataLoader(rest, **kwargs))  # one epoch on fresh workers, then the loader's own again
+
+
+def _resumed_by_dataset(loader: StatefulLoader, states: dict, skip: int):
+    """The rest of an epoch of a dataset that resumes itself: each dataset copy (this process's,
+    or each worker's, in fresh workers) loads the state it had after its last batch the loop
+    received, and the round-robin resumes at the worker whose turn was next."""
+    if not loader.num_workers:
+        loader.dataset.load_state_dict(states["main"])
+        return DataLoader.__iter__(loader)
+    if loader._iterator is not None:  # persistent workers hold copies that went on: fresh ones load the states
+        loader._iterator._shutdown_workers()
+        loader._iterator = None
+    user_init = loader.worker_init_fn
+    loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), skip % loader.num_workers
+    try:
+        return DataLoader.__iter__(loader)
+    finally:
+        loader.worker_init_fn = user_init
 
 
 _END = object()

@@ -22,8 +22,9 @@ generator seeded by `(seed, epoch, batch position)`: the same batch gets the sam
 whatever the threads and after a resume. With `pin_memory` on CUDA, a `read_batch` that takes
 `pin_memory=` fills its batch in page-locked memory from torch's caching host allocator (reused
 blocks, no second copy); other batches are copied into pinned memory.
-Copy with: common/loader_contract.py, common/loader_passes.py, common/loader_path.py,
-  common/loader_state.py, common/loader_warning.py, common/stateful_loader.py.
+Copy with: common/batch_seeds.py, common/dataset_state.py, common/loader_contract.py,
+  common/loader_passes.py, common/loader_path.py, common/loader_state.py, common/loader_warning.py,
+  common/stateful_loader.py.
 """
 
 from __future__ import annotations

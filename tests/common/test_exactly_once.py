@@ -1,5 +1,5 @@
 """Exactly once, proven (issue #19): a Hypothesis state machine drives a loader through random
-sequences of taking batches, starting epochs, saving its state and rebuilding it from the
+sequences of taking batches, leaving an epoch with `break`, starting epochs, saving its state and rebuilding it from the
 state (in another configuration), killing a worker under `RobustLoader`, and changing the
 number of ranks where the sampler supports it. Invariant: in every epoch, the batches the loop
 received equal, in order, what an uninterrupted run of the same seed delivers (with a change of
@@ -230,6 +230,7 @@ class ExactlyOnce(RuleBasedStateMachine):
         self.loaders = [self.world_builder.build(kind, config)]
         self.iterators = [None]
         self.finished = False
+        self.paused = False  # the loop left the epoch with `break`
         self.received = [[]]  # per rank, this epoch
         self.began_with = num_workers(self.loaders[0])
         self.resized = None  # (old world, phases) when the ranks changed this epoch
@@ -237,7 +238,7 @@ class ExactlyOnce(RuleBasedStateMachine):
             set_epoch(self.loaders[0], 0)
 
     # ---- the loop ----------------------------------------------------------------------
-    @precondition(lambda self: not self.finished)
+    @precondition(lambda self: not self.finished and not self.paused)
     @rule(k=st.integers(1, 6))
     def take(self, k):
         for _ in range(k):
@@ -258,9 +259,13 @@ class ExactlyOnce(RuleBasedStateMachine):
             if self.resized is not None:
                 self.resized[1][-1][1] += 1
 
-    @precondition(lambda self: self.finished)
+    @precondition(lambda self: self.finished or (self.paused and self.kind in EXPLICIT))
     @rule()
     def next_epoch(self):
+        if self.paused:  # the loop moves on after its break: the rest of the epoch dropped, by its choice
+            expected = self.references.epoch(self.kind, self.epoch, 1, 0, self.began_with)
+            assert self.received[0] == expected[: len(self.received[0])]
+            self.received[0], self.paused = list(expected), False
         self.check_epoch()
         self.epoch += 1
         self.finished, self.received, self.resized = False, [[] for _ in range(self.world)], None
@@ -269,17 +274,15 @@ class ExactlyOnce(RuleBasedStateMachine):
             for loader in self.loaders:
                 set_epoch(loader, self.epoch)
 
-    @precondition(lambda self: self.kind in EXPLICIT and self.world == 1 and self.resized is None
-                  and not self.finished and self.received[0])
+    @precondition(lambda self: self.world == 1 and self.resized is None and not self.finished and not self.paused
+                  and self.received[0])
     @rule()
     def break_out(self):
-        """The loop leaves the epoch early (`break`): it ends there. (Only for set_epoch samplers:
-        a generator-drawn order depends on how much of the sampler was read before the break.)"""
+        """The loop leaves the epoch early (`break` at a step limit): a pause, not an end (issue
+        #28). A checkpoint then resumes the rest (`save_and_rebuild`); or, with a set_epoch
+        sampler, the loop moves on to the next epoch (`next_epoch`)."""
         self.iterators = [None]
-        expected = self.references.epoch(self.kind, self.epoch, 1, 0, self.began_with)
-        assert self.received[0] == expected[: len(self.received[0])]
-        self.received[0] = list(expected)  # what is left of the epoch is dropped, by the user's choice
-        self.finished = True
+        self.paused = True
 
     @rule(config=CONFIGS)
     def save_and_rebuild(self, config):
@@ -287,6 +290,7 @@ class ExactlyOnce(RuleBasedStateMachine):
         if self.world > 1:
             config = {**config, "workers": min(config["workers"], 1), "robust": False}
         state = json.loads(json.dumps(self.loaders[0].state_dict()))  # plain JSON, as a checkpoint holds it
+        self.paused = False  # a paused epoch resumes its rest in the rebuilt loader
         self._replace([self.world_builder.build(self.kind, config, world=self.world, rank=r, rebuilt=True)
                        for r in range(self.world)], state)
 
@@ -295,6 +299,7 @@ class ExactlyOnce(RuleBasedStateMachine):
     def change_world_size(self, world):
         if self.kind == "sharded" and not (world < self.world and self.world % world == 0):
             return  # ShardedIterableDataset replays old ranks on fewer new ones (a divisor), not more
+        self.paused = False  # the rebuilt loaders resume a paused epoch's rest
         state = json.loads(json.dumps(self.loaders[0].state_dict()))
         old, done = self.world, len(self.received[0])
         config = {"workers": 0, "persistent": False, "prefetch": 2, "robust": False}
@@ -315,14 +320,17 @@ class ExactlyOnce(RuleBasedStateMachine):
             Path(self.world_builder.marker).write_text(str(upcoming[0][0]))
 
     @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader)
-                  and _live_workers(self.loaders[0]))
+                  and self.loaders[0].loader.persistent_workers)
     @rule()
     def kill_a_worker_now(self):
         """SIGKILLs a persistent worker wherever the loop is: mid-epoch between batches, after
-        the epoch's last batch, between epochs (the OOM killer during validation; issue #27)."""
-        worker = _live_workers(self.loaders[0])[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
+        the epoch's last batch, between epochs (the OOM killer during validation; issue #27).
+        (Before the loader's first epoch there is none yet: nothing to kill. The precondition
+        reads only the machine's own state, so that Hypothesis replays it alike.)"""
+        workers = _live_workers(self.loaders[0])
+        if workers:
+            os.kill(workers[0].pid, signal.SIGKILL)
+            workers[0].join(10)
 
     @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader) and self.finished
                   and num_workers(self.loaders[0]) > 0 and self.kind != "packed")

@@ -109,24 +109,31 @@ def test_a_state_after_an_epoch_names_the_finished_epoch():
     assert loader.state_dict()["epoch"] == 3
 
 
-def test_breaking_out_of_an_epoch_ends_it():
-    """A loop that breaks, then checkpoints: the resumed loop starts the next epoch, as the
-    uninterrupted one does."""
+def test_breaking_out_of_an_epoch_pauses_it():
+    """Issue #28: a loop that breaks at a step limit, then checkpoints, resumes at the first
+    batch it did not receive (torchdata's behaviour); only exhausting the epoch ends it. The
+    same loader iterated again after the break starts the next epoch, as DataLoader does."""
     def two_steps(loader):
-        for step, _ in enumerate(loader):
+        got = []
+        for step, batch in enumerate(loader):
+            got.append(batch.tolist())
             if step == 1:
                 break
+        return got
 
     reference = shuffled()
-    two_steps(reference)
-    epochs = [None, flat(reference)]  # RandomSampler draws less of its generator in an epoch left early
+    epochs = [flat(reference), flat(reference)]
     first = shuffled()
-    two_steps(first)
-    state = first.state_dict()
-    assert (state["epoch"], state["batches_yielded"]) == (1, 0)
+    head = two_steps(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert (state["epoch"], state["batches_yielded"]) == (0, 2)
     resumed = shuffled()
     resumed.load_state_dict(state)
-    assert flat(resumed) == epochs[1]
+    rest = flat(resumed)
+    assert [i for b in head for i in b] + rest == epochs[0]  # the rest of epoch 0, then
+    assert flat(resumed) == epochs[1]  # epoch 1, as uninterrupted
+    again = flat(first)  # the same loader after its break: the next epoch, whole
+    assert sorted(again) == sorted(epochs[0]) and first.state_dict()["finished_epoch"] == 1
 
 
 @pytest.mark.parametrize("workers", [0, 2])

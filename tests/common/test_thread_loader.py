@@ -276,10 +276,14 @@ def test_a_state_saved_in_except_after_an_error_in_the_loop_body_resumes_there(p
     assert _ids(second) == expected[2]
     third = build(0)
     list(third)
-    for i, _ in enumerate(third):  # a plain break (steps per epoch): the state is for the next epoch
+    for i, _ in enumerate(third):  # a plain break (a step limit) pauses the epoch too (issue #28)
         if i == 3:
             break
-    assert third.state_dict()["batches_yielded"] == 0 and third.state_dict()["finished_epoch"] == 1
+    paused = json.loads(json.dumps(third.state_dict()))
+    assert (paused["epoch"], paused["batches_yielded"], paused.get("finished_epoch")) == (1, 4, None)
+    fourth = build(99)
+    fourth.load_state_dict(paused)
+    assert got + _ids(fourth) == expected[1]  # the same four batches, then the rest
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
