@@ -14,9 +14,12 @@ step's random stream (dropout, noise) does not depend on the dataset's draws.
 Adapt here: `seed_globals` (which generators are seeded).
 Trade-off: draws come from per-batch seeds, not one stream per worker: two runs with the same
 seed draw the same augmentations whatever the workers, and a `worker_init_fn` that seeds the
-generators is overridden batch by batch. Only index lists (`list`) and single indices (`int`)
-carry a seed: a batch sampler that yields arrays or tuples keeps DataLoader's per-worker
-streams. Iterable datasets are not seeded (their draws happen inside their own iterator).
+generators is overridden batch by batch. Index lists and tuples (given to the dataset as
+lists) and single indices (Python or NumPy integers, given as ints) carry a seed; a batch
+sampler that yields arrays or tensors keeps DataLoader's per-worker streams (the loader warns
+once). Iterable datasets are not seeded (their draws happen inside their own iterator), nor is
+a `__getitem__` run in the thread path's pool threads, which share the generators (use
+`read_batch`/`read_items(indices, rng)` there).
 Copy with: nothing.
 """
 
@@ -72,11 +75,12 @@ class SeededIndex(int):
 
 
 def seeded(item, seed: int):
-    """`item` (what a sampler yielded) carrying `seed`, when it is an index list or an index."""
-    if type(item) is list:
+    """`item` (what a sampler yielded) carrying `seed`: an index list or tuple (as a list), an
+    index (Python's or NumPy's integer, as an int); anything else is returned as it is."""
+    if type(item) is list or type(item) is tuple:
         return SeededBatch(item, seed)
-    if type(item) is int:
-        return SeededIndex(item, seed)
+    if type(item) is int or isinstance(item, np.integer):
+        return SeededIndex(int(item), seed)
     return item
 
 

@@ -10,10 +10,14 @@ Cost: with workers, one `state_dict()` per batch in the worker that made it (car
 the batch); without workers, one `state_dict()` per `loader.state_dict()`.
 Adapt here: `DatasetStateCarrier` (how a worker's state travels with its batch).
 Trade-off: each worker's state belongs to its share of the data, so a resume needs the same
-number of workers (another number falls back to replaying, as before); the round-robin over
-the workers resumes at the worker whose turn was next, which matches the uninterrupted order
-while every worker still has data. States are saved only mid-epoch: a state saved after an
-epoch ended starts the next epoch with a fresh `iter(dataset)`.
+number of workers (another number is refused, naming the one to use; `RobustLoader` keeps it
+when it restarts mid-epoch); the round-robin over the workers resumes at the worker whose turn
+was next, which matches the uninterrupted order while every worker still has data. The
+resumed epoch runs on workers of its own (persistent ones would keep the loaded states). States
+are saved only mid-epoch: a state saved after an epoch ended starts the next epoch with a
+fresh `iter(dataset)`. A dataset that applies a loaded state at every `iter` of the same epoch
+number (Hugging Face's) needs `set_epoch` each epoch; the loader warns when it is iterated
+again at the same epoch.
 Copy with: common/loader_contract.py.
 """
 

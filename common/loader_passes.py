@@ -42,6 +42,7 @@ class Pass:
 
     epoch: int
     skip: int  # batches of the epoch skipped at its start (a resume), counted in `yielded`
+    position: int  # the epoch position of its first batch for this loop (its draws' seeds follow it)
     workers: int  # the worker count whose order this pass follows (an iterable dataset's)
     resumed: dict | None = None  # the loaded state this pass resumes
     yielded: int = 0
@@ -97,6 +98,7 @@ class Passes:
             epoch = self._holder_epoch()
         else:  # a loader that counts its epochs: one per pass
             epoch = 0 if self.current is None else self.current.epoch + 1
+        self._warn_same_epoch(epoch, pending)
         skip = 0 if pending is None else int(pending["batches_yielded"])
         if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
             self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
@@ -104,7 +106,8 @@ class Passes:
         saved_workers = None if pending is None else pending.get("num_workers")
         if saved_workers is None or not (skip or pending.get("replayed")):
             saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
-        self.current = Pass(epoch, skip, int(saved_workers), resumed=pending, yielded=skip)
+        position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
+        self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip)
         return self.current
 
     def draw(self, current: Pass) -> None:
@@ -113,6 +116,7 @@ class Passes:
         if self.holder is not None and self._holder_epoch() != current.epoch:
             # set_epoch between iter() and the first batch (no workers: the order is drawn now)
             current.epoch, current.resumed, current.skip, current.yielded = self._holder_epoch(), None, 0, 0
+            current.position = 0
         order = (current.resumed or {}).get("order") or {}
         restore(self.generators, order.get("generators", {}))
         for name, state in order.get("samplers", {}).items():
@@ -149,7 +153,7 @@ class Passes:
         if (current.dropped or not current.drawn) and self.holder is not None and epoch != current.epoch:
             return self._fresh(epoch)  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
         state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
-                 "num_workers": current.workers,
+                 "position": current.position + current.yielded - current.skip, "num_workers": current.workers,
                  "order": current.snapshot if current.drawn else ((current.resumed or {}).get("order")
                                                                   or self._capture())}
         if self.positioned is not None:
@@ -195,6 +199,18 @@ class Passes:
                          replayed=int(resumed["replayed"]) + current.yielded - current.skip)
 
     # ---- warnings ----------------------------------------------------------------------
+    def _warn_same_epoch(self, epoch: int, pending) -> None:
+        """A dataset that resumes itself, iterated again at the epoch its last whole pass had."""
+        last = self.current
+        if not self.own_state or self.holder is None or pending is not None or last is None or not last.done \
+                or last.dropped or last.epoch != epoch or "same_epoch" in self.warned:
+            return
+        self.warned.add("same_epoch")
+        warnings.warn(f"{type(self.dataset).__name__} is iterated again at epoch {epoch}, the epoch of its last pass: "
+                      "call its set_epoch(epoch) before each epoch. A dataset that resumes itself may otherwise "
+                      "start where a loaded state left it (Hugging Face's IterableDataset applies a loaded state "
+                      "again while its epoch is unchanged): samples lost.", LoaderWarning, stacklevel=4)
+
     def _warn_blind(self) -> None:
         if self.blind and "blind" not in self.warned:
             self.warned.add("blind")
@@ -247,8 +263,14 @@ class PassSampler:
             yield from iterator
             return
         seed, epoch = passes.seed, current.epoch  # each batch's draws follow its position (batch_seeds.py)
-        for position, item in enumerate(itertools.chain((first,), iterator), start=current.skip):
-            yield seeded(item, batch_seed(seed, epoch, position))
+        for position, item in enumerate(itertools.chain((first,), iterator), start=current.position):
+            carried = seeded(item, batch_seed(seed, epoch, position))
+            if carried is item and "unseeded" not in passes.warned:
+                passes.warned.add("unseeded")
+                warnings.warn(f"{type(self.inner).__name__} yields {type(item).__name__} batches, which cannot carry "
+                              "their batch's seed: the dataset's own random draws will not be reproduced after a "
+                              "resume. Yield lists of indices to have them reproduced.", LoaderWarning, stacklevel=2)
+            yield carried
 
     def __len__(self) -> int:
         return len(self.inner)

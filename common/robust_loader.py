@@ -144,6 +144,10 @@ class RobustLoader:
     def _step_down(self, cause: str, resume_at: int) -> None:
         settings = self.loader.recipe.settings
         changes = _next_rung(self._ladder, self.restarts, settings, cause)
+        if resume_at and _replays(self.dataset):  # its rest is made by as many workers as its start
+            changes = {k: v for k, v in changes.items() if k != "num_workers"}
+            if not changes and settings.get("prefetch_factor", 2) > 1:
+                changes = {"prefetch_factor": 1}
         self.loader = self._build({k: v for step in [*(c for _, c in self.restarts), changes] for k, v in step.items()})
         self.restarts.append((cause, changes))
         hint = (" /dev/shm is too small for the batches in flight: run the container with --shm-size=8g "
@@ -200,6 +204,16 @@ def _worker_died(iterator) -> str | None:
             return None
         time.sleep(0.01)
     return None
+
+
+def _replays(dataset) -> bool:
+    """An iterable dataset without `resume_after`: resumed mid-epoch by replaying its start, or
+    by its workers' own states, either of which needs the worker count the epoch began with."""
+    from torch.utils.data import IterableDataset
+
+    from recipes.common.loader_contract import ResumableIterable
+
+    return isinstance(dataset, IterableDataset) and not isinstance(dataset, ResumableIterable)
 
 
 def _next_rung(ladder, restarts, settings: dict[str, Any], cause: str) -> dict[str, Any]:

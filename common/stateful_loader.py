@@ -274,8 +274,9 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, skip: int):
         loader._iterator = None
     user_init = loader.worker_init_fn
     loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), skip % loader.num_workers
-    try:
-        return DataLoader.__iter__(loader)
+    try:  # one epoch on workers of its own: persistent ones would keep the loaded states in their copies (a
+        # Hugging Face IterableDataset applies one again in every epoch that has its epoch number)
+        return loader._get_iterator()
     finally:
         loader.worker_init_fn = user_init
 

@@ -1,0 +1,85 @@
+"""A dataset's own state (`common/dataset_state.py`, issue #28 review): a Hugging Face
+`IterableDataset` resumed on persistent workers gets its next epoch whole; without workers, a
+second epoch at the same epoch number is named; `RobustLoader` restarts a dataset that resumes
+itself with the workers its epoch began with."""
+
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from torch.utils.data import IterableDataset, get_worker_info
+
+from recipes.common import LoaderWarning, RobustLoader, StatefulLoader
+
+datasets = pytest.importorskip("datasets")
+
+
+def _hf():
+    return datasets.Dataset.from_dict({"x": list(range(64))}).to_iterable_dataset(num_shards=4)
+
+
+def _resume(**kwargs):
+    first = StatefulLoader(_hf(), batch_size=4, **kwargs)
+    iterator = iter(first)
+    head = [int(x) for _ in range(5) for x in next(iterator)["x"]]
+    state = json.loads(json.dumps(first.state_dict()))
+    second = StatefulLoader(_hf(), batch_size=4, **kwargs)
+    second.load_state_dict(state)
+    return head, second
+
+
+def test_persistent_workers_resume_the_epoch_then_give_the_next_one_whole():
+    """Persistent workers would keep the loaded state in their copies, which Hugging Face
+    applies again while the epoch number is unchanged: the resumed epoch has workers of its own."""
+    head, second = _resume(num_workers=2, persistent_workers=True)
+    rest = [int(x) for b in second for x in b["x"]]
+    assert Counter(head + rest) == Counter(range(64))
+    assert Counter(int(x) for b in second for x in b["x"]) == Counter(range(64))
+    second.close()
+
+
+def test_an_epoch_at_the_same_epoch_number_is_named_without_workers():
+    head, second = _resume(num_workers=0)
+    assert Counter(head + [int(x) for b in second for x in b["x"]]) == Counter(range(64))
+    with pytest.warns(LoaderWarning, match="iterated again at epoch 0.*call its set_epoch"):
+        list(second)
+    second.dataset.set_epoch(1)  # as Hugging Face asks: the next epoch whole
+    assert Counter(int(x) for b in second for x in b["x"]) == Counter(range(64))
+
+
+class KeepsPosition(IterableDataset):
+    """range(n) split over workers; its position is its state; a worker dies once at `die_at`."""
+
+    def __init__(self, n, marker, die_at):
+        self.n, self.next, self.marker, self.die_at = n, 0, Path(marker), die_at
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = range(info.id, self.n, info.num_workers) if info else range(self.n)
+        while self.next < len(mine):
+            item = mine[self.next]
+            self.next += 1
+            if item == self.die_at and info is not None and not self.marker.exists():
+                self.marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield item
+        self.next = 0
+
+    def state_dict(self):
+        return {"next": self.next}
+
+    def load_state_dict(self, state):
+        self.next = int(state["next"])
+
+
+def test_robust_loader_restarts_a_dataset_that_resumes_itself_on_its_worker_count(tmp_path):
+    """Halving the workers mid-epoch was refused (its states, like a replay, belong to the
+    worker count the epoch began with): the restart keeps it."""
+    loader = RobustLoader(KeepsPosition(64, tmp_path / "died", die_at=30), batch_size=4, num_workers=2, timeout=30)
+    with pytest.warns(LoaderWarning, match="worker died"):
+        got = [int(x) for b in loader for x in b]
+    assert (tmp_path / "died").exists() and Counter(got) == Counter(range(64))
+    assert loader.loader.num_workers == 2
