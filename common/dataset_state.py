@@ -11,8 +11,8 @@ the batch); without workers, one `state_dict()` per `loader.state_dict()`.
 Adapt here: `DatasetStateCarrier` (how a worker's state travels with its batch).
 Trade-off: each worker's state belongs to its share of the data, so a resume needs the same
 number of workers (another number is refused, naming the one to use; `RobustLoader` keeps it
-when it restarts mid-epoch); the round-robin over the workers resumes at the worker whose turn
-was next, which matches the uninterrupted order while every worker still has data. The
+when it restarts mid-epoch); the round-robin over the workers resumes after the worker that made the last batch received,
+as the uninterrupted run's does (a worker that ended on the way is passed over by both). The
 resumed epoch runs on workers of its own (persistent ones would keep the loaded states). States
 are saved only mid-epoch: a state saved after an epoch ended starts the next epoch with a
 fresh `iter(dataset)`. A dataset that applies a loaded state at every `iter` of the same epoch

@@ -52,6 +52,7 @@ class Pass:
     drawn: bool = False
     snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
     dataset_states: dict = field(default_factory=dict)  # worker -> its dataset copy's state (`dataset_state.py`)
+    last_worker: int | None = None  # the worker that made the last batch received (its states' round-robin)
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
     # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
 
@@ -170,8 +171,12 @@ class Passes:
         if not current.workers:
             state["dataset_states"] = {"main": self.dataset.state_dict()}
             return
-        saved = dict((current.resumed or {}).get("dataset_states") or {})
+        resumed = current.resumed or {}
+        saved = dict(resumed.get("dataset_states") or {})
         state["dataset_states"] = {**saved, **{str(w): s for w, s in current.dataset_states.items()}}
+        # the round-robin's next turn: after the worker that made the last batch received
+        state["next_worker"] = resumed.get("next_worker", 0) if current.last_worker is None else \
+            (current.last_worker + 1) % current.workers
 
     def _fresh(self, epoch: int, *, finished: int | None = None) -> dict[str, Any]:
         """The state of a pass not begun: `epoch` from its start. `finished_epoch` names the
@@ -314,7 +319,7 @@ class Counting:
         target = self._target()
         target.yielded += 1
         if isinstance(batch, Carried):  # a worker's batch with its dataset copy's state
-            target.dataset_states[batch.worker] = batch.state
+            target.dataset_states[batch.worker], target.last_worker = batch.state, batch.worker
             return batch.batch
         return batch
 

@@ -227,7 +227,7 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
     dataset, skip, state = loader.dataset, current.skip, current.resumed or {}
     states = state.get("dataset_states")
     if keeps_own_state(dataset) and states is not None and current.workers == loader.num_workers:
-        return _resumed_by_dataset(loader, states, skip)
+        return _resumed_by_dataset(loader, states, int(state.get("next_worker", skip % max(1, current.workers))))
     if not isinstance(dataset, ResumableIterable):
         if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
             raise ValueError(f"{type(dataset).__name__} has no resume_after(): it resumes by reading the epoch's first "
@@ -262,7 +262,7 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
     return iter(DataLoader(rest, **kwargs))  # one epoch on fresh workers, then the loader's own again
 
 
-def _resumed_by_dataset(loader: StatefulLoader, states: dict, skip: int):
+def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int):
     """The rest of an epoch of a dataset that resumes itself: each dataset copy (this process's,
     or each worker's, in fresh workers) loads the state it had after its last batch the loop
     received, and the round-robin resumes at the worker whose turn was next."""
@@ -273,7 +273,7 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, skip: int):
         loader._iterator._shutdown_workers()
         loader._iterator = None
     user_init = loader.worker_init_fn
-    loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), skip % loader.num_workers
+    loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), first_worker
     try:  # one epoch on workers of its own: persistent ones would keep the loaded states in their copies (a
         # Hugging Face IterableDataset applies one again in every epoch that has its epoch number)
         return loader._get_iterator()

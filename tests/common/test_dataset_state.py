@@ -83,3 +83,42 @@ def test_robust_loader_restarts_a_dataset_that_resumes_itself_on_its_worker_coun
         got = [int(x) for b in loader for x in b]
     assert (tmp_path / "died").exists() and Counter(got) == Counter(range(64))
     assert loader.loader.num_workers == 2
+
+
+class Uneven(IterableDataset):
+    """Worker w yields its own range of `sizes[w]` items (worker 0 none); its position is its state."""
+
+    def __init__(self, sizes):
+        self.sizes, self.resume, self.i = sizes, None, 0
+
+    def __iter__(self):
+        worker = get_worker_info().id
+        self.i, self.resume = self.resume or 0, None
+        start = sum(self.sizes[:worker])
+        for value in range(start + self.i, start + self.sizes[worker]):
+            self.i += 1
+            yield value
+        self.i = 0
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.resume = int(state["i"])
+
+
+@pytest.mark.parametrize("cut", [1, 2, 7])
+def test_the_round_robin_resumes_after_the_worker_that_made_the_last_batch(cut):
+    """A worker with no data ends at once: the next turn is not `batches % workers` but the
+    worker after the one that made the last batch received (as in the uninterrupted run)."""
+    build = lambda: StatefulLoader(Uneven([0, 20, 9]), batch_size=2, num_workers=3)  # noqa: E731
+    whole = [b.tolist() for b in build()]
+    first, head = build(), []
+    for batch in first:
+        head.append(batch.tolist())
+        if len(head) == cut:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    second = build()
+    second.load_state_dict(state)
+    assert head + [b.tolist() for b in second] == whole
