@@ -154,9 +154,12 @@ class Passes:
         if (current.dropped or not current.drawn) and self.holder is not None and epoch != current.epoch:
             return self._fresh(epoch)  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
         state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
-                 "position": current.position + current.yielded - current.skip, "num_workers": current.workers,
+                 "num_workers": current.workers,
                  "order": current.snapshot if current.drawn else ((current.resumed or {}).get("order")
                                                                   or self._capture())}
+        position = current.position + current.yielded - current.skip  # differs after a positioned resume
+        if position != current.yielded:
+            state["position"] = position
         if self.positioned is not None:
             state["sampler"] = self.positioned.state_dict(batches_done=current.yielded)
         if self.iterable and isinstance(self.dataset, ResumableIterable):

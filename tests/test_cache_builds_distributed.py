@@ -58,6 +58,7 @@ def _files(folder):
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # torchrun, 10 s: in the full suite (CI)
 def test_distributed_builds_equal_single_process_builds(work):
     out = _torchrun(work, "ok")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -73,7 +74,7 @@ def test_distributed_builds_equal_single_process_builds(work):
         p.name for p in (work / "single" / "images").iterdir()]
 
 
-@pytest.mark.parametrize("domain", [pytest.param("nlp", marks=pytest.mark.slow), "audio"])
+@pytest.mark.parametrize("domain", [pytest.param("nlp", marks=pytest.mark.slow), pytest.param("audio", marks=pytest.mark.slow)])
 def test_a_rank_that_dies_mid_build_publishes_nothing(work, domain):
     out = _torchrun(work, f"die-{domain}")
     assert out.returncode != 0

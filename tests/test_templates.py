@@ -70,8 +70,8 @@ def test_template_smoke_under_torchrun(domain, whole):
     assert steps[0] == steps[1] > 0  # a line per step: equal steps on both ranks (no DDP hang)
 
 
-@pytest.mark.parametrize("domain, ranks", [("vision", 2)] + [pytest.param(d, 1, marks=pytest.mark.slow)
-                                                              for d in DOMAINS])
+@pytest.mark.parametrize("domain, ranks", [pytest.param("vision", 2, marks=pytest.mark.slow)]  # 22 s: full suite
+                         + [pytest.param(d, 1, marks=pytest.mark.slow) for d in DOMAINS])
 def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, whole):
     script, out = whole(domain, ranks)
     folder = script.parent

@@ -24,6 +24,9 @@ def _launch(folder, modes, ranks):
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+pytestmark = pytest.mark.slow  # torchrun runs (a module fixture of 8 s): in the full suite (CI)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One launch per world serves both tests: a whole epoch then 3 steps on 2 ranks, and the

@@ -214,8 +214,11 @@ def _kill_one(loader: RobustLoader) -> None:
     worker.join(10)
 
 
-@pytest.mark.parametrize("kind", ["shuffle", "sharded"])
-@pytest.mark.parametrize("moment", ["between_epochs", "after_last_batch", "during_validation"])
+@pytest.mark.parametrize("kind, moment", [
+    ("shuffle", "between_epochs"), ("sharded", "during_validation"),
+    *(pytest.param(k, m, marks=pytest.mark.slow) for k, m in [  # the other combinations: the full suite
+        ("sharded", "between_epochs"), ("shuffle", "after_last_batch"), ("sharded", "after_last_batch"),
+        ("shuffle", "during_validation")])])
 def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, moment, tmp_path):
     """Issue #27: a persistent worker SIGKILLed while the loop is elsewhere (validating,
     checkpointing) was found by DataLoader's `_reset` inside `iter()`, beyond any retry."""

@@ -11,6 +11,7 @@ def bench_tree(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("bench"), classes=4, per_class=40, seed=2)
 
 
+@pytest.mark.slow  # a long run (16 s): in the full suite (CI)
 def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
     rows, _, notes = compare(bench_tree, size=224, batch_size=16, workers=1, repeat=3,  # best of 3, in turns
                              peers=False)
