@@ -121,7 +121,9 @@ class StatefulLoader(DataLoader):
         iterable = isinstance(self.dataset, IterableDataset)
         if iterable:
             current.drawn = True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
-        if iterable and (current.skip or (current.resumed or {}).get("replayed")):
+        resumed = current.resumed or {}
+        if iterable and (current.skip or resumed.get("replayed") or (self._passes.own_state and
+                                                                   resumed.get("dataset_states") is not None)):
             inner = _resumed_iterable(self, current)
         else:
             if current.resumed is None and isinstance(self.dataset, Prefetching):

@@ -122,3 +122,39 @@ def test_the_round_robin_resumes_after_the_worker_that_made_the_last_batch(cut):
     second = build()
     second.load_state_dict(state)
     assert head + [b.tolist() for b in second] == whole
+
+
+class OwnIterator(IterableDataset):
+    """Its own iterator over range(n); its position is its state."""
+
+    def __init__(self, n):
+        self.n, self.i = n, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = int(state["i"])
+
+
+def test_a_state_saved_before_the_first_batch_is_loaded_too():
+    """A state saved at zero (right after `iter`) holds the dataset's position: a loader given
+    it, over the same dataset object already used up, starts from there (no batch skipped, so
+    the path that loads states was not taken)."""
+    data = OwnIterator(20)
+    first = StatefulLoader(data, batch_size=4)
+    iter(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert len(list(first)) == 5  # the object is used up now
+    second = StatefulLoader(data, batch_size=4)
+    second.load_state_dict(state)
+    assert [int(x) for b in second for x in b] == list(range(20))
