@@ -4,7 +4,8 @@ from recipes.common.autotune import TuneResult, autotune
 from recipes.common.bucketing import LengthBucketSampler
 from recipes.common.loader import make_loader
 from recipes.common.loader_warning import LoaderWarning
-from recipes.common.mixture import MixtureIterable, MixtureSampler, MixtureSources
+from recipes.common.mixture import MixtureSampler, MixtureSources
+from recipes.common.mixture_iterable import MixtureIterable
 from recipes.common.monitor import LoaderMonitor
 from recipes.common.packed_strings import PackedStrings
 from recipes.common.prefetch_cache import DownloadError, PrefetchCache

@@ -14,11 +14,11 @@ of background work from deciding); a dataset whose cost changes over an epoch (c
 is tuned as it is now. Results are stored per dataset, batch size and machine, and `make_loader` reuses them.
 Copy with: common/batch_seeds.py, common/cache_files.py, common/cache_folder.py,
   common/dataset_state.py, common/held_descriptors.py, common/loader.py, common/loader_contract.py,
-  common/loader_passes.py, common/loader_path.py, common/loader_state.py, common/loader_warning.py,
-  common/monitor.py, common/object_download.py, common/prefetch_cache.py, common/probes.py,
-  common/process_lifetime.py, common/profiles.py, common/ranged_download.py, common/resources.py,
-  common/retries.py, common/sizing.py, common/stateful_loader.py, common/thread_loader.py,
-  common/tune_store.py, common/worker.py.
+  common/loader_counting.py, common/loader_passes.py, common/loader_path.py, common/loader_state.py,
+  common/loader_warning.py, common/monitor.py, common/object_download.py, common/prefetch_cache.py,
+  common/probes.py, common/process_lifetime.py, common/profiles.py, common/ranged_download.py,
+  common/resources.py, common/retries.py, common/sizing.py, common/stateful_loader.py,
+  common/thread_loader.py, common/tune_store.py, common/worker.py.
 """
 
 from __future__ import annotations

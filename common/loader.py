@@ -26,8 +26,8 @@ Traps handled:
 - The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
   before the user's own `worker_init_fn`.
 Copy with: common/batch_seeds.py, common/cache_files.py, common/dataset_state.py,
-  common/held_descriptors.py, common/loader_contract.py, common/loader_passes.py,
-  common/loader_path.py, common/loader_state.py, common/loader_warning.py,
+  common/held_descriptors.py, common/loader_contract.py, common/loader_counting.py,
+  common/loader_passes.py, common/loader_path.py, common/loader_state.py, common/loader_warning.py,
   common/process_lifetime.py, common/profiles.py, common/resources.py, common/sizing.py,
   common/stateful_loader.py, common/thread_loader.py, common/tune_store.py, common/worker.py.
 """

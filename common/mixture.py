@@ -32,7 +32,7 @@ most `num_replicas - 1`, as `DistributedSampler`) and rank r takes positions r, 
 disjoint, equal counts. With `batch_size`, it is a batch sampler instead: global batches of
 the plan dealt round-robin, and `state_dict(batches_done=)` resumes on another number of ranks
 (elastic), as `LengthBucketSampler`.
-`MixtureIterable` interleaves iterable datasets (`ShardedIterableDataset` shard sets, each
+`MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset` shard sets, each
 exact over ranks and workers) by the same weights and stop rules, for remote corpora.
 Copy with: common/sharding.py.
 """
@@ -44,7 +44,7 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
-from torch.utils.data import ConcatDataset, IterableDataset
+from torch.utils.data import ConcatDataset
 
 from recipes.common.sharding import distributed_world
 
@@ -54,7 +54,7 @@ STOPS = ("drop_exhausted", "first_exhausted", "cycle_until_all_exhausted", "neve
 MAX_CYCLED = 2**31
 
 
-def _sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
+def parse_sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
     """`(names, values, normalised weights)` from two sequences, or two mappings by source name.
 
     Raises:
@@ -81,7 +81,7 @@ def _sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
     return names, values, array / array.sum()
 
 
-def _stop(stop: str, num_samples) -> None:
+def check_stop(stop: str, num_samples) -> None:
     if stop == "all_exhausted":
         raise ValueError("stop='all_exhausted' is ambiguous: Hugging Face `datasets` cycles exhausted sources "
                          "until all are seen whole (here 'cycle_until_all_exhausted': the proportions hold), "
@@ -93,7 +93,7 @@ def _stop(stop: str, num_samples) -> None:
         raise ValueError("stop='never' refills sources for ever: give `num_samples`, the epoch's length.")
 
 
-def _count(name: str, value, *, minimum: int = 1) -> int | None:
+def check_count(name: str, value, *, minimum: int = 1) -> int | None:
     """`value` as a plain int (numpy ints too: states are JSON), checked; None stays None."""
     if value is None:
         return None
@@ -132,7 +132,7 @@ class MixtureSampler:
                  num_samples: int | None = None, stop: str = "drop_exhausted", seed: int = 0,
                  num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
                  batch_size: int | None = None, drop_last: bool = False):
-        self.names, sizes, self.weights = _sources(sizes, weights, "sizes")
+        self.names, sizes, self.weights = parse_sources(sizes, weights, "sizes")
         raw = np.asarray(sizes)
         if raw.dtype.kind not in "iu" and not (raw.dtype.kind == "f" and np.all(raw == np.floor(raw))):
             raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
@@ -140,10 +140,10 @@ class MixtureSampler:
         if (self.sizes <= 0).any():
             raise ValueError(f"every source needs samples; sizes are {self.sizes.tolist()} (source "
                              f"{self.names[int(np.argmin(self.sizes))]!r}).")
-        _stop(stop, num_samples)
-        num_samples = _count("num_samples", num_samples)
-        batch_size = _count("batch_size", batch_size)
-        seed = _count("seed", seed, minimum=0)
+        check_stop(stop, num_samples)
+        num_samples = check_count("num_samples", num_samples)
+        batch_size = check_count("batch_size", batch_size)
+        seed = check_count("seed", seed, minimum=0)
         if stop == "cycle_until_all_exhausted" and num_samples is None:
             drawn = self.weights > 0
             longest = float((self.sizes[drawn] / self.weights[drawn]).max())
@@ -395,112 +395,3 @@ class MixtureSources(ConcatDataset):
         back = np.empty_like(order)
         back[order] = np.arange(len(order))  # each batch position's place in `got`
         return list(operator.itemgetter(*back.tolist())(got))  # the batch's order, in one C call
-
-
-
-class MixtureIterable(IterableDataset):
-    """A weighted interleave of iterable datasets (`ShardedIterableDataset` shard sets), each
-    split exactly over ranks and workers by itself.
-
-    In each worker of each rank, the next sample comes from a source drawn with probability
-    proportional to its weight among the sources still yielding, from a generator seeded by
-    `(seed, epoch, rank, worker)`: the stream is a function of the epoch and the settings, so a
-    loader resumes it exactly (by reading its prefix again: it has no `resume_after`).
-
-    Args:
-        datasets: iterable datasets (a sequence, or a mapping from name to dataset); each is
-            set to the mixture's epoch.
-        weights: per source, as `datasets`.
-        stop: "drop_exhausted" (every sample of every source once per epoch: equal counts per
-            rank when every source is `even`), "first_exhausted" and
-            "cycle_until_all_exhausted" (a source that ends starts again until every source
-            has ended once; both one rank only: ranks would stop at different steps) or
-            "never" (a source that ends starts again, in the same order within the epoch;
-            needs `num_samples`).
-        num_samples: the epoch's length: `ceil(num_samples / ranks)` per rank, cut over its
-            workers.
-
-    The proportions hold per worker: give each source `shard_lengths` (sample ranges, so every
-    worker reads from every source) or at least as many shards as ranks x workers; a source
-    with fewer whole shards than workers is read by only some of them, which then draw it more
-    and the others not at all. A resume needs the same number of ranks and workers (the
-    stream is a function of both; another number is refused).
-        seed: the base seed.
-
-    Raises:
-        ValueError: mismatched weights, an unknown `stop`, "never" without `num_samples`, or
-            "first_exhausted" or "cycle_until_all_exhausted" on several ranks.
-    """
-
-    def __init__(self, datasets, weights, *, stop: str = "drop_exhausted", num_samples: int | None = None,
-                 seed: int = 0):
-        self.names, self.datasets, self.weights = _sources(datasets, weights, "datasets")
-        _stop(stop, num_samples)
-        self.stop, self.num_samples = stop, _count("num_samples", num_samples)
-        self.seed = _count("seed", seed, minimum=0)
-        self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))
-        self.rank = int(getattr(self.datasets[0], "rank", distributed_world()[1]))
-        if stop in ("first_exhausted", "cycle_until_all_exhausted") and self.world_size > 1:
-            raise ValueError(f"stop={stop!r} ends each rank's stream at a different step, and DDP would wait on the "
-                             "ranks that ended; use 'drop_exhausted' with even sources, or 'never' with "
-                             "num_samples.")
-        import torch
-
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
-
-    @property
-    def epoch(self) -> int:
-        return int(self._epoch.item())
-
-    def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch (in shared memory: persistent workers see it), for the sources too."""
-        self._epoch.fill_(int(epoch))
-        for dataset in self.datasets:
-            if hasattr(dataset, "set_epoch"):
-                dataset.set_epoch(epoch)
-
-    def plan_settings(self) -> dict:
-        """What shapes the stream, for the loader's state check."""
-        sources = [getattr(d, "plan_settings", dict)() for d in self.datasets]
-        return {"sources": sources, "weights": f"{zlib.crc32(self.weights.tobytes()):08x}", "stop": self.stop,
-                "num_samples": self.num_samples, "seed": self.seed, "world_size": self.world_size}
-
-    def __iter__(self):
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 0x6974])
-        share = None
-        if self.num_samples is not None:  # equal per rank (rounded up), then this worker's part of it
-            per_rank = -(-self.num_samples // self.world_size)
-            share = per_rank // workers + (worker < per_rank % workers)
-        iterators = [iter(d) for d in self.datasets]
-        active = self.weights > 0
-        ended = ~active  # "cycle_until_all_exhausted": the sources that have ended once
-        yielded = 0
-        while active.any() and (share is None or yielded < share):
-            p = np.where(active, self.weights, 0.0)
-            s = int(rng.choice(len(p), p=p / p.sum()))
-            item = next(iterators[s], _END)
-            if item is _END:
-                if self.stop == "first_exhausted":
-                    return
-                ended[s] = True
-                if self.stop == "cycle_until_all_exhausted" and ended.all():
-                    return
-                if self.stop in ("never", "cycle_until_all_exhausted"):
-                    iterators[s] = iter(self.datasets[s])
-                    item = next(iterators[s], _END)
-                if item is _END:
-                    active[s] = False
-                    continue
-            yield item
-            yielded += 1
-
-    def __repr__(self) -> str:
-        return f"MixtureIterable({dict(zip(self.names, np.round(self.weights, 3).tolist(), strict=True))}, " \
-               f"stop={self.stop!r})"
-
-
-_END = object()

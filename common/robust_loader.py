@@ -13,10 +13,11 @@ Trade-off: restarts cost a worker start-up each; after `max_restarts` the error 
 Errors raised by the dataset itself (a bad file, a bug) are never retried: they would fail
 again.
 Copy with: common/batch_seeds.py, common/cache_files.py, common/dataset_state.py,
-  common/held_descriptors.py, common/loader.py, common/loader_contract.py, common/loader_passes.py,
-  common/loader_path.py, common/loader_state.py, common/loader_warning.py,
-  common/process_lifetime.py, common/profiles.py, common/resources.py, common/sizing.py,
-  common/stateful_loader.py, common/thread_loader.py, common/tune_store.py, common/worker.py.
+  common/held_descriptors.py, common/loader.py, common/loader_contract.py,
+  common/loader_counting.py, common/loader_passes.py, common/loader_path.py, common/loader_state.py,
+  common/loader_warning.py, common/process_lifetime.py, common/profiles.py, common/resources.py,
+  common/sizing.py, common/stateful_loader.py, common/thread_loader.py, common/tune_store.py,
+  common/worker.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import warnings
 from typing import Any
 
-from recipes.common.loader_passes import SHM_FAILURES
+from recipes.common.loader_counting import SHM_FAILURES
 from recipes.common.loader_warning import LoaderWarning
 
 # What a failure of the loading machinery (not of the dataset's code) says.

@@ -26,7 +26,8 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 `"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
 state are computed in `loader_passes.py`.
 Copy with: common/batch_seeds.py, common/dataset_state.py, common/loader_contract.py,
-  common/loader_passes.py, common/loader_state.py, common/loader_warning.py.
+  common/loader_counting.py, common/loader_passes.py, common/loader_state.py,
+  common/loader_warning.py.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from recipes.common.dataset_state import (
     keeps_own_state,
 )
 from recipes.common.loader_contract import Prefetching, ReadAheadAware, ResumableIterable
-from recipes.common.loader_passes import STATE_VERSION, Counting, Pass, Passes, PassSampler
+from recipes.common.loader_counting import Counting
+from recipes.common.loader_passes import STATE_VERSION, Pass, Passes, PassSampler
 from recipes.common.loader_state import differences, find_generators, plan_settings
 from recipes.common.loader_warning import LoaderWarning
 

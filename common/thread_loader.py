@@ -23,8 +23,8 @@ whatever the threads and after a resume. With `pin_memory` on CUDA, a `read_batc
 `pin_memory=` fills its batch in page-locked memory from torch's caching host allocator (reused
 blocks, no second copy); other batches are copied into pinned memory.
 Copy with: common/batch_seeds.py, common/dataset_state.py, common/loader_contract.py,
-  common/loader_passes.py, common/loader_path.py, common/loader_state.py, common/loader_warning.py,
-  common/stateful_loader.py.
+  common/loader_counting.py, common/loader_passes.py, common/loader_path.py, common/loader_state.py,
+  common/loader_warning.py, common/stateful_loader.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import ConcatDataset
 
 from recipes.common.loader_contract import ReadAheadAware
-from recipes.common.loader_passes import Counting, LoaderClosedError
+from recipes.common.loader_counting import Counting, LoaderClosedError
 from recipes.common.loader_path import thread_capable
 from recipes.common.stateful_loader import StatefulLoader
 

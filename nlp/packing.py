@@ -33,10 +33,10 @@ Distributed and resume, as `LengthBucketSampler`: the epoch's batches are formed
 global position, and `load_state_dict()` continues it on any number of ranks.
 Copy with: common/batch_seeds.py, common/bucketing.py, common/cache_files.py,
   common/dataset_state.py, common/held_descriptors.py, common/loader.py, common/loader_contract.py,
-  common/loader_passes.py, common/loader_path.py, common/loader_state.py, common/loader_warning.py,
-  common/process_lifetime.py, common/profiles.py, common/resources.py, common/sharding.py,
-  common/sizing.py, common/stateful_loader.py, common/thread_loader.py, common/tune_store.py,
-  common/worker.py, nlp/collate.py.
+  common/loader_counting.py, common/loader_passes.py, common/loader_path.py, common/loader_state.py,
+  common/loader_warning.py, common/process_lifetime.py, common/profiles.py, common/resources.py,
+  common/sharding.py, common/sizing.py, common/stateful_loader.py, common/thread_loader.py,
+  common/tune_store.py, common/worker.py, nlp/collate.py.
 """
 
 from __future__ import annotations

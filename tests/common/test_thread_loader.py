@@ -353,7 +353,7 @@ def test_closing_mid_epoch_raises_and_the_state_resumes_there(path):
     iterator = iter(loader)
     got = [next(iterator)[0].tolist() for _ in range(3)]
     loader.close()
-    from recipes.common.loader_passes import LoaderClosedError
+    from recipes.common.loader_counting import LoaderClosedError
 
     with pytest.raises(LoaderClosedError, match="closed while its epoch was running"):
         next(iterator)
