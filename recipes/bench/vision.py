@@ -117,8 +117,9 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
 
 class _DecodeOnly:
     """Each file read and decoded by libjpeg-turbo (OpenCV) at the DCT scale the eval crop uses,
-    in `threads` threads, nothing else: the limit a decoding loader approaches. Yields one
-    count per batch."""
+    in `threads` threads, nothing else: the limit a decoding loader approaches. All files are
+    queued at once (no barrier at batch ends, which would let a pipelined loader pass the
+    "limit"); yields one range per batch as its decodes finish."""
 
     def __init__(self, dataset, batch_size: int, threads: int):
         self.dataset, self.batch_size, self.threads = dataset, batch_size, threads
@@ -135,12 +136,14 @@ class _DecodeOnly:
     def __iter__(self):
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(self.threads) as pool:
-            n = len(self.dataset)
-            for start in range(0, n, self.batch_size):
-                stop = min(n, start + self.batch_size)
-                list(pool.map(self._decode, range(start, stop)))
-                yield (range(start, stop),)
+        n = len(self.dataset)
+        with ThreadPoolExecutor(self.threads) as pool:  # no barrier between batches: every thread stays busy
+            done = 0
+            for done, _ in enumerate(pool.map(self._decode, range(n)), 1):
+                if done % self.batch_size == 0:
+                    yield (range(done - self.batch_size, done),)
+            if done % self.batch_size:
+                yield (range(done - done % self.batch_size, done),)
 
 
 def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str:
