@@ -17,9 +17,12 @@ seed draw the same augmentations whatever the workers, and a `worker_init_fn` th
 generators is overridden batch by batch. Index lists and tuples (given to the dataset as
 lists) and single indices (Python or NumPy integers, given as ints) carry a seed; a batch
 sampler that yields arrays or tensors keeps DataLoader's per-worker streams (the loader warns
-once). Iterable datasets are not seeded (their draws happen inside their own iterator), nor is
-a `__getitem__` run in the thread path's pool threads, which share the generators (use
-`read_batch`/`read_items(indices, rng)` there).
+once). An iterable dataset with no `resume_after` is seeded once per pass in each worker, just
+before its `iter(dataset)` (`dataset_state.py`), from `(the loader's seed, epoch, worker)`:
+its draws then replay when its epoch is read again; after a mid-epoch resume a worker's later
+draws are the uninterrupted run's when its own state holds the generator it draws from
+(torchdata's rule). Not seeded: a `__getitem__` run in the thread path's pool threads, which
+share the generators (use `read_batch`/`read_items(indices, rng)` there).
 Copy with: nothing.
 """
 
@@ -74,13 +77,26 @@ class SeededIndex(int):
         return _arrive, (SeededIndex, int(self), self.seed)
 
 
+class SeededNone:
+    """The index of an iterable dataset's fetch without batching (which reads no index),
+    carrying its seed."""
+
+    __slots__ = ("seed",)
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+
 def seeded(item, seed: int):
     """`item` (what a sampler yielded) carrying `seed`: an index list or tuple (as a list), an
-    index (Python's or NumPy's integer, as an int); anything else is returned as it is."""
+    index (Python's or NumPy's integer, as an int), None (an iterable dataset's unbatched fetch);
+    anything else is returned as it is."""
     if type(item) is list or type(item) is tuple:
         return SeededBatch(item, seed)
     if type(item) is int or isinstance(item, np.integer):
         return SeededIndex(int(item), seed)
+    if item is None:
+        return SeededNone(seed)
     return item
 
 

@@ -30,7 +30,8 @@ What the loader guarantees (the state is plain JSON, constant size, loaded in a 
      loader uses instead, counting the loop's batches itself.)
   4. Nothing random (`SequentialSampler`, a list of indices): nothing to capture.
   An iterable dataset is resumed by its `resume_after` (`ResumableIterable`), else by its own
-  `state_dict()` (`StatefulDataset`, per worker), else by replaying the epoch's first batches.
+  `state_dict()` or its iterator's (`StatefulDataset`, per worker), else by replaying the
+  epoch's first batches.
   Every epoch's first draw is also watched: a sampler that draws from torch's, NumPy's or
   Python's global random generator gets a `LoaderWarning` (no state can restore those).
 - A pass ends when its iterator is exhausted (`StopIteration`); a loop left early (`break`,
@@ -79,10 +80,11 @@ class StatefulSampler(Protocol):
 
 @runtime_checkable
 class StatefulDataset(Protocol):
-    """An iterable dataset that keeps its own position (torchdata's protocol; Hugging Face
-    `datasets.IterableDataset`): the loader saves, per worker, the state of the dataset copy
-    that made the last batch the loop received, and loads it into that worker's copy on
-    resume, before `iter(dataset)` (`dataset_state.py`). `resume_after` takes precedence."""
+    """An iterable dataset, or the iterator its `__iter__` returns, that keeps its own position
+    (torchdata's protocol; Hugging Face `datasets.IterableDataset`): the loader saves, per
+    worker, the state of the dataset copy that made the last batch the loop received (and of
+    its iterator), and loads it into that worker's copy on resume: the dataset's before
+    `iter(dataset)`, the iterator's after (`dataset_state.py`). `resume_after` takes precedence."""
 
     def state_dict(self) -> dict[str, JSON]: ...
 

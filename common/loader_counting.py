@@ -4,10 +4,10 @@ errors leave a batch behind the loop.
 Use when: you read how `StatefulLoader` knows the batches the loop received (`Counting` wraps
 DataLoader's iterator), or why a failed batch does or does not count (`used_up`).
 Cost: one counter increment per batch; a `Carried` batch (a worker's dataset state with it,
-`dataset_state.py`) is unwrapped.
+`dataset_state.py`) is unwrapped, and a worker's stream end taken in.
 Adapt here: `SHM_FAILURES`, the texts of a full /dev/shm.
 Trade-off: a pass left by the loop (`break`, an error) is paused, not ended (`loader_passes.py`).
-Copy with: common/dataset_state.py, common/loader_contract.py.
+Copy with: common/batch_seeds.py, common/dataset_state.py, common/loader_contract.py.
 """
 
 from __future__ import annotations
@@ -40,21 +40,25 @@ class Counting:
         if self._target().closed:  # its workers (or threads) were shut down under it
             raise LoaderClosedError("this loader was closed while its epoch was running; start a new epoch with "
                                     "iter(loader) (or load a saved state_dict() to continue there).")
-        try:
-            batch = next(self._inner)
-        except StopIteration:
-            self._target().done = True
-            raise
-        except Exception as error:
-            if used_up(error, self._inner):  # the dataset's error: that batch's position is used up
-                self._target().yielded += 1
-            raise
-        target = self._target()
-        target.yielded += 1
-        if isinstance(batch, Carried):  # a worker's batch with its dataset copy's state
-            target.dataset_states[batch.worker], target.last_worker = batch.state, batch.worker
-            return batch.batch
-        return batch
+        while True:
+            try:
+                batch = next(self._inner)
+            except StopIteration:
+                self._passes.keep_main_state(self._target(), self._inner)
+                self._target().done = True
+                raise
+            except Exception as error:
+                if used_up(error, self._inner):  # the dataset's error: that batch's position is used up
+                    self._target().yielded += 1
+                raise
+            target = self._target()
+            if isinstance(batch, Carried):  # a worker's batch (or stream end) with its dataset copy's state
+                target.dataset_states[batch.worker], target.last_worker = batch.state, batch.worker
+                if batch.ended and batch.batch is None:
+                    continue  # the end of a worker's stream: not a batch
+                batch = batch.batch
+            target.yielded += 1
+            return batch
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -64,6 +68,7 @@ class Counting:
 
     def __del__(self):
         if self._pass is self._passes.current and not self._pass.done:
+            self._passes.keep_main_state(self._pass, self._inner)  # (before its iterator goes)
             self._pass.done = self._pass.dropped = True
 
 

@@ -27,7 +27,12 @@ from typing import Any
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 from recipes.common.batch_seeds import batch_seed, seeded
-from recipes.common.dataset_state import keeps_own_state
+from recipes.common.dataset_state import (
+    carried_over,
+    keeps_own_state,
+    live_state,
+    may_resume_itself,
+)
 from recipes.common.loader_contract import EpochSeeded, ResumableIterable, StatefulSampler
 from recipes.common.loader_state import GlobalDraws, capture, find_generators, restore
 from recipes.common.loader_warning import LoaderWarning
@@ -51,6 +56,7 @@ class Pass:
     drawn: bool = False
     snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
     dataset_states: dict = field(default_factory=dict)  # worker -> its dataset copy's state (`dataset_state.py`)
+    base_states: dict = field(default_factory=dict)  # the copies' states as the pass began (loaded, or carried over)
     last_worker: int | None = None  # the worker that made the last batch received (its states' round-robin)
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
     # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
@@ -65,6 +71,8 @@ class Passes:
         self.dataset = loader.dataset
         self.iterable = isinstance(loader.dataset, IterableDataset)
         self.own_state = keeps_own_state(loader.dataset)  # resumes itself: its state_dict() per worker
+        self.self_resuming = may_resume_itself(loader.dataset)  # it, or its iterator, may (`dataset_state.py`)
+        self.persistent = bool(loader.persistent_workers and loader.num_workers)
         roles = _roles(loader)
         self.positioned = loader.batch_sampler if _positioned(loader.batch_sampler) else None
         self.holder = _epoch_holder(loader.dataset, roles)
@@ -107,7 +115,13 @@ class Passes:
         if saved_workers is None or not (skip or pending.get("replayed")):
             saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
         position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
-        self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip)
+        base = {}
+        if pending is not None:
+            base = dict(pending.get("dataset_states") or {})
+        elif self.self_resuming and self.persistent and self.current is not None:  # the copies go on
+            base = carried_over(self.pass_states(self.current))
+        self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip,
+                            base_states=base)
         return self.current
 
     def draw(self, current: Pass) -> None:
@@ -147,9 +161,11 @@ class Passes:
         if current is None:
             return self._fresh(0 if epoch is None else epoch)
         if current.done and not current.dropped:
-            if self.holder is not None:  # the next pass is the sampler's epoch: set_epoch says which
-                return self._fresh(epoch, finished=current.epoch)
-            return self._fresh(current.epoch + 1, finished=current.epoch)
+            # the next pass is the sampler's epoch when set_epoch says which
+            fresh = self._fresh(epoch if self.holder is not None else current.epoch + 1, finished=current.epoch)
+            if self.self_resuming:
+                self._carried_states(fresh, current)
+            return fresh
         if (current.dropped or not current.drawn) and self.holder is not None and epoch != current.epoch:
             return self._fresh(epoch)  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
         state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
@@ -163,22 +179,53 @@ class Passes:
             state["sampler"] = self.positioned.state_dict(batches_done=current.yielded)
         if self.iterable and isinstance(self.dataset, ResumableIterable):
             self._iterable_position(state, current)
-        elif self.own_state:
+        elif self.self_resuming:
             self._dataset_states(state, current)
         return state
 
+    def pass_states(self, current: Pass) -> dict[str, Any]:
+        """Each worker's dataset copy's state after its last batch (or stream end) the loop
+        received, over the states the pass began with."""
+        return {**current.base_states, **{str(w): s for w, s in current.dataset_states.items() if w != "main"}}
+
+    def keep_main_state(self, current: Pass, inner) -> None:
+        """Without workers, as a pass ends or is left: this process's copy's state, which its
+        iterator (gone after the loop) holds."""
+        if self.self_resuming and not current.workers and not current.done:
+            current.dataset_states["main"] = live_state(self.dataset, inner)
+
+    def _main_state(self, current: Pass) -> dict[str, Any] | None:
+        inner = current.inner() if current.inner is not None else None
+        if inner is None and "main" in current.dataset_states:
+            return current.dataset_states["main"]
+        return live_state(self.dataset, inner)
+
     def _dataset_states(self, state: dict[str, Any], current: Pass) -> None:
-        """The states of the dataset copies that made the batches received (this process's
-        without workers), over those a resumed pass began with."""
+        """Mid-epoch: the states of the dataset copies that made the batches received (this
+        process's without workers); none when the dataset and its iterator keep none."""
         if not current.workers:
-            state["dataset_states"] = {"main": self.dataset.state_dict()}
+            own = self._main_state(current)
+            if own is not None:
+                state.update(dataset_states={"main": own}, dataset_workers=0)
             return
+        states = self.pass_states(current)
+        if not states or any(s is None for s in states.values()):
+            return  # no state of its own: the epoch's first batches are read again (`stateful_loader.py`)
         resumed = current.resumed or {}
-        saved = dict(resumed.get("dataset_states") or {})
-        state["dataset_states"] = {**saved, **{str(w): s for w, s in current.dataset_states.items()}}
-        # the round-robin's next turn: after the worker that made the last batch received
+        state.update(dataset_states=states, dataset_workers=current.workers)
+        # the round-robin's next turn: after the worker that made the last batch (or end) received
         state["next_worker"] = resumed.get("next_worker", 0) if current.last_worker is None else \
             (current.last_worker + 1) % current.workers
+
+    def _carried_states(self, state: dict[str, Any], current: Pass) -> None:
+        """After an epoch: the dataset states of the copies that outlive it (persistent
+        workers'; this process's), which the next epoch's copies begin with."""
+        if not current.workers:
+            carried = carried_over({"main": self._main_state(current)})
+        else:
+            carried = carried_over(self.pass_states(current)) if self.persistent else {}
+        if carried:
+            state.update(dataset_states=carried, dataset_workers=current.workers)
 
     def _fresh(self, epoch: int, *, finished: int | None = None) -> dict[str, Any]:
         """The state of a pass not begun: `epoch` from its start. `finished_epoch` names the
@@ -247,6 +294,9 @@ class PassSampler:
 
     def __iter__(self):  # a generator: nothing runs until DataLoader asks for the first index
         passes, current = self.passes, self.created_for
+        if passes.iterable:
+            yield from self._iterable_indices()
+            return
         if current is None or current.drawn:  # a persistent iterator's later pass
             current = passes.current
         if current is None or current.drawn:  # iterated outside a pass of the loader
@@ -278,6 +328,17 @@ class PassSampler:
                               "their batch's seed: the dataset's own random draws will not be reproduced after a "
                               "resume. Yield lists of indices to have them reproduced.", LoaderWarning, stacklevel=2)
             yield carried
+
+    def _iterable_indices(self):
+        """An iterable dataset that may resume itself: every index carries the pass's seed, from
+        which each worker seeds its generators before `iter(dataset)` (`dataset_state.py`)."""
+        passes, current = self.passes, self.passes.current
+        if passes.seed is None or current is None or not passes.self_resuming:
+            yield from self.inner
+            return
+        seed = batch_seed(passes.seed, current.epoch, 0)
+        for item in self.inner:
+            yield seeded(item, seed)
 
     def __len__(self) -> int:
         return len(self.inner)

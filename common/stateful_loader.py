@@ -42,10 +42,11 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from recipes.common.batch_seeds import SeededFetcher
 from recipes.common.dataset_state import (
+    Carried,
     DatasetStateCarrier,
     RotatedIter,
     StateLoadingInit,
-    keeps_own_state,
+    may_resume_itself,
 )
 from recipes.common.loader_contract import Prefetching, ReadAheadAware, ResumableIterable
 from recipes.common.loader_counting import Counting
@@ -89,7 +90,7 @@ class StatefulLoader(DataLoader):
         # the seed of every batch's own random draws (`batch_seeds.py`): from `generator=` when
         # given, else from torch's generator (so that `torch.manual_seed` reproduces runs)
         self._passes.seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        if self._passes.own_state and self.num_workers:  # each batch brings its worker's dataset state back
+        if self._passes.self_resuming and self.num_workers:  # each batch brings its worker's dataset state back
             self.collate_fn = DatasetStateCarrier(self.collate_fn)
         if self.num_workers:  # a sampler's own count now runs ahead of the loop: let it say so
             for holder in (self.batch_sampler, self.sampler):
@@ -124,8 +125,7 @@ class StatefulLoader(DataLoader):
         if iterable:
             current.drawn = True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
         resumed = current.resumed or {}
-        if iterable and (current.skip or resumed.get("replayed") or (self._passes.own_state and
-                                                                   resumed.get("dataset_states") is not None)):
+        if iterable and (current.skip or resumed.get("replayed") or resumed.get("dataset_states") is not None):
             inner = _resumed_iterable(self, current)
         else:
             if current.resumed is None and isinstance(self.dataset, Prefetching):
@@ -230,8 +230,14 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
     """An iterator over the rest of an iterable dataset's epoch, after `current.skip` batches."""
     dataset, skip, state = loader.dataset, current.skip, current.resumed or {}
     states = state.get("dataset_states")
-    if keeps_own_state(dataset) and states is not None and current.workers == loader.num_workers:
-        return _resumed_by_dataset(loader, states, int(state.get("next_worker", skip % max(1, current.workers))))
+    if states is not None and may_resume_itself(dataset):
+        saved = int(state.get("dataset_workers", current.workers))
+        if saved != loader.num_workers:
+            raise ValueError(f"This state holds the own states of {type(dataset).__name__}'s copies in {saved} "
+                             f"worker(s) (each copy's share of the data); this loader has {loader.num_workers}. "
+                             f"Resume with num_workers={saved}, or from a state saved by a loader without a "
+                             "dataset state.")
+        return _resumed_by_dataset(loader, states, int(state.get("next_worker", 0)))
     if not isinstance(dataset, ResumableIterable):
         if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
             raise ValueError(f"{type(dataset).__name__} has no resume_after(): it resumes by reading the epoch's first "
@@ -267,30 +273,44 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
 
 
 def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int):
-    """The rest of an epoch of a dataset that resumes itself: each dataset copy (this process's,
-    or each worker's, in fresh workers) loads the state it had after its last batch the loop
-    received, and the round-robin resumes at the worker whose turn was next."""
-    if not loader.num_workers:
-        loader.dataset.load_state_dict(states["main"])
-        return DataLoader.__iter__(loader)
+    """The rest of an epoch (or the next epoch) of a dataset that resumes itself: each dataset
+    copy (this process's, or each worker's, in fresh workers) loads the state it had after its
+    last batch the loop received, in torchdata's order (the dataset's, `iter`, the iterator's),
+    and the round-robin resumes at the worker whose turn was next. Persistent workers started
+    here stay for the next epochs, as the saving run's did."""
+    if not loader.num_workers:  # torchdata's order: the dataset's state, iter(dataset), the iterator's state
+        main = states.get("main") or {}
+        if main.get("dataset") is not None:
+            loader.dataset.load_state_dict(main["dataset"])
+        inner = DataLoader.__iter__(loader)
+        fetcher = inner._dataset_fetcher
+        if main.get("iterator") is not None:
+            fetcher.dataset_iter.load_state_dict(main["iterator"])
+        fetcher.ended = bool(main.get("ended"))
+        return inner
     if loader._iterator is not None:  # persistent workers hold copies that went on: fresh ones load the states
         loader._iterator._shutdown_workers()
         loader._iterator = None
     user_init = loader.worker_init_fn
     loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), first_worker
-    try:  # one epoch on workers of its own: persistent ones would keep the loaded states in their copies (a
-        # Hugging Face IterableDataset applies one again in every epoch that has its epoch number)
-        return loader._get_iterator()
+    try:
+        inner = loader._get_iterator()
     finally:
         loader.worker_init_fn = user_init
+    if loader.persistent_workers:  # the resumed copies go on into the next epochs, as the saving run's did
+        loader._iterator = inner
+    return inner
 
 
 _END = object()
 
 
 def _dropped(iterator, count: int):
-    """`iterator` after its first `count` items (read and discarded)."""
-    for _ in range(count):
-        if next(iterator, _END) is _END:
+    """`iterator` after its first `count` batches (read and discarded; a worker's stream end,
+    `dataset_state.Carried`, is not one)."""
+    while count > 0:
+        item = next(iterator, _END)
+        if item is _END:
             break
+        count -= not (isinstance(item, Carried) and item.ended and item.batch is None)
     return iterator

@@ -1,6 +1,6 @@
 """A dataset's own state (`common/dataset_state.py`, issue #28 review): a Hugging Face
-`IterableDataset` resumed on persistent workers gets its next epoch whole; without workers, a
-second epoch at the same epoch number is named; `RobustLoader` restarts a dataset that resumes
+`IterableDataset` resumed on persistent workers gets its next epoch whole after `set_epoch`;
+a second epoch at the same epoch number is named; `RobustLoader` restarts a dataset that resumes
 itself with the workers its epoch began with."""
 
 import json
@@ -31,12 +31,17 @@ def _resume(**kwargs):
     return head, second
 
 
-def test_persistent_workers_resume_the_epoch_then_give_the_next_one_whole():
-    """Persistent workers would keep the loaded state in their copies, which Hugging Face
-    applies again while the epoch number is unchanged: the resumed epoch has workers of its own."""
+def test_persistent_workers_resume_the_epoch_then_go_on_with_set_epoch():
+    """The resumed epoch's workers stay for the next epochs, as the saving run's did (an epoch
+    counter kept in their copies goes on: torchdata's TestMultiEpochState). Hugging Face applies
+    a loaded state again while the epoch number is unchanged, so the next epoch is whole after
+    `set_epoch`, as its docs ask; without it, the loader names the problem."""
     head, second = _resume(num_workers=2, persistent_workers=True)
     rest = [int(x) for b in second for x in b["x"]]
     assert Counter(head + rest) == Counter(range(64))
+    with pytest.warns(LoaderWarning, match="iterated again at epoch 0.*call its set_epoch"):
+        iter(second)
+    second.dataset.set_epoch(1)
     assert Counter(int(x) for b in second for x in b["x"]) == Counter(range(64))
     second.close()
 
