@@ -72,8 +72,8 @@ def _data_files(folder: Path, fmt) -> list:
         size = cache.n_mels * np.dtype(cache.header["dtype"]).itemsize
         return [(folder / "features.bin", cache.offsets * size, cache.checks)]
     if fmt == "recipes-image-cache":
-        from recipes.vision.eval_view import find_eval_view
-        from recipes.vision.image_cache import ImageCache, ImageCacheError
+        from recipes.vision.cache.eval_view import find_eval_view
+        from recipes.vision.cache.image_cache import ImageCache, ImageCacheError
 
         cache = ImageCache.open(folder)
         parts = [(folder / "images.bin", cache.offsets, cache.checks)]

@@ -2,7 +2,7 @@
 processes, issue #11): the ranks split the work, rank 0 publishes folders byte-identical to
 single-process builds, and a rank that dies mid-build leaves nothing published (the next build
 sweeps its temp). One launch builds all three caches; the dying image build is in
-tests/vision/test_image_cache_distributed.py, and the dying token build, the same FolderBuild
+tests/vision/cache/test_image_cache_distributed.py, and the dying token build, the same FolderBuild
 protocol as the spectrogram one, is in the slow tier."""
 
 import shutil

@@ -20,7 +20,7 @@ from recipes.nlp import build_token_cache
 from recipes.nlp.token_cache import TokenCache, TokenCacheError
 from recipes.testing import make_audio_files, make_image_folder, make_text_corpus, train_tokenizer
 from recipes.vision import ImageCache, ImageCacheError, ImageFolderFast, build_image_cache
-from recipes.vision.eval_view import find_eval_view
+from recipes.vision.cache.eval_view import find_eval_view
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Recipe files copy on their own. Each library file names, in its header, the other project
-files it needs (`Copy with: common/cache_files.py, vision/decode.py.`). This test reads that
+files it needs (`Copy with: common/cache_files.py, vision/decoding/decode.py.`). This test reads that
 line and checks it two ways: statically, every `recipes.*` import the file and its copy set
 make (outside `try: ... except ImportError:` and `if TYPE_CHECKING:`) must land inside the
 declared set, and the set must be exactly what the imports reach; and by running it: exactly
@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOMAINS = ("common", "vision", "nlp", "audio")
-LIBRARY = sorted(str(p.relative_to(ROOT)) for d in DOMAINS for p in (ROOT / d).glob("*.py") if p.name != "__init__.py")
+LIBRARY = sorted(str(p.relative_to(ROOT)) for d in DOMAINS for p in (ROOT / d).rglob("*.py") if p.name != "__init__.py")
 # Training templates run against the installed package (`recipes template vision > train.py`).
 PACKAGE = "the installed recipes package"
 
@@ -86,7 +86,7 @@ SMOKE = {
     "vision/image_folder.py": """
         import os, cv2, numpy as np, torch
         from image_folder import ImageFolderFast
-        from image_cache import build_image_cache
+        from image_cache_build import build_image_cache
         ramp = np.tile(np.linspace(0, 200, 80), (60, 1))
         for c in range(2):
             os.makedirs(f"tree/c{c}")
@@ -112,7 +112,7 @@ def declared(name: str) -> list[str] | None:
             found.append(line[len("Copy with:"):])
         elif found and line.startswith("  ") and not found[-1].rstrip().endswith("."):
             found[-1] += " " + line.strip()  # a wrapped list goes on, indented, until its full stop
-        elif re.fullmatch(r"\s*((common|vision|nlp|audio)/\w+\.py[,.]?\s*)+", line):
+        elif re.fullmatch(r"\s*((common|vision|nlp|audio)/(\w+/)*\w+\.py[,.]?\s*)+", line):
             raise AssertionError(f"{name}: a list of files outside its `Copy with:` line: {line.strip()!r}")
     if len(found) != 1:
         raise AssertionError(f"{name}: its header docstring needs exactly one `Copy with: ...` line, "

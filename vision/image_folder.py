@@ -14,24 +14,23 @@ Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RAT
 Trade-off: returns uint8 `[3, H, W]` (4x less memory and IPC than float32); normalisation
 belongs on the GPU. Exact pixels differ from Pillow's by ~1-2 grey levels (crop before resize).
 
-Why OpenCV in workers is safe here: OpenCV's thread pool is not fork-safe; a parent that used
-cv2 with threads can hand forked workers a pool lock that is never released, and the loader
-hangs with no error (pytorch#1355, #45198). `recipes.common.worker_init` (installed by
-`make_loader`) switches cv2 to single-threaded in each worker before any decode.
-
+OpenCV's thread pool is not fork-safe (a hang with no error: pytorch#1355, #45198):
+`decode_image` and `worker_init` make cv2 single-threaded in each worker before any decode.
 The index (paths, targets) is held in `PackedStrings` and numpy arrays: no per-sample Python
-objects for forked workers to copy on read.
-
-The decoded cache (`build_image_cache`, `ImageCache`) is `recipes.vision.image_cache`; it reads
-this dataset through `cache_record` and `use_cache`.
-Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py, common/packed_strings.py,
-  common/process_lifetime.py, vision/batch_buffers.py, vision/cached_batches.py, vision/crop.py,
-  vision/decode.py, vision/device.py, vision/eval_view.py, vision/image_cache.py,
-  vision/region_decode.py, vision/stale_caches.py.
+objects for forked workers to copy on read. The decoded cache (`recipes.vision.cache`) reads
+this dataset as a `CacheSource`; threads read batches through `batches/thread_batches.py`.
+Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
+  common/packed_strings.py, common/process_lifetime.py, vision/batches/batch_buffers.py,
+  vision/batches/device.py, vision/batches/thread_batches.py, vision/cache/cache_source.py,
+  vision/cache/cached_batches.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
+  vision/cache/image_cache_build.py, vision/cache/stale_caches.py, vision/decoding/bad_files.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -42,25 +41,26 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common.packed_strings import PackedStrings, resolve_index
-from recipes.vision.batch_buffers import new_uint8_batch, trim_heap
-from recipes.vision.cached_batches import (
-    eval_view_of,
-    fill_cached_batch,
-    read_batch,
-    read_items,
-    thread_batches,
+from recipes.vision.batches.batch_buffers import new_uint8_batch, trim_heap
+from recipes.vision.batches.device import uint8_collate
+from recipes.vision.batches.thread_batches import read_batch, read_items
+from recipes.vision.cache.cached_batches import eval_view_of, fill_cached_batch, read_cached_item
+from recipes.vision.cache.eval_view import EvalView, eval_record_of
+from recipes.vision.cache.image_cache import ImageCache
+from recipes.vision.cache.image_cache_build import attach_image_cache, cache_inputs, decode_stored
+from recipes.vision.decoding.bad_files import BadFiles
+from recipes.vision.decoding.crop import (
+    CROP_PCT,
+    RATIO,
+    SCALE,
+    CropSettings,
+    eval_box,
+    output_size,
+    random_resized_box,
 )
-from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
-from recipes.vision.decode import (
-    ImageDecodeError,
-    check_encoded,
-    read_image_file,
-    resize_uint8,
-)
-from recipes.vision.device import uint8_collate
-from recipes.vision.eval_view import eval_record
-from recipes.vision.image_cache import ImageCache, attach_image_cache, cache_inputs, decode_stored
-from recipes.vision.region_decode import decode_box, region_decode_available
+from recipes.vision.decoding.decode import resize_uint8
+from recipes.vision.decoding.image_header import check_encoded, read_image_file
+from recipes.vision.decoding.region_decode import decode_box, region_decode_available
 
 
 class ImageFolderFast(Dataset):
@@ -80,7 +80,7 @@ class ImageFolderFast(Dataset):
             file draws no crop or flip: the next good one gets what it would have got, on the
             CPU path as with decode="gpu".
         strict: a JPEG whose entropy data libjpeg-turbo finds damaged (and recovers from with
-            made-up pixels) is a bad file (`recipes.vision.decode`). Each file is checked the
+            made-up pixels) is a bad file (`recipes.vision.decoding.decode`). Each file is checked the
             first time any worker decodes it (a shared flag per file), so later epochs decode
             as without the check. False: served as decoded. With decode="gpu" only the files
             decoded on the CPU are checked: nvJPEG reports no such damage.
@@ -129,7 +129,7 @@ class ImageFolderFast(Dataset):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"`on_error` must be 'raise' or 'skip', but is {on_error!r} instead.")
         self.root = os.fspath(root)
-        self.size = _as_size(size)
+        self.size = output_size(size)
         if decode not in ("cpu", "gpu"):
             raise ValueError(f"`decode` must be 'cpu' or 'gpu', but is {decode!r} instead.")
         if decode == "gpu" and (transform is not None or cache_dir is not None):
@@ -160,7 +160,7 @@ class ImageFolderFast(Dataset):
         del samples
         # Shared memory: visible to (persistent) workers after they started.
         self._resolution = torch.tensor(self.size, dtype=torch.int32).share_memory_()
-        self._bad = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()
+        self._bad = BadFiles(len(self._paths), f"the {len(self._paths)} images under {self.root}")
         self._checked = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()  # strict: 1 once checked
         self._rng_pid: int | None = None
         self._rng: np.random.Generator | None = None
@@ -203,16 +203,16 @@ class ImageFolderFast(Dataset):
 
     def set_resolution(self, size: int | tuple[int, int]) -> None:
         """Changes the output size, in shared memory (reaches persistent workers)."""
-        self._resolution.copy_(torch.tensor(_as_size(size), dtype=torch.int32))
+        self._resolution.copy_(torch.tensor(output_size(size), dtype=torch.int32))
 
     # ---- errors and skips -------------------------------------------------------------
     @property
     def skipped(self) -> int:
         """Distinct bad files replaced so far, counted across worker processes."""
-        return int(self._bad.sum())
+        return self._bad.count
 
     def skipped_indices(self) -> np.ndarray:
-        return np.flatnonzero(self._bad.numpy())
+        return self._bad.indices()
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         index = self._check_index(index)
@@ -220,15 +220,14 @@ class ImageFolderFast(Dataset):
             item, target, _ = self._load_or_skip(index, self._encoded_item)
             return item, target
         if self.cache is not None:
-            return self._from_cache(index)
+            return self._cached_item(index), int(self.cache.labels[index])
         image, target, _ = self._load_or_skip(index, self._output_image)
         return image, target
 
     def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
-        """A whole batch in one call. From the cache, each image is read (`preadv`) into a
-        private scratch buffer and its crop written straight into one batch tensor (shared
-        memory in a worker); the items are rows of that tensor, which `uint8_collate` returns
-        without another copy."""
+        """A whole batch in one call. From the cache, each crop is read (`preadv`) and resized
+        straight into one batch tensor (shared memory in a worker); the items are rows of that
+        tensor, which `uint8_collate` returns without another copy (`fill_cached_batch`)."""
         if self.cache is None:
             items = [self[i] for i in indices]
             if self.decode == "cpu":
@@ -239,46 +238,41 @@ class ImageFolderFast(Dataset):
         if self.transform is not None:  # the transform may change shapes: separate tensors
             items = [(self._cached_item(i), int(t)) for i, t in zip(indices, labels, strict=True)]
         else:
-            batch = fill_cached_batch(self, indices, self._generator(), new_uint8_batch(len(indices), 3,
-                                                                                         *self.resolution))
+            batch = fill_cached_batch(self.cache, self.eval_view, self.crop_settings(), indices, self._generator(),
+                                      new_uint8_batch(len(indices), 3, *self.resolution))
             items = [(batch[row], int(t)) for row, t in enumerate(labels)]
         trim_heap()
         return items
 
-    # the thread path (ThreadLoader, which make_loader chooses) and the eval view: cached_batches.py
-    thread_batches = thread_batches
-    read_batch = read_batch
+    # ---- the thread path (ThreadLoader, which make_loader chooses) ----------------------
+    def thread_batches(self) -> bool:
+        """Whether threads can make its batches: no `transform` (Python per item, holding the GIL)
+        and decode="cpu" (a `preadv` or a read and a decode, then a resize: all release the GIL)."""
+        return self.transform is None and self.decode == "cpu"
+
+    read_batch = read_batch  # batches/thread_batches.py, through the public side below
     read_items = read_items  # read_batch's items, for a collate function of the user's
-    eval_view = property(eval_view_of)
-    eval_record = eval_record  # what an eval view stores (eval_view.py)
     read_batch_collate = staticmethod(uint8_collate)  # read_batch returns what it would: make_loader keeps threads
+
+    def crop_settings(self) -> CropSettings:
+        """The crops its items get now: train or eval, at the current resolution."""
+        return CropSettings(self.train, self.resolution, self.SCALE, self.RATIO, self.CROP_PCT)
+
+    def read_item(self, index: int, rng: np.random.Generator, *,
+                  into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """`(uint8 [3, H, W], target)` decoded from its file (or the replacement `on_error` picks),
+        crop and flip drawn from `rng`; with `into` (a batch row, no `transform`) resized into it."""
+        image, target, _ = self._load_or_skip(index, functools.partial(self._output_image, rng=rng, into=into), rng)
+        return image, target
 
     def _check_index(self, index) -> int:
         return resolve_index(index, len(self), f"the {len(self)} images under {self.root}")
 
     def _load_or_skip(self, index: int, load, rng: np.random.Generator | None = None):
-        """`load(i)` for `index`, or with on_error="skip" the next good index after it.
-
-        A bad file consumes no randomness: the generator (`rng`, else this process's) is rewound
-        to before its attempt, so the replacement draws what the bad file would have drawn. The
-        CPU path finds a truncated or undecodable file only after drawing its crop (the decode
-        needs the box), decode="gpu" workers before drawing (they check the bytes first);
-        rewound, both give every later image the same crop and flip.
-        """
-        n = len(self)
+        """`load(i)` for `index`, or with on_error="skip" the next good index after it, a bad file
+        consuming no randomness of `rng` (else this process's generator): `BadFiles.load`."""
         rng = rng or self._generator()
-        rewind = rng.bit_generator.state if self.train and self.on_error == "skip" else None
-        for step in range(n):
-            i = (index + step) % n
-            try:
-                return (*load(i), step > 0)
-            except ImageDecodeError:
-                if self.on_error == "raise":
-                    raise
-                self._bad[i] = 1
-                if rewind is not None:
-                    rng.bit_generator.state = rewind
-        raise ImageDecodeError(f"every one of the {n} images under {self.root} failed to decode")
+        return self._bad.load(index, load, rng, on_error=self.on_error, rewind=self.train)
 
     # ---- decoding from files ----------------------------------------------------------
     def _read(self, index: int):
@@ -337,8 +331,8 @@ class ImageFolderFast(Dataset):
         return self._load_or_skip(index, self._cache_image)
 
     def use_cache(self, cache: ImageCache) -> None:
-        """Serves items from `cache` (`build_image_cache` calls it), checked against this
-        dataset's size and targets.
+        """Serves items from `cache` (`build_image_cache` calls it; eval views opened before are
+        dropped), checked against this dataset's size and targets.
 
         Raises:
             ImageCacheError: `labels.bin` disagrees with the targets.
@@ -347,23 +341,38 @@ class ImageFolderFast(Dataset):
             raise ValueError(f"the cache holds {cache.count} images but the dataset has {len(self)}.")
         cache.check_labels(self._targets)
         self.cache = cache
-        for i in cache.skipped:
-            self._bad[i] = 1
+        self._views.clear()
+        self._bad.mark(cache.skipped)
 
-    def _from_cache(self, index: int) -> tuple[torch.Tensor, int]:
-        return self._cached_item(index), int(self.cache.labels[index])
+    @property
+    def eval_view(self) -> EvalView | None:
+        """The cache's eval view at the current resolution (eval mode only), opened once per
+        resolution and process (`eval_view_of`, which warns when there is none)."""
+        if self.cache is None or self.train:
+            return None
+        size = self.resolution
+        if size not in self._views:
+            self._views[size] = eval_view_of(self.cache, size, self.CROP_PCT)
+        return self._views[size]
+
+    def eval_record(self, index: int) -> torch.Tensor:
+        """What an eval view stores at `index` (`eval_record_of` its file; with
+        on_error="skip", of the next good file's). torchvision's eval pixels, not the uncached
+        file path's: that one crops, then resizes the crop (a box rounded to whole source
+        pixels), a mean ~2 grey levels away and more at edges."""
+        if self.train:
+            raise ValueError("eval_record is what evaluation sees, but this dataset has train=True.")
+
+        def load(i: int):
+            record = eval_record_of(*self._read(i), self.resolution, self.CROP_PCT, index=i, strict=self.strict)
+            return record, int(self._targets[i])
+
+        return self._load_or_skip(index, load)[0]
 
     def _cached_item(self, index: int) -> torch.Tensor:
-        """The output crop of cached image `index`: a row of the eval view, else only the crop's rows."""
-        out, view = self.resolution, self.eval_view
-        if view is not None:
-            return self._finish(torch.from_numpy(view.read_into(np.empty((*out, 3), np.uint8), index)).permute(2, 0, 1))
-        h, w = (int(v) for v in self.cache.shapes[index])
-        if self.train:  # relative to the whole image: torchvision's distribution on the original
-            box = random_resized_box(h, w, self._generator(), self.SCALE, self.RATIO)
-        else:
-            box = eval_box(h, w, out, self.CROP_PCT)
-        return self._finish(self.cache.read_crop(index, box, out))
+        """The output crop of cached image `index` (`read_cached_item`), flipped and transformed."""
+        return self._finish(read_cached_item(self.cache, self.eval_view, self.crop_settings(), index,
+                                             self._generator()))
 
     # ---- shared tail ------------------------------------------------------------------
     def _finish(self, image: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
@@ -388,11 +397,3 @@ class ImageFolderFast(Dataset):
         return (f"ImageFolderFast(root={self.root!r}, n={len(self)}, classes={len(self.classes)}, "
                 f"size={self.resolution}, train={self.train}, from {source})")
 
-
-def _as_size(size) -> tuple[int, int]:
-    if isinstance(size, int) and not isinstance(size, bool):
-        size = (size, size)
-    if (not isinstance(size, tuple) or len(size) != 2
-            or not all(isinstance(v, int) and v > 0 for v in size)):
-        raise ValueError(f"`size` must be a positive int or an (h, w) tuple of them, but is {size!r} instead.")
-    return size

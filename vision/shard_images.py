@@ -12,7 +12,8 @@ Trade-off: with `strict` every decode is checked (a shard sample has no per-file
 earlier check, so a region decode reads to the image's bottom, about a whole decode); pass
 `strict=False` to decode only the crop once the shards are known good. Random draws come from a
 per-process generator seeded from torch's seed (`worker_init` gives each worker its own).
-Copy with: vision/crop.py, vision/decode.py, vision/region_decode.py.
+Copy with: vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import os
 import numpy as np
 import torch
 
-from recipes.vision.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
-from recipes.vision.decode import ImageDecodeError, read_header, resize_uint8
-from recipes.vision.region_decode import decode_box, region_decode_available
+from recipes.vision.decoding.crop import CROP_PCT, RATIO, SCALE, eval_box, random_resized_box
+from recipes.vision.decoding.decode import resize_uint8
+from recipes.vision.decoding.image_header import ImageDecodeError, read_header
+from recipes.vision.decoding.region_decode import decode_box, region_decode_available
 
 
 class ShardImages:

@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if args.checksum is not None:  # what a build with another hash writes: the builders' choice, replaced
         import recipes.audio.spectrogram_cache as audio
         import recipes.nlp.token_cache as nlp
-        import recipes.vision.eval_view as view
-        import recipes.vision.image_cache as image
+        import recipes.vision.cache.eval_view as view
+        import recipes.vision.cache.image_cache_build as image
 
         for module in (audio, nlp, view, image):
             module.algorithm = lambda: args.checksum

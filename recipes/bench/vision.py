@@ -125,8 +125,9 @@ class _DecodeOnly:
         self.dataset, self.batch_size, self.threads = dataset, batch_size, threads
 
     def _decode(self, index: int) -> int:
-        from recipes.vision.crop import eval_box
-        from recipes.vision.decode import dct_reduction, decode_image, read_image_file
+        from recipes.vision.decoding.crop import eval_box
+        from recipes.vision.decoding.decode import dct_reduction, decode_image
+        from recipes.vision.decoding.image_header import read_image_file
 
         data, header = read_image_file(self.dataset.paths[index])
         box = eval_box(header.height, header.width, self.dataset.resolution, self.dataset.CROP_PCT)
@@ -157,9 +158,9 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
     from torch.utils.data import DataLoader
 
     from recipes.common import ThreadLoader
-    from recipes.vision.batch_buffers import new_uint8_batch
-    from recipes.vision.crop import random_resized_box
-    from recipes.vision.decode import _opencv, resize_uint8
+    from recipes.vision.batches.batch_buffers import new_uint8_batch
+    from recipes.vision.decoding.crop import random_resized_box
+    from recipes.vision.decoding.decode import _opencv, resize_uint8
 
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -227,7 +228,7 @@ class _EmptyBatches:
         return self.count
 
     def __getitem__(self, index: int):
-        from recipes.vision.batch_buffers import new_uint8_batch
+        from recipes.vision.batches.batch_buffers import new_uint8_batch
 
         if index >= self.count:
             raise IndexError(index)
@@ -263,7 +264,7 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
         encoded_collate,
         uint8_collate,
     )
-    from recipes.vision.region_decode import region_decode_available
+    from recipes.vision.decoding.region_decode import region_decode_available
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=device == "cuda",
@@ -358,7 +359,7 @@ def train_setup(args, device):
         encoded_collate,
         uint8_collate,
     )
-    from recipes.vision.region_decode import region_decode_available
+    from recipes.vision.decoding.region_decode import region_decode_available
 
     cuda = device.type == "cuda"
     size = args.size or (224 if cuda else 96)

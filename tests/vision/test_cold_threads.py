@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader
 from recipes.common import ThreadLoader, make_loader
 from recipes.testing import make_image_folder
 from recipes.vision import ImageDecodeError, ImageFolderFast, uint8_collate
-from recipes.vision.region_decode import region_decode_available
-from tests.vision.test_decode import _tree, damaged, kinds, mutated  # noqa: F401 (fixtures)
-from tests.vision.test_image_cache import assert_crops_follow_torchvision, spy_boxes
+from recipes.vision.decoding.region_decode import region_decode_available
+from tests.vision.cache.test_image_cache import assert_crops_follow_torchvision, spy_boxes
+from tests.vision.decoding.test_decode import _tree, damaged, kinds, mutated  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

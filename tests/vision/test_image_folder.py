@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from recipes.common import PackedStrings, worker_init
 from recipes.vision import ImageDecodeError, ImageFolderFast, uint8_collate
-from recipes.vision import (
+from recipes.vision.decoding import (
     region_decode as decode_box_module,  # ImageFolderFast._decode_box's decoders
 )
 

@@ -3,7 +3,7 @@ from torch.utils.data import DataLoader
 
 from recipes.common import worker_init
 from recipes.vision import ImageFolderFast, ProgressiveResolution, uint8_collate
-from recipes.vision import (
+from recipes.vision.decoding import (
     region_decode as decode_box_module,  # ImageFolderFast._decode_box's decoders
 )
 

@@ -9,14 +9,15 @@ Cost: `copy_image` is OpenCV's channel merge, about 10x faster than torch's tran
 Adapt here: `channels_last=` of `new_uint8_batch`.
 Trade-off: `trim_heap` needs glibc (elsewhere a no-op); without it decode buffers fragment
 the heap and worker memory creeps up epoch after epoch (issue #10).
-Copy with: vision/decode.py.
+Copy with: vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from recipes.vision.decode import _opencv
+from recipes.vision.decoding.decode import _opencv
 
 
 def new_uint8_batch(batch_size: int, channels: int, height: int, width: int, *,

@@ -7,7 +7,8 @@ Cost: `uint8_collate` is one copy per image into a (shared-memory, in workers) b
 `DeviceNormalize` is one non-blocking copy and one multiply-add on the device.
 Adapt here: `mean`/`std` (ImageNet's by default in the constants below), `channels_last`.
 Trade-off: augmentations that need float (colour jitter, mixup) move to the device too.
-Copy with: vision/batch_buffers.py, vision/decode.py.
+Copy with: vision/batches/batch_buffers.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from recipes.vision.batch_buffers import copy_image, new_uint8_batch
+from recipes.vision.batches.batch_buffers import copy_image, new_uint8_batch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -14,11 +14,12 @@ Cost: per image one `preadv` of h*w*3 bytes in a thread (the GIL is released dur
 read); per batch one host-to-device copy of B*M*M*3 bytes and four kernels. No IPC, no
 per-batch allocation on the host, no pickling.
 Adapt here: `MEAN`/`STD`, `threads`, or subclass and override `boxes` for other crops.
-Eval with an eval view (`recipes.vision.eval_view`) copies its rows as they are: torchvision's pixels.
+Eval with an eval view (`recipes.vision.cache.eval_view`) copies its rows as they are: torchvision's pixels.
 Trade-off: whole padded slots cross to the device (M*M instead of size*size bytes per image,
 4x at max_side = 2 x size). Pixels match the CPU path's `resize_uint8` within ~0.3 grey
 levels on average.
-Copy with: vision/batch_buffers.py, vision/crop.py, vision/decode.py, vision/device.py.
+Copy with: vision/batches/batch_buffers.py, vision/batches/device.py, vision/decoding/crop.py,
+  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from recipes.vision.crop import eval_box, random_resized_box
-from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD
+from recipes.vision.batches.device import IMAGENET_MEAN, IMAGENET_STD
+from recipes.vision.decoding.crop import eval_box, random_resized_box
 
 
 class DeviceCropLoader:

@@ -20,7 +20,8 @@ recovers from (libjpeg's "Corrupt JPEG data", which the CPU path's `strict` chec
 an `ImageDecodeError`) is not detected on the device: torchvision's nvJPEG decode reports no
 such warning, so those images are served as decoded. Check a dataset once with the CPU path
 (e.g. `build_image_cache`, or an epoch with `on_error="skip"`) to find them.
-Copy with: vision/batch_buffers.py, vision/decode.py, vision/device.py.
+Copy with: vision/batches/batch_buffers.py, vision/batches/device.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import itertools
 
 import torch
 
-from recipes.vision.decode import decode_image
-from recipes.vision.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize
+from recipes.vision.batches.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize
+from recipes.vision.decoding.decode import decode_image
 
 
 def encoded_collate(batch: list[tuple[dict, int]]) -> dict[str, torch.Tensor]:

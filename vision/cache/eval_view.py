@@ -30,7 +30,8 @@ rebuilds it); an image whose row differs from its checksum raises the cache's er
 and is recorded in the cache's `damaged.json`: the view is then not opened, and the next
 `build_image_cache` on an eval dataset rebuilds the view alone (not the whole images).
 Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
-  common/process_lifetime.py, vision/crop.py, vision/decode.py.
+  common/process_lifetime.py, vision/cache/cache_source.py, vision/decoding/crop.py,
+  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -60,8 +62,13 @@ from recipes.common.cache_files import (
     sweep_dead_temps,
     write_synced,
 )
-from recipes.vision.crop import _resized, resize_side
-from recipes.vision.decode import decode_image, resize_uint8
+from recipes.vision.cache.cache_source import CacheSource
+from recipes.vision.decoding.crop import _resized, resize_side
+from recipes.vision.decoding.decode import decode_image, resize_uint8
+from recipes.vision.decoding.image_header import ImageHeader
+
+if TYPE_CHECKING:  # only an annotation: image_cache.py stays out of this file's copy set
+    from recipes.vision.cache.image_cache import ImageCache
 
 FORMAT = "recipes-image-eval-view"
 FORMAT_VERSION = 2  # 2: per-image checksums, a header checksum
@@ -76,20 +83,14 @@ def eval_image(decoded: np.ndarray, size: tuple[int, int], crop_pct: float):
     return resized[:, top : top + size[0], left : left + size[1]]
 
 
-def eval_record(dataset, index: int):
-    """`ImageFolderFast.eval_record`: what an eval view stores at `index` (`eval_image` of a
-    full decode of its file; with on_error="skip", of the next good file's). torchvision's eval
-    pixels, not the uncached file path's: that one crops, then resizes the crop (a box rounded
-    to whole source pixels), a mean ~2 grey levels away and more at edges."""
-    if dataset.train:
-        raise ValueError("eval_record is what evaluation sees, but this dataset has train=True.")
+def eval_record_of(path: str, data: bytes, header: ImageHeader, size: tuple[int, int], crop_pct: float, *,
+                   index: int | None, strict: bool):
+    """What an eval view stores for an encoded image: `eval_image` of a full decode of `data`.
 
-    def load(i: int):
-        path, data, header = dataset._read(i)
-        decoded = decode_image(data, reduce=1, header=header, path=path, index=i, strict=dataset.strict)
-        return eval_image(decoded, dataset.resolution, dataset.CROP_PCT), int(dataset.targets[i])
-
-    return dataset._load_or_skip(index, load)[0]
+    Raises:
+        ImageDecodeError: a bad file (see `decode_image`)."""
+    decoded = decode_image(data, reduce=1, header=header, path=path, index=index, strict=strict)
+    return eval_image(decoded, size, crop_pct)
 
 
 def view_name(size: tuple[int, int], crop_pct: float) -> str:
@@ -158,7 +159,7 @@ def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
     return EvalView(folder, name, tuple(size), count, error, checks), ""
 
 
-def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
+def build_eval_view(dataset: CacheSource, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
                     error: type[Exception]) -> EvalView:
     """Decodes every image of an eval `dataset` (`eval_record(i)`: torchvision's eval pixels)
     into the view of its resolution in `folder`, atomically (see the module doc); a record of
@@ -207,11 +208,10 @@ def build_eval_view(dataset, folder: Path, fingerprint: str, *, num_workers: int
     return view
 
 
-def ensure_eval_view(dataset, cache, *, builder: bool, distributed: bool, num_workers: int | None,
+def ensure_eval_view(dataset: CacheSource, cache: ImageCache, *, builder: bool, distributed: bool, num_workers: int | None,
                      progress: bool, error: type[Exception]) -> None:
     """After a cache build: the eval view of an eval `dataset`'s resolution in `cache`'s
     folder, built by the `builder` rank unless a valid one is there (the others wait)."""
-    dataset._views.clear()
     if open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
                       error) is None:
         if builder:
@@ -221,11 +221,10 @@ def ensure_eval_view(dataset, cache, *, builder: bool, distributed: bool, num_wo
             import torch.distributed as dist
 
             dist.barrier()
-    dataset._views.clear()
 
 
 class _EvalItems:
-    def __init__(self, dataset):
+    def __init__(self, dataset: CacheSource):
         self.dataset = dataset
 
     def __len__(self) -> int:

@@ -14,6 +14,7 @@ Copy with: nothing.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,31 @@ SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 
 Box = tuple[int, int, int, int]  # top, left, height, width
+
+
+@dataclass(frozen=True)
+class CropSettings:
+    """Which crop an item gets: `train` (a random-resized crop with `scale` and `ratio`, then a
+    flip) or eval (`eval_box` with `crop_pct`), at the output `size` (height, width)."""
+
+    train: bool
+    size: tuple[int, int]
+    scale: tuple[float, float] = SCALE
+    ratio: tuple[float, float] = RATIO
+    crop_pct: float = CROP_PCT
+
+
+def output_size(size) -> tuple[int, int]:
+    """`(h, w)` from an output size given as a side or a pair of positive ints.
+
+    Raises:
+        ValueError: anything else, naming what it got."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        size = (size, size)
+    if (not isinstance(size, tuple) or len(size) != 2
+            or not all(isinstance(v, int) and v > 0 for v in size)):
+        raise ValueError(f"`size` must be a positive int or an (h, w) tuple of them, but is {size!r} instead.")
+    return size
 
 
 def resize_side(size: tuple[int, int], crop_pct: float = CROP_PCT) -> int:

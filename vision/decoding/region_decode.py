@@ -9,11 +9,12 @@ pixels are identical to a full decode followed by the crop.
 Cost: rows above the crop are still entropy-decoded (a baseline JPEG has no random access), so
 the saving grows with how little of the image a crop keeps: measured 1.14x train img/s per
 worker on 500x375 photos. A strict decode reads the scan to its end (the rows below the crop
-too, `recipes.vision.decode`): about the cost of a whole decode.
+too, `recipes.vision.decoding.decode`): about the cost of a whole decode.
 Adapt here: `_region_decoder` (one CPU thread per process and thread, sRGB, EXIF orientation ignored).
 Trade-off: needs nvImageCodec; for CMYK/YCCK JPEGs, other codecs, or a file it declines,
 `decode_region` returns None and the caller decodes the whole image.
-Copy with: vision/crop.py, vision/decode.py.
+Copy with: vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -27,14 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.vision.crop import Box, scale_box
-from recipes.vision.decode import (
-    ImageDecodeError,
-    check_encoded,
-    checked_by_libjpeg,
-    dct_reduction,
-    decode_image,
-)
+from recipes.vision.decoding.crop import Box, scale_box
+from recipes.vision.decoding.decode import dct_reduction, decode_image
+from recipes.vision.decoding.image_header import ImageDecodeError, check_encoded
+from recipes.vision.decoding.jpeg_damage import checked_by_libjpeg
 
 
 def decode_region(data: bytes, box: Box, *, strict: bool = True, path: str = "<bytes>",

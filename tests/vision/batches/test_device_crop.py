@@ -12,7 +12,7 @@ from recipes.vision import (
     ImageFolderFast,
     build_image_cache,
 )
-from recipes.vision.decode import resize_uint8
+from recipes.vision.decoding.decode import resize_uint8
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,7 @@ from recipes.vision import (
     ImageFolderFast,
     encoded_collate,
 )
-
-from .test_image_folder import _mode_files
+from tests.vision.test_image_folder import _mode_files
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from recipes.common import ThreadLoader, make_loader
 from recipes.testing import make_image_folder
 from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
-from tests.vision.test_image_cache import assert_crops_follow_torchvision, spy_boxes
+from tests.vision.cache.test_image_cache import assert_crops_follow_torchvision, spy_boxes
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_thread_path_train_crops_follow_torchvision(tmp_path, monkeypatch):
     position distribution over the whole stored image (the worker path's KS test, y centre included)."""
     import cv2
 
-    import recipes.vision.cached_batches as module
+    import recipes.vision.cache.cached_batches as module
     from recipes.testing import natural_image
 
     rng = np.random.default_rng(3)
@@ -158,7 +158,7 @@ def test_thread_path_train_crops_follow_torchvision(tmp_path, monkeypatch):
 
 def test_thread_train_batches_are_the_crops_and_flips_their_rng_draws(photos, tmp_path):
     """read_batch's rows against the crops read one by one with the same draws (box, then flip)."""
-    from recipes.vision.crop import random_resized_box
+    from recipes.vision.decoding.crop import random_resized_box
 
     ds = ImageFolderFast(photos, size=64, train=True)
     build_image_cache(ds, tmp_path, num_workers=0, progress=False)
@@ -178,7 +178,7 @@ def test_a_killed_view_builds_temp_files_are_swept(photos, tmp_path):
     """An eval-view build killed midway leaves `.eval-*.tmp` files inside the cache folder:
     the next dataset that opens the cache removes a dead builder's, never a live one's."""
     from recipes.common.cache_files import _host
-    from tests.vision.test_image_cache import _dead_pid
+    from tests.vision.cache.test_image_cache import _dead_pid
 
     cache = build_image_cache(ImageFolderFast(photos, size=64), tmp_path, num_workers=0, progress=False)
     dead, live = _dead_pid(), __import__("os").getpid()

@@ -24,7 +24,7 @@ from recipes.vision import (
     build_image_cache,
     uint8_collate,
 )
-from recipes.vision.image_cache import FORMAT_VERSION
+from recipes.vision.cache.image_cache import FORMAT_VERSION
 
 
 def _files(folder):
@@ -297,7 +297,7 @@ def spy_boxes(monkeypatch, module) -> list:
 
 def _boxes_served(ds, draws, monkeypatch):
     """The random-resized-crop boxes the cached path (`ds[i]`) draws."""
-    import recipes.vision.image_folder as module
+    import recipes.vision.cache.cached_batches as module  # where ds[i] draws a cached crop (read_cached_item)
 
     seen = spy_boxes(monkeypatch, module)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from recipes.common.shards import write_shards
-from recipes.vision.image_cache import build_image_cache
+from recipes.vision.cache.image_cache_build import build_image_cache
 
 
 def test_a_shard_set_or_a_path_is_refused_with_what_to_do(tmp_path):

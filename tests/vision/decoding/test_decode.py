@@ -16,8 +16,9 @@ import torch
 
 from recipes.common import make_loader
 from recipes.vision import ImageDecodeError, ImageFolderFast, uint8_collate
-from recipes.vision.decode import checked_by_libjpeg, decode_image
-from recipes.vision.region_decode import decode_region, region_decode_available
+from recipes.vision.decoding.decode import decode_image
+from recipes.vision.decoding.jpeg_damage import checked_by_libjpeg
+from recipes.vision.decoding.region_decode import decode_region, region_decode_available
 
 from .test_region_decode import _jpegs
 
@@ -160,7 +161,7 @@ def test_unchecked_mode_serves_what_the_decoder_recovers(tmp_path, mutated, dama
 @pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
 def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_path, mutated, damaged, kinds,
                                                                             monkeypatch):
-    import recipes.vision.region_decode as module  # where ImageFolderFast._decode_box looks it up
+    import recipes.vision.decoding.region_decode as module  # where ImageFolderFast._decode_box looks it up
 
     strictness = []
     real = module.decode_region
@@ -243,7 +244,7 @@ def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
     import torch
     import torchvision.transforms.v2.functional as F
 
-    from recipes.vision.decode import resize_uint8
+    from recipes.vision.decoding.decode import resize_uint8
 
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 256, (260, 340, 3), dtype=np.uint8)

@@ -11,9 +11,9 @@ from PIL import Image
 from recipes.testing import natural_image
 from recipes.vision import ImageFolderFast, uint8_collate
 from recipes.vision import image_folder as image_folder_module
-from recipes.vision import region_decode as decode_module
-from recipes.vision.decode import decode_image
-from recipes.vision.region_decode import decode_region, region_decode_available
+from recipes.vision.decoding import region_decode as decode_module
+from recipes.vision.decoding.decode import decode_image
+from recipes.vision.decoding.region_decode import decode_region, region_decode_available
 
 pytestmark = pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
 

@@ -1,0 +1,60 @@
+"""Whole batches of an `ImageFolderFast` made by threads of the training process (`ThreadLoader`).
+
+Use when: `make_loader` picks the thread path (`thread_batches()` is true: no `transform`,
+decode="cpu"); `ImageFolderFast.read_batch` and `read_items` are these functions. Each batch is
+one uint8 `[B, 3, H, W]` tensor (channels-last in memory), filled row by row: from the decoded
+cache when one is attached (`fill_cached_batch`: a `preadv` and a resize, or an eval view's row),
+else decoded from the files, each image resized (and flipped) straight into its row.
+Cost: per image what the worker path pays, without IPC: no shared-memory hand-over, no pickling;
+the GIL is released in the reads, decodes and resizes.
+Adapt here: nothing; the crops are the dataset's (`crop_settings()`).
+Trade-off: Python per image still holds the GIL (the crop draws, the loop): on many cores the
+rate per thread falls; workers (`make_loader(..., path="workers")`) scale further.
+It reads the dataset through its public side: `thread_batches()`, `len()`, `root`,
+`resolution`, `cache`, `eval_view`, `crop_settings()` and `read_item(i, rng, into=)`.
+Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
+  common/packed_strings.py, common/process_lifetime.py, vision/batches/batch_buffers.py,
+  vision/cache/cache_source.py, vision/cache/cached_batches.py, vision/cache/eval_view.py,
+  vision/cache/image_cache.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from recipes.common.packed_strings import resolve_index
+from recipes.vision.batches.batch_buffers import trim_heap
+from recipes.vision.cache.cached_batches import fill_cached_batch
+
+
+def read_batch(dataset, indices: list[int], rng: np.random.Generator, *,
+               pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`read_batch(indices, rng)`: `(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`,
+    what `uint8_collate` returns for the same items, crops and flips drawn from `rng`, from the
+    cache when one is attached, else decoded from the files; safe to call from several threads
+    at once. With `pin_memory` (CUDA), the batch is filled in place in page-locked memory from
+    torch's caching host allocator (blocks are reused once their copies to the device are
+    done): no second copy into pinned memory."""
+    if not dataset.thread_batches():
+        raise ValueError("read_batch makes batches in threads, which a `transform` (Python per item) or "
+                         "decode='gpu' rule out; use DataLoader workers (make_loader(..., path='workers')).")
+    indices = [resolve_index(i, len(dataset), f"the {len(dataset)} images under {dataset.root}") for i in indices]
+    h, w = dataset.resolution
+    batch = torch.empty((len(indices), h, w, 3), dtype=torch.uint8, pin_memory=pin_memory).permute(0, 3, 1, 2)
+    if dataset.cache is None:
+        targets = np.empty(len(indices), np.int64)
+        for row, index in enumerate(indices):  # resized into the row (no transform on this path)
+            _, targets[row] = dataset.read_item(index, rng, into=batch[row])
+        trim_heap()  # decode buffers fragment the heap (batch_buffers.trim_heap)
+        return batch, torch.from_numpy(targets)
+    fill_cached_batch(dataset.cache, dataset.eval_view, dataset.crop_settings(), indices, rng, batch)
+    return batch, torch.from_numpy(np.asarray(dataset.cache.labels[indices], dtype=np.int64))
+
+
+def read_items(dataset, indices: list[int], rng: np.random.Generator) -> list[tuple[torch.Tensor, int]]:
+    """`read_batch`'s items, `(image, target)` each (rows of one batch tensor), for a collate
+    function of the user's on the thread path: the same draws from `rng`."""
+    images, targets = read_batch(dataset, indices, rng)
+    return [(images[row], int(t)) for row, t in enumerate(targets.tolist())]
