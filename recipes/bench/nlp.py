@@ -132,108 +132,18 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
     return rates, rows, counters
 
 
-class _AsLists:
-    """Cache items as `{"input_ids": list}`, the input `DataCollatorWithFlattening` expects."""
-
-    def __init__(self, cache):
-        self.cache = cache
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def __getitem__(self, index: int):
-        return {"input_ids": self.cache[index]["input_ids"].tolist()}
-
-
-class _ShapeCounter:
-    """Real tokens, slots and distinct `input_ids` shapes of any of the compared batch layouts."""
-
-    def __init__(self):
-        self.real = self.slots = self.batches = 0
-        self.shapes: set[tuple[int, ...]] = set()
-
-    def __call__(self, batch) -> int:
-        ids = batch["input_ids"]
-        if "num_tokens" in batch:
-            real = int(batch["num_tokens"])
-        elif "attention_mask" in batch:
-            real = int(batch["attention_mask"].sum())
-        else:  # flattened: every slot is a token
-            real = ids.numel()
-        self.real += real
-        self.slots += ids.numel()
-        self.batches += 1
-        self.shapes.add(tuple(ids.shape))
-        return real
-
-    @property
-    def fill(self) -> float:
-        return self.real / self.slots if self.slots else 0.0
-
-
-def compare_pack(texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_length=512, workers=1):
-    """Packing against bucketing, flattening and random padded batches, all from one token cache
-    with the same DataLoader settings; every layout gets about `rows * seq_len` token slots
-    per batch (random batches: `batch_size` samples). Returns [(Measurement, _ShapeCounter)]."""
-    import torch
-    from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithFlattening, DataCollatorWithPadding
-    from transformers.utils import logging as hf_logging
-
-    from recipes.bench.measure import measure
-    from recipes.common import LengthBucketSampler, worker_init
-    from recipes.nlp import PadCollate, build_token_cache, packed_loader
-
-    hf_logging.set_verbosity_error()
-    common = dict(num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None)
-    out = []
-    with tempfile.TemporaryDirectory(prefix="recipes-bench-pack-") as folder:
-        cache = build_token_cache(texts, tokenizer, Path(folder) / "cache", max_length=max_length, progress=False)
-        mean = float(cache.lengths.mean())
-        per_batch = max(1, round(rows * seq_len / mean))
-        shuffled = dict(shuffle=True, generator=torch.Generator().manual_seed(0))
-        loaders = [
-            (f"random batches of {batch_size} + DataCollatorWithPadding (baseline)",
-             DataLoader(_AsLists(cache), batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer),
-                        **shuffled, **common)),
-            (f"LengthBucketSampler(max_tokens={rows * seq_len}) + PadCollate",
-             DataLoader(cache, batch_sampler=LengthBucketSampler(cache.lengths, max_tokens=rows * seq_len,
-                                                                 pad_to_multiple_of=8, seed=0),
-                        collate_fn=PadCollate(tokenizer.pad_token_id), **common)),
-            (f"DataCollatorWithFlattening, random batches of {per_batch} (one row each)",
-             DataLoader(_AsLists(cache), batch_size=per_batch, collate_fn=DataCollatorWithFlattening(),
-                        **shuffled, **common)),
-            (f"packed_loader(seq_len={seq_len}, batch_size={rows})",
-             packed_loader(cache, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_token_id, **common)),
-        ]
-        for name, loader in loaders:
-            counter = _ShapeCounter()
-            out.append((measure(name, loader, counter=counter), counter))
-    return out
-
-
-def run_pack(args, texts, tokenizer, workers) -> int:
-    results = compare_pack(texts, tokenizer, seq_len=args.seq_len, rows=args.rows, batch_size=args.batch_size,
-                           max_length=args.max_length, workers=workers)
-    base = results[0][0].items_per_s
-    print(f"\n## nlp packing: {len(texts):,} texts, max_length {args.max_length}, T={args.seq_len}, "
-          f"B={args.rows}, {workers} workers\n")
-    print("| loader | real tokens/s | vs baseline | fill (real / slots) | batch shapes per epoch | first batch (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for row, counter in results:
-        print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / base:.2f}x | {counter.fill:.1%} | "
-              f"{len(counter.shapes):,} | {row.first_batch_seconds:.2f} |")
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     from recipes.common import smart_num_workers
 
     texts, tokenizer = _inputs(args)
     workers = smart_num_workers() if args.workers is None else args.workers
     if args.pack:
+        from recipes.bench.nlp_pack import run_pack
+
         return run_pack(args, texts, tokenizer, workers)
     if args.mix:
+        from recipes.bench.nlp_mixture import run_mix
+
         return run_mix(args, texts, tokenizer, workers)
     rates, rows, counters = compare(texts, tokenizer, batch_size=args.batch_size, max_tokens=args.max_tokens,
                                     max_length=args.max_length, workers=workers,
@@ -254,111 +164,6 @@ def run(args: argparse.Namespace) -> int:
     built = rates["texts"] / rates["build_seconds"]
     print(f"\ncache build: {built:,.0f} texts/s (hashing, tokenizing, writing) vs the tokenizer's own batch "
           f"encode {own:,.0f} texts/s = {built / own:.0%}")
-    return 0
-
-
-def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: int, pad_to_multiple_of: int,
-                repeat: int = 5):
-    """One source (a token cache of every text, bucketed) against the same texts as two token
-    caches (the halves) mixed 0.5 / 0.5 then bucketed (`MixtureSources` + `MixtureSampler` +
-    `LengthBucketSampler(mixture=)`), epochs of the same length through make_loader; returns
-    the two rows and the plan's draw time per epoch (a one-off per epoch, inside the mixed rows)."""
-    import numpy as np
-
-    from recipes.bench.measure import best_interleaved, measure
-    from recipes.common import LengthBucketSampler, MixtureSampler, MixtureSources, make_loader
-    from recipes.nlp import PadCollate, build_token_cache
-
-    half = len(texts) // 2
-    whole = build_token_cache(texts, tokenizer, folder / "all", max_length=max_length, progress=False)
-    parts = [build_token_cache(texts[:half], tokenizer, folder / "a", max_length=max_length, progress=False),
-             build_token_cache(texts[half:], tokenizer, folder / "b", max_length=max_length, progress=False)]
-    sources = MixtureSources(parts)
-    lengths = np.concatenate([np.asarray(p.lengths) for p in parts])
-    collate = PadCollate(0, pad_to_multiple_of=pad_to_multiple_of)
-
-    def single():
-        sampler = LengthBucketSampler(np.asarray(whole.lengths), max_tokens=max_tokens,
-                                      pad_to_multiple_of=pad_to_multiple_of, seed=1)
-        return make_loader(whole, batch_sampler=sampler, collate_fn=collate, num_workers=0)
-
-    def mixed():
-        mix = MixtureSampler({"first half": len(parts[0]), "second half": len(parts[1])},
-                             {"first half": 0.5, "second half": 0.5}, num_samples=len(texts), stop="never", seed=2,
-                             num_replicas=1, rank=0)
-        sampler = LengthBucketSampler(lengths, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of, seed=1,
-                                      mixture=mix)
-        return make_loader(sources, batch_sampler=sampler, collate_fn=collate, num_workers=0), mix
-
-    count = _real_tokens
-    rows = best_interleaved(lambda: measure("one source: LengthBucketSampler", single(), counter=count),
-                            lambda: measure("two sources: MixtureSampler + LengthBucketSampler(mixture=)",
-                                            mixed()[0], counter=count), repeat=repeat)
-    mix = mixed()[1]
-    start = time.perf_counter()
-    for epoch in range(5):
-        mix.global_indices(epoch + 100)
-    draw = (time.perf_counter() - start) / 5
-    return rows, draw
-
-
-def _real_tokens(batch) -> int:
-    return int(batch["lengths"].sum())
-
-
-def mix_state_sizes(samples: int = 1_000_000, batch: int = 1000) -> tuple[int, int]:
-    """The loader state's JSON size after one batch and after `samples` samples of a mixture
-    over two sources (a trivial dataset: the loop's cost is the sampler's and the loader's)."""
-    import json
-
-    import torch
-    from torch.utils.data import ConcatDataset, Dataset
-
-    from recipes.common import MixtureSampler, make_loader
-
-    class Ints(Dataset):
-        def __init__(self, n):
-            self.n = n
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, index):
-            return index
-
-        def __getitems__(self, indices):
-            return indices
-
-    sizes = [samples // 2, 3 * samples]
-    mix = MixtureSampler(sizes, [0.5, 0.5], num_samples=samples, stop="never", seed=0)
-    loader = make_loader(ConcatDataset([Ints(n) for n in sizes]), batch_size=batch, sampler=mix, num_workers=0,
-                         collate_fn=torch.tensor)
-    iterator = iter(loader)
-    next(iterator)
-    first = len(json.dumps(loader.state_dict()))
-    for _ in iterator:
-        pass
-    return first, len(json.dumps(loader.state_dict()))
-
-
-def run_mix(args, texts, tokenizer, workers) -> int:
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="recipes-bench-mix-") as tmp:
-        rows, draw = compare_mix(list(texts), tokenizer, Path(tmp), max_length=args.max_length,
-                                 max_tokens=args.max_tokens, pad_to_multiple_of=args.pad_to_multiple_of)
-    single, mixed = rows
-    print(f"\n## nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, MixtureSources) mixed 0.5 / 0.5, max_tokens "
-          f"{args.max_tokens}, make_loader (no workers: the sampler's cost is in the loop)\n")
-    print("| loader | real tokens/s | vs one source | first batch (s) |\n|---|---:|---:|---:|")
-    for row in rows:
-        print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / single.items_per_s:.3f}x | "
-              f"{row.first_batch_seconds:.3f} |")
-    epoch_seconds = single.seconds
-    print(f"\nmixing overhead: {1 - mixed.items_per_s / single.items_per_s:+.2%} of the loader's rate; the epoch's "
-          f"plan draw {draw * 1000:.1f} ms per epoch ({draw / epoch_seconds:.2%} of one source's epoch time)")
-    first, last = mix_state_sizes()
-    print(f"loader state (JSON) after 1 batch: {first:,} bytes; after 1,000,000 samples: {last:,} bytes")
     return 0
 
 

@@ -147,6 +147,32 @@ class _DecodeOnly:
                 yield (range(done - done % self.batch_size, done),)
 
 
+class _EmptyBatches:
+    """`n // batch_size` uint8 batches, written once each (a worker's batch is in shared
+    memory): the hand-over alone, no reading. Map-style, one batch per index."""
+
+    def __init__(self, n: int, batch_size: int, h: int, w: int):
+        self.count, self.shape = max(1, n // batch_size), (batch_size, 3, h, w)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        from recipes.vision.batches.batch_buffers import new_uint8_batch
+
+        if index >= self.count:
+            raise IndexError(index)
+        batch = new_uint8_batch(*self.shape)
+        batch.fill_(1)
+        return batch
+
+    def thread_batches(self) -> bool:
+        return True
+
+    def read_batch(self, indices, rng):
+        return self[indices[0]]  # ThreadLoader(batch_size=1): one prepared batch per index
+
+
 def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str:
     """Per-image costs of the warm path in microseconds, one thread (torch too): read (the eval
     view's `preadv`; a train crop's rows), the crop's resize into its batch row, the mirror of
@@ -217,99 +243,6 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
     return "\n".join(lines)
 
 
-class _EmptyBatches:
-    """`n // batch_size` uint8 batches, written once each (a worker's batch is in shared
-    memory): the hand-over alone, no reading. Map-style, one batch per index."""
-
-    def __init__(self, n: int, batch_size: int, h: int, w: int):
-        self.count, self.shape = max(1, n // batch_size), (batch_size, 3, h, w)
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index: int):
-        from recipes.vision.batches.batch_buffers import new_uint8_batch
-
-        if index >= self.count:
-            raise IndexError(index)
-        batch = new_uint8_batch(*self.shape)
-        batch.fill_(1)
-        return batch
-
-    def thread_batches(self) -> bool:
-        return True
-
-    def read_batch(self, indices, rng):
-        return self[indices[0]]  # ThreadLoader(batch_size=1): one prepared batch per index
-
-
-def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
-                  device: str | None = None, warm_dir: str | None = None):
-    """Train-mode rows on `root`: torchvision RandomResizedCrop + flip (baseline), ImageFolderFast
-    decoding whole images, decoding only the crop (region decode, when available), on CUDA
-    `decode="gpu"` with `GpuDecode` (synchronised per batch) and, with `warm_dir`, crops from a
-    decoded cache built there through DataLoader workers and through make_loader's defaults
-    (threads). Returns the rows."""
-    import torch
-    import torchvision
-    import torchvision.transforms as T
-    from torch.utils.data import DataLoader
-
-    from recipes.bench.measure import best_interleaved, measure
-    from recipes.common import make_loader, worker_init
-    from recipes.vision import (
-        GpuDecode,
-        ImageFolderFast,
-        build_image_cache,
-        encoded_collate,
-        uint8_collate,
-    )
-    from recipes.vision.decoding.region_decode import region_decode_available
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=device == "cuda",
-                    worker_init_fn=worker_init if workers else None)
-    baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
-        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()]))
-    loaders = [("torchvision RandomResizedCrop + PIL (baseline)", DataLoader(baseline, **settings)),
-               ("ImageFolderFast train, whole-image decode", DataLoader(
-                   ImageFolderFast(root, size=size, train=True, region_decode=False), collate_fn=uint8_collate,
-                   **settings))]
-    if region_decode_available():
-        loaders.append(("ImageFolderFast train, region decode (crop only)", DataLoader(
-            ImageFolderFast(root, size=size, train=True, region_decode=True), collate_fn=uint8_collate, **settings)))
-    if device == "cuda":
-        gpu = ImageFolderFast(root, size=size, train=True, decode="gpu")
-        to_images = GpuDecode(gpu, device=device, dtype=torch.bfloat16)
-
-        def decoded(loader):
-            for batch in loader:
-                images, targets = to_images(batch)
-                torch.cuda.synchronize()
-                yield images, targets
-
-        loaders.append(("decode='gpu' + GpuDecode (bytes from workers, nvJPEG)",
-                        _Reiterable(DataLoader(gpu, collate_fn=encoded_collate, **settings), decoded)))
-    if warm_dir is not None:  # crops over the cached whole images
-        warm = ImageFolderFast(root, size=size, train=True)
-        build_image_cache(warm, warm_dir, num_workers=workers, progress=False)
-        loaders += [("ImageFolderFast train warm (cache), DataLoader workers",
-                     DataLoader(warm, collate_fn=uint8_collate, shuffle=True, **settings)),
-                    ("ImageFolderFast train warm (cache), make_loader defaults (threads)",
-                     make_loader(warm, batch_size=batch_size, shuffle=True))]
-    return best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders), repeat=repeat)
-
-
-class _Reiterable:
-    """`wrap(loader)` as an iterable that can be iterated more than once."""
-
-    def __init__(self, loader, wrap):
-        self.loader, self.wrap = loader, wrap
-
-    def __iter__(self):
-        return self.wrap(self.loader)
-
-
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.measure import format_table
     from recipes.common import smart_num_workers
@@ -326,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"\n{note}")
     with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
+        from recipes.bench.vision_train import compare_train
+
         train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
                                    repeat=args.repeat, warm_dir=warm_dir)
     print(f"\n## vision train: random-resized crops + flips, {args.size}px, batch {args.batch_size}, "

@@ -18,7 +18,7 @@ def test_cache_and_bucketing_beat_tokenizing_per_item():
 
 
 def test_packing_fills_static_batches_at_millions_of_tokens_per_second():
-    from recipes.bench.nlp import compare_pack
+    from recipes.bench.nlp_pack import compare_pack
 
     texts = make_text_corpus(4000, seed=4)
     tokenizer = train_tokenizer(texts[:1500], vocab_size=2000)

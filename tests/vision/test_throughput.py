@@ -28,7 +28,7 @@ def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
 
 @pytest.mark.slow  # a long run (12 s): the train rows of `recipes bench vision`; the eval rows run in the fast tier
 def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree, tmp_path):
-    from recipes.bench.vision import compare_train
+    from recipes.bench.vision_train import compare_train
     from recipes.vision.decoding.region_decode import region_decode_available
 
     rows = compare_train(bench_tree, size=224, batch_size=16, workers=1, repeat=3, device="cpu",  # best of 3, in turns

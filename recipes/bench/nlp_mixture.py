@@ -1,0 +1,118 @@
+"""`recipes bench nlp --mix`: one token cache against two mixed by `MixtureSources`.
+
+Use when: checking what a mixture costs over one source, and how big its state grows.
+Cost: builds two token caches (the corpus's halves) in a temporary folder; one epoch per loader.
+Adapt here: the weights (0.5 / 0.5).
+Trade-off: the mixture's draw is measured with the loader; its state size over 1,000,000
+samples is computed apart (`mix_state_sizes`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+
+def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: int, pad_to_multiple_of: int,
+                repeat: int = 5):
+    """One source (a token cache of every text, bucketed) against the same texts as two token
+    caches (the halves) mixed 0.5 / 0.5 then bucketed (`MixtureSources` + `MixtureSampler` +
+    `LengthBucketSampler(mixture=)`), epochs of the same length through make_loader; returns
+    the two rows and the plan's draw time per epoch (a one-off per epoch, inside the mixed rows)."""
+    import numpy as np
+
+    from recipes.bench.measure import best_interleaved, measure
+    from recipes.common import LengthBucketSampler, MixtureSampler, MixtureSources, make_loader
+    from recipes.nlp import PadCollate, build_token_cache
+
+    half = len(texts) // 2
+    whole = build_token_cache(texts, tokenizer, folder / "all", max_length=max_length, progress=False)
+    parts = [build_token_cache(texts[:half], tokenizer, folder / "a", max_length=max_length, progress=False),
+             build_token_cache(texts[half:], tokenizer, folder / "b", max_length=max_length, progress=False)]
+    sources = MixtureSources(parts)
+    lengths = np.concatenate([np.asarray(p.lengths) for p in parts])
+    collate = PadCollate(0, pad_to_multiple_of=pad_to_multiple_of)
+
+    def single():
+        sampler = LengthBucketSampler(np.asarray(whole.lengths), max_tokens=max_tokens,
+                                      pad_to_multiple_of=pad_to_multiple_of, seed=1)
+        return make_loader(whole, batch_sampler=sampler, collate_fn=collate, num_workers=0)
+
+    def mixed():
+        mix = MixtureSampler({"first half": len(parts[0]), "second half": len(parts[1])},
+                             {"first half": 0.5, "second half": 0.5}, num_samples=len(texts), stop="never", seed=2,
+                             num_replicas=1, rank=0)
+        sampler = LengthBucketSampler(lengths, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of, seed=1,
+                                      mixture=mix)
+        return make_loader(sources, batch_sampler=sampler, collate_fn=collate, num_workers=0), mix
+
+    count = _real_tokens
+    rows = best_interleaved(lambda: measure("one source: LengthBucketSampler", single(), counter=count),
+                            lambda: measure("two sources: MixtureSampler + LengthBucketSampler(mixture=)",
+                                            mixed()[0], counter=count), repeat=repeat)
+    mix = mixed()[1]
+    start = time.perf_counter()
+    for epoch in range(5):
+        mix.global_indices(epoch + 100)
+    draw = (time.perf_counter() - start) / 5
+    return rows, draw
+
+
+def _real_tokens(batch) -> int:
+    return int(batch["lengths"].sum())
+
+
+def mix_state_sizes(samples: int = 1_000_000, batch: int = 1000) -> tuple[int, int]:
+    """The loader state's JSON size after one batch and after `samples` samples of a mixture
+    over two sources (a trivial dataset: the loop's cost is the sampler's and the loader's)."""
+    import json
+
+    import torch
+    from torch.utils.data import ConcatDataset, Dataset
+
+    from recipes.common import MixtureSampler, make_loader
+
+    class Ints(Dataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, index):
+            return index
+
+        def __getitems__(self, indices):
+            return indices
+
+    sizes = [samples // 2, 3 * samples]
+    mix = MixtureSampler(sizes, [0.5, 0.5], num_samples=samples, stop="never", seed=0)
+    loader = make_loader(ConcatDataset([Ints(n) for n in sizes]), batch_size=batch, sampler=mix, num_workers=0,
+                         collate_fn=torch.tensor)
+    iterator = iter(loader)
+    next(iterator)
+    first = len(json.dumps(loader.state_dict()))
+    for _ in iterator:
+        pass
+    return first, len(json.dumps(loader.state_dict()))
+
+
+def run_mix(args, texts, tokenizer, workers) -> int:
+
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-mix-") as tmp:
+        rows, draw = compare_mix(list(texts), tokenizer, Path(tmp), max_length=args.max_length,
+                                 max_tokens=args.max_tokens, pad_to_multiple_of=args.pad_to_multiple_of)
+    single, mixed = rows
+    print(f"\n## nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, MixtureSources) mixed 0.5 / 0.5, max_tokens "
+          f"{args.max_tokens}, make_loader (no workers: the sampler's cost is in the loop)\n")
+    print("| loader | real tokens/s | vs one source | first batch (s) |\n|---|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / single.items_per_s:.3f}x | "
+              f"{row.first_batch_seconds:.3f} |")
+    epoch_seconds = single.seconds
+    print(f"\nmixing overhead: {1 - mixed.items_per_s / single.items_per_s:+.2%} of the loader's rate; the epoch's "
+          f"plan draw {draw * 1000:.1f} ms per epoch ({draw / epoch_seconds:.2%} of one source's epoch time)")
+    first, last = mix_state_sizes()
+    print(f"loader state (JSON) after 1 batch: {first:,} bytes; after 1,000,000 samples: {last:,} bytes")
+    return 0
