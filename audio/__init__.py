@@ -9,7 +9,7 @@ from recipes.audio.spectrogram_cache import (
     SpectrogramCacheError,
     build_spectrogram_cache,
 )
-from recipes.common.bucketing import LengthBucketSampler
+from recipes.common.sampling.bucketing import LengthBucketSampler
 
 __all__ = [
     "AudioDecodeError",

@@ -14,7 +14,7 @@ samples see zero padding instead of their neighbours (under 1 ms at 16 kHz).
 Boundaries (`last_chunk`): a final partial window that holds frames no earlier window covers
 (and a file shorter than one window) is zero-padded to the window with its valid frame count
 reported ("pad", so a loss can mask), returned shorter ("keep"), or dropped ("drop").
-Copy with: common/packed_strings.py.
+Copy with: common/caches/packed_strings.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.packed_strings import PackedStrings, resolve_index
+from recipes.common.caches.packed_strings import PackedStrings, resolve_index
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".aiff", ".aif")
 _OPEN_FILES = 16  # per process

@@ -1,6 +1,6 @@
 """Audio from shard samples (WebDataset tar or Parquet): utterances as `ChunkedAudioDataset` reads them.
 
-Use when: a `ShardSet` (`recipes.common.shards`) holds encoded audio (`"flac"`, `"wav"`, ...
+Use when: a `ShardSet` (`recipes.common.shards.shard_set`) holds encoded audio (`"flac"`, `"wav"`, ...
 fields): `ShardSet.dataset(transform=ShardAudio(sample_rate=16000))` yields `(float32 [C, T],
 info)` per sample, decoded by libsndfile (`soundfile`), averaged to mono and resampled as
 `ChunkedAudioDataset` does in utterance mode; `info` holds the key and the other fields.

@@ -12,9 +12,10 @@ Adapt here: `_hold` (what a process keeps of a shard).
 Trade-off: one item per sample, so the cache is ragged (utterances); `info["file"]` is the
 sample's position in the set (its key is `info["key"]` here, not in the cache). Cut long
 recordings into windows before writing the shards, or cache `ChunkedAudioDataset` windows.
-Copy with: audio/shard_audio.py, common/object_download.py, common/packed_strings.py,
-  common/shard_checks.py, common/shard_content.py, common/shard_formats.py, common/shard_samples.py,
-  common/sharded_dataset.py, common/sharding.py, common/shards.py.
+Copy with: audio/shard_audio.py, common/caches/packed_strings.py, common/remote/object_download.py,
+  common/sampling/sharding.py, common/shards/shard_checks.py, common/shards/shard_content.py,
+  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
+  common/shards/sharded_dataset.py.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.audio.shard_audio import ShardAudio, ShardAudioError
-from recipes.common.packed_strings import resolve_index
-from recipes.common.shard_content import content_hash, read_checked
-from recipes.common.shards import ShardSet
+from recipes.common.caches.packed_strings import resolve_index
+from recipes.common.shards.shard_content import content_hash, read_checked
+from recipes.common.shards.shard_set import ShardSet
 
 
 class ShardUtterances(Dataset):

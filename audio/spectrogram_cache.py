@@ -8,7 +8,7 @@ Adapt here: `_featurizer` (e.g. add deltas), the dtype.
 Trade-off: features are fixed at build time; waveform augmentations (speed, noise) must
 happen before the cache or be replaced by feature-space ones (SpecAugment).
 
-Layout of `cache_dir` (the `recipes.common.cache_files` protocol: built in a temp folder, fsynced,
+Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder, fsynced,
 renamed into place; split over the ranks of a process group with `distributed=True`):
   header.json    {"format": "recipes-spectrogram-cache", "version", "fingerprint", "count",
                   "n_mels", "layout": "fixed" | "ragged", "dtype", ...}
@@ -16,16 +16,16 @@ renamed into place; split over the ranks of a process group with `distributed=Tr
   offsets.bin    int64 x (N + 1), in frames: item i is frames offsets[i]:offsets[i + 1]
   info.bin       int64 file index, float64 start second, int64 valid frames, per item
   checksums.bin  uint64 x N: item i's checksum, checked when read (`verify=`: "first_read" per
-                 process by default, "always" or "never"; `recipes.common.cache_checks`)
+                 process by default, "always" or "never"; `recipes.common.caches.cache_checks`)
 The header holds its own checksum and those of the other small files (checked on open).
   damaged.json   written when a read (or `recipes cache verify`) finds a damaged item: the folder
                  then fails to open, so `build_spectrogram_cache` rebuilds it instead of reusing it
-Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py, common/cache_checks.py,
-  common/cache_files.py,
-  common/held_descriptors.py, common/object_download.py, common/packed_strings.py,
-  common/process_lifetime.py, common/shard_checks.py, common/shard_content.py,
-  common/shard_formats.py, common/shard_samples.py, common/sharded_dataset.py, common/sharding.py,
-  common/shards.py.
+Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
+  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 
 from recipes.audio.chunked import ChunkedAudioDataset
 from recipes.audio.shard_utterances import ShardUtterances
-from recipes.common.cache_checks import (
+from recipes.common.caches.cache_checks import (
     ItemChecks,
     VerifyMode,
     algorithm,
@@ -51,7 +51,7 @@ from recipes.common.cache_checks import (
     read_checked,
     write_item_sums,
 )
-from recipes.common.cache_files import (
+from recipes.common.caches.cache_files import (
     FolderBuild,
     LazyMap,
     build_loader,
@@ -59,8 +59,8 @@ from recipes.common.cache_files import (
     read_header,
     write_synced,
 )
-from recipes.common.packed_strings import resolve_index, resolve_indices
-from recipes.common.shards import ShardSet
+from recipes.common.caches.packed_strings import resolve_index, resolve_indices
+from recipes.common.shards.shard_set import ShardSet
 
 FORMAT = "recipes-spectrogram-cache"
 FORMAT_VERSION = 2  # 2: per-item checksums, a header checksum

@@ -1,27 +1,31 @@
 """Common loader layer: resource detection, worker sizing, loader profiles, worker init."""
 
-from recipes.common.autotune import TuneResult, autotune
-from recipes.common.bucketing import LengthBucketSampler
-from recipes.common.loader import make_loader
+from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.loader_warning import LoaderWarning
-from recipes.common.mixture import MixtureSampler, MixtureSources
-from recipes.common.mixture_iterable import MixtureIterable
-from recipes.common.monitor import LoaderMonitor
-from recipes.common.packed_strings import PackedStrings
-from recipes.common.prefetch_cache import DownloadError, PrefetchCache
-from recipes.common.profiles import PROFILES, LoaderRecipe, profile_settings
-from recipes.common.resources import Resources, detect_resources
-from recipes.common.robust_loader import RobustLoader
-from recipes.common.shard_formats import ShardFormatError, read_parquet, read_tar
-from recipes.common.sharded_dataset import ShardedIterableDataset
-from recipes.common.sharding import shard_indices
-from recipes.common.shards import ShardIndexError, ShardSet, index_shards, write_shards
-from recipes.common.sizing import estimate_loader_memory, max_workers_for_memory, smart_num_workers
-from recipes.common.stateful_loader import StatefulLoader
-from recipes.common.thread_loader import ThreadLoader
-from recipes.common.trace import profile_trace
-from recipes.common.worker import worker_init
-from recipes.common.worker_memory import measure_worker_memory_growth
+from recipes.common.loading.loader import make_loader
+from recipes.common.loading.robust_loader import RobustLoader
+from recipes.common.loading.stateful_loader import StatefulLoader
+from recipes.common.loading.thread_loader import ThreadLoader
+from recipes.common.remote.prefetch_cache import DownloadError, PrefetchCache
+from recipes.common.sampling.bucketing import LengthBucketSampler
+from recipes.common.sampling.mixture import MixtureSampler, MixtureSources
+from recipes.common.sampling.mixture_iterable import MixtureIterable
+from recipes.common.sampling.sharding import shard_indices
+from recipes.common.shards.shard_formats import ShardFormatError, read_parquet, read_tar
+from recipes.common.shards.shard_set import ShardIndexError, ShardSet, index_shards, write_shards
+from recipes.common.shards.sharded_dataset import ShardedIterableDataset
+from recipes.common.sizing.profiles import PROFILES, LoaderRecipe, profile_settings
+from recipes.common.sizing.resources import Resources, detect_resources
+from recipes.common.sizing.sizing import (
+    estimate_loader_memory,
+    max_workers_for_memory,
+    smart_num_workers,
+)
+from recipes.common.tuning.autotune import TuneResult, autotune
+from recipes.common.tuning.monitor import LoaderMonitor
+from recipes.common.tuning.trace import profile_trace
+from recipes.common.workers.worker import worker_init
+from recipes.common.workers.worker_memory import measure_worker_memory_growth
 
 __all__ = [
     "DownloadError",

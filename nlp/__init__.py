@@ -1,7 +1,7 @@
 """NLP recipes: cached tokenization, length-bucketed / token-budget batching, dynamic padding,
 sequence packing."""
 
-from recipes.common.bucketing import LengthBucketSampler
+from recipes.common.sampling.bucketing import LengthBucketSampler
 from recipes.nlp.collate import PadCollate
 from recipes.nlp.packing import (
     PackCollate,

@@ -31,12 +31,14 @@ Distributed and resume, as `LengthBucketSampler`: the epoch's batches are formed
 `(seed, epoch)`, identically on every rank, and dealt round-robin; ranks get equal counts
 (`drop_last=False` repeats at most R - 1 batches of the epoch); `state_dict()` saves the
 global position, and `load_state_dict()` continues it on any number of ranks.
-Copy with: common/batch_seeds.py, common/bucketing.py, common/cache_files.py,
-  common/dataset_state.py, common/held_descriptors.py, common/loader.py, common/loader_contract.py,
-  common/loader_counting.py, common/loader_passes.py, common/loader_path.py, common/loader_state.py,
-  common/loader_warning.py, common/process_lifetime.py, common/profiles.py, common/resources.py,
-  common/sharding.py, common/sizing.py, common/stateful_loader.py, common/thread_loader.py,
-  common/tune_store.py, common/worker.py, nlp/collate.py.
+Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/loader.py,
+  common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/sampling/bucketing.py, common/sampling/sharding.py, common/sizing/profiles.py,
+  common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py, common/workers/worker.py,
+  nlp/collate.py.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.bucketing import LengthBucketSampler
+from recipes.common.sampling.bucketing import LengthBucketSampler
 from recipes.nlp.collate import _new_int64  # one shared-memory buffer per batch in a worker
 
 IGNORE_INDEX = -100
@@ -347,7 +349,7 @@ def packed_loader(cache, *, seq_len: int, batch_size: int, shuffle: bool = True,
         ...     for batch in loader:
         ...         mask = document_attention_mask(batch["position_ids"])
     """
-    from recipes.common.loader import make_loader
+    from recipes.common.loading.loader import make_loader
 
     sampler = PackedBatchSampler(cache.lengths, seq_len=seq_len, batch_size=batch_size, shuffle=shuffle, seed=seed,
                                  window=window, num_replicas=num_replicas, rank=rank, split_long=split_long,

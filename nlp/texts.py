@@ -13,9 +13,10 @@ Trade-off: one sample per line; multi-line samples need `.jsonl` or Parquet. A `
 is hashed by its own fingerprint when it has one (else by its texts). A list of strings is
 texts, never paths: one whose strings are all existing paths is refused (issue 27); pass
 `Path`s, a folder or a glob to read files.
-Copy with: common/object_download.py, common/packed_strings.py, common/shard_checks.py,
-  common/shard_content.py, common/shard_formats.py, common/shard_samples.py,
-  common/sharded_dataset.py, common/sharding.py, common/shards.py.
+Copy with: common/caches/packed_strings.py, common/remote/object_download.py,
+  common/sampling/sharding.py, common/shards/shard_checks.py, common/shards/shard_content.py,
+  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
+  common/shards/sharded_dataset.py.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class TextSource:
     """Samples from `texts` (see `build_token_cache`), in batches, with a content hash."""
 
     def __init__(self, texts, *, text_field: str = "text"):
-        from recipes.common.shards import ShardSet
+        from recipes.common.shards.shard_set import ShardSet
 
         self.text_field = text_field
         self.url = self.strings = self.shards = self.files = None
@@ -74,7 +75,7 @@ class TextSource:
         if not magic and not fs.isdir(path):
             _kind(self.url)  # raises: an unknown file type
         if not magic and fs.exists(f"{path.rstrip('/')}/index.json"):
-            from recipes.common.shards import ShardSet
+            from recipes.common.shards.shard_set import ShardSet
 
             self._take_shards(ShardSet.open(self.url))
             return
@@ -109,7 +110,7 @@ class TextSource:
         field = self.text_field if self.kind in (".jsonl", ".parquet", "datasets", "shards") else ""
         digest = hashlib.sha256(f"{self.kind}|{field}|".encode())
         if self.shards is not None:  # from the index: no shard is read
-            from recipes.common.shard_content import content_hash
+            from recipes.common.shards.shard_content import content_hash
 
             digest.update(content_hash(self.shards, field).encode())
         elif self.files is not None:  # each file's own hash, in order
@@ -219,7 +220,7 @@ class TextSource:
                     row += 1
 
     def _shard_samples(self) -> Iterator[str]:
-        from recipes.common.shard_content import read_checked
+        from recipes.common.shards.shard_content import read_checked
 
         columns = [self.text_field] if self.shards.format == "parquet" else None
         for shard, url in enumerate(self.shards.urls):
@@ -244,7 +245,7 @@ class TextSource:
 
 
 def _listed_shard(path: str, sets: dict):
-    from recipes.common.shard_content import listed_shard
+    from recipes.common.shards.shard_content import listed_shard
 
     return listed_shard(path, sets)
 

@@ -11,14 +11,14 @@ Trade-off: the cache is tied to one tokenizer configuration and one corpus; chan
 and it is rebuilt (never silently reused: the key hashes the tokenizer's full serialized
 content, its special tokens and the data, unlike a random fingerprint).
 
-Layout of `cache_dir` (the `recipes.common.cache_files` protocol: built in a temp folder, fsynced,
+Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder, fsynced,
 renamed into place; split over the ranks of a process group with `distributed=True`):
   header.json   {"format": "recipes-token-cache", "version", "fingerprint", "count",
                  "num_tokens", "dtype", ...}
   tokens.bin    uint16/uint32 x num_tokens, all samples back to back
   offsets.bin   int64 x (count + 1); sample i is tokens[offsets[i]:offsets[i + 1]]
   checksums.bin uint64 x count: sample i's checksum, checked when read (`verify=`: "first_read"
-                per process by default, "always" or "never"; `recipes.common.cache_checks`)
+                per process by default, "always" or "never"; `recipes.common.caches.cache_checks`)
 The header holds its own checksum and those of `offsets.bin` and `checksums.bin` (checked on open).
   damaged.json  written when a read (or `recipes cache verify`) finds a damaged sample: the folder
                 then fails to open, so `build_token_cache` rebuilds it instead of reusing it
@@ -27,10 +27,11 @@ The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in th
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
 workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
-Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py, common/object_download.py,
-  common/packed_strings.py, common/process_lifetime.py, common/shard_checks.py,
-  common/shard_content.py, common/shard_formats.py, common/shard_samples.py,
-  common/sharded_dataset.py, common/sharding.py, common/shards.py, nlp/texts.py.
+Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
+  common/caches/packed_strings.py, common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
+  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py, nlp/texts.py.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.cache_checks import (
+from recipes.common.caches.cache_checks import (
     ItemChecks,
     VerifyMode,
     algorithm,
@@ -56,8 +57,8 @@ from recipes.common.cache_checks import (
     read_checked,
     write_item_sums,
 )
-from recipes.common.cache_files import FolderBuild, LazyMap, check_size, read_header
-from recipes.common.packed_strings import resolve_index, resolve_indices
+from recipes.common.caches.cache_files import FolderBuild, LazyMap, check_size, read_header
+from recipes.common.caches.packed_strings import resolve_index, resolve_indices
 from recipes.nlp.texts import TextSource
 
 FORMAT = "recipes-token-cache"

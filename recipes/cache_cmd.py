@@ -70,7 +70,7 @@ def run_nlp(args: argparse.Namespace) -> int:
 
 def run_audio(args: argparse.Namespace) -> int:
     from recipes.audio import ChunkedAudioDataset, ShardUtterances, build_spectrogram_cache
-    from recipes.common.shards import ShardSet
+    from recipes.common.shards.shard_set import ShardSet
 
     if (args.audio_dir / "index.json").is_file():  # shards (issue 27): utterances, no windows
         if args.chunk_seconds is not None:

@@ -4,7 +4,7 @@ Opening a cache checks its header and small files; this reads every item of its 
 (and, for an image cache, of each eval view) and lists the damaged ones, so damage that
 `verify="first_read"` would meet only when an item is first read is found before training.
 Exit status 0 when everything matches, 1 otherwise (each damaged file and item named). Damage
-found is recorded in the folder's `damaged.json` (`recipes.common.cache_checks.record_damage`),
+found is recorded in the folder's `damaged.json` (`recipes.common.caches.cache_checks.record_damage`),
 as a read that finds it does: the cache then fails to open, and its `build_*` function rebuilds
 it (an eval view's damage: that view alone) instead of reusing it.
 """
@@ -31,7 +31,7 @@ def _flat(path: Path) -> np.ndarray:
 
 def check_folder(folder: Path) -> tuple[int, list[str]]:
     """`(items checked, problems)` of one cache folder; a problem names the file (and item)."""
-    from recipes.common.cache_checks import record_damage, verify_items
+    from recipes.common.caches.cache_checks import record_damage, verify_items
 
     try:
         fmt = json.loads((folder / "header.json").read_bytes()).get("format")

@@ -10,7 +10,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from recipes.common.resources import Resources
+    from recipes.common.sizing.resources import Resources
 
 # One ImageNet sample as a float32 [3, 224, 224] tensor: the reference for memory estimates.
 REFERENCE_SAMPLE_BYTES = 3 * 224 * 224 * 4
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `recipes --help` and its errors stay free of torch.
-    from recipes.common.resources import detect_resources
+    from recipes.common.sizing.resources import detect_resources
 
     resources = detect_resources(cgroup_root=args.cgroup_root, shm_path=args.shm_path)
     report = build_report(resources, sample_bytes=args.sample_bytes, planned_workers=args.workers)
@@ -51,8 +51,8 @@ def build_report(
     """The doctor report as a JSON-able dict."""
     import torch
 
-    from recipes.common.profiles import PROFILES, profile_settings
-    from recipes.common.sizing import loader_memory_budget, local_world_size_from_env
+    from recipes.common.sizing.profiles import PROFILES, profile_settings
+    from recipes.common.sizing.sizing import loader_memory_budget, local_world_size_from_env
 
     ranks = local_world_size if local_world_size is not None else local_world_size_from_env()
     if cuda_available is None:
@@ -95,9 +95,9 @@ def build_report(
 
 
 def _warnings(report: dict, res: Resources, planned: int | None) -> list[dict[str, str]]:
-    from recipes.common.loader import LOW_NOFILE
-    from recipes.common.resources import GiB
-    from recipes.common.sizing import estimate_loader_memory
+    from recipes.common.loading.loader import LOW_NOFILE
+    from recipes.common.sizing.resources import GiB
+    from recipes.common.sizing.sizing import estimate_loader_memory
 
     out = []
     production_workers = report["profiles"]["production"]["settings"]["num_workers"]

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     factory = _load(args.factory)  # a wrong MODULE:NAME is reported before torch is imported
     collate = _load(args.collate) if args.collate else None
-    from recipes.common.autotune import autotune
+    from recipes.common.tuning.autotune import autotune
 
     dataset = factory()
     result = autotune(dataset, batch_size=args.batch_size, collate_fn=collate, step_seconds=args.step_ms / 1000,

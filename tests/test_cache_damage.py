@@ -288,7 +288,7 @@ def test_damage_that_cannot_be_recorded_says_to_remove_the_folder(texts, tokeniz
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr("recipes.common.cache_checks.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("recipes.common.caches.cache_checks.tempfile.mkstemp", read_only)
     with pytest.raises(TokenCacheError, match=r"could not be recorded \(.*Permission denied\): remove .*c, then"):
         TokenCache.open(tmp_path / "c")[5]
     assert not (tmp_path / "c" / "damaged.json").exists()

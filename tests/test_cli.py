@@ -6,7 +6,7 @@ import pytest
 
 from recipes.cli import main
 from recipes.common import Resources
-from recipes.common.resources import GiB
+from recipes.common.sizing.resources import GiB
 from recipes.doctor import build_report, format_report
 
 

@@ -1,5 +1,5 @@
 """Recipe files copy on their own. Each library file names, in its header, the other project
-files it needs (`Copy with: common/cache_files.py, vision/decoding/decode.py.`). This test reads that
+files it needs (`Copy with: common/caches/cache_files.py, vision/decoding/decode.py.`). This test reads that
 line and checks it two ways: statically, every `recipes.*` import the file and its copy set
 make (outside `try: ... except ImportError:` and `if TYPE_CHECKING:`) must land inside the
 declared set, and the set must be exactly what the imports reach; and by running it: exactly
@@ -30,14 +30,14 @@ PACKAGE = "the installed recipes package"
 
 # recipe file -> a smoke run of its copy (every other library file is imported in its copy)
 SMOKE = {
-    "common/bucketing.py": """
+    "common/sampling/bucketing.py": """
         from bucketing import LengthBucketSampler
         sampler = LengthBucketSampler([5, 9, 3, 12, 7, 7, 2, 30], max_tokens=32, seed=0)
         batches = list(sampler)
         assert sorted(i for b in batches for i in b) == list(range(8))
         assert sampler.state_dict(batches_done=1)["global_batches_done"] == 1
     """,
-    "common/prefetch_cache.py": """
+    "common/remote/prefetch_cache.py": """
         from pathlib import Path
         from prefetch_cache import PrefetchCache
         src = Path("remote.bin"); src.write_bytes(b"x" * 1000)
@@ -45,7 +45,7 @@ SMOKE = {
         assert cache.get(str(src.resolve())).read_bytes() == b"x" * 1000
         assert cache.stats()["misses"] == 1
     """,
-    "common/sharded_dataset.py": """
+    "common/shards/sharded_dataset.py": """
         from pathlib import Path
         from sharded_dataset import ShardedIterableDataset
         paths = []
@@ -215,7 +215,7 @@ def test_a_library_file_declares_exactly_the_files_its_imports_reach(name):
 
 
 def _rewrite(text: str) -> str:
-    """`from recipes.common.sharding import x` -> `from sharding import x`, and alike."""
+    """`from recipes.common.sampling.sharding import x` -> `from sharding import x`, and alike."""
     text = re.sub(r"from recipes\.\w+ import (\w+)( as \w+)?\n", r"import \1\2\n", text)  # a module of a package
     text = re.sub(r"from recipes\.(?:\w+\.)+(\w+) import", r"from \1 import", text)
     return re.sub(r"import recipes\.(?:\w+\.)*(\w+) as", r"import \1 as", text)
@@ -287,4 +287,4 @@ def test_every_library_file_copied_with_its_declared_files_imports(name, tmp_pat
 def test_a_copy_that_reaches_for_the_package_fails(tmp_path, run_copy):
     """The runner itself: a copy importing `recipes` must fail, so a passing copy means something."""
     with pytest.raises(AssertionError, match="recipes"):
-        run_copy("common/sharding.py", "import sharding\nimport recipes.common\n", tmp_path)
+        run_copy("common/sampling/sharding.py", "import sharding\nimport recipes.common\n", tmp_path)

@@ -1,6 +1,6 @@
 """Images from shard samples (WebDataset tar or Parquet): the decode `ImageFolderFast` does.
 
-Use when: a `ShardSet` (`recipes.common.shards`) holds encoded images (`"jpg"`, `"png"`, ...
+Use when: a `ShardSet` (`recipes.common.shards.shard_set`) holds encoded images (`"jpg"`, `"png"`, ...
 fields) and labels (`"cls"`): `ShardSet.dataset(transform=ShardImages(224, train=True))` yields
 `(uint8 [3, H, W], label)` as `ImageFolderFast` yields them from files: the same header read,
 DCT-scaled or region decode of only the crop, eval geometry (`Resize(256)` + `CenterCrop(224)`

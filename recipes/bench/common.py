@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `recipes --help` and its errors stay free of torch.
-    from recipes.common.packed_strings import PackedStrings
-    from recipes.common.worker_memory import measure_worker_memory_growth
+    from recipes.common.caches.packed_strings import PackedStrings
+    from recipes.common.workers.worker_memory import measure_worker_memory_growth
 
     paths = _fake_paths(args.paths)
     packed = PackedStrings(paths)

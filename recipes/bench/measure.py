@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from recipes.common.probes import PeakMemory, tree_memory_bytes  # noqa: F401 (re-exported)
+from recipes.common.tuning.probes import PeakMemory, tree_memory_bytes  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

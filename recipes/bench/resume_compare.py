@@ -101,7 +101,7 @@ def _build(loader: str, situation: Situation, workers: int):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(dataset, generator=torch.Generator().manual_seed(SEED), **kwargs)
-    from recipes.common.loader import make_loader
+    from recipes.common.loading.loader import make_loader
 
     torch.manual_seed(SEED)
     return make_loader(dataset, **kwargs)

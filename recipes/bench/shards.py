@@ -12,7 +12,7 @@ Adapt here: `--shard-mb`, `--latency`, `--bandwidth`, `--workers`.
 Trade-off: the peers are measured only when installed (`pip install webdataset litdata`); their
 rows are left out otherwise, and the output says so. Reading counts samples (dicts of the
 encoded bytes), no decoding: the transport and the reader are what differ. The rows "checksums
-off" read the same shards with the per-sample checks of `recipes.common.shard_checks`
+off" read the same shards with the per-sample checks of `recipes.common.shards.shard_checks`
 turned off (a `ShardSet` whose `checksums` is None, as a v1 index's), interleaved with the rows
 that check: the checks' cost, on the paths where reading is not held up by the network.
 """

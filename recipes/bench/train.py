@@ -97,7 +97,7 @@ def model_alone(setup: TrainSetup, device, steps: int) -> float:
 def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: int, alone: float) -> TrainRow:
     """`steps` steps fed by `loader` (epochs repeat as needed), after one first step that is
     timed apart; the data wait and GPU utilisation come from `LoaderMonitor`."""
-    from recipes.common.monitor import LoaderMonitor, LoaderWarning
+    from recipes.common.tuning.monitor import LoaderMonitor, LoaderWarning
 
     monitor = LoaderMonitor(loader, sample_seconds=1.0)
     done, counted, start = 0, 0, None

@@ -1,6 +1,6 @@
 """`recipes bench verify`: what the per-item cache checks cost on the warm paths.
 
-Use when: choosing `verify=` ("never", "first_read", "always"; `recipes.common.cache_checks`).
+Use when: choosing `verify=` ("never", "first_read", "always"; `recipes.common.caches.cache_checks`).
 The warm rows of `recipes bench vision` (eval view and train crops, threads and DataLoader
 workers), the token cache's and the spectrogram cache's thread rows, each measured under the
 three modes in one run, taken in turns (best of `--repeat`). "first_read" keeps the flags of
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.measure import format_table
-    from recipes.common.cache_checks import algorithm
+    from recipes.common.caches.cache_checks import algorithm
 
     if args.checksum is not None:  # what a build with another hash writes: the builders' choice, replaced
         import recipes.audio.spectrogram_cache as audio

@@ -17,7 +17,7 @@ the whole images until `build_image_cache` adds that view.
 
 Files, beside the cache's own in `images-<fingerprint[:24]>/`:
   eval-<h>x<w>-crop<pct>.bin    uint8 N x h x w x 3, image i at byte i * h * w * 3
-  eval-<h>x<w>-crop<pct>.sums   uint64 x N, image i's checksum (`recipes.common.cache_checks`)
+  eval-<h>x<w>-crop<pct>.sums   uint64 x N, image i's checksum (`recipes.common.caches.cache_checks`)
   eval-<h>x<w>-crop<pct>.json   {"format", "version", "fingerprint", "count", "size", "crop_pct",
                                  "checksum", "sums_checksum", "header_sha256"}
 They are written to temp files (`.<name>.<host>.<pid>.{data,sums,json}.tmp`, swept when their
@@ -29,9 +29,10 @@ checksum, is not opened (`eval_view_of` warns, naming it, and the next `build_im
 rebuilds it); an image whose row differs from its checksum raises the cache's error when read
 and is recorded in the cache's `damaged.json`: the view is then not opened, and the next
 `build_image_cache` on an eval dataset rebuilds the view alone (not the whole images).
-Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
-  common/process_lifetime.py, vision/cache/cache_source.py, vision/decoding/crop.py,
-  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  vision/cache/cache_source.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recipes.common.cache_checks import (
+from recipes.common.caches.cache_checks import (
     ItemChecks,
     VerifyMode,
     algorithm,
@@ -52,7 +53,7 @@ from recipes.common.cache_checks import (
     hasher,
     recorded_damage,
 )
-from recipes.common.cache_files import (
+from recipes.common.caches.cache_files import (
     LazyMap,
     _host,
     _seal,

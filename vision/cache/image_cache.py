@@ -12,14 +12,14 @@ an image is read whole and hashed at its first read in a process (its check, bel
 Adapt here: `max_side` (an `ImageFolderFast` argument); `image_cache_build.decode_stored` for
 how an image is stored (change `FORMAT_VERSION` with it).
 Trade-off: about `max_side^2 * 3 * 0.75` bytes per 4:3 image (450 KB at 448: local NVMe).
-Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.cache_files` protocol):
+Layout of `cache_dir/images-<fingerprint[:24]>/` (the `recipes.common.caches.cache_files` protocol):
   header.json   {"format": "recipes-image-cache", "version", "fingerprint", "count", "max_side",
                  "skipped", "root", "checksum", "file_checksums", "header_sha256"}
   labels.bin    int64 x N
   shapes.bin    int32 x N x 2 (h, w of each stored image)
   offsets.bin   int64 x (N + 1): image i is bytes offsets[i]:offsets[i + 1], [h, w, 3] uint8
   images.bin    the images back to back
-  checksums.bin uint64 x N: image i's checksum (`recipes.common.cache_checks`)
+  checksums.bin uint64 x N: image i's checksum (`recipes.common.caches.cache_checks`)
   files.npy     per input file: path hash, size, mtime (names what changed in a stale cache)
 The fingerprint covers the relative paths, sizes, mtimes, targets, `max_side` and decode
 settings; a cache built from other inputs is never served: a warning names the changed files.
@@ -27,9 +27,9 @@ A damaged file is not served either: the header holds its own checksum and one p
 (checked on open), and each image is checked against `checksums.bin` when read (`verify=`,
 `ImageCache.checks`); an image found damaged is recorded in `damaged.json`, and the folder then
 fails to open, so `build_image_cache` rebuilds it (`recipes.vision.cache.image_cache_build`).
-Copy with: common/cache_checks.py, common/cache_files.py, common/held_descriptors.py,
-  common/process_lifetime.py, vision/decoding/decode.py, vision/decoding/image_header.py,
-  vision/decoding/jpeg_damage.py.
+Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recipes.common.cache_checks import ItemChecks, VerifyMode, check_damage, read_checked
-from recipes.common.cache_files import LazyMap, check_size, read_header
+from recipes.common.caches.cache_checks import ItemChecks, VerifyMode, check_damage, read_checked
+from recipes.common.caches.cache_files import LazyMap, check_size, read_header
 from recipes.vision.decoding.decode import resize_uint8
 
 FORMAT = "recipes-image-cache"

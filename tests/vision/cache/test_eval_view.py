@@ -177,7 +177,7 @@ def test_thread_train_batches_are_the_crops_and_flips_their_rng_draws(photos, tm
 def test_a_killed_view_builds_temp_files_are_swept(photos, tmp_path):
     """An eval-view build killed midway leaves `.eval-*.tmp` files inside the cache folder:
     the next dataset that opens the cache removes a dead builder's, never a live one's."""
-    from recipes.common.cache_files import _host
+    from recipes.common.caches.cache_files import _host
     from tests.vision.cache.test_image_cache import _dead_pid
 
     cache = build_image_cache(ImageFolderFast(photos, size=64), tmp_path, num_workers=0, progress=False)

@@ -15,7 +15,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from recipes.cli import main
-from recipes.common.cache_files import _host
+from recipes.common.caches.cache_files import _host
 from recipes.testing import make_image_folder
 from recipes.vision import (
     ImageCache,

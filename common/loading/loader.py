@@ -1,0 +1,318 @@
+"""`make_loader`: a DataLoader built from a profile, with the known traps handled.
+
+Use when: you would otherwise hand-tune `num_workers`, `pin_memory`, `prefetch_factor` and
+`persistent_workers`. The returned object is a `torch.utils.data.DataLoader` (a
+`StatefulLoader`, whose state resumes exactly mid-epoch); the chosen settings and the reason
+for each are in `loader.recipe`.
+Cost: `detect_resources()` (a few file reads) and, for `profile="auto"` on a map-style
+dataset, one `dataset[0]` to measure a sample.
+Adapt here: `_apply_safety_rules` holds every rule; overrides always win.
+Trade-off: switching to the `file_system` sharing strategy is process-wide (torch offers no
+per-loader switch); it is done only when `ulimit -n` is too low for `file_descriptor`.
+
+Traps handled:
+- `prefetch_factor` / `persistent_workers` with 0 workers make DataLoader raise: never passed.
+- Pinning without CUDA only warns and wastes a thread: pinned only when CUDA is available.
+- The start method stays `fork`, also after CUDA is initialised: forking is safe while the
+  workers themselves never touch CUDA (PyTorch's own default relies on it), and `forkserver`
+  or `spawn` re-import torch in every worker (a 15-54 s first batch on a 16-core GPU node)
+  and crash scripts without an `if __name__ == "__main__":` guard. A dataset whose workers do
+  use CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and
+  the dataset's module preloaded into the fork server.
+- `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata",
+  pytorch#973) under a low `ulimit -n`: `file_system` instead.
+- Copy-on-read growth: a dataset holding Python lists, dicts or tuples of more than 100k items
+  gets a `LoaderWarning` naming the attribute (`PackedStrings` or numpy instead).
+- The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
+  before the user's own `worker_init_fn`.
+Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/loader_path.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
+  common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/sizing/tune_store.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/worker.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from recipes.common.loading.loader_path import THREAD_KEYS, THREAD_ONLY, choose_path
+from recipes.common.loading.stateful_loader import StatefulLoader
+from recipes.common.loading.thread_loader import ThreadLoader
+from recipes.common.sizing.profiles import LoaderRecipe, profile_settings
+from recipes.common.sizing.resources import Resources, detect_resources
+from recipes.common.workers.worker import ChainedWorkerInit
+
+# Below this soft `ulimit -n`, DataLoader's default `file_descriptor` sharing strategy runs
+# out of descriptors once a few hundred shared tensors are alive.
+LOW_NOFILE = 4096
+# Python containers larger than this on a dataset cost forked workers real memory (copy-on-read).
+COPY_ON_READ_ITEMS = 100_000
+
+
+def make_loader(
+    dataset,
+    *,
+    profile: str = "auto",
+    batch_size: int | None = None,
+    resources: Resources | None = None,
+    tuned: bool = True,
+    path: str = "auto",
+    **overrides: Any,
+) -> DataLoader:
+    """A DataLoader with the settings of `profile`, corrected for this machine.
+
+    Args:
+        dataset: a map-style or iterable Dataset.
+        profile: `debug`, `production`, `memory`, `throughput`, `text` or `auto`: the
+            dataset's `recommended_profile` attribute when it has one (`TokenCache`: text),
+            else production, or memory when the in-flight estimate for a probed sample
+            exceeds the budget.
+        batch_size: samples per batch; the profile's default when None. Not passed when
+            `batch_sampler` is given.
+        resources: a `Resources` snapshot; `detect_resources()` when None.
+        tuned: use the workers and prefetch factor that `autotune` / `recipes tune` stored for
+            this dataset, batch size and machine, when there are such (overrides still win).
+        path: "auto": a `ThreadLoader` (threads of this process, no workers) when the dataset's
+            batches are made by code that releases the GIL (`ThreadBatched.thread_batches()`: a
+            memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is given, else worker processes; "workers" or "threads" to choose
+            (`loader_path.py`). `loader.recipe.reasons["path"]` says which and why.
+        **overrides: any DataLoader keyword argument; overrides win over the profile.
+
+    Returns:
+        A `StatefulLoader` (a `ThreadLoader` on the thread path: a `DataLoader` whose `state_dict()`/`load_state_dict()` resume at
+        the first batch the loop has not received, in any epoch: `loader_contract.py`) with
+        `loader.recipe`, a `LoaderRecipe` holding the final settings and the reason for each.
+
+    Raises:
+        ValueError: for an unknown profile or invalid sizes.
+
+    Example:
+        >>> loader = make_loader(dataset, profile="production", shuffle=True)
+        >>> print(loader.recipe)
+    """
+    _validate(batch_size, overrides)
+    chosen, why = choose_path(dataset, path, overrides)
+    res = resources if resources is not None else detect_resources()
+    preferred = getattr(dataset, "recommended_profile", None)
+    if profile == "auto" and preferred is not None:
+        recipe = profile_settings(preferred, res)
+        recipe.reasons["profile"] = f"auto: {type(dataset).__name__} recommends the {preferred} profile"
+    else:
+        sample_bytes = _probe_sample_bytes(dataset) if profile == "auto" else None
+        recipe = profile_settings(profile, res, sample_bytes=sample_bytes)
+    settings = dict(recipe.settings)
+    reasons = dict(recipe.reasons)
+    if batch_size is not None:
+        settings["batch_size"] = batch_size
+        reasons["batch_size"] = "given"
+    if tuned and not {"num_workers", "prefetch_factor"} & set(overrides):
+        _apply_tuned(dataset, settings, reasons, res, batch_sampler="batch_sampler" in overrides)
+    for key, value in overrides.items():
+        settings[key] = value
+        reasons[key] = "override"
+    extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
+    if chosen == "threads":
+        unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY))
+        if unknown:
+            raise TypeError(f"make_loader() got arguments neither a ThreadLoader nor a DataLoader takes: {unknown}.")
+        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras)
+    if extras:
+        raise TypeError(f"{sorted(extras)} configure the thread path (ThreadLoader), but this loader has worker "
+                        f"processes ({why}); drop them, or pass path='threads'.")
+    _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
+    if settings.get("shuffle") and not isinstance(dataset, IterableDataset):
+        reasons["sampler"] = ("RandomSampler with a generator of the loader's own (seeded from `generator`, else "
+                              "torch's RNG): state_dict() saves its state where each epoch's order is drawn")
+    loader = StatefulLoader(dataset, **settings)
+    reasons["path"] = why
+    loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
+    return loader
+
+
+def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dict[str, str], res: Resources,
+                   why: str, extras: dict[str, Any]) -> ThreadLoader:
+    """The thread path: the profile's batch settings, one thread per CPU of this rank (or the
+    given `threads`, `prefetch`, `seed`)."""
+    from recipes.common.sizing.sizing import local_world_size_from_env
+
+    kwargs = {key: settings[key] for key in THREAD_KEYS if key in settings}
+    if "batch_sampler" in kwargs:
+        kwargs.pop("batch_size", None)
+    threads = extras.pop("threads", None) or max(1, res.cpus // local_world_size_from_env())
+    loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
+    kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
+    kept.update({key: "override" for key in extras})
+    kept.update(path=why, threads=f"{threads}: " + ("override" if "threads" in reasons else "the CPUs of this rank"),
+                sampler=reasons.get(
+        "sampler", "the DataLoader default") if kwargs.get("shuffle") else kept.get("sampler", "in order"))
+    loader.recipe = LoaderRecipe(profile, _printable({**kwargs, **extras, "num_workers": 0, "path": "threads", "threads": threads}),
+                                 {**kept, "num_workers": "0: batches are read by threads of this process"})
+    return loader
+
+
+def _apply_tuned(dataset, settings: dict[str, Any], reasons: dict[str, str], res: Resources, *,
+                 batch_sampler: bool) -> None:
+    from recipes.common.sizing.tune_store import load_tuned
+
+    record = load_tuned(dataset, res)
+    if record is None:
+        return
+    stored = record["settings"]
+    if not batch_sampler and stored.get("batch_size") != settings.get("batch_size"):
+        return  # tuned for another batch size: the figures do not transfer
+    why = (f"autotuned {record.get('when', '')}: {record.get('samples_per_s', 0):,.0f} samples/s measured "
+           "on this machine (recipes tune; tuned=False ignores it)")
+    for key in ("num_workers", "prefetch_factor", "persistent_workers"):
+        if key in stored:
+            settings[key] = stored[key]
+            reasons[key] = why
+    if stored.get("num_workers") == 0:
+        for key in ("prefetch_factor", "persistent_workers"):
+            settings.pop(key, None)
+            reasons.pop(key, None)
+
+
+def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:
+    for name, value in (("batch_size", batch_size), ("num_workers", overrides.get("num_workers"))):
+        if value is None:
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"`{name}` must be an integer, but is {value!r} instead.")
+        if value < (1 if name == "batch_size" else 0):
+            kind = "positive" if name == "batch_size" else "non-negative"
+            raise ValueError(f"`{name}` must be {kind}, but is {value!r} instead.")
+    prefetch = overrides.get("prefetch_factor")
+    if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+        raise ValueError(f"`prefetch_factor` must be a positive integer, but is {prefetch!r} instead.")
+
+
+def _apply_safety_rules(
+    dataset, settings: dict[str, Any], reasons: dict[str, str], res: Resources, *, user_keys: set[str]
+) -> None:
+    if "batch_sampler" in settings:
+        # DataLoader's batch_sampler is exclusive with batch_size, shuffle, sampler, drop_last.
+        settings.pop("batch_size", None)
+        reasons.pop("batch_size", None)
+    workers = settings.get("num_workers", 0)
+    if workers == 0:
+        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context", "timeout"):
+            if settings.pop(key, None) is not None and key in user_keys:
+                reasons[key] = "dropped: DataLoader rejects it with 0 workers"
+        return
+    _warn_copy_on_read(dataset, workers)
+    settings["worker_init_fn"] = ChainedWorkerInit(settings.get("worker_init_fn"))
+    reasons["worker_init_fn"] = "worker_init (OpenCV fork fix, 1 torch thread, seeded RNGs), then yours"
+    _choose_start_method(dataset, settings, reasons, user_keys)
+    if res.nofile_limit < LOW_NOFILE and torch.multiprocessing.get_sharing_strategy() != "file_system":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        reasons["sharing_strategy"] = (
+            f"file_system: ulimit -n is {res.nofile_limit} (< {LOW_NOFILE}); file_descriptor "
+            "sharing would run out of descriptors"
+        )
+
+
+def _warn_copy_on_read(dataset, workers: int) -> None:
+    """Large Python containers on a dataset grow every forked worker's memory as it reads them
+    (reference counts write to every object's page: pytorch#13246)."""
+    import warnings
+
+    from recipes.common.loader_warning import LoaderWarning
+
+    for owner, prefix in ((dataset, ""), (getattr(dataset, "dataset", None), "dataset.")):
+        for name, value in (vars(owner).items() if hasattr(owner, "__dict__") else ()):
+            if isinstance(value, (list, dict, tuple)) and len(value) > COPY_ON_READ_ITEMS:
+                warnings.warn(
+                    f"{type(dataset).__name__}.{prefix}{name} is a Python {type(value).__name__} of "
+                    f"{len(value):,} items: each of the {workers} forked workers copies the pages it "
+                    "reads (reference counts write to them), so worker memory grows through the epoch "
+                    "until it equals the parent's. Hold it in numpy arrays, or PackedStrings "
+                    "(recipes.common.caches.packed_strings) for strings.", LoaderWarning, stacklevel=4)
+
+
+def _choose_start_method(dataset, settings: dict[str, Any], reasons: dict[str, str], user_keys: set[str]) -> None:
+    """`fork` unless the dataset's workers use CUDA or the user chose otherwise (see the module doc)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "multiprocessing_context" in user_keys:
+        context = settings["multiprocessing_context"]
+        name = context if isinstance(context, str) else context.get_start_method()
+        if name == "forkserver":
+            _preload_forkserver(dataset)
+            reasons["multiprocessing_context"] = "override; torch and the dataset's module preloaded in the fork server"
+        return
+    if getattr(dataset, "uses_cuda_in_workers", False):
+        if "forkserver" in methods:
+            _preload_forkserver(dataset)
+            settings["multiprocessing_context"] = "forkserver"
+            reasons["multiprocessing_context"] = (
+                "forkserver: the dataset sets uses_cuda_in_workers, and CUDA cannot be used in a "
+                "forked child; torch and the dataset's module are preloaded so each worker starts "
+                "from a warm fork server instead of importing torch")
+        else:
+            settings["multiprocessing_context"] = "spawn"
+            reasons["multiprocessing_context"] = "spawn: the dataset sets uses_cuda_in_workers and forkserver is unavailable"
+        return
+    if "fork" in methods and sys.platform.startswith("linux"):
+        # Explicit, so Python 3.14's forkserver default does not bring back the slow start.
+        settings["multiprocessing_context"] = "fork"
+        cuda = " (CUDA is initialised here; safe since workers do not use it)" if torch.cuda.is_initialized() else ""
+        reasons["multiprocessing_context"] = (
+            f"fork: workers start in milliseconds with the parent's imports{cuda}; a dataset "
+            "that uses CUDA in workers sets uses_cuda_in_workers = True")
+
+
+def _preload_forkserver(dataset) -> None:
+    """Imports done once in the fork server, inherited by every worker it forks."""
+    modules = ["torch", "numpy"]
+    module = type(dataset).__module__
+    if module and module not in ("__main__", "builtins"):
+        modules.append(module)
+    multiprocessing.set_forkserver_preload(modules)
+
+
+def _printable(settings: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, ChainedWorkerInit):
+            user = value.user_fn
+            value = "worker_init" + (f" + {getattr(user, '__name__', repr(user))}" if user else "")
+        elif callable(value) or not isinstance(value, (int, float, str, bool, type(None))):
+            value = getattr(value, "__name__", type(value).__name__)
+        out[key] = value
+    return out
+
+
+def _probe_sample_bytes(dataset) -> int | None:
+    """Bytes of `dataset[0]` (tensors, arrays, bytes, numbers; nested), None when unknowable."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        if len(dataset) == 0:
+            return None
+    except TypeError:
+        return None
+    return sample_nbytes(dataset[0])
+
+
+def sample_nbytes(obj) -> int:
+    """Bytes a sample occupies once collated (recursing into dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (bytes, bytearray, str)):
+        return len(obj)
+    if isinstance(obj, Mapping):
+        return sum(sample_nbytes(v) for v in obj.values())
+    if isinstance(obj, Sequence):
+        return sum(sample_nbytes(v) for v in obj)
+    return 8  # a Python scalar collates to an 8-byte tensor element

@@ -1,0 +1,80 @@
+"""Which path `make_loader` takes: worker processes (`StatefulLoader`) or threads (`ThreadLoader`).
+
+Use when: reading why `make_loader` returned a `ThreadLoader` (`loader.recipe.reasons["path"]`)
+or forcing a path (`make_loader(..., path="workers")` or `path="threads"`).
+Cost: one `thread_batches()` call on the dataset.
+Adapt here: `WORKER_ONLY`, the arguments that ask for worker processes.
+Trade-off: "auto" takes threads only for a dataset that says its batches are made by code
+that releases the GIL (`ThreadBatched.thread_batches()`: `TokenCache` and `SpectrogramCache`
+with their caches, `ImageFolderFast` without a `transform`, from its cache or decoding files
+with OpenCV) and only when no argument asks for workers: Python per-item work in threads
+holds the GIL, so anything else keeps its worker processes.
+Copy with: common/resume/loader_contract.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import ConcatDataset, IterableDataset
+
+from recipes.common.resume.loader_contract import ThreadBatched
+
+PATHS = ("auto", "threads", "workers")
+# Arguments of worker processes: given by the user, they choose the worker path.
+WORKER_ONLY = ("num_workers", "prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context",
+               "timeout", "pin_memory_device", "in_order")
+# Arguments of the thread path only (ThreadLoader's own).
+THREAD_ONLY = ("threads", "prefetch", "seed")
+# What a ThreadLoader takes from make_loader's settings.
+THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory",
+               "collate_fn")
+
+
+def thread_capable(dataset) -> bool | None:
+    """None when `dataset` cannot take the thread path at all; else whether it can now
+    (`thread_batches()`). A `ConcatDataset` (a mixture's sources) can when every part can."""
+    if isinstance(dataset, ConcatDataset):
+        parts = [thread_capable(d) for d in dataset.datasets]
+        return None if any(p is None for p in parts) else all(parts)
+    if isinstance(dataset, ThreadBatched) and not isinstance(dataset, IterableDataset):
+        return bool(dataset.thread_batches())
+    return None
+
+
+def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str]:
+    """`("threads" | "workers", the reason)` for `dataset` under `path` and the user's arguments.
+
+    Raises:
+        ValueError: an unknown `path`, or `path="threads"` for a dataset or arguments that
+            the thread path cannot serve (naming why).
+    """
+    if path not in PATHS:
+        raise ValueError(f"`path` must be one of {PATHS}, but is {path!r} instead.")
+    if path == "workers":
+        return "workers", "given"
+    able = thread_capable(dataset) is not None
+    ready = bool(able and thread_capable(dataset))
+    asked = [key for key in WORKER_ONLY if key in overrides]
+    name = type(dataset).__name__
+    if path == "threads":
+        if not ready:
+            raise ValueError(f"path='threads' needs a map-style dataset whose batches are made by code that "
+                             f"releases the GIL (thread_batches() true: a cache attached or OpenCV decoding, no "
+                             f"transform); {name} "
+                             f"{'has no thread_batches()' if not able else 'cannot now'}. Use path='workers'.")
+        if asked:
+            raise ValueError(f"path='threads' makes batches in threads of this process; {asked} configure worker "
+                             "processes. Drop them, or use path='workers'.")
+        return "threads", "given"
+    if not ready:
+        return "workers", (f"worker processes: {name} has no thread_batches() (loader_contract.ThreadBatched)"
+                           if not able else
+                           f"worker processes: {name}.thread_batches() is false (no cache attached, or a transform)")
+    if asked:
+        return "workers", f"worker processes: {', '.join(asked)} given (path='threads' would refuse them)"
+    source = "reads its items from a memory-speed cache" if getattr(dataset, "cache", True) is not None else \
+        "decodes its items with OpenCV"
+    return "threads", (f"threads: {name} {source} (the GIL released); worker processes would add a "
+                       "shared-memory hand-over and pickling per batch, and leave a core to the training "
+                       "loop. path='workers' for worker processes")

@@ -1,0 +1,316 @@
+"""StatefulLoader: a DataLoader whose `state_dict()` resumes exactly, in any epoch, at any point.
+
+Use when: you checkpoint a training run and must resume it without losing or repeating a
+sample: mid-epoch, at an epoch boundary, in any epoch, with workers persistent or not.
+Cost: one counter increment per batch; one capture of the sampler's random state per epoch
+(5 KB per `torch.Generator`); on resume, the skipped batches' indices are drawn and dropped
+(map-style: no data is loaded for them) or, for an iterable dataset with `resume_after`
+(`ShardedIterableDataset`), each worker starts at its own position.
+Adapt here: nothing; what a sampler or dataset implements to be resumed is written down in
+`loader_contract.py`, with what this loader guarantees in return.
+Trade-off: the loader hooks DataLoader in one place, its `_index_sampler` property (what
+DataLoader's iterators iterate, read once per iterator and iterated once per epoch); that is
+where an epoch's order is drawn, whatever the worker persistence, so that is where the state
+is captured. `tests/common/resume/test_exactly_once.py` fails if a torch release moves it.
+
+Why the draw, not `__iter__`: with `persistent_workers=True` DataLoader draws its workers' base
+seed (from `generator=`) once, not every epoch, so the random state at `__iter__` is not the one
+the order comes from; a resumed loader draws that seed again. The loader's default shuffle
+gets a generator of its own for the order (`RandomSampler(generator=...)`), never shared with
+the base seed, so the order does not depend on the workers.
+
+The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan", ...}`:
+`order` is the random state the epoch's order was drawn from, `plan` the settings that shape it
+(checked on load); `"sampler"` (a `PositionedBatchSampler`'s global position) and
+`"world_size"` (an iterable dataset's ranks) make a resume elastic, from N ranks to M;
+`"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
+state are computed in `loader_passes.py`.
+Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from recipes.common.loader_warning import LoaderWarning
+from recipes.common.resume.batch_seeds import SeededFetcher
+from recipes.common.resume.dataset_state import (
+    Carried,
+    DatasetStateCarrier,
+    RotatedIter,
+    StateLoadingInit,
+    may_resume_itself,
+)
+from recipes.common.resume.loader_contract import Prefetching, ReadAheadAware, ResumableIterable
+from recipes.common.resume.loader_counting import Counting
+from recipes.common.resume.loader_passes import STATE_VERSION, Pass, Passes, PassSampler
+from recipes.common.resume.loader_state import differences, find_generators, plan_settings
+
+__all__ = ["STATE_VERSION", "StatefulLoader"]
+
+
+class StatefulLoader(DataLoader):
+    """A `DataLoader` with `state_dict()` / `load_state_dict()` that resume exactly.
+
+    Takes DataLoader's arguments. With `shuffle=True` the order comes from a generator of the
+    loader's own, seeded from `generator` when given, else from torch's random generator (so
+    `torch.manual_seed` reproduces runs); a state carries it, so a resumed process need not seed.
+
+    Example:
+        >>> loader = make_loader(dataset, batch_size=32, shuffle=True)   # a StatefulLoader
+        >>> for epoch in range(3):
+        ...     for step, batch in enumerate(loader):
+        ...         if step == 100:
+        ...             torch.save({"loader": loader.state_dict(), ...}, "ckpt.pt")
+        >>> loader.load_state_dict(torch.load("ckpt.pt")["loader"])  # in the new process
+        >>> for batch in loader: ...                                 # batch 101 onwards
+    """
+
+    def __init__(self, dataset, **kwargs: Any):
+        if kwargs.get("in_order") is False and kwargs.get("num_workers", 0) > 0:
+            raise ValueError("in_order=False hands batches over in the order workers finish them, and a loader state "
+                             "counts the batches the loop received, not which ones: a resume would lose some and "
+                             "repeat others. Keep in_order=True (the default); a slow sample holds up only its own "
+                             "batch's place, which prefetch_factor covers.")
+        if kwargs.get("shuffle") and not isinstance(dataset, IterableDataset) and kwargs.get("sampler") is None \
+                and kwargs.get("batch_sampler") is None:
+            kwargs["shuffle"] = False
+            kwargs["sampler"] = RandomSampler(dataset, generator=_order_generator(kwargs.get("generator")))
+        super().__init__(dataset, **kwargs)
+        self._unshare_base_seed()
+        self._passes = Passes(self)
+        # the seed of every batch's own random draws (`batch_seeds.py`): from `generator=` when
+        # given, else from torch's generator (so that `torch.manual_seed` reproduces runs)
+        self._passes.seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        if self._passes.self_resuming and self.num_workers:  # each batch brings its worker's dataset state back
+            self.collate_fn = DatasetStateCarrier(self.collate_fn)
+        if self.num_workers:  # a sampler's own count now runs ahead of the loop: let it say so
+            for holder in (self.batch_sampler, self.sampler):
+                if isinstance(holder, ReadAheadAware):
+                    holder.note_read_ahead(self.num_workers * (self.prefetch_factor or 2))
+
+    def _unshare_base_seed(self) -> None:
+        """DataLoader draws its workers' base seed from `generator=` (once per iterator: once
+        per loader with persistent workers); a sampler drawing its order from the same generator
+        would get an order that depends on the workers. The base seed gets its own, seeded from it."""
+        shared = self.generator is not None and any(
+            g is self.generator for g in find_generators({"sampler": self.sampler,
+                                                          "batch_sampler": self.batch_sampler}).values())
+        if shared:
+            self.generator = _order_generator(self.generator)
+
+    def _get_iterator(self):
+        rotate, self._rotate_next = getattr(self, "_rotate_next", 0), 0
+        if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
+            return RotatedIter(self, rotate)
+        return super()._get_iterator()
+
+    # The one hook into DataLoader's internals (see the module doc). The wrapper holds the
+    # pass tracker, never the loader (see `Passes`).
+    @property
+    def _index_sampler(self):
+        return PassSampler(super()._index_sampler, self._passes)
+
+    def __iter__(self):
+        current = self._passes.start(self.num_workers)
+        iterable = isinstance(self.dataset, IterableDataset)
+        if iterable:
+            current.drawn = True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
+        resumed = current.resumed or {}
+        if iterable and (current.skip or resumed.get("replayed") or resumed.get("dataset_states") is not None):
+            inner = _resumed_iterable(self, current)
+        else:
+            if current.resumed is None and isinstance(self.dataset, Prefetching):
+                self.dataset.start_downloads(num_workers=max(1, self.num_workers))  # before the workers fork
+            inner = super().__iter__()
+            if hasattr(inner, "_dataset_fetcher") and not iterable:  # no workers: batches made here, seeded
+                inner._dataset_fetcher = SeededFetcher(inner._dataset_fetcher)
+        _track(inner)
+        return Counting(self._passes, current, inner)
+
+    def close(self) -> None:
+        """Shuts its persistent workers down now; otherwise they end when the loader is garbage
+        collected, which may be long after the last epoch (a validation loader in a notebook,
+        a test suite). Idempotent; the next `iter` starts new workers. Also `with loader:`. An
+        epoch's iterator in use then raises `LoaderClosedError`; the state stays where it was."""
+        current = self._passes.current
+        if current is not None and not current.done:
+            current.closed = True
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+    def __enter__(self) -> StatefulLoader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop is, as plain JSON: the epoch, the batches of it the loop received, the
+        random state its order was drawn from, and the settings that shape it (see the module
+        doc and `loader_contract.py` for what a state saved at each point resumes)."""
+        state = self._passes.state()
+        state["plan"] = self._plan()
+        state["batch_seed"] = self._passes.seed
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes at the first batch not received when `state` was saved (on the next `iter`).
+
+        An epoch-seeded sampler (or dataset) is set to the saved epoch now; calling its
+        `set_epoch` with another epoch before iterating starts that epoch afresh instead.
+
+        Raises:
+            ValueError: not a loader state of this version, or one saved under other settings.
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "batches_yielded" not in state:
+            older = isinstance(state, dict) and state.get("version") == 1
+            raise ValueError(f"not a StatefulLoader state (version {STATE_VERSION}): {state!r:.200}"
+                             + ("; version 1 states (recipes 0.1) resumed exactly only in a first epoch without "
+                                "persistent workers: resume from a checkpoint saved by this version" if older else ""))
+        saved, mine = state.get("plan") or {}, self._plan()
+        diff = differences(saved, mine)
+        if diff:
+            raise ValueError("This loader state was saved under other settings than this loader's, and they decide "
+                             "which samples each batch holds: " + "; ".join(diff) + ". Build the loader as the run "
+                             "that saved it did.")
+        self._passes.load(state)
+        if state.get("batch_seed") is not None:
+            self._passes.seed = int(state["batch_seed"])
+
+    def _plan(self) -> dict[str, Any]:
+        plan: dict[str, Any] = {"batch_size": self.batch_size, "drop_last": self.drop_last}
+        if isinstance(self.dataset, IterableDataset):
+            plan["dataset"] = plan_settings(self.dataset)
+            return plan
+        plan["num_samples"] = len(self.dataset)
+        if self.batch_size is None and self.batch_sampler is not None:  # the user's batch sampler
+            plan["batch_sampler"] = plan_settings(self.batch_sampler)
+        else:
+            plan["sampler"] = plan_settings(self.sampler)
+        return plan
+
+
+def _order_generator(seeded_from: torch.Generator | None) -> torch.Generator:
+    """The order's own generator: seeded from the user's `generator`, else from torch's RNG."""
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=seeded_from).item())
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- fork safety ---------------------------------------------------------------------------
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _track(iterator) -> None:
+    if hasattr(iterator, "_workers"):
+        _LIVE.add(iterator)
+
+
+def _disown_in_child() -> None:
+    """A forked child (another loader's worker) inherits this process's loader iterators; if one
+    is finalised there, it would shut down the parent's workers ("can only test a child
+    process"). Marked as shut down, they are inert in the child."""
+    for iterator in list(_LIVE):
+        iterator._shutdown = True
+
+
+os.register_at_fork(after_in_child=_disown_in_child)
+
+
+def _resumed_iterable(loader: StatefulLoader, current: Pass):
+    """An iterator over the rest of an iterable dataset's epoch, after `current.skip` batches."""
+    dataset, skip, state = loader.dataset, current.skip, current.resumed or {}
+    states = state.get("dataset_states")
+    if states is not None and may_resume_itself(dataset):
+        saved = int(state.get("dataset_workers", current.workers))
+        if saved != loader.num_workers:
+            raise ValueError(f"This state holds the own states of {type(dataset).__name__}'s copies in {saved} "
+                             f"worker(s) (each copy's share of the data); this loader has {loader.num_workers}. "
+                             f"Resume with num_workers={saved}, or from a state saved by a loader without a "
+                             "dataset state.")
+        return _resumed_by_dataset(loader, states, int(state.get("next_worker", 0)))
+    if not isinstance(dataset, ResumableIterable):
+        if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
+            raise ValueError(f"{type(dataset).__name__} has no resume_after(): it resumes by reading the epoch's first "
+                             f"{skip} batches again, which only gives the same batches with the same number of workers "
+                             f"(saved with {current.workers}, this loader has {loader.num_workers}). Resume with "
+                             f"num_workers={current.workers}, or from a state saved at an epoch's end.")
+        warnings.warn(f"{type(dataset).__name__} has no resume_after(); reading and discarding the first {skip} "
+                      "batches of the epoch to resume.", LoaderWarning, stacklevel=3)
+        return _dropped(DataLoader.__iter__(loader), skip)
+    before, world = current.workers, state.get("world_size")
+    whole = loader.collate_fn if loader.batch_size is not None else None
+    if world is not None and world != dataset.world_size:  # other ranks: replay their rests here
+        replay = state.get("replay_world")
+        if state.get("replayed") and replay != dataset.world_size:
+            raise ValueError(f"This state was saved while {replay} rank(s) replayed the rest of an epoch begun on "
+                             f"{world}; resume it on {replay} rank(s), or from a state saved in another epoch.")
+        rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                                    num_workers=before, interleave=True, world_size=world)
+        iterator = iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
+        return _dropped(iterator, int(state.get("replayed", 0)))
+    if before != loader.num_workers:  # the epoch began with other workers: replay its order in-process
+        rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                                    num_workers=before, interleave=True)
+        return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
+    rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                                num_workers=loader.num_workers)
+    kwargs = dict(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
+                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                  worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context)
+    if loader.num_workers:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return iter(DataLoader(rest, **kwargs))  # one epoch on fresh workers, then the loader's own again
+
+
+def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int):
+    """The rest of an epoch (or the next epoch) of a dataset that resumes itself: each dataset
+    copy (this process's, or each worker's, in fresh workers) loads the state it had after its
+    last batch the loop received, in torchdata's order (the dataset's, `iter`, the iterator's),
+    and the round-robin resumes at the worker whose turn was next. Persistent workers started
+    here stay for the next epochs, as the saving run's did."""
+    if not loader.num_workers:  # torchdata's order: the dataset's state, iter(dataset), the iterator's state
+        main = states.get("main") or {}
+        if main.get("dataset") is not None:
+            loader.dataset.load_state_dict(main["dataset"])
+        inner = DataLoader.__iter__(loader)
+        fetcher = inner._dataset_fetcher
+        if main.get("iterator") is not None:
+            fetcher.dataset_iter.load_state_dict(main["iterator"])
+        fetcher.ended = bool(main.get("ended"))
+        return inner
+    if loader._iterator is not None:  # persistent workers hold copies that went on: fresh ones load the states
+        loader._iterator._shutdown_workers()
+        loader._iterator = None
+    user_init = loader.worker_init_fn
+    loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), first_worker
+    try:
+        inner = loader._get_iterator()
+    finally:
+        loader.worker_init_fn = user_init
+    if loader.persistent_workers:  # the resumed copies go on into the next epochs, as the saving run's did
+        loader._iterator = inner
+    return inner
+
+
+_END = object()
+
+
+def _dropped(iterator, count: int):
+    """`iterator` after its first `count` batches (read and discarded; a worker's stream end,
+    `dataset_state.Carried`, is not one)."""
+    while count > 0:
+        item = next(iterator, _END)
+        if item is _END:
+            break
+        count -= not (isinstance(item, Carried) and item.ended and item.batch is None)
+    return iterator

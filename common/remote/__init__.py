@@ -1,0 +1,4 @@
+"""Remote objects: `PrefetchCache`, ranged and whole-object downloads, and retries.
+
+May import: `workers`, `caches`.
+"""

@@ -1,0 +1,408 @@
+"""The passes of a `StatefulLoader`: where each epoch's order was drawn from, and how far the
+loop got in it.
+
+Use when: you read how `loader.state_dict()` is computed; `StatefulLoader` is the public face.
+Cost: per pass, one capture of the sampler's random state at the draw and a check that no
+global random generator was drawn from; per batch, one counter increment.
+Adapt here: `_Passes.state` (what a state holds at each point of a pass).
+Trade-off: a pass ends when its iterator is exhausted; a state saved after that is for the
+next epoch. A loop left early (`break` at a step limit, an error or Ctrl-C in the loop body)
+only pauses its pass: a state saved then resumes at the first batch the loop did not get, as
+torchdata's does (issue #28), while iterating the same loader again starts the next epoch, as
+DataLoader does.
+A batch whose making raised (a dataset error, in a worker or a thread) counts as used: the loop
+moved past it, and a resume does not make it again.
+Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_state.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
+
+from recipes.common.loader_warning import LoaderWarning
+from recipes.common.resume.batch_seeds import batch_seed, seeded
+from recipes.common.resume.dataset_state import (
+    carried_over,
+    keeps_own_state,
+    live_state,
+    may_resume_itself,
+)
+from recipes.common.resume.loader_contract import EpochSeeded, ResumableIterable, StatefulSampler
+from recipes.common.resume.loader_state import GlobalDraws, capture, find_generators, restore
+
+STATE_VERSION = 2
+
+
+@dataclass
+class Pass:
+    """One iteration over the loader: its epoch and where it stands."""
+
+    epoch: int
+    skip: int  # batches of the epoch skipped at its start (a resume), counted in `yielded`
+    position: int  # the epoch position of its first batch for this loop (its draws' seeds follow it)
+    workers: int  # the worker count whose order this pass follows (an iterable dataset's)
+    resumed: dict | None = None  # the loaded state this pass resumes
+    yielded: int = 0
+    done: bool = False  # the loop ended: StopIteration, or its iterator dropped
+    dropped: bool = False  # left by the loop (break, or an exception): paused, its state mid-epoch
+    closed: bool = False  # the loader was closed (its workers shut down) before the pass ended
+    drawn: bool = False
+    snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
+    dataset_states: dict = field(default_factory=dict)  # worker -> its dataset copy's state (`dataset_state.py`)
+    base_states: dict = field(default_factory=dict)  # the copies' states as the pass began (loaded, or carried over)
+    last_worker: int | None = None  # the worker that made the last batch received (its states' round-robin)
+    inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
+    # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
+
+
+class Passes:
+    """The loader's passes and a loaded state waiting for the next one. Holds the sampler,
+    batch sampler and dataset, never the loader (a loader -> iterator -> loader cycle would
+    keep persistent workers alive until a garbage collection, which may run in a forked child)."""
+
+    def __init__(self, loader):
+        self.dataset = loader.dataset
+        self.iterable = isinstance(loader.dataset, IterableDataset)
+        self.own_state = keeps_own_state(loader.dataset)  # resumes itself: its state_dict() per worker
+        self.self_resuming = may_resume_itself(loader.dataset)  # it, or its iterator, may (`dataset_state.py`)
+        self.persistent = bool(loader.persistent_workers and loader.num_workers)
+        roles = _roles(loader)
+        self.positioned = loader.batch_sampler if _positioned(loader.batch_sampler) else None
+        self.holder = _epoch_holder(loader.dataset, roles)
+        unreproducible: list[str] = []
+        self.generators = {} if self.iterable else find_generators(
+            {"sampler": loader.sampler, "batch_sampler": loader.batch_sampler}, unreproducible)
+        # a sampler's own state_dict() is the order's source only when nothing else is: torchdata's
+        # samplers save their position in the pass, which the loop's count already gives
+        self.stateful = {} if self.iterable else {
+            name: s for name, s in roles.items()
+            if s is not self.positioned and isinstance(s, StatefulSampler) and not isinstance(s, EpochSeeded)
+            and _no_args(s.state_dict) and not find_generators({name: s})}
+        self.blind = None if self.iterable else _blind_spot(roles, self, unreproducible)
+        self.current: Pass | None = None
+        self.pending: dict | None = None
+        self.seed: int | None = None  # the batches' seeds' (`batch_seeds.py`); set by the loader
+        self.warned: set[str] = set()
+
+    def _holder_epoch(self) -> int | None:
+        return None if self.holder is None else int(self.holder.epoch)
+
+    # ---- a pass ------------------------------------------------------------------------
+    def start(self, num_workers: int) -> Pass:
+        """Begins a pass: the loaded state's, else a fresh epoch."""
+        pending, self.pending = self.pending, None
+        if pending is not None and self.holder is not None and self._holder_epoch() != pending["epoch"]:
+            pending = None  # set_epoch chose another epoch since the load: it starts afresh
+        if pending is not None:
+            epoch = pending["epoch"]
+        elif self.holder is not None:
+            epoch = self._holder_epoch()
+        else:  # a loader that counts its epochs: one per pass
+            epoch = 0 if self.current is None else self.current.epoch + 1
+        self._warn_same_epoch(epoch, pending)
+        skip = 0 if pending is None else int(pending["batches_yielded"])
+        if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
+            self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
+            skip = 0
+        saved_workers = None if pending is None else pending.get("num_workers")
+        if saved_workers is None or not (skip or pending.get("replayed")):
+            saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
+        position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
+        base = {}
+        if pending is not None:
+            base = dict(pending.get("dataset_states") or {})
+        elif self.self_resuming and self.persistent and self.current is not None:  # the copies go on
+            base = carried_over(self.pass_states(self.current))
+        self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip,
+                            base_states=base)
+        return self.current
+
+    def draw(self, current: Pass) -> None:
+        """At the first index of a pass, before the sampler draws: restores the loaded random
+        state, then captures the one this order is drawn from."""
+        if self.holder is not None and self._holder_epoch() != current.epoch:
+            # set_epoch between iter() and the first batch (no workers: the order is drawn now)
+            current.epoch, current.resumed, current.skip, current.yielded = self._holder_epoch(), None, 0, 0
+            current.position = 0
+        order = (current.resumed or {}).get("order") or {}
+        restore(self.generators, order.get("generators", {}))
+        for name, state in order.get("samplers", {}).items():
+            if name not in self.stateful:
+                raise ValueError(f"This loader state holds the state of a stateful {name}, which this loader does "
+                                 "not have; build the loader with the same sampler as the run that saved it.")
+            self.stateful[name].load_state_dict(state)
+        current.snapshot = self._capture()
+        current.drawn = True
+
+    def _capture(self) -> dict[str, Any]:
+        return {"generators": capture(self.generators),
+                "samplers": {name: s.state_dict() for name, s in self.stateful.items()}}
+
+    # ---- state -------------------------------------------------------------------------
+    def load(self, state: dict[str, Any]) -> None:
+        self.pending = dict(state)
+        if self.holder is not None:
+            self.holder.set_epoch(int(state["epoch"]))
+
+    def state(self) -> dict[str, Any]:
+        self._warn_blind()
+        pending, current, epoch = self.pending, self.current, self._holder_epoch()
+        if pending is not None:
+            if self.holder is None or epoch == pending["epoch"]:
+                return {k: v for k, v in pending.items() if k != "plan"}
+            return self._fresh(epoch)
+        if current is None:
+            return self._fresh(0 if epoch is None else epoch)
+        if current.done and not current.dropped:
+            # the next pass is the sampler's epoch when set_epoch says which
+            fresh = self._fresh(epoch if self.holder is not None else current.epoch + 1, finished=current.epoch)
+            if self.self_resuming:
+                self._carried_states(fresh, current)
+            return fresh
+        if (current.dropped or not current.drawn) and self.holder is not None and epoch != current.epoch:
+            return self._fresh(epoch)  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
+        state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
+                 "num_workers": current.workers,
+                 "order": current.snapshot if current.drawn else ((current.resumed or {}).get("order")
+                                                                  or self._capture())}
+        position = current.position + current.yielded - current.skip  # differs after a positioned resume
+        if position != current.yielded:
+            state["position"] = position
+        if self.positioned is not None:
+            state["sampler"] = self.positioned.state_dict(batches_done=current.yielded)
+        if self.iterable and isinstance(self.dataset, ResumableIterable):
+            self._iterable_position(state, current)
+        elif self.self_resuming:
+            self._dataset_states(state, current)
+        return state
+
+    def pass_states(self, current: Pass) -> dict[str, Any]:
+        """Each worker's dataset copy's state after its last batch (or stream end) the loop
+        received, over the states the pass began with."""
+        return {**current.base_states, **{str(w): s for w, s in current.dataset_states.items() if w != "main"}}
+
+    def keep_main_state(self, current: Pass, inner) -> None:
+        """Without workers, as a pass ends or is left: this process's copy's state, which its
+        iterator (gone after the loop) holds."""
+        if self.self_resuming and not current.workers and not current.done:
+            current.dataset_states["main"] = live_state(self.dataset, inner)
+
+    def _main_state(self, current: Pass) -> dict[str, Any] | None:
+        inner = current.inner() if current.inner is not None else None
+        if inner is None and "main" in current.dataset_states:
+            return current.dataset_states["main"]
+        return live_state(self.dataset, inner)
+
+    def _dataset_states(self, state: dict[str, Any], current: Pass) -> None:
+        """Mid-epoch: the states of the dataset copies that made the batches received (this
+        process's without workers); none when the dataset and its iterator keep none."""
+        if not current.workers:
+            own = self._main_state(current)
+            if own is not None:
+                state.update(dataset_states={"main": own}, dataset_workers=0)
+            return
+        states = self.pass_states(current)
+        if not states or any(s is None for s in states.values()):
+            return  # no state of its own: the epoch's first batches are read again (`stateful_loader.py`)
+        resumed = current.resumed or {}
+        state.update(dataset_states=states, dataset_workers=current.workers)
+        # the round-robin's next turn: after the worker that made the last batch (or end) received
+        state["next_worker"] = resumed.get("next_worker", 0) if current.last_worker is None else \
+            (current.last_worker + 1) % current.workers
+
+    def _carried_states(self, state: dict[str, Any], current: Pass) -> None:
+        """After an epoch: the dataset states of the copies that outlive it (persistent
+        workers'; this process's), which the next epoch's copies begin with."""
+        if not current.workers:
+            carried = carried_over({"main": self._main_state(current)})
+        else:
+            carried = carried_over(self.pass_states(current)) if self.persistent else {}
+        if carried:
+            state.update(dataset_states=carried, dataset_workers=current.workers)
+
+    def _fresh(self, epoch: int, *, finished: int | None = None) -> dict[str, Any]:
+        """The state of a pass not begun: `epoch` from its start. `finished_epoch` names the
+        epoch whose loop ended last (so a script knows where it stands: with a `set_epoch`
+        sampler not moved on since, `epoch == finished_epoch` and the script's next epoch is
+        `finished_epoch + 1`)."""
+        state = {"version": STATE_VERSION, "epoch": epoch, "batches_yielded": 0, "finished_epoch": finished,
+                 "num_workers": None, "order": self._capture()}
+        if self.iterable and isinstance(self.dataset, ResumableIterable):
+            state["world_size"] = int(self.dataset.world_size)
+        return state
+
+    def _iterable_position(self, state: dict[str, Any], current: Pass) -> None:
+        """An iterable dataset's ranks; a pass that replays other ranks' rests (an elastic
+        resume) saves where that replay began and how far it got."""
+        resumed = current.resumed or {}
+        old_world, world = resumed.get("world_size"), int(self.dataset.world_size)
+        state["world_size"] = world
+        if old_world is not None and old_world != world:
+            state.update(batches_yielded=current.skip, world_size=old_world, replay_world=world,
+                         replayed=int(resumed.get("replayed", 0)) + current.yielded - current.skip)
+        elif resumed.get("replayed"):
+            state.update(batches_yielded=current.skip, world_size=resumed["world_size"],
+                         replay_world=resumed["replay_world"],
+                         replayed=int(resumed["replayed"]) + current.yielded - current.skip)
+
+    # ---- warnings ----------------------------------------------------------------------
+    def _warn_same_epoch(self, epoch: int, pending) -> None:
+        """A dataset that resumes itself, iterated again at the epoch its last whole pass had."""
+        last = self.current
+        if not self.own_state or self.holder is None or pending is not None or last is None or not last.done \
+                or last.dropped or last.epoch != epoch or "same_epoch" in self.warned:
+            return
+        self.warned.add("same_epoch")
+        warnings.warn(f"{type(self.dataset).__name__} is iterated again at epoch {epoch}, the epoch of its last pass: "
+                      "call its set_epoch(epoch) before each epoch. A dataset that resumes itself may otherwise "
+                      "start where a loaded state left it (Hugging Face's IterableDataset applies a loaded state "
+                      "again while its epoch is unchanged): samples lost.", LoaderWarning, stacklevel=4)
+
+    def _warn_blind(self) -> None:
+        if self.blind and "blind" not in self.warned:
+            self.warned.add("blind")
+            warnings.warn(self.blind, LoaderWarning, stacklevel=4)
+
+    def warn_global(self, sampler, which: list[str]) -> None:
+        if type(sampler) is BatchSampler:  # name the user's sampler, not torch's batching around it
+            sampler = sampler.sampler
+        if "global" not in self.warned:
+            self.warned.add("global")
+            warnings.warn(
+                f"{type(sampler).__name__} drew its order from {' and '.join(which)} global random generator, which a "
+                "loader state cannot restore (the training step draws from it too): a resumed run would see another "
+                "order, repeating and losing samples. Give the sampler a generator of its own (for example "
+                "RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))), make it set_epoch-seeded, or "
+                "use make_loader(..., shuffle=True).", LoaderWarning, stacklevel=4)
+
+
+class PassSampler:
+    """The loader's index sampler: at a pass's first index, the random state is restored and
+    captured (`Passes.draw`), global random draws are watched, and a resume's first batches are
+    skipped (indices only)."""
+
+    def __init__(self, inner, passes: Passes):
+        self.inner, self.passes = inner, passes
+        self.created_for = passes.current  # the pass whose iterator reads this sampler first
+
+    def __iter__(self):  # a generator: nothing runs until DataLoader asks for the first index
+        passes, current = self.passes, self.created_for
+        if passes.iterable:
+            yield from self._iterable_indices()
+            return
+        if current is None or current.drawn:  # a persistent iterator's later pass
+            current = passes.current
+        if current is None or current.drawn:  # iterated outside a pass of the loader
+            yield from self.inner
+            return
+        passes.draw(current)
+        watch = GlobalDraws()
+        watch.before()
+        iterator = iter(self.inner)
+        first = next(iterator, _END)
+        drawn = watch.after()
+        if drawn:
+            passes.warn_global(self.inner, drawn)
+        skip = current.skip
+        while skip and first is not _END:
+            first, skip = next(iterator, _END), skip - 1
+        if first is _END:
+            return
+        if passes.seed is None or passes.iterable:
+            yield first
+            yield from iterator
+            return
+        seed, epoch = passes.seed, current.epoch  # each batch's draws follow its position (batch_seeds.py)
+        for position, item in enumerate(itertools.chain((first,), iterator), start=current.position):
+            carried = seeded(item, batch_seed(seed, epoch, position))
+            if carried is item and "unseeded" not in passes.warned:
+                passes.warned.add("unseeded")
+                warnings.warn(f"{type(self.inner).__name__} yields {type(item).__name__} batches, which cannot carry "
+                              "their batch's seed: the dataset's own random draws will not be reproduced after a "
+                              "resume. Yield lists of indices to have them reproduced.", LoaderWarning, stacklevel=2)
+            yield carried
+
+    def _iterable_indices(self):
+        """An iterable dataset that may resume itself: every index carries the pass's seed, from
+        which each worker seeds its generators before `iter(dataset)` (`dataset_state.py`)."""
+        passes, current = self.passes, self.passes.current
+        if passes.seed is None or current is None or not passes.self_resuming:
+            yield from self.inner
+            return
+        seed = batch_seed(passes.seed, current.epoch, 0)
+        for item in self.inner:
+            yield seeded(item, seed)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+_END = object()
+
+
+def _roles(loader) -> dict[str, Any]:
+    """The loader's samplers by role, each object once."""
+    roles: dict[str, Any] = {}
+    for name, obj in (("batch_sampler", loader.batch_sampler), ("sampler", loader.sampler),
+                      ("batch_sampler.sampler", getattr(loader.batch_sampler, "sampler", None))):
+        if obj is not None and all(obj is not seen for seen in roles.values()):
+            roles[name] = obj
+    return roles
+
+
+def _epoch_holder(dataset, roles: dict[str, Any]):
+    """What carries the epoch: an iterable dataset, the batch sampler, or the sampler."""
+    candidates = [dataset] if isinstance(dataset, IterableDataset) else list(roles.values())
+    for holder in candidates:
+        if isinstance(holder, EpochSeeded):
+            return holder
+    return None
+
+
+def _positioned(batch_sampler) -> bool:
+    """A `PositionedBatchSampler`: `state_dict` takes the loop's count (`batches_done=`)."""
+    if batch_sampler is None or not (hasattr(batch_sampler, "state_dict") and hasattr(batch_sampler, "load_state_dict")):
+        return False
+    try:
+        return "batches_done" in inspect.signature(batch_sampler.state_dict).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _no_args(method) -> bool:
+    try:
+        return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                   for p in inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
+_DETERMINISTIC = (SequentialSampler, range, list, tuple)
+
+
+def _blind_spot(roles: dict[str, Any], passes: Passes, unreproducible: list[str]) -> str | None:
+    """A warning for a sampler whose random state the loader cannot see, or None."""
+    if unreproducible:
+        return (f"loader.state_dict() cannot reproduce {', '.join(unreproducible)}: a random.SystemRandom draws from "
+                "the operating system's entropy, which no state can replay. Use a seeded random.Random or "
+                "torch.Generator for the order.")
+    if passes.holder is not None or passes.positioned is not None or passes.generators or passes.stateful:
+        return None
+    for name, sampler in roles.items():
+        if isinstance(sampler, _DETERMINISTIC) or type(sampler) is BatchSampler:
+            continue
+        half = " It has set_epoch() but no `epoch` attribute: set self.epoch in set_epoch." \
+            if hasattr(sampler, "set_epoch") else ""
+        return (f"loader.state_dict() cannot see the random state of the {name} {type(sampler).__name__}: it holds no "
+                "random generator as an attribute, has no set_epoch()/epoch and no state_dict()." + half +
+                " If its order is random, a resume will not reproduce it. Give it a torch.Generator attribute, a "
+                "(seed, epoch)-seeded order with set_epoch(), or state_dict()/load_state_dict() (see "
+                "recipes.common.resume.loader_contract).")
+    return None
