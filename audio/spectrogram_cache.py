@@ -21,7 +21,8 @@ The header holds its own checksum and those of the other small files (checked on
   damaged.json   written when a read (or `recipes cache verify`) finds a damaged item: the folder
                  then fails to open, so `build_spectrogram_cache` rebuilds it instead of reusing it
 Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py,
-  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
+  common/caches/cache_builds.py, common/caches/cache_checks.py, common/caches/cache_files.py,
+  common/caches/cache_folder.py, common/caches/packed_strings.py, common/loading/build_loader.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
   common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
   common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
@@ -42,6 +43,7 @@ from torch.utils.data import Dataset
 
 from recipes.audio.chunked import ChunkedAudioDataset
 from recipes.audio.shard_utterances import ShardUtterances
+from recipes.common.caches.cache_builds import FolderBuild
 from recipes.common.caches.cache_checks import (
     ItemChecks,
     VerifyMode,
@@ -51,15 +53,9 @@ from recipes.common.caches.cache_checks import (
     read_checked,
     write_item_sums,
 )
-from recipes.common.caches.cache_files import (
-    FolderBuild,
-    LazyMap,
-    build_loader,
-    check_size,
-    read_header,
-    write_synced,
-)
+from recipes.common.caches.cache_files import LazyMap, check_size, read_header, write_synced
 from recipes.common.caches.packed_strings import resolve_index, resolve_indices
+from recipes.common.loading.build_loader import build_loader
 from recipes.common.shards.shard_set import ShardSet
 
 FORMAT = "recipes-spectrogram-cache"

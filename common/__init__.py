@@ -12,7 +12,8 @@ from recipes.common.sampling.mixture import MixtureSampler, MixtureSources
 from recipes.common.sampling.mixture_iterable import MixtureIterable
 from recipes.common.sampling.sharding import shard_indices
 from recipes.common.shards.shard_formats import ShardFormatError, read_parquet, read_tar
-from recipes.common.shards.shard_set import ShardIndexError, ShardSet, index_shards, write_shards
+from recipes.common.shards.shard_set import ShardIndexError, ShardSet
+from recipes.common.shards.shard_writer import index_shards, write_shards
 from recipes.common.shards.sharded_dataset import ShardedIterableDataset
 from recipes.common.sizing.profiles import PROFILES, LoaderRecipe, profile_settings
 from recipes.common.sizing.resources import Resources, detect_resources

@@ -13,10 +13,11 @@ Trade-off: one sample per line; multi-line samples need `.jsonl` or Parquet. A `
 is hashed by its own fingerprint when it has one (else by its texts). A list of strings is
 texts, never paths: one whose strings are all existing paths is refused (issue 27); pass
 `Path`s, a folder or a glob to read files.
-Copy with: common/caches/packed_strings.py, common/remote/object_download.py,
-  common/sampling/sharding.py, common/shards/shard_checks.py, common/shards/shard_content.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py.
+Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
+  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations

@@ -27,11 +27,12 @@ The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in th
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
 workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
-Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
-  common/caches/packed_strings.py, common/remote/object_download.py, common/sampling/sharding.py,
-  common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
-  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py, nlp/texts.py.
+Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
+  common/caches/cache_files.py, common/caches/cache_folder.py, common/caches/packed_strings.py,
+  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, nlp/texts.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from recipes.common.caches.cache_builds import FolderBuild
 from recipes.common.caches.cache_checks import (
     ItemChecks,
     VerifyMode,
@@ -57,7 +59,7 @@ from recipes.common.caches.cache_checks import (
     read_checked,
     write_item_sums,
 )
-from recipes.common.caches.cache_files import FolderBuild, LazyMap, check_size, read_header
+from recipes.common.caches.cache_files import LazyMap, check_size, read_header
 from recipes.common.caches.packed_strings import resolve_index, resolve_indices
 from recipes.nlp.texts import TextSource
 

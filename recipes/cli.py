@@ -17,7 +17,7 @@ BENCHES = {
     "remote": "recipes.bench.remote",
     "shards": "recipes.bench.shards",
     "verify": "recipes.bench.verify_cost",
-    "train": "recipes.bench.train",
+    "train": "recipes.bench.harness.train",
 }
 
 

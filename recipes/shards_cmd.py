@@ -105,7 +105,7 @@ def _distributed() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.common.shards.shard_set import write_shards
+    from recipes.common.shards.shard_writer import write_shards
 
     if args.shard_mb <= 0:
         raise ValueError(f"--shard-mb must be positive, but is {args.shard_mb} instead.")
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_index(args: argparse.Namespace) -> int:
-    from recipes.common.shards.shard_set import index_shards
+    from recipes.common.shards.shard_writer import index_shards
 
     shards = index_shards(args.shards)
     print(f"{shards.url}/index.json: {len(shards.entries)} {shards.format} shards, {len(shards)} samples")

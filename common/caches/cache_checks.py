@@ -23,8 +23,7 @@ opening a folder whose record names one of its files raises the cache's error
 open, replaces it instead of reusing it. A rebuild writes a new folder, without the record.
 Trade-off: checksums find damage; they cannot repair it: a damaged item raises the cache's
 error naming the file and item, and the fix is a rebuild.
-Copy with: common/caches/cache_files.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+Copy with: common/caches/cache_files.py, common/workers/held_descriptors.py.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 state are computed in `loader_passes.py`.
 Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py.
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from recipes.common.resume.dataset_state import (
 )
 from recipes.common.resume.loader_contract import Prefetching, ReadAheadAware, ResumableIterable
 from recipes.common.resume.loader_counting import Counting
-from recipes.common.resume.loader_passes import STATE_VERSION, Pass, Passes, PassSampler
+from recipes.common.resume.loader_passes import STATE_VERSION, Pass, Passes
 from recipes.common.resume.loader_state import differences, find_generators, plan_settings
+from recipes.common.resume.pass_sampler import PassSampler
 
 __all__ = ["STATE_VERSION", "StatefulLoader"]
 

@@ -25,7 +25,7 @@ blocks, no second copy); other batches are copied into pinned memory.
 Copy with: common/loader_warning.py, common/loading/loader_path.py,
   common/loading/stateful_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py.
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py.
 """
 
 from __future__ import annotations

@@ -8,15 +8,20 @@ the file again when a sha256 is given.
 Adapt here: `_BLOCK`; `_open_stream` for a filesystem whose files read ahead.
 Trade-off: one connection per object; common/remote/ranged_download.py splits a large object into
 concurrent ranges where a store caps each connection.
-Copy with: nothing.
+Copy with: common/caches/cache_folder.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 from collections.abc import Callable
+from pathlib import Path
+
+import recipes.common.caches.cache_folder as cache_folder
 
 _BLOCK = 4 * 2**20  # bytes per read
 
@@ -101,3 +106,22 @@ def _sha256_of(fd: int) -> str:
         digest.update(block)
         offset += len(block)
     return digest.hexdigest()
+
+
+def matches_sum(path: Path, sha256: str) -> bool:
+    """Whether the file at `path` has this sha256: the checksum recorded beside it when the
+    record still describes it (`cache_folder.record_sum`: its inode, size, mtime and ctime),
+    else hashed (`file_sha256`: once per process and file version) and recorded for every
+    other process."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return True  # gone meanwhile: the caller downloads it
+    recorded = cache_folder.recorded_sum(path, info)
+    if recorded is not None:
+        return recorded == sha256
+    digest = file_sha256(path, info)
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_ctime_ns == info.st_ctime_ns:  # unchanged while it was hashed
+            cache_folder.record_sum(path, digest, info)
+    return digest == sha256

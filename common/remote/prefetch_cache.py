@@ -6,27 +6,22 @@ half-written. fsspec's `simplecache`/`filecache` write straight to the final pat
 or a concurrent reader sees a partial file (fsspec#639: 69 of 80 concurrent reads corrupt).
 Cost: one download per object per node; background threads (`prefetch` at a time) per process;
 an flock per access; a directory scan when space must be freed.
-Adapt here: `_ALLOWED` protocols; `is_transient` (common/remote/retries.py) for your storage's errors.
+Adapt here: `ALLOWED` (common/remote/object_urls.py); `is_transient` (common/remote/retries.py).
 Trade-off: whole objects are cached (no partial reads of huge objects); LRU by access time.
 
-How it holds up (each mechanism in its own file):
-- the folder (common/caches/cache_folder.py): downloads go to a temp file, fsynced and renamed; one
-  flock per key: the first process downloads, the others wait and read it; `pinned(url)`
-  holds a shared flock, which LRU eviction under `max_bytes` respects; dead processes' temp
-  files are swept on start. Names hash the URL; `pipe:`, `a::b` and unknown protocols fail;
-- the transfer (common/remote/object_download.py, common/remote/ranged_download.py): sizes and an optional
-  sha256 checked; objects over `range_bytes` as concurrent ranged GETs, `range_connections`
-  at first, doubled while it pays up to `max_connections`, one search for all processes;
-  one fsspec filesystem per process, its pool sized to `prefetch x max_connections`;
-- retries (common/remote/retries.py): one loop for a whole attempt and for each range, backoff with
-  jitter; the final error names the URL and the attempts; a full disk raises at once;
-- fork (common/workers/held_descriptors.py): locks and temp files held by download threads while
-  DataLoader workers fork are closed in the child;
-- `close()` (or `with`) stops this process's downloads and joins its threads; a forked child
-  closes only what it started. Later calls raise `CacheClosedError`.
+How it holds up, each mechanism in its own file: the folder (common/caches/cache_folder.py:
+temp file, fsync, rename; one flock per key, so one process downloads and the others wait;
+`pinned(url)` holds a shared flock that LRU eviction respects; dead processes' temps swept);
+the transfer (common/remote/object_download.py, ranged_download.py: sizes and an optional
+sha256 checked; large objects as concurrent ranged GETs, adapted up to `max_connections`);
+the URL policy (object_urls.py: `pipe:`, `a::b` and unknown protocols refused); retries
+(retries.py: backoff with jitter; the error names the URL and attempts; a full disk raises at
+once); fork (common/workers/held_descriptors.py: descriptors held by download threads are
+closed in a forked child). `close()` (or `with`) stops this process's downloads and joins its
+threads; later calls raise `CacheClosedError`.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py,
-  common/remote/object_download.py, common/remote/ranged_download.py, common/remote/retries.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/remote/object_download.py, common/remote/object_urls.py, common/remote/ranged_download.py,
+  common/remote/retries.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -34,9 +29,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import os
-import re
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,14 +42,13 @@ from recipes.common.caches.cache_files import fsync_path
 from recipes.common.remote.object_download import (
     ChecksumMismatch,
     download_whole,
-    file_sha256,
+    matches_sum,
     verify_download,
 )
+from recipes.common.remote.object_urls import cache_key, check_url, open_filesystem
 from recipes.common.remote.ranged_download import ConcurrencySearch, NoRangeSupport, download_ranges
 from recipes.common.remote.retries import StopRetrying, call_with_retries
 from recipes.common.workers.held_descriptors import release
-
-_ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
 
 class DownloadError(OSError):
@@ -141,7 +133,7 @@ class PrefetchCache:
         """Where `url` is cached: a hash of the URL, inside the cache folder."""
         path = self._paths.get(url)
         if path is None:
-            path = self._paths[url] = self.dir / _key(url)
+            path = self._paths[url] = self.dir / cache_key(url)
         return path
 
     def get(self, url: str, *, sha256: str | None = None) -> Path:
@@ -159,7 +151,7 @@ class PrefetchCache:
         self._check_open()
         check_url(url)
         final = self.path_for(url)
-        if sha256 is not None and final.exists() and not _matches(final, sha256):
+        if sha256 is not None and final.exists() and not matches_sum(final, sha256):
             # a copy of another version of the object (rewritten under the same URL) or a damaged
             # one: never served; removed, and downloaded again below
             with contextlib.suppress(FileNotFoundError):
@@ -170,7 +162,7 @@ class PrefetchCache:
         with self._running(), cache_folder.key_lock(self.dir, final.name, fcntl.LOCK_EX, pause=self._pause,
                                                     unless=final.exists):
             if cache_folder.touch(final):  # another process or thread finished it while we waited
-                if sha256 is None or _matches(final, sha256):  # (a prefetch downloads unverified)
+                if sha256 is None or matches_sum(final, sha256):  # (a prefetch downloads unverified)
                     self._count(hits=1)
                     return final
                 with contextlib.suppress(FileNotFoundError):
@@ -370,21 +362,8 @@ class PrefetchCache:
 
     def _filesystem(self, url: str):
         """(filesystem, path): one fsspec filesystem per process and protocol, reused."""
-        import fsspec
-
-        protocol = fsspec.utils.get_protocol(url)
-        key = (os.getpid(), protocol)
-        fs = self._fs.get(key)
-        if fs is None:
-            options = dict(self.storage_options)
-            if protocol in ("s3", "s3a"):  # botocore's pool (10) would queue the ranges
-                config = dict(options.get("config_kwargs") or {})
-                config.setdefault("max_pool_connections", self.depth * self.max_connections)
-                options["config_kwargs"] = config
-            fs, _ = fsspec.core.url_to_fs(url, **options)
-            self._fs = {k: v for k, v in self._fs.items() if k[0] == os.getpid()}  # drop a parent's
-            self._fs[key] = fs
-        return fs, fs._strip_protocol(url)
+        self._fs = {k: v for k, v in self._fs.items() if k[0] == os.getpid()}  # drop a parent's
+        return open_filesystem(url, self.storage_options, self.depth * self.max_connections, self._fs)
 
     def _adapter(self) -> ConcurrencySearch:
         if self._adapt is None:  # stateless but for the shared tensors: fine in a forked child too
@@ -419,37 +398,3 @@ class PrefetchCache:
         return state
 
 
-def _matches(path: Path, sha256: str) -> bool:
-    """Whether the file at `path` has this sha256: the checksum recorded beside it when the
-    record still describes it (`cache_folder.record_sum`: its inode, size, mtime and ctime),
-    else hashed (`file_sha256`: once per process and file version) and recorded for every
-    other process."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return True  # gone meanwhile: the caller downloads it
-    recorded = cache_folder.recorded_sum(path, info)
-    if recorded is not None:
-        return recorded == sha256
-    digest = file_sha256(path, info)
-    with contextlib.suppress(FileNotFoundError):
-        if os.stat(path).st_ctime_ns == info.st_ctime_ns:  # unchanged while it was hashed
-            cache_folder.record_sum(path, digest, info)
-    return digest == sha256
-
-
-@functools.lru_cache(maxsize=65536)
-def _key(url: str) -> str:
-    return hashlib.sha256(url.encode("utf-8")).hexdigest()[:40]
-
-
-@functools.lru_cache(maxsize=65536)
-def check_url(url: str) -> None:
-    """Refuses `pipe:` commands, chained URLs and protocols outside the allow-list."""
-    if "::" in url:
-        raise ValueError(f"Refusing chained URL {url!r}; pass the plain remote URL.")
-    match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*):", url)
-    if match and len(match.group(1)) > 1:  # one letter is a Windows drive
-        protocol = match.group(1).lower()
-        if protocol not in _ALLOWED:
-            raise ValueError(f"Refusing {url!r}: protocol {protocol!r} is not one of {sorted(_ALLOWED)}.")

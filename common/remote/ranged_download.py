@@ -12,7 +12,8 @@ Adapt here: `ConcurrencySearch.GAIN`, the gain a doubling must bring.
 Trade-off: a request per range (S3 prices requests); a server that ignores `Range` answers
 with the whole object (`NoRangeSupport`: fetch it whole instead). The search settles once and
 for all: a link that speeds up later is not searched again.
-Copy with: common/remote/object_download.py, common/remote/retries.py.
+Copy with: common/caches/cache_folder.py, common/remote/object_download.py,
+  common/remote/retries.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations

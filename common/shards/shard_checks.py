@@ -18,8 +18,9 @@ before the checksums) still reads, with a warning: its samples are checked again
 counts and offsets, not their bytes; one whose entries carry the v2 checksums is refused as
 damaged (its version was changed, which would turn the checks off). Every offset a tar read
 uses must start a key's first header (`ShardIndexError`, a `ShardFormatError` too).
-Copy with: common/remote/object_download.py, common/shards/shard_formats.py,
-  common/shards/shard_samples.py.
+Copy with: common/caches/cache_folder.py, common/remote/object_download.py,
+  common/shards/shard_formats.py, common/shards/shard_samples.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from recipes.common.shards.shard_formats import tar_header_at, tar_key_starts
 from recipes.common.shards.shard_samples import ShardFormatError
 
 FORMAT, VERSION, VERSIONS = "recipes-shards", 2, (1, 2)  # 2: per-sample xxh3-64s (`xxh3`) and tar `end`
+INDEX_NAME = "index.json"
 SUMS = "xxh3"  # an entry's key for its checksums
 _LIMIT = 2**64
 

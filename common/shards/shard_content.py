@@ -12,9 +12,11 @@ way, so every sample a cache stores comes from bytes the index vouches for.
 Adapt here: `_download` (e.g. through a `PrefetchCache`).
 Trade-off: the key trusts the index: a shard rewritten under an old index is caught when it is
 read (`ShardFormatError`), not by the key.
-Copy with: common/caches/packed_strings.py, common/remote/object_download.py,
-  common/sampling/sharding.py, common/shards/shard_checks.py, common/shards/shard_formats.py,
-  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py.
+Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
+  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
+  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
+  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from recipes.common.shards.shard_checks import FORMAT, VERSION
-from recipes.common.shards.shard_set import INDEX_NAME, ShardSet
+from recipes.common.shards.shard_checks import FORMAT, INDEX_NAME, VERSION
+from recipes.common.shards.shard_set import ShardSet
 
 
 def content_hash(shards: ShardSet, *settings: str) -> str:

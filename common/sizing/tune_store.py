@@ -8,7 +8,7 @@ Trade-off: the key is the dataset's type, length and `repr` (ImageFolderFast's n
 size, mode and whether it reads a cache); two datasets that print alike share a result.
 Files are `$RECIPES_TUNE_DIR`, else `$XDG_CACHE_HOME/recipes/tune` (`~/.cache/recipes/tune`).
 Copy with: common/caches/cache_files.py, common/sizing/resources.py, common/sizing/sizing.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/workers/held_descriptors.py.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
 
     from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
     from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.measure import measure
+    from recipes.bench.harness.measure import measure
     from recipes.common import ThreadLoader, worker_init
 
     chunked = ChunkedAudioDataset(folder, chunk_seconds=chunk_seconds)
@@ -133,7 +133,7 @@ def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
 def _probe(path: str, chunk_seconds: float, kind: str) -> None:
     from recipes.audio import ChunkedAudioDataset
     from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.measure import peak_rss_growth
+    from recipes.bench.harness.measure import peak_rss_growth
 
     chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
@@ -143,7 +143,7 @@ def _probe(path: str, chunk_seconds: float, kind: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.measure import format_table
+    from recipes.bench.harness.measure import format_table
     from recipes.common import smart_num_workers
 
     if args.data is not None:
@@ -177,7 +177,7 @@ def train_setup(args, device):
 
     from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
     from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.train_setup import TrainSetup
+    from recipes.bench.harness.train_setup import TrainSetup
     from recipes.common import make_loader, smart_num_workers, worker_init
 
     cuda = device.type == "cuda"

@@ -25,7 +25,7 @@ def train_setup(args, device):
 
     import torch
 
-    from recipes.bench.train_setup import TrainSetup
+    from recipes.bench.harness.train_setup import TrainSetup
     from recipes.common import LengthBucketSampler, make_loader
     from recipes.nlp import PadCollate, build_token_cache, document_attention_mask, packed_loader
     from recipes.testing import make_text_corpus, train_tokenizer

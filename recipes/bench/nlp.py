@@ -95,7 +95,7 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.measure import measure
+    from recipes.bench.harness.measure import measure
     from recipes.common import LengthBucketSampler, ThreadLoader, worker_init
     from recipes.nlp import PadCollate, build_token_cache
 
@@ -178,7 +178,7 @@ def train_setup(args, device):
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.train_setup import TrainSetup
+    from recipes.bench.harness.train_setup import TrainSetup
     from recipes.common import LengthBucketSampler, make_loader, smart_num_workers, worker_init
     from recipes.nlp import PadCollate, build_token_cache
     from recipes.testing import make_text_corpus, train_tokenizer

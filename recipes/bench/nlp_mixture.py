@@ -22,7 +22,7 @@ def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: 
     the two rows and the plan's draw time per epoch (a one-off per epoch, inside the mixed rows)."""
     import numpy as np
 
-    from recipes.bench.measure import best_interleaved, measure
+    from recipes.bench.harness.measure import best_interleaved, measure
     from recipes.common import LengthBucketSampler, MixtureSampler, MixtureSources, make_loader
     from recipes.nlp import PadCollate, build_token_cache
 

@@ -61,7 +61,7 @@ def compare_pack(texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_l
     from transformers import DataCollatorWithFlattening, DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.measure import measure
+    from recipes.bench.harness.measure import measure
     from recipes.common import LengthBucketSampler, worker_init
     from recipes.nlp import PadCollate, build_token_cache, packed_loader
 

@@ -116,7 +116,7 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
             repeat: int = 5):
     """Rows: streaming (baseline), simplecache epoch 1, PrefetchCache epoch 1, PrefetchCache
     epoch 2, local disk; and the PrefetchCache's `concurrency()` after epoch 1."""
-    from recipes.bench.measure import best_interleaved, measure
+    from recipes.bench.harness.measure import best_interleaved, measure
     from recipes.common import PrefetchCache, ShardedIterableDataset
 
     names = sorted(p.name for p in folder.glob("shard-*.bin"))
@@ -150,7 +150,7 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.measure import format_table
+    from recipes.bench.harness.measure import format_table
     from recipes.common import smart_num_workers
 
     folder, per_shard = ensure_shards(args.shards, args.shard_mb)

@@ -109,8 +109,8 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
     over S3 epochs 1 and 2, and ours from local disk."""
     from torch.utils.data import DataLoader
 
-    from recipes.bench.measure import best_interleaved
-    from recipes.bench.measure import measure as measure_items
+    from recipes.bench.harness.measure import best_interleaved
+    from recipes.bench.harness.measure import measure as measure_items
     from recipes.common import PrefetchCache, ShardSet, worker_init
 
     def measure(name, batches):
@@ -174,7 +174,7 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.measure import format_table
+    from recipes.bench.harness.measure import format_table
     from recipes.bench.vision import ensure_data
     from recipes.common import smart_num_workers
 

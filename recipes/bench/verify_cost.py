@@ -28,7 +28,7 @@ def _set(checks, mode):
 
 def _rows(name, make_loader, checks, repeat):
     """`{mode: Measurement}` for one loader, the modes measured in turns."""
-    from recipes.bench.measure import best_interleaved, measure
+    from recipes.bench.harness.measure import best_interleaved, measure
 
     def run(mode):
         _set(checks(), mode)
@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.measure import format_table
+    from recipes.bench.harness.measure import format_table
     from recipes.common.caches.cache_checks import algorithm
 
     if args.checksum is not None:  # what a build with another hash writes: the builders' choice, replaced

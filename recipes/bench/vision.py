@@ -70,7 +70,7 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
-    from recipes.bench.measure import best_interleaved, measure
+    from recipes.bench.harness.measure import best_interleaved, measure
     from recipes.common import make_loader, worker_init
     from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 
@@ -78,7 +78,7 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
                     worker_init_fn=worker_init if workers else None)
     baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
         [T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]))
-    from recipes.bench.peers import litdata_available, litdata_eval_loader
+    from recipes.bench.harness.peers import litdata_available, litdata_eval_loader
 
     cold = ImageFolderFast(root, size=size)
     notes = []
@@ -244,7 +244,7 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.measure import format_table
+    from recipes.bench.harness.measure import format_table
     from recipes.common import smart_num_workers
 
     root = args.data or ensure_data(args.images, _parse_size(args.image_size))
@@ -281,7 +281,7 @@ def train_setup(args, device):
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
-    from recipes.bench.train_setup import TrainSetup
+    from recipes.bench.harness.train_setup import TrainSetup
     from recipes.common import make_loader, smart_num_workers, worker_init
     from recipes.vision import (
         IMAGENET_MEAN,

@@ -26,7 +26,7 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
     import torchvision.transforms as T
     from torch.utils.data import DataLoader
 
-    from recipes.bench.measure import best_interleaved, measure
+    from recipes.bench.harness.measure import best_interleaved, measure
     from recipes.common import make_loader, worker_init
     from recipes.vision import (
         GpuDecode,

@@ -8,7 +8,7 @@ import torchaudio
 from torch.utils.data import DataLoader
 
 from recipes.audio import AudioDecodeError, ChunkedAudioDataset, pad_collate
-from recipes.bench.measure import peak_rss_growth
+from recipes.bench.harness.measure import peak_rss_growth
 from recipes.common import PackedStrings
 from recipes.testing import make_audio_files
 

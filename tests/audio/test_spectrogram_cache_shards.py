@@ -11,7 +11,8 @@ import torch
 from recipes.audio import ChunkedAudioDataset, ShardAudioError, build_spectrogram_cache
 from recipes.audio.shard_utterances import ShardUtterances
 from recipes.audio.spectrogram_cache import featurizer
-from recipes.common.shards.shard_set import ShardFormatError, ShardSet, write_shards
+from recipes.common.shards.shard_set import ShardFormatError, ShardSet
+from recipes.common.shards.shard_writer import write_shards
 
 
 def _samples(files):

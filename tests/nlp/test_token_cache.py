@@ -74,7 +74,7 @@ def test_parquet_and_shard_inputs_equal_the_jsonl_cache(corpus, tokenizer, tmp_p
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    from recipes.common.shards.shard_set import write_shards
+    from recipes.common.shards.shard_writer import write_shards
 
     (tmp_path / "t.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in corpus))
     reference = build_token_cache(tmp_path / "t.jsonl", tokenizer, tmp_path / "j", progress=False, text_field="body")

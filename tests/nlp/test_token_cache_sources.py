@@ -7,12 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.common.shards.shard_set import (
-    ShardFormatError,
-    ShardIndexError,
-    ShardSet,
-    write_shards,
-)
+from recipes.common.shards.shard_set import ShardFormatError, ShardIndexError, ShardSet
+from recipes.common.shards.shard_writer import write_shards
 from recipes.nlp import build_token_cache
 from recipes.testing_servers import LocalHTTPServer
 

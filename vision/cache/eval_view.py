@@ -29,10 +29,10 @@ checksum, is not opened (`eval_view_of` warns, naming it, and the next `build_im
 rebuilds it); an image whose row differs from its checksum raises the cache's error when read
 and is recorded in the cache's `damaged.json`: the view is then not opened, and the next
 `build_image_cache` on an eval dataset rebuilds the view alone (not the whole images).
-Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  vision/cache/cache_source.py, vision/decoding/crop.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
+  common/caches/cache_files.py, common/loading/build_loader.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, vision/cache/cache_source.py, vision/decoding/crop.py,
+  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from recipes.common.caches.cache_builds import sweep_dead_temps
 from recipes.common.caches.cache_checks import (
     ItemChecks,
     VerifyMode,
@@ -57,12 +58,11 @@ from recipes.common.caches.cache_files import (
     LazyMap,
     _host,
     _seal,
-    build_loader,
     folder_lock,
     fsync_path,
-    sweep_dead_temps,
     write_synced,
 )
+from recipes.common.loading.build_loader import build_loader
 from recipes.vision.cache.cache_source import CacheSource
 from recipes.vision.decoding.crop import _resized, resize_side
 from recipes.vision.decoding.decode import decode_image, resize_uint8

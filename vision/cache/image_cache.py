@@ -28,8 +28,8 @@ A damaged file is not served either: the header holds its own checksum and one p
 `ImageCache.checks`); an image found damaged is recorded in `damaged.json`, and the folder then
 fails to open, so `build_image_cache` rebuilds it (`recipes.vision.cache.image_cache_build`).
 Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+  common/workers/held_descriptors.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations

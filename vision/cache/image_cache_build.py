@@ -12,11 +12,11 @@ size and mtime is not noticed.
 The build reads the dataset through `CacheSource` (`recipes.vision.cache.cache_source`): `paths`,
 `targets`, `root`, `max_side`, `train`, `len()`, `cache_record(i)`, `use_cache(cache)` and, for
 an eval dataset, what the eval view reads (`resolution`, `CROP_PCT`, `eval_record(i)`).
-Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  vision/cache/cache_source.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
-  vision/cache/stale_caches.py, vision/decoding/crop.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
+  common/caches/cache_files.py, common/loading/build_loader.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, vision/cache/cache_source.py, vision/cache/eval_view.py,
+  vision/cache/image_cache.py, vision/cache/stale_caches.py, vision/decoding/crop.py,
+  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -28,13 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.common.caches.cache_builds import FolderBuild, sweep_dead_temps
 from recipes.common.caches.cache_checks import algorithm, file_checksums, hasher
-from recipes.common.caches.cache_files import (
-    FolderBuild,
-    build_loader,
-    sweep_dead_temps,
-    write_synced,
-)
+from recipes.common.caches.cache_files import write_synced
+from recipes.common.loading.build_loader import build_loader
 from recipes.vision.cache.cache_source import CacheSource
 from recipes.vision.cache.eval_view import ensure_eval_view
 from recipes.vision.cache.image_cache import (

@@ -11,7 +11,7 @@ import pytest
 def test_a_folder_build_publishes_whole_or_not_at_all(tmp_path):
     import json
 
-    from recipes.common.caches.cache_files import FolderBuild
+    from recipes.common.caches.cache_builds import FolderBuild
 
     target = tmp_path / "cache"
     build = FolderBuild(target)
@@ -42,7 +42,7 @@ def test_the_first_of_two_builders_to_publish_wins(tmp_path):
     a folder that does not open as a valid cache is replaced."""
     import json
 
-    from recipes.common.caches.cache_files import FolderBuild
+    from recipes.common.caches.cache_builds import FolderBuild
 
     target = tmp_path / "cache"
 
@@ -79,7 +79,8 @@ def test_dead_builders_temps_are_swept_live_and_foreign_ones_kept(tmp_path):
     import subprocess
     import sys
 
-    from recipes.common.caches.cache_files import _host, sweep_dead_temps
+    from recipes.common.caches.cache_builds import sweep_dead_temps
+    from recipes.common.caches.cache_files import _host
 
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
@@ -90,7 +91,7 @@ def test_dead_builders_temps_are_swept_live_and_foreign_ones_kept(tmp_path):
     assert sweep_dead_temps(tmp_path, "c") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
 
-    from recipes.common.caches.cache_files import FolderBuild
+    from recipes.common.caches.cache_builds import FolderBuild
 
     (tmp_path / "c").mkdir()  # a valid cache: no build follows, but its dead builders' temps go
     (tmp_path / names["dead"]).mkdir()

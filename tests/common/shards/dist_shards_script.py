@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from recipes.common import PrefetchCache
-from recipes.common.shards.shard_set import write_shards
+from recipes.common.shards.shard_writer import write_shards
 from recipes.shards_cmd import image_folder_samples
 
 

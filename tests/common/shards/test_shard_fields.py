@@ -5,7 +5,8 @@ whatever readers would not give back is refused at write, naming the sample and 
 import numpy as np
 import pytest
 
-from recipes.common.shards.shard_set import ShardFormatError, ShardSet, write_shards
+from recipes.common.shards.shard_set import ShardFormatError, ShardSet
+from recipes.common.shards.shard_writer import write_shards
 
 pytest.importorskip("pyarrow")
 FORMATS = ["tar", "parquet"]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from recipes.common.shards.shard_formats import ShardFormatError, read_tar
-from recipes.common.shards.shard_set import ShardIndexError, ShardSet, index_shards, write_shards
+from recipes.common.shards.shard_set import ShardIndexError, ShardSet
+from recipes.common.shards.shard_writer import index_shards, write_shards
 
 pa = pytest.importorskip("pyarrow")
 fsspec = pytest.importorskip("fsspec")

@@ -21,7 +21,8 @@ from recipes.common.shards.shard_formats import (
     read_parquet,
     read_tar,
 )
-from recipes.common.shards.shard_set import ShardIndexError, ShardSet, index_shards, write_shards
+from recipes.common.shards.shard_set import ShardIndexError, ShardSet
+from recipes.common.shards.shard_writer import index_shards, write_shards
 from recipes.testing_servers import LocalHTTPServer
 
 pa = pytest.importorskip("pyarrow")

@@ -6,7 +6,7 @@ import cv2
 import numpy as np
 import pytest
 
-from recipes.common.shards.shard_set import write_shards
+from recipes.common.shards.shard_writer import write_shards
 from recipes.vision.cache.image_cache_build import build_image_cache
 
 

@@ -6,7 +6,7 @@ thread competes for it, and worker start-up delays the first step.
 Cost: per domain, one resident-batch run of the model alone, then `--steps` training steps per
 loader (the plain torch way, the recipe cold, the recipe warm), each step synchronised.
 Adapt here: each domain's `train_setup` in `recipes.bench.<domain>` (model, step, loaders),
-which returns a `recipes.bench.train_setup.TrainSetup`.
+which returns a `recipes.bench.harness.train_setup.TrainSetup`.
 Trade-off: `--steps` short runs carry noise; each loader's first batch is reported apart and
 excluded from the steady rate, whose data wait is the share of time spent in `next(loader)`.
 """
@@ -21,7 +21,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from recipes.bench.train_setup import TrainSetup
+from recipes.bench.harness.train_setup import TrainSetup
 
 DOMAINS = ("vision", "nlp", "audio", "lm")
 

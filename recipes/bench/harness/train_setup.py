@@ -1,6 +1,6 @@
 """`TrainSetup`: what each `recipes.bench.<domain>` hands `recipes bench train`'s runner.
 
-It lives apart from the runner (`recipes.bench.train`), which loads the domain modules by
+It lives apart from the runner (`recipes.bench.harness.train`), which loads the domain modules by
 name: they import it from here, not the runner back.
 
 Use when: writing a domain's `train_setup(args, device)` for `recipes bench train`.

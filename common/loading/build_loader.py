@@ -1,0 +1,38 @@
+"""The DataLoader of a `build_*` pass: index order, and workers that die with their parent (a
+killed build leaves no orphan decoding on).
+
+Use when: a cache build reads its dataset through DataLoader workers.
+Cost: none beyond DataLoader's.
+Adapt here: the worker count's fallback when this file is copied without the package.
+Trade-off: `num_workers=None` asks `smart_num_workers()` (cgroup quota, memory).
+Copy with: common/workers/process_lifetime.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from recipes.common.workers.process_lifetime import die_with_parent
+
+
+def build_loader(dataset, *, num_workers: int | None, batch_size: int, collate_fn):
+    """The DataLoader of a `build_*` pass, in index order. Its workers die with their parent
+    (a killed build leaves no orphan decoding on). `num_workers=None`: `smart_num_workers()`
+    (cgroup quota, memory), or for a file copied without the package the CPUs it may use."""
+    from torch.utils.data import DataLoader
+
+    if num_workers is None:
+        try:
+            from recipes.common.sizing.sizing import smart_num_workers
+        except ImportError:  # this file copied on its own
+            num_workers = max(0, min(len(os.sched_getaffinity(0)) - 1, 8))
+        else:
+            num_workers = smart_num_workers()
+    if num_workers < 0:
+        raise ValueError(f"`num_workers` must be non-negative, but is {num_workers!r} instead.")
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+                      worker_init_fn=_build_worker_init if num_workers else None)
+
+
+def _build_worker_init(worker_id: int) -> None:
+    die_with_parent()

@@ -1,0 +1,4 @@
+"""The benchmarks' shared harness: timing and measuring loaders (`measure.py`), the peers'
+loaders set up side by side (`peers.py`), and `recipes bench train`'s runner (`train.py`) with
+what each domain hands it (`train_setup.py`). The tables themselves live one module each in
+`recipes/bench/`."""
