@@ -288,3 +288,24 @@ def test_a_copy_that_reaches_for_the_package_fails(tmp_path, run_copy):
     """The runner itself: a copy importing `recipes` must fail, so a passing copy means something."""
     with pytest.raises(AssertionError, match="recipes"):
         run_copy("common/sampling/sharding.py", "import sharding\nimport recipes.common\n", tmp_path)
+
+
+def copy_table() -> str:
+    """The README's copy table, from the headers: each smoke-tested recipe, its declared copy
+    set, and the lines of all of them. `python tests/test_copyable.py` prints it."""
+    rows = ["| recipe file | copy with | lines in all |", "|---|---|---:|"]
+    for recipe in sorted(SMOKE):
+        files = sorted(declared(recipe) or [])
+        lines = sum(len((ROOT / f).read_text().splitlines()) for f in [recipe, *files])
+        rows.append(f"| `{recipe}` | {', '.join(f'`{f}`' for f in files)} | {lines:,} |")
+    return "\n".join(rows)
+
+
+def test_the_readme_copy_table_is_the_one_the_headers_give():
+    readme = (ROOT / "README.md").read_text()
+    assert copy_table() in readme, ("the README's copy table differs from the headers: replace it with the "
+                                    "output of `python tests/test_copyable.py`")
+
+
+if __name__ == "__main__":
+    print(copy_table())

@@ -161,7 +161,7 @@ def test_a_damaged_index_or_shard_says_so(tmp_path):
 
 KILL_WRITER = r"""
 import os, sys, time
-import recipes.common.shards.shard_set as shards
+import recipes.common.shards.shard_writer as shards
 
 out, pause_at = sys.argv[1], int(sys.argv[2])
 real_replace = os.replace
@@ -370,7 +370,7 @@ def test_a_rewrite_removes_the_old_index_first_and_stale_shards_last(tmp_path):
     big = [{"__key__": f"a{i:04d}", "bin": bytes([i % 256]) * 900} for i in range(100)]
     write_shards(big, tmp_path / "s", shard_bytes=10_000, progress=False)
     seen = []
-    import recipes.common.shards.shard_set as module
+    import recipes.common.shards.shard_writer as module
 
     real = module._Writer.write_shard
 
