@@ -19,7 +19,9 @@ made the last batch received, as the uninterrupted run's does, and a worker whos
 ended stays ended. A worker's stream end is a message of its own (its dataset's state after the
 end: an epoch counter kept in the dataset moves on there); the loop never sees it. A state
 saved after an epoch ended carries the copies' dataset states when they outlive the epoch
-(persistent workers; without workers, this process's copy). With persistent workers the resumed
+(persistent workers; without workers, this process's copy; a dataset that is its own iterator
+carries its iterator's state); after a `break` they are unknown (persistent workers read
+ahead), so the next epoch's states begin from fresh. With persistent workers the resumed
 epoch's workers stay for the next epochs, as the uninterrupted run's did. A dataset that
 applies a loaded state at every `iter` of the same epoch number (Hugging Face's) needs
 `set_epoch` each epoch; the loader warns when it is iterated again at the same epoch.
@@ -60,7 +62,10 @@ def copy_state(dataset, iterator, ended: bool) -> dict[str, Any] | None:
         return None
     # a copy: a state_dict() may return the dataset's own dict, which it changes as it goes on
     # (in a worker, while the queue's feeder thread pickles the batch)
-    return copy.deepcopy({"dataset": own, "iterator": position, "ended": bool(ended)})
+    state = {"dataset": own, "iterator": position, "ended": bool(ended)}
+    if iterator is dataset:  # its own iterator: after its epoch, its state is the dataset's too
+        state["own_iterator"] = True
+    return copy.deepcopy(state)
 
 
 class Carried:
@@ -181,9 +186,15 @@ def live_state(dataset, inner) -> dict[str, Any] | None:
 
 def carried_over(states: dict[str, Any]) -> dict[str, Any]:
     """What copies that outlive an epoch begin the next with: each one's dataset state (its
-    iterator's is replaced by the next `iter(dataset)`)."""
-    return {w: {"dataset": s["dataset"], "iterator": None, "ended": False}
-            for w, s in states.items() if s is not None and s.get("dataset") is not None}
+    iterator's is replaced by the next `iter(dataset)`; a dataset that is its own iterator
+    carries that state, loaded before its next `iter`)."""
+    out = {}
+    for w, s in states.items():
+        own = None if s is None else s["dataset"] if s.get("dataset") is not None else \
+            s.get("iterator") if s.get("own_iterator") else None
+        if own is not None:
+            out[w] = {"dataset": own, "iterator": None, "ended": False}
+    return out
 
 
 class RotatedIter(_MultiProcessingDataLoaderIter):

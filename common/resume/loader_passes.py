@@ -116,8 +116,9 @@ class Passes:
         base = {}
         if pending is not None:
             base = dict(pending.get("dataset_states") or {})
-        elif self.self_resuming and self.persistent and self.current is not None:  # the copies go on
-            base = carried_over(self.pass_states(self.current))
+        elif self.self_resuming and self.persistent and self.current is not None and self.current.done \
+                and not self.current.dropped:  # the copies go on from the epoch's end (after a break:
+            base = carried_over(self.pass_states(self.current))  # unknown, read ahead; fresh states)
         self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip,
                             base_states=base)
         return self.current

@@ -306,6 +306,74 @@ def test_a_state_is_a_copy_of_a_live_dict(workers, persistent):
     assert head + epoch(second) == full
 
 
+
+class CountsPasses(IterableDataset):
+    """Its own iterator, which counts its passes in its state (the review's repro): items are
+    (sample, pass number of this copy)."""
+
+    def __init__(self, n=8):
+        self.n, self.passes, self.curr, self.end = n, 0, 0, 0
+
+    def __iter__(self):
+        wid, workers = _worker()
+        self.passes += 1
+        share = self.n // workers
+        self.curr, self.end = wid * share, (wid + 1) * share
+        return self
+
+    def __next__(self):
+        if self.curr >= self.end:
+            raise StopIteration
+        self.curr += 1
+        return [self.curr - 1, self.passes]
+
+    def state_dict(self):
+        return {"curr": self.curr, "end": self.end, "passes": self.passes}
+
+    def load_state_dict(self, state):
+        self.curr, self.end, self.passes = state["curr"], state["end"], state["passes"]
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, True)], ids=["w0", "w2-persistent"])
+def test_a_dataset_that_is_its_own_iterator_carries_its_count_past_an_epochs_end(workers, persistent):
+    build = lambda: StatefulLoader(CountsPasses(), batch_size=None, collate_fn=None,  # noqa: E731
+                                   **kwargs(workers, persistent))
+    reference = build()
+    full = [epoch(reference) for _ in range(3)]
+    first = build()
+    epoch(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    del first
+    second = build()
+    second.load_state_dict(state)
+    assert [epoch(second) for _ in range(2)] == full[1:]
+
+
+def test_after_a_break_persistent_copies_start_the_next_epoch_fresh():
+    """Epoch 0 left by `break` on persistent workers, epoch 1 iterated on the same loader and
+    saved after its first batch: the workers that had not yet given a batch in epoch 1 resume
+    from its start, not from where epoch 0 was left (the review's repro lost two samples)."""
+    build = lambda: StatefulLoader(CountsEpochs((12, 12)), batch_size=2, collate_fn=as_list,  # noqa: E731
+                                   num_workers=2, persistent_workers=True)
+    reference = build()
+    iterator = iter(reference)
+    next(iterator), next(iterator)
+    del iterator
+    full = epoch(reference)
+    first = build()
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    del iterator
+    iterator = iter(first)
+    head = [rows(next(iterator))]
+    state = json.loads(json.dumps(first.state_dict()))
+    del iterator, first
+    second = build()
+    second.load_state_dict(state)
+    got = head + epoch(second)
+    assert Counter(items(got)) == Counter(items(full))
+    assert got == full
+
 def test_another_worker_count_is_refused_naming_the_one_to_use():
     first = StatefulLoader(UnevenShards(), batch_size=2, collate_fn=as_list, num_workers=2)
     iterator = iter(first)
