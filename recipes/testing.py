@@ -6,8 +6,11 @@ Cost: about 5 ms per 500x375 JPEG, 30 ms per minute of 16 kHz FLAC, a second or 
 train a 2k-token BPE tokenizer on a few thousand lines.
 Adapt here: sizes, counts and distributions are keyword arguments.
 Trade-off: synthetic content compresses like photos (multi-octave noise, edges) but is not a
-photo; decode-speed ratios carry over, absolute accuracy numbers do not. The fake servers
-(HTTP with faults, moto S3, a throttling proxy) are in `recipes.testing_servers`.
+photo; decode-speed ratios carry over, absolute accuracy numbers do not. `make_image_folder`
+writes one size of smooth content; `make_photo_folder` (from `recipes.testing_photos`) writes
+what users have: ImageNet's sizes, 1/f content, grayscale, CMYK, progressive, EXIF-rotated
+files. The fake servers (HTTP with faults, moto S3, a throttling proxy) are in
+`recipes.testing_servers`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from recipes.testing_photos import make_photo_folder as make_photo_folder  # re-exported
 
 # Lowercase syllables composed into a Zipf-distributed vocabulary of made-up words.
 _SYLLABLES = "ka lo mi ne ru sa ti vo bel dan fer gon hul jis kor lum mar nes pol quin rast".split()

@@ -22,30 +22,39 @@ BENCH_VERSION = 3  # bump when the generated data changes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, default=None, help="an ImageFolder root (default: generated)")
-    parser.add_argument("--images", type=int, default=800, help="images to generate (default data only)")
-    parser.add_argument("--image-size", default="500x375", help="WxH of generated images (default data only)")
+    parser.add_argument("--data", type=Path, default=None, help="an ImageFolder root (instead of --set)")
+    parser.add_argument("--set", choices=("generated", "photos", "both"), default="both", help="built-in data: "
+                        "smooth JPEGs of one size, photo-like ones (recipes.testing_photos), or both")
+    parser.add_argument("--images", type=int, default=800, help="images to generate (built-in sets only)")
+    parser.add_argument("--image-size", default="500x375", help="WxH of the generated set's images")
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeat", type=int, default=2, help="epochs per loader; the best is kept")
 
 
-def default_data_root(images: int, image_size: tuple[int, int]) -> Path:
+def default_data_root(images: int, image_size: tuple[int, int], kind: str = "generated") -> Path:
+    from recipes.testing_photos import PHOTOS_VERSION
+
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "recipes" / "bench"
+    if kind == "photos":  # sizes drawn from ImageNet's: `image_size` does not apply
+        return base / f"vision-photos-v{PHOTOS_VERSION}-{images}"
     suffix = "" if image_size == (500, 375) else f"-{image_size[0]}x{image_size[1]}"
     return base / f"vision-v{BENCH_VERSION}-{images}{suffix}"
 
 
-def ensure_data(images: int, image_size: tuple[int, int] = (500, 375)) -> Path:
-    """The generated ImageFolder for `images` images (10 classes), built once and reused."""
-    from recipes.testing import make_image_folder
+def ensure_data(images: int, image_size: tuple[int, int] = (500, 375), kind: str = "generated") -> Path:
+    """The built-in ImageFolder of `images` images (10 classes), built once and reused: the
+    generated set (`make_image_folder`) or, with kind="photos", the photographic one."""
+    from recipes.testing import make_image_folder, make_photo_folder
 
-    root = default_data_root(images, image_size)
+    root = default_data_root(images, image_size, kind)
     if (root / ".complete").exists():
         return root
-    classes = 10
-    make_image_folder(root, classes=classes, per_class=max(1, images // classes), size=image_size, seed=1)
+    if kind == "photos":
+        make_photo_folder(root, images=images, classes=10, seed=1)
+    else:
+        make_image_folder(root, classes=10, per_class=max(1, images // 10), size=image_size, seed=1)
     (root / ".complete").touch()
     return root
 
@@ -245,27 +254,29 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
 
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.harness.measure import format_table
+    from recipes.bench.vision_train import compare_train
     from recipes.common import smart_num_workers
 
-    root = args.data or ensure_data(args.images, _parse_size(args.image_size))
+    kinds = ("generated", "photos") if args.set == "both" else (args.set,)
+    sets = [("your data", args.data)] if args.data else [
+        (kind, ensure_data(args.images, _parse_size(args.image_size), kind)) for kind in kinds]
     workers = smart_num_workers() if args.workers is None else args.workers
-    rows, build_seconds, notes = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
-                                         repeat=args.repeat)
-    count = rows[0].items
-    print(f"\n## vision: {count} images from {root}, {args.size}px eval, "
-          f"batch {args.batch_size}, {workers} workers\n")
-    print(format_table(rows, unit="images/s"))
-    print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
-    for note in notes:
-        print(f"\n{note}")
-    with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
-        from recipes.bench.vision_train import compare_train
-
-        train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
-                                   repeat=args.repeat, warm_dir=warm_dir)
-    print(f"\n## vision train: random-resized crops + flips, {args.size}px, batch {args.batch_size}, "
-          f"{workers} workers (img/s per worker = rate / {max(workers, 1)})\n")
-    print(format_table(train_rows, unit="images/s"))
+    for name, root in sets:
+        rows, build_seconds, notes = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
+                                             repeat=args.repeat)
+        count = rows[0].items
+        print(f"\n## vision, {name} set: {count} images from {root}, {args.size}px eval, "
+              f"batch {args.batch_size}, {workers} workers\n")
+        print(format_table(rows, unit="images/s"))
+        print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
+        for note in notes:
+            print(f"\n{note}")
+        with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
+            train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
+                                       repeat=args.repeat, warm_dir=warm_dir)
+        print(f"\n## vision train, {name} set: random-resized crops + flips, {args.size}px, batch "
+              f"{args.batch_size}, {workers} workers (img/s per worker = rate / {max(workers, 1)})\n")
+        print(format_table(train_rows, unit="images/s"))
     return 0
 
 
