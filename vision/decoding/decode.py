@@ -2,13 +2,16 @@
 
 Use when: decoding JPEGs (or PNG, BMP, WebP, TIFF) into RGB uint8 arrays for training.
 Cost: a header read (the JPEG frame marker, or Pillow for other formats; no pixel decoded)
-and one `cv2.imdecode`. When the
+and one decode: a JPEG through TurboJPEG (`simplejpeg`, the GIL released, strict at no cost),
+anything else, and a JPEG with a warning or in CMYK, through `cv2.imdecode`. When the
 output needs at most 1/2, 1/4 or 1/8 of the source's pixels per side, libjpeg-turbo decodes
 at that scale in the DCT (`IMREAD_REDUCED_COLOR_*`), skipping most of the inverse DCT and
 colour conversion: a 2000x1500 photo for a 224 crop decodes at 1/4 in about 1/6 of the time.
 Adapt here: `decode_image(..., reduce=)`; `resize_uint8` for the interpolation.
 Trade-off: the DCT scale is a power of two, so a 500x375 photo for a 224 crop (1.46x) decodes
-at full size; a finer scale (3/4, 5/8) needs TurboJPEG directly (e.g. `simplejpeg`).
+at full size (TurboJPEG's finer scales, 3/4 or 5/8, would move the pixels further from
+torchvision's). Without `simplejpeg` every decode goes through OpenCV, and strict ones take
+turns in a process (`jpeg_damage.py`).
 
 Headers come from `recipes.vision.decoding.image_header`, the strict check of libjpeg's
 damage reports (`strict`, on by default) from `recipes.vision.decoding.jpeg_damage`, crop
@@ -94,6 +97,10 @@ def decode_image(
     flags = (rgb if rgb is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
     if is_jpeg:
         flags |= _REDUCED_BITS[reduce]
+    if is_jpeg:
+        image = _turbo_decode(data, header, reduce, strict)
+        if image is not None:
+            return image
     buffer = np.frombuffer(data, np.uint8)
     if is_jpeg and strict:
         image = checked_by_libjpeg(lambda: cv2.imdecode(buffer, flags), path=path, index=index)
@@ -104,6 +111,33 @@ def decode_image(
     if rgb is None:
         image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
     return image
+
+
+def _turbo_decode(data: bytes, header: ImageHeader, reduce: int, strict: bool) -> np.ndarray | None:
+    """A JPEG decoded by TurboJPEG through `simplejpeg`, the GIL released and no lock taken:
+    the same libjpeg-turbo decode as OpenCV's (accurate DCT, smooth upsampling, the same DCT
+    scale), so the same pixels. `strict` asks TurboJPEG to stop at any warning; a warning, or
+    what TurboJPEG does not convert (CMYK, YCCK), returns None: the caller decodes it again
+    through OpenCV, where `checked_by_libjpeg` tells damage from a harmless warning. None too
+    when `simplejpeg` is not installed."""
+    if _SIMPLEJPEG is False:
+        return None
+    try:
+        return _SIMPLEJPEG.decode_jpeg(data, colorspace="RGB", min_height=-(-header.height // reduce),
+                                       min_width=-(-header.width // reduce), min_factor=reduce, strict=strict)
+    except (ValueError, OSError):
+        return None
+
+
+def _load_simplejpeg():
+    try:
+        import simplejpeg
+    except ImportError:
+        return False
+    return simplejpeg
+
+
+_SIMPLEJPEG = _load_simplejpeg()
 
 
 def _decode_with_pillow(data: bytes, path: str, index: int | None) -> np.ndarray:
