@@ -32,6 +32,7 @@ Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 import weakref
@@ -280,7 +281,7 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int)
     and the round-robin resumes at the worker whose turn was next. Persistent workers started
     here stay for the next epochs, as the saving run's did."""
     if not loader.num_workers:  # torchdata's order: the dataset's state, iter(dataset), the iterator's state
-        main = states.get("main") or {}
+        main = copy.deepcopy(states.get("main") or {})  # a dataset may keep and change what it is given
         if main.get("dataset") is not None:
             loader.dataset.load_state_dict(main["dataset"])
         inner = DataLoader.__iter__(loader)

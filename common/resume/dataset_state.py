@@ -113,8 +113,11 @@ class StateLoadingInit:
         state = self.states.get(str(worker_id))
         if state is None:
             return
-        if state.get("dataset") is not None:
-            get_worker_info().dataset.load_state_dict(state["dataset"])
+        own = state.get("dataset")
+        if own is None and state.get("own_iterator") and state.get("ended"):
+            own = state.get("iterator")  # an ended dataset that is its own iterator: no iter() will load it
+        if own is not None:
+            get_worker_info().dataset.load_state_dict(own)
         _PENDING = (state.get("iterator"), bool(state.get("ended")))
 
 

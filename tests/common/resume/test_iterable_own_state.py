@@ -349,6 +349,36 @@ def test_a_dataset_that_is_its_own_iterator_carries_its_count_past_an_epochs_end
     assert [epoch(second) for _ in range(2)] == full[1:]
 
 
+
+class UnevenPasses(CountsPasses):
+    """`CountsPasses` whose worker 0 has one item and worker 1 five."""
+
+    def __iter__(self):
+        wid, workers = _worker()
+        self.passes += 1
+        self.curr, self.end = ((0, 1), (1, 6))[wid] if workers > 1 else (0, 6)
+        return self
+
+
+def test_a_persistent_worker_whose_own_iterator_had_ended_keeps_its_count():
+    """Worker 0's share ends first; a state saved then, resumed on persistent workers: that
+    copy's later epochs count on from its saved count (it is loaded though it makes no batch)."""
+    build = lambda: StatefulLoader(UnevenPasses(), batch_size=None, collate_fn=None,  # noqa: E731
+                                   num_workers=2, persistent_workers=True)
+    reference = build()
+    full = [epoch(reference) for _ in range(3)]
+    first = build()
+    epoch(first)
+    iterator = iter(first)
+    head = [rows(next(iterator)) for _ in range(3)]  # 0, 1, then worker 0's end, then 2
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["dataset_states"]["0"]["ended"] and not state["dataset_states"]["1"]["ended"]
+    del iterator, first
+    second = build()
+    second.load_state_dict(state)
+    assert [head + epoch(second), epoch(second)] == full[1:]
+
+
 def test_after_a_break_persistent_copies_start_the_next_epoch_fresh():
     """Epoch 0 left by `break` on persistent workers, epoch 1 iterated on the same loader and
     saved after its first batch: the workers that had not yet given a batch in epoch 1 resume
