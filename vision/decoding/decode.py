@@ -3,7 +3,7 @@
 Use when: decoding JPEGs (or PNG, BMP, WebP, TIFF) into RGB uint8 arrays for training.
 Cost: a header read (the JPEG frame marker, or Pillow for other formats; no pixel decoded)
 and one decode: a JPEG through TurboJPEG (`simplejpeg`, the GIL released, strict at no cost),
-anything else, and a JPEG with a warning or in CMYK, through `cv2.imdecode`. When the
+anything else, and a JPEG libjpeg warns about (decoded twice), through `cv2.imdecode`. When the
 output needs at most 1/2, 1/4 or 1/8 of the source's pixels per side, libjpeg-turbo decodes
 at that scale in the DCT (`IMREAD_REDUCED_COLOR_*`), skipping most of the inverse DCT and
 colour conversion: a 2000x1500 photo for a 224 crop decodes at 1/4 in about 1/6 of the time.
@@ -98,7 +98,7 @@ def decode_image(
     if is_jpeg:
         flags |= _REDUCED_BITS[reduce]
     if is_jpeg:
-        image = _turbo_decode(data, header, reduce, strict)
+        image = _turbo_decode(data, header, reduce)
         if image is not None:
             return image
     buffer = np.frombuffer(data, np.uint8)
@@ -113,18 +113,19 @@ def decode_image(
     return image
 
 
-def _turbo_decode(data: bytes, header: ImageHeader, reduce: int, strict: bool) -> np.ndarray | None:
+def _turbo_decode(data: bytes, header: ImageHeader, reduce: int) -> np.ndarray | None:
     """A JPEG decoded by TurboJPEG through `simplejpeg`, the GIL released and no lock taken:
     the same libjpeg-turbo decode as OpenCV's (accurate DCT, smooth upsampling, the same DCT
-    scale), so the same pixels. `strict` asks TurboJPEG to stop at any warning; a warning, or
-    what TurboJPEG does not convert (CMYK, YCCK), returns None: the caller decodes it again
-    through OpenCV, where `checked_by_libjpeg` tells damage from a harmless warning. None too
-    when `simplejpeg` is not installed."""
+    scale; CMYK and YCCK converted by the same formula), so the same pixels. Always asked to
+    be strict: a file with any warning (TurboJPEG reports it after the decode) returns None,
+    and the caller decodes it again through OpenCV, which keeps the old path's behaviour for
+    it (with `strict`, `checked_by_libjpeg` tells damage from a harmless warning; without, what
+    OpenCV or Pillow make of it). None too when `simplejpeg` is not installed."""
     if _SIMPLEJPEG is False:
         return None
     try:
         return _SIMPLEJPEG.decode_jpeg(data, colorspace="RGB", min_height=-(-header.height // reduce),
-                                       min_width=-(-header.width // reduce), min_factor=reduce, strict=strict)
+                                       min_width=-(-header.width // reduce), min_factor=reduce, strict=True)
     except (ValueError, OSError):
         return None
 

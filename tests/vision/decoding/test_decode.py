@@ -269,3 +269,42 @@ def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
         row = torch.zeros((224, 224, 3), dtype=torch.uint8).permute(2, 0, 1)
         want = torch.from_numpy(np.ascontiguousarray(same)).permute(2, 0, 1)
         assert torch.equal(resize_uint8(same, (224, 224), out=row, mirror=mirror), want.flip(-1) if mirror else want)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_turbojpeg_and_opencv_paths_agree_on_cut_progressive_files(strict, monkeypatch):
+    """TurboJPEG pads a progressive scan cut short and returns made-up rows where OpenCV gives
+    up (and Pillow raises): a file TurboJPEG warns about goes the old path, strict or not."""
+    import cv2
+    import simplejpeg
+
+    import recipes.vision.decoding.decode as decode
+
+    y, x = np.mgrid[0:120, 0:160].astype(np.float32)  # waves, noise and sharp edges (the review's case)
+    image = np.stack([128 + 100 * np.sin(x / 17 + c) * np.cos(y / 23 - c) for c in range(3)], -1)
+    image += np.random.default_rng(0).normal(0, 20, image.shape)
+    image[(x // 37 + y // 29) % 5 == 0] = [250, 20, 40]
+    image = np.clip(image, 0, 255).astype(np.uint8)
+    whole = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_PROGRESSIVE, 1])[1].tobytes()
+
+    def outcome(data):
+        try:
+            return decode.decode_image(data, strict=strict).tobytes()
+        except ImageDecodeError as error:
+            return type(error)
+
+    padded = 0  # cuts TurboJPEG alone would have served: the case this test is about
+    for end in range(200, len(whole) - 2, 97):  # cuts all through the scans
+        cut = whole[:end] + b"\xff\xd9"
+        opencv = cv2.imdecode(np.frombuffer(cut, np.uint8), cv2.IMREAD_COLOR)
+        try:
+            simplejpeg.decode_jpeg(cut, strict=False)
+            padded += opencv is None
+        except ValueError:
+            pass
+        new = outcome(cut)
+        monkeypatch.setattr(decode, "_SIMPLEJPEG", False)
+        old = outcome(cut)
+        monkeypatch.undo()
+        assert new == old, end
+    assert padded, "no cut that TurboJPEG pads and OpenCV refuses: the test checks nothing"
