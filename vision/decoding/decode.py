@@ -130,6 +130,11 @@ def _turbo_decode(data: bytes, header: ImageHeader, reduce: int) -> np.ndarray |
         return None
 
 
+def turbo_available() -> bool:
+    """Whether JPEGs decode through TurboJPEG (`simplejpeg` installed)."""
+    return _SIMPLEJPEG is not False
+
+
 def _load_simplejpeg():
     try:
         import simplejpeg

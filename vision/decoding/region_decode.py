@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from recipes.vision.decoding.crop import Box, scale_box
-from recipes.vision.decoding.decode import dct_reduction, decode_image
+from recipes.vision.decoding.decode import dct_reduction, decode_image, turbo_available
 from recipes.vision.decoding.image_header import ImageDecodeError, check_encoded
 from recipes.vision.decoding.jpeg_damage import checked_by_libjpeg
 
@@ -161,12 +161,19 @@ _REGION = threading.local()  # .decoder: (pid, (module, decoder, params) or None
 def decode_box(dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int) -> np.ndarray:
     """`ImageFolderFast._decode_box`: decodes only `box` (region decode), or at the coarsest DCT
     scale that keeps `box` at least `out`, then crops it. With the dataset's `strict`, a file's
-    first decode is checked (a region decode then reads on to the image's bottom: the same
-    pixels, the whole scan seen) and marked in `dataset._checked`."""
+    first decode is checked and marked in `dataset._checked`: a whole decode through TurboJPEG
+    when it is installed (the check reads the whole scan anyway, and TurboJPEG reads it faster,
+    the GIL released; cropped, the region decode's pixels), else a region decode that reads on
+    to the image's bottom."""
     reduce = dct_reduction((box[2], box[3]), out)
     check = dataset.strict and not dataset._checked[index]
     if reduce <= 2 and dataset.region_decode is not False and header.format == "JPEG":
         check_encoded(data, header, path=path, index=index)
+        if check and turbo_available():  # the check reads the whole scan anyway: TurboJPEG reads it
+            decoded = decode_image(data, header=header, path=path, index=index, strict=True)  # fastest (the
+            dataset._checked[index] = 1  # GIL released), and its crop is the region decode's pixels
+            top, left, bh, bw = box
+            return decoded[top : top + bh, left : left + bw]
         region = decode_region(data, box, strict=check, path=path, index=index)
         if region is not None:
             if check:
