@@ -1,5 +1,7 @@
 """A small `recipes bench nlp` in the default run, with conservative ratios."""
 
+import pytest
+
 from recipes.bench.nlp import compare
 from recipes.testing import make_text_corpus, train_tokenizer
 
@@ -17,6 +19,7 @@ def test_cache_and_bucketing_beat_tokenizing_per_item():
     assert rates["build_seconds"] < 3 * rates["own_seconds"] + 1.0  # building costs about one tokenizer pass
 
 
+@pytest.mark.slow  # a long run (5 s): in the full suite (CI); the default run keeps headroom
 def test_packing_fills_static_batches_at_millions_of_tokens_per_second():
     from recipes.bench.nlp_pack import compare_pack
 

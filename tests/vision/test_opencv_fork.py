@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import sys, threading
     import cv2, numpy as np, torch
@@ -39,6 +41,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a long run (5 s): in the full suite (CI); the default run keeps headroom
 def test_parent_opencv_threads_then_forked_workers_decode(image_tree):
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(image_tree)], capture_output=True, text=True,
                          timeout=180)

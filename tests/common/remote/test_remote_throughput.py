@@ -19,6 +19,7 @@ def test_prefetching_beats_simplecache_and_warm_epochs_approach_local_disk(tmp_p
     assert second >= 0.5 * local, rows
 
 
+@pytest.mark.slow  # a long run (6.5 s): in the full suite (CI); the default run keeps headroom
 def test_over_s3_prefetching_beats_simplecache_over_the_whole_epoch(tmp_path):
     """`recipes bench remote --s3` in small: moto's S3 server behind the throttling proxy."""
     per_shard = 48  # 384 KiB shards

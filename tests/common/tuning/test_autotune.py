@@ -61,6 +61,7 @@ def test_cpu_bound_data_gets_more_than_one_worker_and_beats_zero(busy_tuned):
     assert "| workers | prefetch |" in result.table()
 
 
+@pytest.mark.slow  # a long run (6 s), timing-bound: in the full suite (CI); the default run keeps headroom
 def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
     fast = busy_tuned
     slow = _tune(Busy(), step_seconds=0.15, store=False, seconds_per_trial=0.45)  # a batch takes ~32 ms of CPU to make
