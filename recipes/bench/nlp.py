@@ -12,8 +12,10 @@ tokens each); the comparison is real (non-padding) tokens per second.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 
@@ -88,14 +90,16 @@ def _inputs(args):
     return texts, tokenizer
 
 
-def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512, workers=1, pad_to_multiple_of=8):
-    """Encode rates, then (rows, counters) for the baseline and the recipe."""
+def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512, workers=1, pad_to_multiple_of=8,
+            repeat: int = 3):
+    """Encode rates, then (rows, counters) for the baseline and the recipe: each loader's best of
+    `repeat` epochs, taken in turns (an epoch lasts 0.1-1.5 s)."""
     import torch
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.harness.measure import measure
+    from recipes.bench.harness.measure import best_interleaved, measure
     from recipes.common import LengthBucketSampler, ThreadLoader, worker_init
     from recipes.nlp import PadCollate, build_token_cache
 
@@ -118,13 +122,21 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
         threads = ThreadLoader(cache, batch_sampler=LengthBucketSampler(
             cache.lengths, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of, seed=0), collate_fn=collate)
         lengths = cache.lengths
-        rows, counters = [], []
-        for name, loader in (("tokenize in __getitem__ + random batches (baseline)", baseline),
-                             ("TokenCache + LengthBucketSampler + PadCollate, DataLoader workers", recipe),
-                             ("TokenCache + LengthBucketSampler + PadCollate, threads (make_loader's path)", threads)):
-            counter = _TokenCounter()
-            rows.append(measure(name, loader, counter=counter))
-            counters.append(counter)
+        loaders = (("tokenize in __getitem__ + random batches (baseline)", baseline),
+                   ("TokenCache + LengthBucketSampler + PadCollate, DataLoader workers", recipe),
+                   ("TokenCache + LengthBucketSampler + PadCollate, threads (make_loader's path)", threads))
+        counters = [_TokenCounter() for _ in loaders]  # the first epoch's (every epoch holds the same tokens)
+        counted = set()
+
+        def once(k: int):
+            name, loader = loaders[k]
+            counter = counters[k] if k not in counted else _TokenCounter()
+            counted.add(k)
+            return measure(name, loader, counter=counter)
+
+        with warnings.catch_warnings():  # the samplers' epoch is read again on purpose: the same batches each turn
+            warnings.simplefilter("ignore")
+            rows = best_interleaved(*(functools.partial(once, k) for k in range(len(loaders))), repeat=repeat)
     m = pad_to_multiple_of
     rounding = float(((-(-lengths // m) * m) - lengths).sum())
     rates = {"own_seconds": own_seconds, "build_seconds": build_seconds, "texts": len(texts),
