@@ -92,8 +92,8 @@ class ImageFolderFast(Dataset):
             resizes and normalises whole batches on the device (collate with `encoded_collate`).
         region_decode: decode only the crop of a JPEG (libjpeg-turbo's cropped decode through
             nvImageCodec's CPU backend, `pip install "recipes[roi]"`; same pixels). None: when
-            nvImageCodec is installed; True: require it. Crops small enough for a 1/4 or 1/8
-            DCT-scaled decode use that instead. A strict first decode of a file reads on to
+            nvImageCodec is installed; True: require it. Crops small enough for a 1/2, 1/4 or
+            1/8 DCT-scaled decode use that instead. A strict first decode of a file reads on to
             the bottom of the image (what region decode saves), later ones only the crop.
 
     Raises:

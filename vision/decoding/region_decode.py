@@ -1,6 +1,6 @@
 """Region decode: only a JPEG's crop, by libjpeg-turbo's cropped decode through nvImageCodec.
 
-Use when: a crop keeps little of its JPEG and too much for a 1/4 or 1/8 DCT-scaled decode
+Use when: a crop keeps little of its JPEG and too much for a 1/2, 1/4 or 1/8 DCT-scaled decode
 (`ImageFolderFast(region_decode=)`). With nvImageCodec installed (`pip install "recipes[roi]"`),
 a JPEG crop is decoded by libjpeg-turbo's cropped decode (`jpeg_crop_scanline` +
 `jpeg_skip_scanlines`, nvImageCodec's CPU backend, no GPU needed): rows below the crop are
@@ -159,26 +159,23 @@ _REGION = threading.local()  # .decoder: (pid, (module, decoder, params) or None
 
 
 def decode_box(dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int) -> np.ndarray:
-    """`ImageFolderFast._decode_box`: decodes only `box` (region decode), or at the coarsest DCT
-    scale that keeps `box` at least `out`, then crops it. With the dataset's `strict`, a file's
-    first decode is checked and marked in `dataset._checked`: a whole decode through TurboJPEG
-    when it is installed (the check reads the whole scan anyway, and TurboJPEG reads it faster,
-    the GIL released; cropped, the region decode's pixels), else a region decode that reads on
-    to the image's bottom."""
+    """`ImageFolderFast._decode_box`: decodes the whole image at the coarsest DCT scale that
+    keeps `box` at least `out`, then crops it; or, when no DCT scale applies, only `box` (region
+    decode). With the dataset's `strict`, a file's first decode is checked and marked in
+    `dataset._checked`: a whole decode through TurboJPEG when it is installed (the check reads
+    the whole scan anyway, and TurboJPEG reads it faster, the GIL released; cropped, the region
+    decode's pixels), else a region decode that reads on to the image's bottom. A file's pixels
+    do not depend on whether it was checked: a resumed epoch sees what the first one saw."""
     reduce = dct_reduction((box[2], box[3]), out)
     check = dataset.strict and not dataset._checked[index]
-    if reduce <= 2 and dataset.region_decode is not False and header.format == "JPEG":
+    if reduce == 1 and dataset.region_decode is not False and header.format == "JPEG":
         check_encoded(data, header, path=path, index=index)
-        if check and turbo_available():  # the check reads the whole scan anyway: TurboJPEG reads it
-            decoded = decode_image(data, header=header, path=path, index=index, strict=True)  # fastest (the
-            dataset._checked[index] = 1  # GIL released), and its crop is the region decode's pixels
-            top, left, bh, bw = box
-            return decoded[top : top + bh, left : left + bw]
-        region = decode_region(data, box, strict=check, path=path, index=index)
-        if region is not None:
-            if check:
-                dataset._checked[index] = 1
-            return region
+        if not (check and turbo_available()):  # else the check reads the whole scan anyway, and
+            region = decode_region(data, box, strict=check, path=path, index=index)  # TurboJPEG
+            if region is not None:  # reads it fastest (the GIL released); its crop is the region's
+                if check:  # pixels
+                    dataset._checked[index] = 1
+                return region
     decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index, strict=check)
     if check:
         dataset._checked[index] = 1

@@ -82,6 +82,29 @@ def test_train_crops_are_the_same_pixels_with_and_without_region_decode(image_tr
     assert len(calls) == (2 if turbo_available() else 4) * len(full)
 
 
+def test_a_files_crop_is_the_same_on_its_first_checked_decode_and_later_ones(image_tree, monkeypatch):
+    """The first, strict decode of a file and the later ones may take different decoders; at
+    every DCT scale (48 px crops of these photos allow 1/2, 1/4 and 1/8) they give the same
+    pixels, so a resumed epoch, whose files are unchecked in a fresh process, sees what the
+    first saw."""
+    scales = []
+    real = decode_module.decode_image
+
+    def spy(data, **kwargs):
+        scales.append(kwargs.get("reduce", 1))
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(decode_module, "decode_image", spy)
+    for seed in range(4):
+        ds = ImageFolderFast(image_tree, size=48, train=True)  # every file unchecked
+        for i in range(len(ds)):
+            first = ds._output_image(i, np.random.default_rng([seed, i]))[0]  # the strict first decode
+            assert ds._checked[i]
+            again = ds._output_image(i, np.random.default_rng([seed, i]))[0]  # the same crop and flip
+            assert torch.equal(again, first), (seed, i)
+    assert {2, 4} <= set(scales), sorted(set(scales))
+
+
 def test_forked_workers_decode_regions_after_the_parent_did(image_tree):
     ds = ImageFolderFast(image_tree, size=256, region_decode=True)
     ds[0]  # the parent built its decoder; the workers must build their own
