@@ -163,8 +163,7 @@ class ImageFolderFast(Dataset):
         self._resolution = torch.tensor(self.size, dtype=torch.int32).share_memory_()
         self._bad = BadFiles(len(self._paths), f"the {len(self._paths)} images under {self.root}")
         self._checked = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()  # strict: 1 once checked
-        self._rng_pid: int | None = None
-        self._rng: np.random.Generator | None = None
+        self._rng_key, self._rng = None, None  # (pid, torch seed) of the draws' np.random.Generator
         self.cache: ImageCache | None = None
         self._views: dict = {}  # eval views by resolution (eval_view_of), opened per process
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
@@ -382,15 +381,16 @@ class ImageFolderFast(Dataset):
         return self.transform(image) if self.transform is not None else image
 
     def _generator(self) -> np.random.Generator:
-        """Per-process generator seeded from torch's seed (base_seed + worker_id in workers)."""
-        if self._rng_pid != os.getpid():
-            self._rng = np.random.default_rng(torch.initial_seed())
-            self._rng_pid = os.getpid()
+        """Crop and flip draws, seeded from torch's seed when it changes: base_seed + worker_id
+        in a DataLoader's workers, each batch's seed in a resumable loader's (exact resume)."""
+        key = (os.getpid(), torch.initial_seed())
+        if self._rng_key != key:
+            self._rng, self._rng_key = np.random.default_rng(key[1]), key
         return self._rng
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_rng=None, _rng_pid=None)
+        state.update(_rng=None, _rng_key=None)
         return state
 
     def __repr__(self) -> str:

@@ -56,7 +56,7 @@ class ShardImages:
         self.strict, self.region_decode = bool(strict), region_decode
         self._checked = _NeverChecked()  # decode_box's per-file memory: none for shard samples
         self._rng: np.random.Generator | None = None
-        self._rng_pid: int | None = None
+        self._rng_key: tuple[int, int] | None = None
 
     def __call__(self, sample: dict):
         key = sample.get("__key__", "<no key>")
@@ -83,12 +83,13 @@ class ShardImages:
         return image, int(sample[self.label_field])
 
     def _generator(self) -> np.random.Generator:
-        if self._rng_pid != os.getpid():
-            self._rng, self._rng_pid = np.random.default_rng(torch.initial_seed()), os.getpid()
+        key = (os.getpid(), torch.initial_seed())  # reseeded when torch is (ImageFolderFast._generator)
+        if self._rng_key != key:
+            self._rng, self._rng_key = np.random.default_rng(key[1]), key
         return self._rng
 
     def __getstate__(self):
-        return {**self.__dict__, "_rng": None, "_rng_pid": None}
+        return {**self.__dict__, "_rng": None, "_rng_key": None}
 
 
 class _NeverChecked:
