@@ -12,7 +12,7 @@ With a decoded cache (`build_image_cache`): a crop from a memory map.
 Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RATIO`, or pass
 `transform=` for extra uint8 augmentation.
 Trade-off: returns uint8 `[3, H, W]` (4x less memory and IPC than float32); normalisation
-belongs on the GPU. Exact pixels differ from Pillow's by ~1-2 grey levels (crop before resize).
+belongs on the GPU. Pixels differ from Pillow's by 1-5 grey levels (crop before resize).
 
 OpenCV's thread pool is not fork-safe (a hang with no error: pytorch#1355, #45198):
 `decode_image` and `worker_init` make cv2 single-threaded in each worker before any decode.

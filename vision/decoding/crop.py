@@ -7,7 +7,8 @@ Cost: a few float operations per box; no pixel is read.
 Adapt here: `CROP_PCT` (eval), `SCALE` and `RATIO` (train); `ImageFolderFast` holds them as
 class attributes to override.
 Trade-off: it differs from torchvision's resize-then-crop only at the crop border and by
-rounding the box to whole pixels: under 2 grey levels of mean difference on photos.
+rounding the box to whole pixels (a shift of up to half a source pixel): a mean difference
+of 1-5 grey levels on photos (58% of 200 under 2), more on flat, sharp-edged art.
 Copy with: nothing.
 """
 

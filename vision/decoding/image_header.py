@@ -131,12 +131,33 @@ def check_encoded(data: bytes, header: ImageHeader, *, path: str = "<bytes>", in
         ImageDecodeError: a truncated JPEG (no end-of-image marker after the last scan).
     """
     is_jpeg = header.format in ("JPEG", "MPO")
-    if is_jpeg and not _ends_with_eoi(data) and data.rfind(_JPEG_EOI) < data.rfind(_JPEG_SOS):
+    if is_jpeg and not _ends_with_eoi(data) and not _eoi_after_first_scan(data):
         raise ImageDecodeError(
             f"{_where(path, index)} is a truncated JPEG (no end-of-image marker after the last scan); "
             "re-download it, or pass on_error='skip'."
         )
     return is_jpeg
+
+
+def _eoi_after_first_scan(data: bytes) -> bool:
+    """Whether an end-of-image marker follows the image's first scan: entropy-coded data cannot
+    hold one (0xFF is stuffed), so the first after it ends the image, and data after that (a
+    Motion Photo's video, any trailer) is not the image's. The first scan is found by walking
+    the marker segments (a thumbnail's scan lies inside its APP1 segment); where the walk
+    fails, the last scan in the file counts."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xDA:
+            return data.find(_JPEG_EOI, pos) != -1
+        if marker == 0xFF or marker in (0x01, *range(0xD0, 0xD8)):  # fill byte, markers without a length
+            pos += 1 if marker == 0xFF else 2
+            continue
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if length < 2:
+            break
+        pos += 2 + length
+    return data.rfind(_JPEG_EOI) > data.rfind(_JPEG_SOS)
 
 
 def _ends_with_eoi(data: bytes) -> bool:

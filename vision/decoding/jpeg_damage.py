@@ -5,7 +5,8 @@ default, and region decodes). `checked_by_libjpeg(decode)` runs a decode with fd
 this process's private in-memory file and raises `ImageDecodeError` for what libjpeg reports.
 Cost: three syscalls (~3 us) per decode; strict decodes of one process take turns (a lock).
 Adapt here: `_DAMAGE` and `_HARMLESS`, which of libjpeg's messages mean made-up pixels.
-Trade-off: only what libjpeg notices (below); decode in threads with `strict=False`.
+Trade-off: only what libjpeg notices (below). Used only where TurboJPEG (`simplejpeg`, strict
+without fd 2 and without a lock) declines a file or is not installed.
 
 Damaged entropy data (`strict`, on by default): JPEG has no checksum. A flipped bit in the
 scan can desynchronise the Huffman decoder; libjpeg-turbo recovers on its own (resyncs, pads
@@ -23,9 +24,9 @@ or a changed DC difference, which shifts every later block of that component). l
 reported 29% of single-bit flips and 56% of triple flips in the scans of our 7 test kinds
 (`tests/vision/decoding/test_decode.py`); some unreported ones are images several grey levels off on
 average. Only a checksum of each file kept elsewhere catches those. Nor are JPEGs checked
-that OpenCV refuses and Pillow then decodes (Pillow swallows the warning). Strict decodes of
-one process take turns (fd 2 is per process): decode in processes (DataLoader workers), or
-pass `strict=False` to decode in threads of one process.
+that OpenCV refuses and Pillow then decodes (Pillow swallows the warning). Strict decodes
+through this file take turns in a process (fd 2 is per process); with TurboJPEG installed (a
+dependency) they are only the files it warns about, so threads decode strictly in parallel.
 Copy with: vision/decoding/image_header.py.
 """
 

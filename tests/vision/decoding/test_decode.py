@@ -311,3 +311,25 @@ def test_turbojpeg_and_opencv_paths_agree_on_cut_progressive_files(strict, monke
         monkeypatch.undo()
         assert new == old, end
     assert padded, "no cut that TurboJPEG pads and OpenCV refuses: the test checks nothing"
+
+
+def test_data_after_the_end_of_image_is_not_the_images_and_a_thumbnail_hides_no_truncation():
+    """A Motion Photo (a JPEG, then its video) decodes as the JPEG alone, as Pillow does, even
+    when the trailer holds a start-of-scan marker and no end-of-image one; a main image cut
+    short still raises when its EXIF thumbnail (a whole JPEG inside APP1) ends properly."""
+    from recipes.vision.decoding.image_header import read_header
+
+    jpeg = _jpegs()["4:2:0"]
+    trailer = b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 40 + b"\xff\xda\x00\x08 moov" + bytes(range(200))
+    assert trailer.rfind(b"\xff\xd9") < trailer.rfind(b"\xff\xda")
+    motion = jpeg + trailer
+    for strict in (True, False):
+        np.testing.assert_array_equal(decode_image(motion, strict=strict), decode_image(jpeg))
+    thumbnail = _jpegs()["gray"]
+    app1 = b"Exif\x00\x00" + thumbnail
+    with_thumbnail = jpeg[:2] + b"\xff\xe1" + (len(app1) + 2).to_bytes(2, "big") + app1 + jpeg[2:]
+    np.testing.assert_array_equal(decode_image(with_thumbnail), decode_image(jpeg))
+    cut = with_thumbnail[: len(with_thumbnail) - len(jpeg) // 2]
+    for strict in (True, False):
+        with pytest.raises(ImageDecodeError, match="truncated JPEG"):
+            decode_image(cut, header=read_header(cut), strict=strict)
