@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from recipes import __version__
 
@@ -62,14 +63,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="measure the recipes against plain torch baselines, in one run"
     )
+    plot_help = ('write each table as a bar chart, DIR/<table>.png and .svg (train: also each run\'s '
+                 'timeline); needs matplotlib: pip install "recipes[plot]"')
+    bench.add_argument("--plot", type=Path, default=None, metavar="DIR", help=plot_help)
     domains = bench.add_subparsers(dest="domain", metavar="DOMAIN")
     for name, module_name in BENCHES.items():
         module = importlib.import_module(module_name)
         sub = domains.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
         module.add_arguments(sub)
-        sub.set_defaults(handler=module.run)
-    bench.set_defaults(handler=_bench_all)
+        # SUPPRESS: `recipes bench --plot DIR vision` keeps the DIR given before the domain
+        sub.add_argument("--plot", type=Path, default=argparse.SUPPRESS, metavar="DIR", help=plot_help)
+        sub.set_defaults(handler=_checked(module.run))
+    bench.set_defaults(handler=_checked(_bench_all))
     return parser
+
+
+def _checked(run):
+    """`run`, after checking that `--plot`'s charts can be written (before minutes of measuring)."""
+
+    def checked(args: argparse.Namespace) -> int:
+        from recipes.bench.harness.bench_charts import prepare
+
+        prepare(args.plot)
+        return run(args)
+
+    return checked
 
 
 def _bench_all(args: argparse.Namespace) -> int:
@@ -78,12 +96,16 @@ def _bench_all(args: argparse.Namespace) -> int:
     import subprocess
 
     status = 0
-    for name in BENCHES:
-        if name == "train":  # a training step per loader: run on its own (`recipes bench train`)
-            continue
-        result = subprocess.run([sys.executable, "-m", "recipes", "bench", name], check=False)
-        status = max(status, result.returncode)
+    for command in bench_commands(args.plot):
+        status = max(status, subprocess.run(command, check=False).returncode)
     return status
+
+
+def bench_commands(plot: Path | None = None) -> list[list[str]]:
+    """The commands a bare `recipes bench` runs: every domain but `train` (a training step per
+    loader: run on its own, `recipes bench train`), each passed `--plot` when given."""
+    extra = [] if plot is None else ["--plot", str(plot)]
+    return [[sys.executable, "-m", "recipes", "bench", name, *extra] for name in BENCHES if name != "train"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,11 @@ SMOKE = {
 }
 
 
+def _template(name: str) -> bool:
+    """A training template: `<domain>/template.py`, or `template_<framework>.py` (issue 31)."""
+    return re.fullmatch(r"\w+/template(_\w+)?\.py", name) is not None
+
+
 def declared(name: str) -> list[str] | None:
     """The files `name`'s header says to copy with it: a list, [] for "nothing", None when the
     header says PACKAGE or has no `Copy with:` line (the caller tells those apart)."""
@@ -201,7 +206,7 @@ def reach(name: str) -> set[str]:
 def test_a_library_file_declares_exactly_the_files_its_imports_reach(name):
     files = declared(name)
     if files is None:
-        assert name.endswith("/template.py"), f"{name}: only training templates may say `Copy with: {PACKAGE}.`"
+        assert _template(name), f"{name}: only training templates may say `Copy with: {PACKAGE}.`"
         return
     needs = reach(name)
     packages = sorted(f for f in needs if f.endswith("__init__.py"))
@@ -279,7 +284,7 @@ def test_a_recipe_copied_with_its_declared_files_runs_without_the_package(recipe
     run_copy(recipe, SMOKE[recipe], tmp_path)
 
 
-@pytest.mark.parametrize("name", [n for n in LIBRARY if n not in SMOKE and not n.endswith("/template.py")])
+@pytest.mark.parametrize("name", [n for n in LIBRARY if n not in SMOKE and not _template(n)])
 def test_every_library_file_copied_with_its_declared_files_imports(name, tmp_path, run_copy):
     run_copy(name, f"import {Path(name).stem}\n", tmp_path)
 
@@ -291,8 +296,9 @@ def test_a_copy_that_reaches_for_the_package_fails(tmp_path, run_copy):
 
 
 def copy_table() -> str:
-    """The README's copy table, from the headers: each smoke-tested recipe, its declared copy
-    set, and the lines of all of them. `python tests/test_copyable.py` prints it."""
+    """The docs' copy table (docs/copy-and-adapt.md), from the headers: each smoke-tested
+    recipe, its declared copy set, and the lines of all of them. `python tests/test_copyable.py`
+    prints it."""
     rows = ["| recipe file | copy with | lines in all |", "|---|---|---:|"]
     for recipe in sorted(SMOKE):
         files = sorted(declared(recipe) or [])
@@ -301,17 +307,17 @@ def copy_table() -> str:
     return "\n".join(rows)
 
 
-def test_the_readme_copy_table_is_the_one_the_headers_give():
+def test_the_docs_copy_table_is_the_one_the_headers_give():
     """Its files, row for row (the line counts are informative: they move with every edit)."""
     def files_only(table: str) -> list[str]:
         return [row.rsplit("|", 2)[0] for row in table.splitlines() if row.startswith("| `")]
 
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("| recipe file | copy with | lines in all |")
-    in_readme = readme[start:readme.index("\n\n", start)]
-    assert files_only(in_readme) == files_only(copy_table()), (
-        "the README's copy table differs from the headers: replace it with the output of "
-        "`python tests/test_copyable.py`")
+    page = (ROOT / "docs" / "copy-and-adapt.md").read_text()
+    start = page.index("| recipe file | copy with | lines in all |")
+    in_page = page[start:page.index("\n\n", start)]
+    assert files_only(in_page) == files_only(copy_table()), (
+        "the copy table of docs/copy-and-adapt.md differs from the headers: replace it with the "
+        "output of `python tests/test_copyable.py`")
 
 
 if __name__ == "__main__":

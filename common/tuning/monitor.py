@@ -4,9 +4,9 @@ Use when: always, in production training. Iterate the monitor in place of the lo
 every `next(loader)` against the time your step takes, and once per epoch reads the memory of
 the main process and of each worker, worker deaths, `/dev/shm`, the GPU (NVML), network
 bytes and `PrefetchCache` counters. Past a threshold it warns (`LoaderWarning`) with the
-likely cause and the fix.
-Cost: two `perf_counter` calls per batch; a resource reading (a few ms per process: psutil
-reads smaps) at the first batch and then at most every `sample_seconds`.
+likely cause and the fix. `plot()` draws the run's timeline (step by step: wait, compute, memory).
+Cost: two `perf_counter` calls and a bounded timeline's few numpy writes per batch; a resource
+reading (a few ms per process: smaps) at the first batch, then at most every `sample_seconds`.
 Adapt here: the thresholds (the defaults are the production rules: a batch over 1 s, memory
 growth over 20% between epochs, data wait over 20%), `items_in` for your batch type.
 Trade-off: step time is what the CPU sees. CUDA runs asynchronously, so a loop that never
@@ -15,7 +15,7 @@ synchronises (no `loss.item()`, no logging) shows step time in the next `next()`
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
   common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
   common/remote/ranged_download.py, common/remote/retries.py, common/tuning/probes.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/tuning/monitor_plot.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from recipes.common.loader_warning import LoaderWarning
+from recipes.common.tuning.monitor_plot import StepTimeline, plot_timeline
 from recipes.common.tuning.probes import gpu_reading, prefetch_caches, process_memory
 
 
@@ -53,6 +54,7 @@ class LoaderMonitor:
         ...     for images, targets in monitor:
         ...         step(images, targets)
         ...     print(monitor.report())
+        >>> monitor.plot("timeline.png")  # or .svg: needs matplotlib (pip install "recipes[plot]")
     """
 
     def __init__(self, loader, *, warn_batch_seconds: float = 1.0, warn_memory_growth: float = 0.20,
@@ -67,6 +69,7 @@ class LoaderMonitor:
         self.warn_wait_fraction, self.sample_seconds = warn_wait_fraction, sample_seconds
         self.warn_first_batch_seconds = warn_first_batch_seconds
         self.epochs: list[dict[str, Any]] = []
+        self.timeline = StepTimeline()  # per step: data wait and compute, bounded (monitor_plot.py)
         self._known_workers: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -83,10 +86,11 @@ class LoaderMonitor:
         caches_before = {id(c): c.stats() for c in prefetch_caches(self.loader)}
         iterator = iter(self.loader)
         begin = time.perf_counter()
-        handed_back = begin  # when the loop last got control back
+        handed_back = begin  # when the latest batch was handed to the loop
         try:
             while True:
                 asked = time.perf_counter()
+                self.timeline.close(asked - handed_back)
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -96,15 +100,17 @@ class LoaderMonitor:
                     self._sample(epoch, iterator)  # record the deaths behind "worker exited unexpectedly"
                     raise
                 got = time.perf_counter()
+                self.timeline.open(asked, got, epoch.index)
                 epoch.add(got - asked, asked - handed_back, items_in(batch))
                 if epoch.batches == 1 or got - epoch.last_sample >= self.sample_seconds:
                     epoch.last_sample = got
                     self._sample(epoch, iterator)
                     if epoch.batches == 1:
                         epoch.first_batch_s, epoch.first_items = got - begin, epoch.samples
+                handed_back = time.perf_counter()  # the step runs from here to the next ask
                 yield batch
-                handed_back = time.perf_counter()
         finally:  # also when the loop breaks out early (GeneratorExit) or a worker dies
+            self.timeline.end()
             self._close(epoch, begin, net_before, caches_before)
 
     # ---- readings --------------------------------------------------------------------------
@@ -115,6 +121,7 @@ class LoaderMonitor:
         main, workers = process_memory(list(self._known_workers))
         epoch.main_rss = max(epoch.main_rss, main)
         alive = {pid: mem for pid, mem in workers.items() if mem is not None}
+        self.timeline.read_memory(main, sum(m[0] for m in alive.values()))
         for pid, (uss, pss) in alive.items():
             peak = epoch.per_worker.get(pid, (0, 0))
             epoch.per_worker[pid] = (max(peak[0], uss), max(peak[1], pss))
@@ -185,6 +192,11 @@ class LoaderMonitor:
             worker_deaths=sum(e["worker_deaths"] for e in self.epochs),
         )
         return out
+
+    def plot(self, path, *, x: str = "time", title: str | None = None):
+        """Draws the timeline of every step so far to `path` (.png or .svg): data wait and compute
+        per step, memory on a second axis (`recipes.common.tuning.monitor_plot.plot_timeline`)."""
+        return plot_timeline(self.timeline, path, x=x, title=title)
 
     def report(self) -> str:
         """A Markdown table, one row per epoch."""

@@ -143,9 +143,11 @@ def _probe(path: str, chunk_seconds: float, kind: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import format_table
+    from recipes.bench.harness.bench_charts import Chart, write_chart
+    from recipes.bench.harness.measure import show_table
     from recipes.common import smart_num_workers
 
+    plot = getattr(args, "plot", None)
     if args.data is not None:
         folder, short, long = args.data, None, None
     else:
@@ -153,16 +155,18 @@ def run(args: argparse.Namespace) -> int:
     workers = smart_num_workers() if args.workers is None else args.workers
     rows, build_seconds, count = compare(folder, chunk_seconds=args.chunk_seconds, batch_size=args.batch_size,
                                          workers=workers, baseline_items=args.baseline_items)
-    print(f"\n## audio: {count} windows of {args.chunk_seconds:g} s from {folder}, batch {args.batch_size}, "
-          f"{workers} workers (baseline: first {rows[0].items} items)\n")
-    print(format_table(rows, unit="items/s"))
+    show_table(f"audio: {count} windows of {args.chunk_seconds:g} s from {folder}, batch {args.batch_size}, "
+               f"{workers} workers (baseline: first {rows[0].items} items)", rows, unit="items/s", plot=plot)
     print(f"\nspectrogram cache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} items/s, one-off)")
     if short is not None and not args.no_memory:
         print("\n| peak memory growth reading one window | 1-minute file (MiB) | 30-minute file (MiB) |")
         print("|---|---:|---:|")
         one, thirty = memory_per_item(short, args.chunk_seconds), memory_per_item(long, args.chunk_seconds)
-        for key, name in (("baseline", "whole file (baseline)"), ("chunked", "ChunkedAudioDataset")):
+        names = {"baseline": "whole file (baseline)", "chunked": "ChunkedAudioDataset"}
+        for key, name in names.items():
             print(f"| {name} | {one[key] / 2**20:,.1f} | {thirty[key] / 2**20:,.1f} |")
+        write_chart(Chart("audio-memory", "audio: peak memory growth reading one window of a 30-minute file",
+                          "MiB", tuple(names.values()), tuple(thirty[k] / 2**20 for k in names)), plot)
     return 0
 
 

@@ -145,6 +145,7 @@ def compare(texts, tokenizer, *, batch_size=32, max_tokens=8192, max_length=512,
 
 
 def run(args: argparse.Namespace) -> int:
+    from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
     from recipes.common import smart_num_workers
 
     texts, tokenizer = _inputs(args)
@@ -161,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
                                     max_length=args.max_length, workers=workers,
                                     pad_to_multiple_of=args.pad_to_multiple_of)
     base = rows[0].items_per_s
-    print(f"\n## nlp: {len(texts):,} texts, max_length {args.max_length}, baseline batch {args.batch_size}, "
-          f"recipe max_tokens {args.max_tokens}, {workers} workers\n")
+    heading = (f"nlp: {len(texts):,} texts, max_length {args.max_length}, baseline batch {args.batch_size}, "
+               f"recipe max_tokens {args.max_tokens}, {workers} workers")
+    print(f"\n## {heading}\n")
     print("| loader | real tokens/s | vs baseline | padding waste | padded tokens/batch | first batch (s) "
           "| peak memory (MiB) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -170,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / base:.2f}x | {counter.waste:.1%} | "
               f"{counter.padded / max(counter.batches, 1):,.0f} | {row.first_batch_seconds:.2f} | "
               f"{row.peak_bytes / 2**20:,.0f} |")
+    write_chart(chart_of_rows("nlp", heading, rows, unit="real tokens/s"), getattr(args, "plot", None))
     print(f"\nOf the recipe's padding, {rates['rounding_waste']:.1%} of all padded tokens is the rounding of each "
           f"sample to a multiple of {args.pad_to_multiple_of} (tensor-core alignment), the rest is bucketing.")
     own = rates["texts"] / rates["own_seconds"]

@@ -103,13 +103,18 @@ def run_mix(args, texts, tokenizer, workers) -> int:
     with tempfile.TemporaryDirectory(prefix="recipes-bench-mix-") as tmp:
         rows, draw = compare_mix(list(texts), tokenizer, Path(tmp), max_length=args.max_length,
                                  max_tokens=args.max_tokens, pad_to_multiple_of=args.pad_to_multiple_of)
+    from recipes.bench.harness.bench_charts import Chart, write_chart
+
     single, mixed = rows
-    print(f"\n## nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, MixtureSources) mixed 0.5 / 0.5, max_tokens "
-          f"{args.max_tokens}, make_loader (no workers: the sampler's cost is in the loop)\n")
+    heading = (f"nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, MixtureSources) mixed "
+               f"0.5 / 0.5, max_tokens {args.max_tokens}, make_loader (no workers: the sampler's cost is in the loop)")
+    print(f"\n## {heading}\n")
     print("| loader | real tokens/s | vs one source | first batch (s) |\n|---|---:|---:|---:|")
     for row in rows:
         print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / single.items_per_s:.3f}x | "
               f"{row.first_batch_seconds:.3f} |")
+    write_chart(Chart("nlp-mixture", heading, "real tokens/s", tuple(r.name for r in rows),
+                      tuple(r.items_per_s for r in rows), ratio_format="{:.3f}x"), getattr(args, "plot", None))
     epoch_seconds = single.seconds
     print(f"\nmixing overhead: {1 - mixed.items_per_s / single.items_per_s:+.2%} of the loader's rate; the epoch's "
           f"plan draw {draw * 1000:.1f} ms per epoch ({draw / epoch_seconds:.2%} of one source's epoch time)")

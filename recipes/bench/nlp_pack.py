@@ -96,12 +96,17 @@ def compare_pack(texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_l
 def run_pack(args, texts, tokenizer, workers) -> int:
     results = compare_pack(texts, tokenizer, seq_len=args.seq_len, rows=args.rows, batch_size=args.batch_size,
                            max_length=args.max_length, workers=workers)
+    from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
+
     base = results[0][0].items_per_s
-    print(f"\n## nlp packing: {len(texts):,} texts, max_length {args.max_length}, T={args.seq_len}, "
-          f"B={args.rows}, {workers} workers\n")
+    heading = (f"nlp packing: {len(texts):,} texts, max_length {args.max_length}, T={args.seq_len}, "
+               f"B={args.rows}, {workers} workers")
+    print(f"\n## {heading}\n")
     print("| loader | real tokens/s | vs baseline | fill (real / slots) | batch shapes per epoch | first batch (s) |")
     print("|---|---:|---:|---:|---:|---:|")
     for row, counter in results:
         print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / base:.2f}x | {counter.fill:.1%} | "
               f"{len(counter.shapes):,} | {row.first_batch_seconds:.2f} |")
+    write_chart(chart_of_rows("nlp-packing", heading, [row for row, _ in results], unit="real tokens/s"),
+                getattr(args, "plot", None))
     return 0

@@ -150,7 +150,7 @@ def compare(folder: Path, per_shard: int, *, latency=0.02, bandwidth_mb=16.0, pr
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import format_table
+    from recipes.bench.harness.measure import show_table
     from recipes.common import smart_num_workers
 
     folder, per_shard = ensure_shards(args.shards, args.shard_mb)
@@ -158,9 +158,10 @@ def run(args: argparse.Namespace) -> int:
     rows, level = compare(folder, per_shard, latency=args.latency, bandwidth_mb=args.bandwidth,
                           prefetch=args.prefetch, workers=workers, s3=args.s3)
     store = "S3 (moto through s3fs, behind a proxy)" if args.s3 else "HTTP"
-    print(f"\n## remote: {args.shards} shards of {per_shard * RECORD_BYTES / 2**20:.1f} MiB over {store} on 127.0.0.1, "
-          f"{args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per connection, {workers} workers\n")
-    print(format_table(rows, unit="samples/s", whole_epoch=True))
+    show_table(f"remote: {args.shards} shards of {per_shard * RECORD_BYTES / 2**20:.1f} MiB over {store} on "
+               f"127.0.0.1, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per connection, "
+               f"{workers} workers", rows, unit="samples/s", whole_epoch=True, plot=getattr(args, "plot", None),
+               name="remote-s3" if args.s3 else "remote-http")
     simple, first, second, local = (rows[i].items_per_s for i in (1, 2, 3, 4))
     whole_simple, whole_first = (rows[i].items / rows[i].seconds for i in (1, 2))
     print(f"\nPrefetchCache epoch 1 vs simplecache: {first / simple:.2f}x steady, {whole_first / whole_simple:.2f}x "

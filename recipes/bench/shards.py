@@ -190,7 +190,8 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import format_table
+    from recipes.bench.harness.bench_charts import Chart, write_chart
+    from recipes.bench.harness.measure import show_table
     from recipes.bench.vision import ensure_data
     from recipes.common import smart_num_workers
 
@@ -200,14 +201,18 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="recipes-bench-shards-") as tmp:
         out = Path(tmp)
         written, notes = write_rows(root, out, shard_bytes)
-        print(f"\n## shards: writing {args.images} JPEGs from {root} as {args.shard_mb:g} MiB shards, one process\n")
+        heading = f"shards: writing {args.images} JPEGs from {root} as {args.shard_mb:g} MiB shards, one process"
+        print(f"\n## {heading}\n")
         print("| writer | samples/s | vs write_shards |\n|---|---:|---:|")
         for name, rate, _ in written:
             print(f"| {name} | {rate:,.0f} | {rate / written[0][1]:.2f}x |")
+        write_chart(Chart("shards-write", heading, "samples/s", tuple(w[0] for w in written),
+                          tuple(w[1] for w in written)), getattr(args, "plot", None))
         rows = read_rows(out, latency=args.latency, bandwidth=args.bandwidth * 2**20, workers=workers)
-    print(f"\n## shards: reading them back, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per "
-          f"connection, {workers} workers, batches of 64 (webdataset's row is the baseline)\n")
-    print(format_table(rows, unit="samples/s", whole_epoch=True, baseline=1 if len(rows) > 3 else 0))
+    show_table(f"shards: reading them back, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per "
+               f"connection, {workers} workers, batches of 64 (webdataset's row is the baseline)", rows,
+               unit="samples/s", whole_epoch=True, baseline=1 if len(rows) > 3 else 0,
+               plot=getattr(args, "plot", None), name="shards-read")
     for note in notes:
         print(f"\n{note}")
     return 0

@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import format_table
+    from recipes.bench.harness.measure import show_table
     from recipes.common.caches.cache_checks import algorithm
 
     if args.checksum is not None:  # what a build with another hash writes: the builders' choice, replaced
@@ -123,5 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if args.only in (None, domain):
             measured = rows()
             for k in range(0, len(measured), len(MODES)):
-                print(format_table(measured[k : k + len(MODES)]), flush=True)
+                loader = measured[k].name.rsplit(" [", 1)[0]
+                show_table(f"verify, {domain}: {loader}, verify= {' / '.join(MODES)}", measured[k : k + len(MODES)],
+                           plot=getattr(args, "plot", None), name=f"verify-{domain}-{k // len(MODES) + 1}")
     return 0

@@ -253,7 +253,8 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import format_table
+    from recipes.bench.harness.bench_charts import slug
+    from recipes.bench.harness.measure import show_table
     from recipes.bench.vision_train import compare_train
     from recipes.common import smart_num_workers
 
@@ -265,18 +266,17 @@ def run(args: argparse.Namespace) -> int:
         rows, build_seconds, notes = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
                                              repeat=args.repeat)
         count = rows[0].items
-        print(f"\n## vision, {name} set: {count} images from {root}, {args.size}px eval, "
-              f"batch {args.batch_size}, {workers} workers\n")
-        print(format_table(rows, unit="images/s"))
+        show_table(f"vision, {name} set: {count} images from {root}, {args.size}px eval, batch {args.batch_size}, "
+                   f"{workers} workers", rows, unit="images/s", plot=args.plot, name=f"vision-eval-{slug(name)}")
         print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
         for note in notes:
             print(f"\n{note}")
         with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
             train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
                                        repeat=args.repeat, warm_dir=warm_dir)
-        print(f"\n## vision train, {name} set: random-resized crops + flips, {args.size}px, batch "
-              f"{args.batch_size}, {workers} workers (img/s per worker = rate / {max(workers, 1)})\n")
-        print(format_table(train_rows, unit="images/s"))
+        show_table(f"vision train, {name} set: random-resized crops + flips, {args.size}px, batch {args.batch_size}, "
+                   f"{workers} workers (img/s per worker = rate / {max(workers, 1)})", train_rows, unit="images/s",
+                   plot=args.plot, name=f"vision-train-{slug(name)}")
     return 0
 
 

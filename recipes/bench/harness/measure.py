@@ -16,6 +16,7 @@ import gc
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from recipes.common.tuning.probes import PeakMemory, tree_memory_bytes  # noqa: F401 (re-exported)
 
@@ -118,6 +119,20 @@ def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: in
             f"{row.first_batch_seconds:.2f} | {row.peak_bytes / 2**20:,.0f} |"
         )
     return "\n".join(lines)
+
+
+def show_table(heading: str, rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0,
+               whole_epoch: bool = False, plot: Path | None = None, name: str | None = None) -> None:
+    """Prints `## heading` and `format_table(rows, ...)`; with a `plot` folder, also writes the
+    rows' rates as a bar chart there (`recipes.bench.harness.bench_charts`), named `name` (by
+    default the heading's part before its colon)."""
+    print(f"\n## {heading}\n")
+    print(format_table(rows, unit=unit, baseline=baseline, whole_epoch=whole_epoch))
+    if plot is not None:
+        from recipes.bench.harness.bench_charts import chart_of_rows, slug, write_chart
+
+        name = name or slug(heading.split(":")[0])
+        write_chart(chart_of_rows(name, heading, rows, unit=unit, baseline=baseline), plot)
 
 
 def peak_rss_growth(fn) -> int | None:

@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from recipes.bench.harness.bench_charts import Chart, write_chart
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     steps = args.steps or (60 if cuda else 8)
@@ -65,8 +67,11 @@ def run(args: argparse.Namespace) -> int:
     for domain in DOMAINS if args.domain == "all" else (args.domain,):
         module = importlib.import_module(f"recipes.bench.{domain}")
         setup = module.train_setup(args, device)
-        rows, alone = measure_setup(setup, device, steps)
-        _print(domain, setup, rows, alone, device, steps)
+        plot = getattr(args, "plot", None)
+        rows, alone = measure_setup(setup, device, steps, plot=plot, prefix=f"train-{domain}")
+        heading = _print(domain, setup, rows, alone, device, steps)
+        write_chart(Chart(f"train-{domain}", heading, f"{setup.unit}/s", ("model alone (batch resident on the device)",
+                          *(r.name for r in rows)), (alone, *(r.rate for r in rows)), ratio_format="{:.0%}"), plot)
         results[domain] = {"model_alone": alone, "unit": setup.unit, "model": setup.model,
                            "rows": [asdict(r) for r in rows], "notes": setup.notes}
     if args.json is not None:
@@ -74,11 +79,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_setup(setup: TrainSetup, device, steps: int) -> tuple[list[TrainRow], float]:
+def measure_setup(setup: TrainSetup, device, steps: int, *, plot: Path | None = None,
+                  prefix: str = "train") -> tuple[list[TrainRow], float]:
+    """The model alone, then each loader's row; with `plot`, each loader's run as a timeline
+    chart `plot/<prefix>-<loader>-timeline.png` and `.svg` (`LoaderMonitor.plot`)."""
+    from recipes.bench.harness.bench_charts import slug
+
     alone = model_alone(setup, device, steps)
     rows = []
     for name, loader, to_device in setup.loaders:
-        rows.append(train_with(name, loader, to_device, setup, device, steps, alone))
+        timeline = None if plot is None else Path(plot) / f"{prefix}-{slug(name, 56)}-timeline"
+        rows.append(train_with(name, loader, to_device, setup, device, steps, alone, timeline=timeline))
     return rows, alone
 
 
@@ -94,9 +105,11 @@ def model_alone(setup: TrainSetup, device, steps: int) -> float:
     return setup.count(setup.resident) * steps / (time.perf_counter() - start)
 
 
-def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: int, alone: float) -> TrainRow:
+def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: int, alone: float, *,
+               timeline: Path | None = None) -> TrainRow:
     """`steps` steps fed by `loader` (epochs repeat as needed), after one first step that is
-    timed apart; the data wait and GPU utilisation come from `LoaderMonitor`."""
+    timed apart; the data wait and GPU utilisation come from `LoaderMonitor`, whose timeline
+    is drawn to `timeline` + .png and .svg when given."""
     from recipes.common.tuning.monitor import LoaderMonitor, LoaderWarning
 
     monitor = LoaderMonitor(loader, sample_seconds=1.0)
@@ -116,6 +129,8 @@ def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: i
                 if done >= steps + 1:
                     break
     rate = counted / (time.perf_counter() - start)
+    for suffix in () if timeline is None else (".png", ".svg"):
+        monitor.plot(timeline.with_name(timeline.name + suffix), title=f"{name}: {setup.model} on {_device_name(device)}")
     summary = monitor.summary()
     return TrainRow(name, rate, rate / alone if alone else 0.0, summary["wait_fraction"],
                     monitor.epochs[0]["first_batch_s"], getattr(loader, "num_workers", 0),
@@ -135,11 +150,13 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _print(domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, device, steps: int) -> None:
+def _print(domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, device, steps: int) -> str:
+    """Prints the domain's table; returns its heading."""
     import os
 
-    print(f"\n## train/{domain}: {setup.model} on {_device_name(device)} ({os.cpu_count()} CPUs), "
-          f"{steps} steps per loader\n")
+    heading = (f"train/{domain}: {setup.model} on {_device_name(device)} ({os.cpu_count()} CPUs), "
+               f"{steps} steps per loader")
+    print(f"\n## {heading}\n")
     print(f"model alone (batch resident on the device): {alone:,.1f} {setup.unit}/s\n")
     print(f"| loader | workers | {setup.unit}/s | of model alone | data wait | first batch (s) | GPU util |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -149,3 +166,4 @@ def _print(domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, d
               f"{r.first_batch_s:.2f} | {gpu} |")
     for note in setup.notes:
         print(f"\n{note}")
+    return heading
