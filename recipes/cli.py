@@ -18,8 +18,13 @@ BENCHES = {
     "remote": "recipes.bench.remote",
     "shards": "recipes.bench.shards",
     "verify": "recipes.bench.verify_cost",
+    "lightning": "recipes.bench.frameworks.lightning_loop",
+    "hf": "recipes.bench.frameworks.hf_loops",
     "train": "recipes.bench.harness.train",
 }
+# Run on their own, not by a bare `recipes bench`: a training step per loader, or a framework's
+# loop (their extras: recipes[lightning], recipes[accelerate]).
+_ON_THEIR_OWN = ("train", "lightning", "hf")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,10 +107,10 @@ def _bench_all(args: argparse.Namespace) -> int:
 
 
 def bench_commands(plot: Path | None = None) -> list[list[str]]:
-    """The commands a bare `recipes bench` runs: every domain but `train` (a training step per
-    loader: run on its own, `recipes bench train`), each passed `--plot` when given."""
+    """The commands a bare `recipes bench` runs: every domain but those run on their own
+    (`recipes bench train`, `lightning`, `hf`), each passed `--plot` when given."""
     extra = [] if plot is None else ["--plot", str(plot)]
-    return [[sys.executable, "-m", "recipes", "bench", name, *extra] for name in BENCHES if name != "train"]
+    return [[sys.executable, "-m", "recipes", "bench", name, *extra] for name in BENCHES if name not in _ON_THEIR_OWN]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,3 +117,76 @@ def test_a_crash_at_an_epochs_last_step_resumes(tmp_path, zygote):
     resumed = zygote.python(code, *args)
     assert resumed.wait(timeout=240) == 0, resumed.stderr
     assert "loss -" in resumed.stdout  # the resumed epoch had no batch left
+
+
+# ---- the Lightning templates (`recipes template DOMAIN --framework lightning`, issue 31) ----
+# Each runs as printed, and a killed run resumed from Lightning's checkpoint (with OneCycleLR,
+# Lightning #20550's trigger) trains on the same samples as an uninterrupted one: in one process
+# for every domain (forked from an interpreter that imported Lightning: 7-15 s saved per run),
+# and on 2 ranks under torchrun for nlp (LengthBucketSampler, use_distributed_sampler=False).
+
+
+def test_the_framework_option_prints_that_frameworks_template():
+    for framework, module in (("plain", "template"), ("lightning", "template_lightning")):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["template", "nlp", "--framework", framework]) == 0
+        from pathlib import Path
+
+        import recipes.nlp
+
+        assert printed.getvalue() == (Path(recipes.nlp.__file__).parent / f"{module}.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def lightning_zygote():
+    pytest.importorskip("lightning")
+    from tests.zygote import Zygote
+
+    server = Zygote(["numpy", "torch", "recipes.common", "recipes.vision", "recipes.nlp", "recipes.audio",
+                     "transformers", "lightning.pytorch"])
+    yield server
+    server.close()
+
+
+def _lightning_script(domain, folder):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["template", domain, "--framework", "lightning"]) == 0
+    path = folder / "train.py"
+    path.write_text(printed.getvalue())
+    return path
+
+
+def _run_forked(zygote, script, *args):
+    child = zygote.python(script.read_text(), "--smoke", *args, cwd=script.parent, env={"OMP_NUM_THREADS": "1"})
+    assert child.wait(timeout=240) == 0, child.stdout[-2000:] + child.stderr[-3000:]
+    return child.stdout
+
+
+@pytest.mark.slow  # 3 Lightning runs per domain (5-10 s each, forked)
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_a_killed_lightning_run_resumes_on_the_same_samples(domain, lightning_zygote, tmp_path):
+    script = _lightning_script(domain, tmp_path)
+    out = _run_forked(lightning_zygote, script, "--workdir", "whole", "--log-samples")
+    assert "epoch 1:" in out and "trained to epoch 2" in out
+    _run_forked(lightning_zygote, script, "--workdir", "crashed", "--log-samples", "--stop-after", "3")
+    assert 0 < sum(_samples(tmp_path / "crashed").values()) < sum(_samples(tmp_path / "whole").values())
+    _run_forked(lightning_zygote, script, "--workdir", "crashed", "--log-samples")  # resumes from its checkpoint
+    assert _samples(tmp_path / "crashed") == _samples(tmp_path / "whole")
+    whole = (tmp_path / "whole" / "samples-rank0.txt").read_text()
+    assert whole == (tmp_path / "crashed" / "samples-rank0.txt").read_text()  # and in the same order
+
+
+@pytest.mark.slow  # 3 launches of 2 Lightning processes under torchrun (~30 s each)
+def test_a_killed_lightning_run_on_two_ranks_resumes_on_the_same_samples(tmp_path):
+    script = _lightning_script("nlp", tmp_path)
+    _run(script, "--workdir", "whole", "--log-samples", ranks=2)
+    steps = [len((tmp_path / "whole" / f"samples-rank{r}.txt").read_text().splitlines()) for r in range(2)]
+    assert steps[0] == steps[1] > 3  # equal steps on both ranks (no DDP hang)
+    _run(script, "--workdir", "crashed", "--log-samples", "--stop-after", "3", ranks=2)
+    _run(script, "--workdir", "crashed", "--log-samples", ranks=2)
+    for rank in range(2):
+        name = f"samples-rank{rank}.txt"
+        assert (tmp_path / "crashed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+    assert _samples(tmp_path / "crashed") == _samples(tmp_path / "whole")

@@ -86,6 +86,17 @@ class RobustLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def sampler(self):
+        """The current loader's sampler: frameworks set its epoch through it (Lightning calls
+        `loader.sampler.set_epoch(epoch)` before each epoch). A restart keeps the same object."""
+        return self.loader.sampler
+
+    @property
+    def batch_sampler(self):
+        """The current loader's batch sampler (Lightning reaches `batch_sampler.sampler`)."""
+        return self.loader.batch_sampler
+
     def close(self) -> None:
         """Shuts the current loader's persistent workers down now (`StatefulLoader.close`)."""
         self.loader.close()

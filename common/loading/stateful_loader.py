@@ -122,6 +122,10 @@ class StatefulLoader(DataLoader):
         return PassSampler(super()._index_sampler, self._passes)
 
     def __iter__(self):
+        return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
+
+    def _begin_pass(self):
+        """(the pass begun, DataLoader's iterator over it): the loaded state's, else a fresh epoch."""
         current = self._passes.start(self.num_workers)
         iterable = isinstance(self.dataset, IterableDataset)
         if iterable:
@@ -136,7 +140,7 @@ class StatefulLoader(DataLoader):
             if hasattr(inner, "_dataset_fetcher") and not iterable:  # no workers: batches made here, seeded
                 inner._dataset_fetcher = SeededFetcher(inner._dataset_fetcher)
         _track(inner)
-        return Counting(self._passes, current, inner)
+        return current, inner
 
     def close(self) -> None:
         """Shuts its persistent workers down now; otherwise they end when the loader is garbage

@@ -34,6 +34,7 @@ import collections
 import inspect
 import os
 import sys
+import weakref
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any
 
@@ -99,11 +100,13 @@ class ThreadLoader(StatefulLoader):
                 holder.note_read_ahead(self.prefetch)
 
     def __iter__(self):
+        return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
+
+    def _begin_pass(self):
         current = self._passes.start(0)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
-        batches = _Batches(self, iter(self._index_sampler), current)
-        return Counting(self._passes, current, batches)
+        return current, _Batches(self, iter(self._index_sampler), current)
 
     def state_dict(self) -> dict[str, Any]:
         """`StatefulLoader.state_dict()`, and the seed of the batches' random draws (crops and

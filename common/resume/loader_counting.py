@@ -7,6 +7,13 @@ Cost: one counter increment per batch; a `Carried` batch (a worker's dataset sta
 `dataset_state.py`) is unwrapped, and a worker's stream end taken in.
 Adapt here: `SHM_FAILURES`, the texts of a full /dev/shm.
 Trade-off: a pass left by the loop (`break`, an error) is paused, not ended (`loader_passes.py`).
+An iterator that has handed no batch over yet begins its pass again at its first `next()` when
+a state was loaded after `iter(loader)`, or `set_epoch` chose another epoch after its order was
+drawn (workers draw at `iter()`): the workers' read-ahead of the old order is dropped. Lightning
+calls `iter()` before it sets the sampler's epoch, and before it restores a checkpoint when
+`configure_optimizers` reads `trainer.estimated_stepping_batches` (#20550); a late state or
+epoch must not wait for the next epoch's `iter()`. Once a batch was handed over, a loaded
+state waits for the next `iter()`, as before.
 Copy with: common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py.
 """
@@ -14,6 +21,7 @@ Copy with: common/resume/batch_seeds.py, common/resume/dataset_state.py,
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 from recipes.common.resume.dataset_state import Carried
 
@@ -23,8 +31,12 @@ class Counting:
     (`_workers`, for LoaderMonitor and RobustLoader). Dropped before its end (`break`), it
     ends its pass."""
 
-    def __init__(self, passes, current, inner):  # `loader_passes.Passes`, its current `Pass`
-        self._passes, self._pass, self._inner = passes, current, inner
+    def __init__(self, passes, current, inner, restart: Callable | None = None):
+        # `passes`: the loader's `loader_passes.Passes`; `current`: the `Pass` begun for this
+        # iterator; `restart`: a weak method of the loader that begins a pass anew, returning
+        # (pass, inner iterator): called when the pass is superseded before this handed a batch
+        # over (a state loaded, or another epoch set: `Passes.superseded`)
+        self._passes, self._pass, self._inner, self._restart = passes, current, inner, restart
         current.inner = weakref.ref(inner)
 
     def _target(self):
@@ -37,7 +49,22 @@ class Counting:
     def __iter__(self):
         return self
 
+    def _begin_again(self) -> None:
+        """The pass, superseded before a batch was handed over (`Passes.superseded`), begins
+        again: the loaded state's, or the epoch `set_epoch` chose (the old read-ahead dropped)."""
+        current, start = self._pass, self._restart() if self._restart is not None else None
+        if start is None:  # the loader is gone
+            return
+        old = self._inner
+        self._pass, self._inner = start()
+        self._pass.inner = weakref.ref(self._inner)
+        current.done = current.dropped = True  # superseded, never received
+        if old is not self._inner and hasattr(old, "_shutdown_workers"):
+            old._shutdown_workers()  # its workers read ahead in the old order (persistent ones are reset, not here)
+
     def __next__(self):
+        if self._pass.yielded == self._pass.skip and self._passes.superseded(self._pass):
+            self._begin_again()
         if self._target().closed:  # its workers (or threads) were shut down under it
             raise LoaderClosedError("this loader was closed while its epoch was running; start a new epoch with "
                                     "iter(loader) (or load a saved state_dict() to continue there).")

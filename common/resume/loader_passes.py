@@ -56,6 +56,7 @@ class Pass:
     dataset_states: dict = field(default_factory=dict)  # worker -> its dataset copy's state (`dataset_state.py`)
     base_states: dict = field(default_factory=dict)  # the copies' states as the pass began (loaded, or carried over)
     last_worker: int | None = None  # the worker that made the last batch received (its states' round-robin)
+    length: int | None = None  # the epoch's batches here, when a positioned sampler's own count is its rest
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
     # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
 
@@ -106,13 +107,15 @@ class Passes:
             epoch = 0 if self.current is None else self.current.epoch + 1
         self._warn_same_epoch(epoch, pending)
         skip = 0 if pending is None else int(pending["batches_yielded"])
+        position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
+        length = None
         if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
             self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
             skip = 0
+            length = _rest_length(self.positioned, position)
         saved_workers = None if pending is None else pending.get("num_workers")
         if saved_workers is None or not (skip or pending.get("replayed")):
             saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
-        position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
         base = {}
         if pending is not None:
             base = dict(pending.get("dataset_states") or {})
@@ -120,8 +123,19 @@ class Passes:
                 and not self.current.dropped:  # the copies go on from the epoch's end (after a break:
             base = carried_over(self.pass_states(self.current))  # unknown, read ahead; fresh states)
         self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip,
-                            base_states=base)
+                            base_states=base, length=length)
         return self.current
+
+    def superseded(self, current: Pass) -> bool:
+        """Whether `current` must begin again before its first batch is handed over: a state was
+        loaded since it began, or `set_epoch` chose another epoch after its order was drawn
+        (workers draw at `iter()`; a lazy draw follows `set_epoch` itself, in `draw`). Lightning
+        calls `iter()` before `set_epoch`, and may load a state after `iter()` (#20550)."""
+        if current is not self.current or current.done or current.yielded != current.skip:
+            return False
+        if self.pending is not None:
+            return True
+        return self.holder is not None and current.drawn and self._holder_epoch() != current.epoch
 
     def draw(self, current: Pass) -> None:
         """At the first index of a pass, before the sampler draws: restores the loaded random
@@ -280,6 +294,17 @@ class Passes:
                 "order, repeating and losing samples. Give the sampler a generator of its own (for example "
                 "RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))), make it set_epoch-seeded, or "
                 "use make_loader(..., shuffle=True).", LoaderWarning, stacklevel=4)
+
+
+def _rest_length(positioned, position: int) -> int | None:
+    """`len(loader)` in a pass a positioned sampler resumes by itself: the batches this rank
+    received before the resume and the sampler's rest (`len()` gives only the rest, and a
+    framework counts on from the step it restored: Lightning stopped each epoch that many
+    batches short). None when the sampler has no length."""
+    try:
+        return position + len(positioned)
+    except TypeError:
+        return None
 
 
 def _roles(loader) -> dict[str, Any]:

@@ -81,4 +81,8 @@ class PassSampler:
             yield seeded(item, seed)
 
     def __len__(self) -> int:
+        """The epoch's batches, those received before a resume included (`Pass.length`)."""
+        current = self.passes.current
+        if current is not None and current.length is not None and not current.done:
+            return current.length
         return len(self.inner)
