@@ -91,6 +91,16 @@ def test_without_matplotlib_plot_fails_at_once_saying_how_to_install(tmp_path, m
         write_chart(Chart("c", "t", "u", ("a",), (1.0,)), tmp_path)
 
 
+def test_a_folder_that_takes_no_file_fails_before_measuring(tmp_path, capsys):
+    """A folder the charts cannot be written to (here a path under a file, as an unwritable one
+    would be) stops the benchmark before its minutes of measuring, naming the folder."""
+    (tmp_path / "file").write_text("")
+    folder = tmp_path / "file" / "charts"
+    assert main(["bench", "common", "--paths", "1000000", "--plot", str(folder)]) == 1  # before measuring
+    err = capsys.readouterr().err
+    assert str(folder) in err and "cannot be written" in err
+
+
 def test_a_chart_names_what_is_wrong_with_it(tmp_path):
     with pytest.raises(ValueError, match="one value per name"):
         write_chart(Chart("c", "t", "u", ("a", "b"), (1.0,)), tmp_path)

@@ -302,3 +302,16 @@ def test_examples_call_recipes_with_arguments_they_take():
             imported.update(_imported_from_recipes(tree))
             problems += _bad_calls(block, imported)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_the_getting_started_data_block_makes_every_folder_the_examples_read(tmp_path):
+    """The stand-in data the tests make for the examples is what a reader gets from the getting
+    started page's block: each folder the makers write is written by that block too."""
+    block = (ROOT / "docs" / "getting-started.md").read_text().split("## Stand-in data", 1)[1].split("```python", 1)[1]
+    block = block.split("```", 1)[0]
+    for word, maker in MAKERS.items():
+        folder = tmp_path / word
+        maker(folder)
+        for made in sorted((folder / "data").iterdir()):
+            assert f'"data/{made.name}' in block, f"getting-started.md's data block does not make data/{made.name} ({word})"

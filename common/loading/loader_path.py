@@ -9,9 +9,10 @@ that releases the GIL (`ThreadBatched.thread_batches()`: `TokenCache` and `Spect
 with their caches, `ImageFolderFast` without a `transform`, from its cache or decoding files
 with TurboJPEG/OpenCV) and only when no argument asks for workers: Python per-item work in threads
 holds the GIL, so anything else keeps its worker processes. The rule is checked by
-measurement on both built-in image sets (`tests/vision/test_throughput.py`): cold decoding in
-threads beat a DataLoader worker 1.44x on photographs and tied it (1.01x) on small generated
-JPEGs, 2 cores.
+measurement on both built-in image sets (`tests/vision/test_throughput.py`; `recipes bench
+vision --set both` measures it on your machine): cold decoding in threads beat a DataLoader
+worker 1.70x on photographs (81% of the decode-only limit) and tied it (1.01x) on small
+generated JPEGs, 2 cores, 2026-12-01.
 Copy with: common/resume/loader_contract.py.
 """
 
@@ -77,8 +78,8 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
     if asked:
         return "workers", f"worker processes: {', '.join(asked)} given (path='threads' would refuse them)"
     source = "reads its items from a memory-speed cache" if getattr(dataset, "cache", True) is not None else \
-        ("decodes its items with TurboJPEG or OpenCV (on photographs, measured 1.44x the worker path and 88% of "
-         "the decode-only limit)")
+        ("decodes its items with TurboJPEG or OpenCV (on photographs, 2 cores, `recipes bench vision` measured "
+         "1.70x the worker path and 81% of the decode-only limit)")
     return "threads", (f"threads: {name} {source} (the GIL released); worker processes would add a "
                        "shared-memory hand-over and pickling per batch, and leave a core to the training "
                        "loop. path='workers' for worker processes")

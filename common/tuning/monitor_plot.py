@@ -171,23 +171,32 @@ def plot_timeline(timeline: StepTimeline, path: str | Path, *, x: str = "time", 
         raise ValueError("The timeline has no steps yet: iterate the monitor before plotting it.")
     plt = import_pyplot()
     first_step = np.concatenate([[0], np.cumsum(data.steps)[:-1]])
-    end = data.start_s[-1] + (data.wait_s[-1] + data.compute_s[-1]) * data.steps[-1]
-    xs = np.append(data.start_s, end) if x == "time" else np.append(first_step, data.steps.sum())
-    compute_ms, wait_ms = np.append(data.compute_s, 0) * 1e3, np.append(data.wait_s, 0) * 1e3
+    busy = np.divide(data.compute_s, data.compute_s + data.wait_s, out=np.zeros_like(data.compute_s),
+                     where=data.compute_s + data.wait_s > 0) * 100
+    if x == "time":  # each step from its start to its end, then nothing until the next one starts
+        ends = data.start_s + (data.wait_s + data.compute_s) * data.steps  # (a gap between epochs is no step's)
+        xs = np.column_stack([data.start_s, ends]).ravel()
+        gaps = np.zeros_like(data.compute_s)
+        compute_ms = np.column_stack([data.compute_s, gaps]).ravel() * 1e3
+        wait_ms = np.column_stack([data.wait_s, gaps]).ravel() * 1e3
+        busy_line = np.column_stack([busy, np.full_like(busy, np.nan)]).ravel()
+    else:
+        xs = np.append(first_step, data.steps.sum())
+        compute_ms, wait_ms = np.append(data.compute_s, 0) * 1e3, np.append(data.wait_s, 0) * 1e3
+        busy_line = np.append(busy, busy[-1])
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 5.5), height_ratios=[3, 1],
                                       layout="constrained")
     top.fill_between(xs, 0, compute_ms, step="post", color="#4c72b0", label="compute", linewidth=0)
     top.fill_between(xs, compute_ms, compute_ms + wait_ms, step="post", color="#dd8452", label="data wait", linewidth=0)
     top.set_ylabel("ms per step")
     _draw_memory(top, data, None if x == "time" else first_step)
-    busy = np.divide(data.compute_s, data.compute_s + data.wait_s, out=np.zeros_like(data.compute_s),
-                     where=data.compute_s + data.wait_s > 0) * 100
-    bottom.step(xs, np.append(busy, busy[-1]), where="post", color="#4c72b0", linewidth=0.8)
+    bottom.step(xs, busy_line, where="post", color="#4c72b0", linewidth=0.8)
     bottom.set_ylim(-5, 105)
     bottom.set_ylabel("busy %")
     bottom.set_xlabel("seconds since the first batch was asked for" if x == "time" else "step")
     for step in data.epoch_starts[1:]:
-        at = xs[min(np.searchsorted(first_step, step, side="right") - 1, len(xs) - 1)] if x == "time" else step
+        at = data.start_s[min(np.searchsorted(first_step, step, side="right") - 1, len(data.start_s) - 1)] \
+            if x == "time" else step
         for axes in (top, bottom):
             axes.axvline(at, color="grey", linestyle=":", linewidth=0.8)
     totals = data.totals()

@@ -54,14 +54,26 @@ def slug(text: str, limit: int = 64) -> str:
 
 
 def prepare(folder: Path | None) -> None:
-    """Checks before a benchmark runs that its charts can be written: matplotlib imports and
-    `folder` exists or can be made (nothing when `folder` is None)."""
+    """Checks before a benchmark runs that its charts can be written: matplotlib imports, and
+    `folder` exists or can be made and takes a file (nothing when `folder` is None).
+
+    Raises:
+        ImportError: no matplotlib (`pip install "recipes[plot]"`).
+        OSError: `folder` cannot be made or written, naming it.
+    """
     if folder is None:
         return
+    import tempfile
+
     from recipes.common.tuning.monitor_plot import import_pyplot
 
     import_pyplot()
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".recipes-plot-check-"):
+            pass
+    except OSError as error:
+        raise OSError(f"--plot {folder}: charts cannot be written there ({error}); pass a writable folder") from None
 
 
 def write_chart(chart: Chart, folder: Path | str | None) -> list[Path]:
