@@ -315,3 +315,23 @@ def test_the_getting_started_data_block_makes_every_folder_the_examples_read(tmp
         maker(folder)
         for made in sorted((folder / "data").iterdir()):
             assert f'"data/{made.name}' in block, f"getting-started.md's data block does not make data/{made.name} ({word})"
+
+
+def test_the_docstring_examples_on_the_api_pages_are_python():
+    """The API reference shows the docstrings' `>>>` examples: each parses as Python (they
+    sketch a training loop, so they are parsed, not run)."""
+    import ast
+
+    for domain in ("common", "vision", "nlp", "audio"):
+        for path in sorted((ROOT / domain).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                doc = ast.get_docstring(node) or ""
+                lines = [line.strip() for line in doc.splitlines() if line.strip().startswith((">>>", "..."))]
+                if lines:
+                    code = "\n".join(line[4:] for line in lines)
+                    try:
+                        ast.parse(code)
+                    except SyntaxError as error:
+                        pytest.fail(f"{path.relative_to(ROOT)}, {getattr(node, 'name', 'module')}: {error.msg}\n{code}")

@@ -61,9 +61,10 @@ class FolderBuild:
         >>> build = FolderBuild(cache_dir, distributed=True)
         >>> if build.needed(lambda: MyCache.open(cache_dir, fingerprint=fp), MyCacheError):
         ...     with build:
-        ...         for i in build.block(n): ...write to build.part("data.bin")...
+        ...         for i in build.block(n):
+        ...             write_item(i, build.part("data.bin"))  # yours: append item i's bytes
         ...         build.concat("data.bin")
-        ...         build.publish({"format": ..., "version": ..., "fingerprint": ..., ...})
+        ...         build.publish({"format": "my-cache", "version": 1, "fingerprint": fp})
     """
 
     def __init__(self, target: str | os.PathLike, *, distributed: bool = False):

@@ -71,7 +71,7 @@ class StatefulLoader(DataLoader):
         >>> for epoch in range(3):
         ...     for step, batch in enumerate(loader):
         ...         if step == 100:
-        ...             torch.save({"loader": loader.state_dict(), ...}, "ckpt.pt")
+        ...             torch.save({"loader": loader.state_dict(), "model": model.state_dict()}, "ckpt.pt")
         >>> loader.load_state_dict(torch.load("ckpt.pt")["loader"])  # in the new process
         >>> for batch in loader: ...                                 # batch 101 onwards
     """
