@@ -10,6 +10,9 @@ Adapt here: `train_loader()`, the hook that builds the loader (a sampler of ours
 `path="threads"`, a `RobustLoader`); `seed`, the order of a shuffled loader on several ranks.
 Trade-off: the checkpoint holds rank 0's loader state (Lightning's rule): right for loaders
 whose ranks step together (`DistributedSampler`, `LengthBucketSampler`, `PackedBatchSampler`).
+A resume on another number of ranks is refused (Lightning counts the resumed epoch in the old
+world's steps); a loader without a length is read one batch ahead by Lightning, so its
+mid-epoch resume skips a batch: `train_dataloader()` warns (`LoaderWarning`).
 
 What Lightning does, and what this module adds:
 - Lightning saves each training loader's `state_dict()` and, on resume, calls its
@@ -48,10 +51,12 @@ Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loadin
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from recipes.common.loader_warning import LoaderWarning
 from recipes.common.loading.loader import make_loader
 
 __all__ = ["LoaderDataModule", "LoaderDataModuleMixin", "check_sampler_kept", "epoch_holders"]  # noqa: F822 (lazy)
@@ -77,6 +82,7 @@ class LoaderDataModuleMixin:
         self.dataset, self.seed, self.loader_kwargs = dataset, seed, loader_kwargs
         self.loader = None  # the training loader built last: the one Lightning iterates
         self._state_to_load: dict[str, Any] | None = None
+        self._saved_world: int | None = None
 
     def train_loader(self):
         """The training loader; override to build your own. By default `make_loader(dataset,
@@ -104,6 +110,14 @@ class LoaderDataModuleMixin:
     def train_dataloader(self):
         loader = self.train_loader()
         check_sampler_kept(self.trainer, loader)
+        _warn_without_length(loader)
+        world = _ranks(self.trainer)[0]
+        if self._state_to_load is not None and self._saved_world not in (None, world):
+            raise ValueError(f"This checkpoint's loader state was saved on {self._saved_world} ranks and the "
+                             f"trainer runs on {world}: Lightning counts a resumed epoch's steps in the saved "
+                             "run's units against its own batches per epoch, so samples would be lost or "
+                             f"repeated. Resume on {self._saved_world} ranks (accelerate's prepare_loader or a "
+                             "plain loop resume a LengthBucketSampler on another count).")
         if self._state_to_load is not None:  # restored before Lightning's own copy (#20550)
             loader.load_state_dict(self._state_to_load)
             self._state_to_load = None
@@ -118,10 +132,11 @@ class LoaderDataModuleMixin:
     def state_dict(self) -> dict[str, Any]:
         if self.loader is None or not callable(getattr(self.loader, "state_dict", None)):
             return {}
-        return {"train_loader": self.loader.state_dict()}
+        return {"train_loader": self.loader.state_dict(), "world_size": _ranks(self.trainer)[0]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state_to_load = state_dict.get("train_loader")
+        self._saved_world = state_dict.get("world_size")
 
 
 def check_sampler_kept(trainer, loader) -> None:
@@ -154,6 +169,21 @@ def epoch_holders(loader) -> list:
     if isinstance(getattr(loader, "dataset", None), IterableDataset):
         found.append(loader.dataset)
     return [obj for obj in found if callable(getattr(obj, "set_epoch", None))]
+
+
+def _warn_without_length(loader) -> None:
+    """Warns for a loader without a length: Lightning then reads one batch ahead (its
+    `_PrefetchDataFetcher`, to see the epoch's end), so the state a checkpoint holds is one
+    batch past the last trained, and a mid-epoch resume skips that batch (measured: an
+    iterable dataset without `__len__`, 4 of 64 samples lost per resume)."""
+    try:
+        len(loader)
+    except TypeError:
+        warnings.warn(LoaderWarning(
+            f"{type(loader).__name__} has no length ({type(getattr(loader, 'dataset', loader)).__name__} has no "
+            "__len__): Lightning reads one batch ahead of it, so a checkpoint taken mid-epoch holds the loader's "
+            "state one batch late and the resumed run skips that batch. Checkpoint at epoch ends, or give the "
+            "dataset a length."), stacklevel=3)
 
 
 def _ranks(trainer) -> tuple[int, int]:

@@ -20,7 +20,8 @@ rank gets the same number of batches, so DDP never waits on a rank that ran out:
 Resume: `state_dict()` records the epoch and how many batches of the global list are done
 (local steps x R, as DDP ranks step together). `load_state_dict()` continues with the rest of
 that list, dealt over the current number of ranks, so a job resumed on another world size
-neither repeats nor loses a sample.
+loses no sample; when the rest does not divide over the new ranks it is padded as above (at
+most R - 1 batches of the epoch seen twice; none when the world size is unchanged).
 Copy with: common/loader_warning.py, common/sampling/sharding.py.
 """
 

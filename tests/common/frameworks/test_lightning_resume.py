@@ -183,3 +183,41 @@ def test_importing_the_glue_imports_no_lightning(zygote):
             "assert callable(glue.check_sampler_kept) and glue.LoaderDataModuleMixin.train_loader\n")
     child = zygote.python(code)
     assert child.wait(timeout=60) == 0, child.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_rank_count_is_refused_and_a_loader_without_length_warns(tmp_path):
+    """Lightning counts a resumed epoch's steps in the saved run's units: a checkpoint of 2
+    ranks resumed on 1 is refused, naming both counts (it lost 12 samples per epoch). A loader
+    without a length, which Lightning reads one batch ahead of, is warned about."""
+    import torch
+    from lightning.pytorch import Trainer
+    from torch.utils.data import IterableDataset
+
+    from recipes.common import LoaderWarning
+    from recipes.common.frameworks import lightning_glue as glue
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      default_root_dir=tmp_path, enable_progress_bar=False)
+    data = glue.LoaderDataModule(torch.arange(32).float()[:, None], batch_size=4, shuffle=True)
+    data.trainer = trainer
+    first = data.train_dataloader()
+    next(iter(first))
+    saved = data.state_dict()
+    assert saved["world_size"] == 1
+    resumed = glue.LoaderDataModule(torch.arange(32).float()[:, None], batch_size=4, shuffle=True)
+    resumed.trainer = trainer
+    resumed.load_state_dict({**saved, "world_size": 2})
+    with pytest.raises(ValueError, match="saved on 2 ranks and the trainer runs on 1"):
+        resumed.train_dataloader()
+    resumed.load_state_dict(saved)
+    assert len(resumed.train_dataloader()) == 8  # the same count resumes
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    stream = glue.LoaderDataModule(Stream(), batch_size=4)
+    stream.trainer = trainer
+    with pytest.warns(LoaderWarning, match="one batch ahead"):
+        stream.train_dataloader()
