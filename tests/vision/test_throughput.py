@@ -51,7 +51,7 @@ def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree,
 def test_on_photographs_the_cold_thread_path_nears_the_decode_limit_and_beats_workers(tmp_path):
     """Issue #30 on the photographic set: `make_loader`'s choice for cold decoding (threads)
     is the faster path (the rule validated by evidence) and reaches >= 70% of the decode-only
-    limit. Measured 87.7% and 2.70x torchvision at 720 images (README); the baseline floor here
+    limit. Measured 81.8% and 4.48x torchvision at 720 images (docs/benchmarks.md); the baseline floor here
     is a conservative guard against a regression on a noisy 2-core machine."""
     from recipes.testing import make_photo_folder
 
