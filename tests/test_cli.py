@@ -112,6 +112,7 @@ def make():
 """
 
 
+@pytest.mark.slow  # 8 s of measuring
 def test_tune_prints_the_table_and_writes_json(tmp_path):
     (tmp_path / "mydata.py").write_text(TUNE_FACTORY)
     out = subprocess.run([sys.executable, "-m", "recipes", "tune", "mydata:make", "--batch-size", "8",

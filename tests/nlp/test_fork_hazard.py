@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import os
     import torch
@@ -28,6 +30,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 8 s
 def test_forked_workers_tokenize_after_the_parent_used_parallelism():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -6,6 +6,7 @@ from recipes.bench.nlp import compare
 from recipes.testing import make_text_corpus, train_tokenizer
 
 
+@pytest.mark.slow  # 15 s
 def test_cache_and_bucketing_beat_tokenizing_per_item():
     texts = make_text_corpus(4000, seed=3)
     tokenizer = train_tokenizer(texts[:1500], vocab_size=2000)

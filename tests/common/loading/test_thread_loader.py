@@ -381,6 +381,7 @@ def test_a_script_exits_quietly(tmp_path):
     assert out.returncode == 0 and out.stderr == "", out.stderr
 
 
+@pytest.mark.slow  # 5 s
 def test_the_training_threads_keep_torchs_thread_count(tmp_path):
     """Batches made in pool threads (a torch resize in each) leave the training loop's intra-op
     threads alone: the main thread, and a thread started after the loader, have as many as in

@@ -119,6 +119,7 @@ def test_two_processes_send_one_set_of_range_requests(tmp_path, big, zygote):
         assert _ranges(server) == list(range(0, len(data), RANGE))  # counted at the server: one set
 
 
+@pytest.mark.slow  # 5 s
 def test_ranges_in_flight_rise_while_the_rate_does(tmp_path):
     """Each connection is capped (as object stores cap them): doubling the ranges in flight
     doubles the rate until every range of an object is in flight at once."""

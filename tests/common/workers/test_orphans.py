@@ -92,5 +92,6 @@ def test_loader_workers_die_with_a_killed_parent(zygote):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.slow  # 6 s
 def test_cache_build_workers_die_with_a_killed_parent(tmp_path, zygote):
     assert _kill_parent_and_watch(zygote, CACHE_SCRIPT, tmp_path / "tree", tmp_path / "cache") == []

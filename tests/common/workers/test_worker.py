@@ -5,6 +5,7 @@ import random
 
 import cv2
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -94,6 +95,7 @@ print(rows.tolist())
 """
 
 
+@pytest.mark.slow  # 6 s
 def test_workers_that_import_opencv_later_are_single_threaded_too():
     """worker_init does not import cv2 when the parent never did, and a later import is single-threaded."""
     import subprocess
