@@ -87,6 +87,7 @@ def test_doctor_is_quiet_on_a_healthy_machine():
     assert build_report(_res(), local_world_size=1, cuda_available=False)["warnings"] == []
 
 
+@pytest.mark.slow  # 3-6 s
 def test_bench_common_runs_and_prints_a_ratio(capsys):
     assert main(["bench", "common", "--paths", "200000"]) == 0
     out = capsys.readouterr().out

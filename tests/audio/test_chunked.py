@@ -175,6 +175,7 @@ def test_invalid_arguments(audio_files, tmp_path):
         ChunkedAudioDataset(tmp_path)
 
 
+@pytest.mark.slow  # 3-6 s
 def test_memory_per_item_follows_the_window_not_the_file(tmp_path):
     """A 10-minute file: reading a 4 s window grows RSS by the window, a whole read by the file."""
     [path] = make_audio_files(tmp_path, count=1, seconds=600.0, seed=8)

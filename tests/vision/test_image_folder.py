@@ -263,6 +263,7 @@ def test_transform_runs_on_the_uint8_tensor(image_tree):
     assert torch.equal(ds[1][0], 255 - plain[1][0])
 
 
+@pytest.mark.slow  # 3-6 s
 def test_pickles_and_workers_match_main_process(image_tree):
     ds = pickle.loads(pickle.dumps(ImageFolderFast(image_tree, size=64)))
     main = torch.stack([ds[i][0] for i in range(len(ds))])

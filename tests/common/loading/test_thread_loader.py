@@ -365,6 +365,7 @@ def test_closing_mid_epoch_raises_and_the_state_resumes_there(path):
     assert _ids(loader) == reference  # a new epoch after the close works
 
 
+@pytest.mark.slow  # 3-6 s
 def test_a_script_exits_quietly(tmp_path):
     """No "Exception ignored in ThreadLoader.__del__" at interpreter exit (a real interpreter:
     the zygote skips finalisation)."""

@@ -254,6 +254,7 @@ SEVERAL_LOADERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 3-6 s
 def test_several_persistent_loaders_alive_at_once():
     """Repro 5: train and validation loaders with persistent workers; the validation loaders
     become cyclic garbage, inherited by the next loaders' forked workers, which collect it."""
