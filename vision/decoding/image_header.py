@@ -77,10 +77,24 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from a JPEG's SOF marker, or None when `data` is not a plain JPEG."""
     if data[:2] != b"\xff\xd8":
         return None
-    pos, n = 2, len(data)
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
+    for marker, pos in _jpeg_segments(data):
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
+            if pos + 9 > len(data):
+                return None
+            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
+            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
+            return (width, height) if width and height else None
+        if marker == 0xDA:  # scan data before any frame header: let Pillow judge
             return None
+    return None
+
+
+def _jpeg_segments(data: bytes):
+    """(marker, offset) of a JPEG's top-level marker segments from after SOI, up to and
+    including the first scan's SOS (a thumbnail inside APP1 is skipped with its segment); stops
+    early at anything that is not a marker or has a bad length."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n and data[pos] == 0xFF:
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -88,17 +102,11 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
         if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
             pos += 2
             continue
+        yield marker, pos
         length = int.from_bytes(data[pos + 2 : pos + 4], "big")
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # SOFn
-            if pos + 9 > n:
-                return None
-            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
-            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
-            return (width, height) if width and height else None
-        if marker == 0xDA or length < 2:  # scan data before any frame header: let Pillow judge
-            return None
+        if marker == 0xDA or length < 2:
+            return
         pos += 2 + length
-    return None
 
 
 def _png_size(data: bytes) -> tuple[int, int] | None:
@@ -145,18 +153,9 @@ def _eoi_after_first_scan(data: bytes) -> bool:
     Motion Photo's video, any trailer) is not the image's. The first scan is found by walking
     the marker segments (a thumbnail's scan lies inside its APP1 segment); where the walk
     fails, the last scan in the file counts."""
-    pos, n = 2, len(data)
-    while pos + 4 <= n and data[pos] == 0xFF:
-        marker = data[pos + 1]
+    for marker, pos in _jpeg_segments(data):
         if marker == 0xDA:
             return data.find(_JPEG_EOI, pos) != -1
-        if marker == 0xFF or marker in (0x01, *range(0xD0, 0xD8)):  # fill byte, markers without a length
-            pos += 1 if marker == 0xFF else 2
-            continue
-        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
-        if length < 2:
-            break
-        pos += 2 + length
     return data.rfind(_JPEG_EOI) > data.rfind(_JPEG_SOS)
 
 
