@@ -205,7 +205,7 @@ class TextSource:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError('Parquet texts need pyarrow: pip install "recipes[parquet]" (or pyarrow).') from None
+            raise ImportError('Parquet texts need pyarrow: pip install "loader-recipes[parquet]" (or pyarrow).') from None
         with self._open() as raw:
             try:
                 file = pq.ParquetFile(raw)

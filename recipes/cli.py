@@ -23,7 +23,7 @@ BENCHES = {
     "train": "recipes.bench.harness.train",
 }
 # Run on their own, not by a bare `recipes bench`: a training step per loader, or a framework's
-# loop (their extras: recipes[lightning], recipes[accelerate]).
+# loop (their extras: loader-recipes[lightning], loader-recipes[accelerate]).
 _ON_THEIR_OWN = ("train", "lightning", "hf")
 
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="measure the recipes against plain torch baselines, in one run"
     )
     plot_help = ('write each table as a bar chart, DIR/<table>.png and .svg (train: also each run\'s '
-                 'timeline); needs matplotlib: pip install "recipes[plot]"')
+                 'timeline); needs matplotlib: pip install "loader-recipes[plot]"')
     bench.add_argument("--plot", type=Path, default=None, metavar="DIR", help=plot_help)
     domains = bench.add_subparsers(dest="domain", metavar="DOMAIN")
     for name, module_name in BENCHES.items():

@@ -154,7 +154,7 @@ def _gpu_names(count: int) -> list[str]:
 def _versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for dist, key in (
-        ("recipes", "recipes"),
+        ("loader-recipes", "recipes"),
         ("torch", "torch"),
         ("torchvision", "torchvision"),
         ("torchaudio", "torchaudio"),

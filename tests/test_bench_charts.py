@@ -86,7 +86,7 @@ def test_plot_goes_before_or_after_the_domain_and_through_a_bare_bench(tmp_path)
 def test_without_matplotlib_plot_fails_at_once_saying_how_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert main(["bench", "common", "--paths", "1000000", "--plot", str(tmp_path)]) == 1  # before measuring
-    assert 'pip install "recipes[plot]"' in capsys.readouterr().err
+    assert 'pip install "loader-recipes[plot]"' in capsys.readouterr().err
     with pytest.raises(ImportError, match=r'pip install "recipes\[plot\]"'):
         write_chart(Chart("c", "t", "u", ("a",), (1.0,)), tmp_path)
 

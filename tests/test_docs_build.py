@@ -56,4 +56,4 @@ def test_the_docs_extra_holds_what_the_build_needs_and_dev_installs_it():
     names = {re.split(r"[<>=\[;\s]", requirement, maxsplit=1)[0].lower() for requirement in extras["docs"]}
     assert {"mkdocs", "mkdocs-material", "mkdocstrings"} <= names, extras["docs"]
     assert any(r.startswith("mkdocstrings[python]") for r in extras["docs"]), extras["docs"]
-    assert "recipes[docs]" in extras["dev"], extras["dev"]
+    assert "loader-recipes[docs]" in extras["dev"], extras["dev"]

@@ -57,7 +57,7 @@ def test_the_repository_passes_ruff():
 
 def test_s3fs_and_fsspec_come_from_one_release_family():
     """s3fs pins the fsspec it was released with; an old boto-based s3fs (0.4.x), which a
-    resolver squeezed by moto's botocore once chose, is not what `recipes[cloud]` installs."""
+    resolver squeezed by moto's botocore once chose, is not what `loader-recipes[cloud]` installs."""
     import fsspec
     import s3fs
 

@@ -91,7 +91,7 @@ class ImageFolderFast(Dataset):
             and draw the crop and flip (seeded, as on the CPU); `GpuDecode` decodes, crops,
             resizes and normalises whole batches on the device (collate with `encoded_collate`).
         region_decode: decode only the crop of a JPEG (libjpeg-turbo's cropped decode through
-            nvImageCodec's CPU backend, `pip install "recipes[roi]"`; same pixels). None: when
+            nvImageCodec's CPU backend, `pip install "loader-recipes[roi]"`; same pixels). None: when
             nvImageCodec is installed; True: require it. Crops small enough for a 1/2, 1/4 or
             1/8 DCT-scaled decode use that instead. A strict first decode of a file reads on to
             the bottom of the image (what region decode saves), later ones only the crop.
@@ -141,7 +141,7 @@ class ImageFolderFast(Dataset):
                                "(decode='cpu', the default), which is as fast as this machine's cores allow.")
         self.decode = decode
         if region_decode and not region_decode_available():
-            raise ImportError('region_decode=True needs nvImageCodec: pip install "recipes[roi]" '
+            raise ImportError('region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]" '
                               "(nvidia-nvimgcodec-cu12; its CPU decoder needs no GPU).")
         self.region_decode = region_decode
         self.max_side = 2 * max(self.size) if max_side is None else max_side

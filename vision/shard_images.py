@@ -51,7 +51,7 @@ class ShardImages:
                  label_field: str | None = "cls", strict: bool = True, region_decode: bool | None = None):
         self.size = (size, size) if isinstance(size, int) else tuple(size)
         if region_decode and not region_decode_available():
-            raise ImportError('region_decode=True needs nvImageCodec: pip install "recipes[roi]".')
+            raise ImportError('region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]".')
         self.train, self.image_field, self.label_field = train, image_field, label_field
         self.strict, self.region_decode = bool(strict), region_decode
         self._checked = _NeverChecked()  # decode_box's per-file memory: none for shard samples

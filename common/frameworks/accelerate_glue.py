@@ -24,7 +24,7 @@ Never pass the result to `accelerator.skip_first_batches`: the loader resumes it
 The wrapper does for accelerate what `DataLoaderShard` does (accelerate's `DataLoaderStateMixin`
 protocol): it registers with the `GradientState` while an epoch runs and sets
 `end_of_dataloader` on the last batch, so `accelerator.accumulate()` steps at an epoch's end.
-Needs accelerate (`pip install "recipes[accelerate]"`), imported only by the functions that use it.
+Needs accelerate (`pip install "loader-recipes[accelerate]"`), imported only by the functions that use it.
 Copy with: nothing.
 """
 

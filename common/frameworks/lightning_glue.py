@@ -225,7 +225,7 @@ def __getattr__(name: str):
     try:
         from lightning.pytorch import LightningDataModule
     except ImportError as error:
-        raise ImportError('LoaderDataModule needs Lightning: pip install "recipes[lightning]"') from error
+        raise ImportError('LoaderDataModule needs Lightning: pip install "loader-recipes[lightning]"') from error
     cls = type("LoaderDataModule", (LoaderDataModuleMixin, LightningDataModule),
                {"__module__": __name__, "__doc__": "A `LightningDataModule` with `LoaderDataModuleMixin`'s methods: "
                 "its training loader is `train_loader()` and its checkpoints resume it exactly (module doc).\n\n"

@@ -285,7 +285,7 @@ def _pyarrow():
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise ImportError('Parquet shards need pyarrow: pip install "recipes[parquet]" (or pyarrow).') from None
+        raise ImportError('Parquet shards need pyarrow: pip install "loader-recipes[parquet]" (or pyarrow).') from None
     return pyarrow
 
 

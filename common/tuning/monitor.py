@@ -54,7 +54,7 @@ class LoaderMonitor:
         ...     for images, targets in monitor:
         ...         step(images, targets)
         ...     print(monitor.report())
-        >>> monitor.plot("timeline.png")  # or .svg: needs matplotlib (pip install "recipes[plot]")
+        >>> monitor.plot("timeline.png")  # or .svg: needs matplotlib (pip install "loader-recipes[plot]")
     """
 
     def __init__(self, loader, *, warn_batch_seconds: float = 1.0, warn_memory_growth: float = 0.20,

@@ -143,7 +143,7 @@ def import_pyplot():
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError('Plotting needs matplotlib: pip install "recipes[plot]"') from error
+        raise ImportError('Plotting needs matplotlib: pip install "loader-recipes[plot]"') from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

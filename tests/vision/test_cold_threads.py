@@ -23,7 +23,7 @@ def photos(tmp_path_factory):
 
 
 @pytest.mark.parametrize("region", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")'))])
+    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'))])
 def test_make_loader_decodes_in_threads_what_workers_decode(photos, region):
     """Eval at 224 px decodes 500x375 files at full DCT scale, through the region decoder when
     asked: 4 threads share nvImageCodec (one decoder per thread) and libjpeg's stderr check."""
@@ -44,7 +44,7 @@ def test_make_loader_decodes_in_threads_what_workers_decode(photos, region):
 
 
 @pytest.mark.parametrize("region", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")'))])
+    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'))])
 def test_train_batches_depend_on_the_seed_not_the_threads(photos, region):
     """At 128 px most crops are region decodes (DCT scale 1 or 2): one nvImageCodec decoder
     shared by threads returned other pixels and "Broken promise" errors."""

@@ -1,7 +1,7 @@
 """Region decode: only a JPEG's crop, by libjpeg-turbo's cropped decode through nvImageCodec.
 
 Use when: a crop keeps little of its JPEG and too much for a 1/2, 1/4 or 1/8 DCT-scaled decode
-(`ImageFolderFast(region_decode=)`). With nvImageCodec installed (`pip install "recipes[roi]"`),
+(`ImageFolderFast(region_decode=)`). With nvImageCodec installed (`pip install "loader-recipes[roi]"`),
 a JPEG crop is decoded by libjpeg-turbo's cropped decode (`jpeg_crop_scanline` +
 `jpeg_skip_scanlines`, nvImageCodec's CPU backend, no GPU needed): rows below the crop are
 never read, and columns beside it skip the inverse DCT, upsampling and colour conversion. The

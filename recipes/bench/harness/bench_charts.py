@@ -58,7 +58,7 @@ def prepare(folder: Path | None) -> None:
     `folder` exists or can be made and takes a file (nothing when `folder` is None).
 
     Raises:
-        ImportError: no matplotlib (`pip install "recipes[plot]"`).
+        ImportError: no matplotlib (`pip install "loader-recipes[plot]"`).
         OSError: `folder` cannot be made or written, naming it.
     """
     if folder is None:

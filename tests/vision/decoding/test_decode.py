@@ -121,7 +121,7 @@ def test_strict_decode_raises_for_exactly_what_libjpeg_reports(mutated, damaged)
                 decode_image(data, reduce=reduce)
 
 
-@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
+@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")')
 def test_strict_region_decode_reads_to_the_end_and_raises_the_same(mutated, damaged, kinds):
     boxes = [(0, 0, 40, 60), (130, 170, 50, 70), (260, 300, 40, 100)]  # top, middle, bottom of 300x400
     for name, data in mutated.items():
@@ -161,7 +161,7 @@ def test_unchecked_mode_serves_what_the_decoder_recovers(tmp_path, mutated, dama
     assert all(ds[i][0].shape == (3, 64, 64) for i in range(len(ds)))
 
 
-@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
+@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")')
 def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_path, mutated, damaged, kinds,
                                                                             monkeypatch):
     import recipes.vision.decoding.region_decode as module  # where ImageFolderFast._decode_box looks it up

@@ -15,7 +15,7 @@ from recipes.vision.decoding import region_decode as decode_module
 from recipes.vision.decoding.decode import decode_image, turbo_available
 from recipes.vision.decoding.region_decode import decode_region, region_decode_available
 
-pytestmark = pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "recipes[roi]")')
+pytestmark = pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")')
 
 BOXES = [(0, 0, 300, 400), (37, 51, 200, 133), (250, 330, 50, 70), (1, 1, 1, 1), (5, 17, 295, 9)]
 
