@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("url", help="the output folder or fsspec URL (s3://bucket/prefix)")
         sub.add_argument("--format", choices=("tar", "parquet"), default="tar")
         sub.add_argument("--shard-mb", type=float, default=64.0, help="shard size in MiB (default 64)")
+        sub.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                         help="keep the source's order (default: written in a random order, so that "
+                              "shards do not hold one class or source each)")
+        sub.add_argument("--seed", type=int, default=0, help="the shuffle's seed (default 0)")
         if name == "text":
             sub.add_argument("--text-field", default="text", help="the JSON field or Parquet column of the text")
         sub.set_defaults(handler=run)
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if distributed and args.domain == "text":
         samples = list(samples)  # every rank needs the sequence
     shards = write_shards(samples, args.url, format=args.format, shard_bytes=int(args.shard_mb * 2**20),
-                          distributed=distributed)
+                          distributed=distributed, shuffle=args.shuffle, seed=args.seed)
     if not distributed or int(os.environ.get("RANK", "0")) == 0:
         print(f"{shards.url}: {len(shards.entries)} {shards.format} shards, {len(shards)} samples")
     return 0

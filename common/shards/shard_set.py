@@ -16,7 +16,8 @@ xxh3-64; for Parquet, rows per row group and an xxh3-64 per row group and column
 what it serves against it (see `recipes.common.shards.shard_checks`); v1 indexes read, unverified.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/sharded_dataset.py,
+  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_samples.py,
+  common/shards/sharded_dataset.py,
   common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
@@ -48,9 +49,12 @@ from recipes.common.shards.shard_samples import (
     ShardFormatError,
     decode_sample,
 )
+from recipes.common.shards.shard_mixing import WINDOW
 from recipes.common.shards.sharded_dataset import ShardedIterableDataset
 
 __all__ = ["ShardFormatError", "ShardIndexError", "ShardSet"]
+
+STREAM_BLOCK_BYTES = 4 * 2**20  # a ranged request per block when streaming: latency amortised over ~4 MiB
 
 
 class ShardSet:
@@ -141,7 +145,8 @@ class ShardSet:
 
     def dataset(self, *, cache=None, shuffle: bool = True, seed: int = 0, even: bool = True,
                 split: str = "samples", decode: bool = True, columns: Sequence[str] | None = None,
-                transform=None, rank: int | None = None, world_size: int | None = None) -> ShardedIterableDataset:
+                transform=None, rank: int | None = None, world_size: int | None = None,
+                shuffle_window: int = WINDOW) -> ShardedIterableDataset:
         """A `ShardedIterableDataset` over the shards: the epoch's shuffled shards concatenated
         and cut into one contiguous sample range per rank and worker (`split="samples"`, read
         through the index: tar offsets, Parquet row groups), so each sample comes once per
@@ -149,11 +154,44 @@ class ShardSet:
         repeat). `split="auto"` reads whole shards when there are enough (see
         `ShardedIterableDataset`). `PrefetchCache` downloads with `cache`. Yields sample dicts
         (`decode`: ints, text and JSON decoded by field; images and audio stay bytes), or
-        `transform(sample)`."""
+        `transform(sample)`.
+
+        With `shuffle`, each consumer's samples come in a random order within windows of
+        `shuffle_window` shards (0: each shard front to back): tar samples one by one (through
+        their offsets) from local or cached shards, in blocks of about `STREAM_BLOCK_BYTES`
+        from streamed ones; Parquet by row group. The order is a function of `(seed, epoch)`
+        and the ranks, so a resume is exact and reads nothing it skips."""
         return ShardedIterableDataset(self.urls, _ShardReader(self, cache, decode, columns, transform),
                                       shard_lengths=self.lengths, shuffle=shuffle, seed=seed, even=even,
                                       rank=rank, world_size=world_size, cache=cache, split=split,
-                                      shard_sha256=[e.get("sha256") for e in self.entries])
+                                      shard_sha256=[e.get("sha256") for e in self.entries],
+                                      shuffle_window=shuffle_window, blocks=self._blocks(cache))
+
+    def _blocks(self, cache) -> _Blocks | None:
+        streamed = cache is None and "://" in self.url and not self.url.startswith("file://")
+        if self.format == "tar" and not streamed:
+            return None  # single samples: a read of one sample's bytes at its offset
+        return _Blocks(self, streamed)
+
+
+class _Blocks:
+    """Where a shard's samples may be cut for mixing: Parquet row groups; for tars streamed from
+    a URL, runs of about `STREAM_BLOCK_BYTES` (one ranged request each) from the offsets."""
+
+    def __init__(self, shards: ShardSet, streamed: bool):
+        self.shards, self.streamed = shards, streamed
+        self.name = f"{shards.format}-{'streamed' if streamed else 'local'}"  # for the loader state's settings
+
+    def __call__(self, shard: int) -> np.ndarray:
+        entry = self.shards.entries[shard]
+        if self.shards.format == "parquet":
+            return np.concatenate(([0], np.cumsum(entry["row_groups"])[:-1])).astype(np.int64)
+        offsets = entry.get("offsets")
+        if offsets is None:  # no offsets to cut at: the whole shard
+            return np.zeros(1, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        marks = offsets // STREAM_BLOCK_BYTES
+        return np.flatnonzero(np.concatenate(([True], marks[1:] != marks[:-1]))).astype(np.int64)
 
 
 class _ShardReader:

@@ -5,10 +5,19 @@ Use when: a dataset should live in a few large files on S3/GCS/HTTP or a shared 
 (`write_shards(samples, url)`); `shard_set.py` reads them back.
 Cost: encodes each sample once (twice with `distributed=True`: its size, then its bytes) and
 uploads each shard whole.
-Adapt here: `DEFAULT_SHARD_BYTES`, `SHARD_NAME`, `INDEX_NAME`.
+Adapt here: `DEFAULT_SHARD_BYTES`, `SHUFFLE_BUFFER_BYTES`, `SHARD_NAME`, `INDEX_NAME`.
 Trade-off: a shard is published whole (a local rename, or one object upload completed at its
 end), and the index last: a killed writer leaves no shard a reader could take and no index;
 a rerun rewrites everything. Output does not depend on the number of ranks that wrote it.
+
+Why the input is shuffled by default (`shuffle=True`): data comes in an order (an ImageFolder
+listed by class, a corpus by source or date), and shards written in that order hold one class
+each; readers mix the samples of a window of shards (`ShardedIterableDataset`), which cannot mix
+what a single shard, or every shard of a window, lacks. A sequence is written in a permutation
+seeded by `seed` (it is indexed in that order: a folder's files are read in random order); a
+stream goes through a buffer of `SHUFFLE_BUFFER_BYTES` of samples (memory: that much, and the
+mixing reaches about that far: input sorted into runs longer than the buffer stays partly sorted
+across shards). Keys are kept, so the order never changes what a sample is.
 
 Why 64 MiB shards by default: LitData (`chunk_bytes="64MB"`) and MosaicML Streaming
 (`size_limit` 64 MiB) chose it; one GET of 64 MiB runs at an object store's full per-connection
@@ -17,7 +26,7 @@ still has ~1,600 shards for exact splits over ranks x workers.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
   common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/shards/shard_mixing.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
 
@@ -60,13 +69,15 @@ from recipes.common.shards.shard_samples import (
 from recipes.common.shards.shard_set import ShardSet
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
+SHUFFLE_BUFFER_BYTES = 256 * 2**20
 SHARD_NAME = "shard-{:06d}.{}"
 FORMATS = ("tar", "parquet")
 
 
 def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str = "tar",
                  shard_bytes: int = DEFAULT_SHARD_BYTES, storage_options: dict | None = None,
-                 distributed: bool = False, progress: bool = True) -> ShardSet:
+                 distributed: bool = False, progress: bool = True, shuffle: bool = True,
+                 seed: int = 0) -> ShardSet:
     """Writes `samples` as shards of about `shard_bytes` under `url` (a folder or an fsspec URL
     such as `s3://bucket/set`), then the index; returns the `ShardSet`.
 
@@ -83,6 +94,10 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
             writes every world_size-th shard, rank 0 the index. The shards are the same bytes
             whatever the world size.
         progress: a progress bar (rank 0).
+        shuffle: write the samples in a random order (module docstring): a sequence in a
+            permutation, a stream through a buffer of `SHUFFLE_BUFFER_BYTES`; False keeps the
+            input's order (shards whose order means something: time, a curriculum).
+        seed: the shuffle's seed (every rank's the same with `distributed`).
 
     Raises:
         ShardFormatError: a sample without a key, a bad key or value (naming the sample key),
@@ -94,6 +109,8 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
         raise ValueError(f"`format` must be one of {FORMATS}, but is {format!r} instead.")
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise ValueError(f"`shard_bytes` must be a positive int, but is {shard_bytes!r} instead.")
+    if shuffle:
+        samples = shuffled_samples(samples, seed=seed)
     writer = _Writer(os.fspath(url), format, shard_bytes, storage_options)
     world, rank = distributed_world() if distributed else (1, 0)
     if rank == 0:  # a rewrite: no reader may take the old index while its shards are replaced
@@ -114,6 +131,52 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
 
         dist.barrier()
     return ShardSet.open(url, storage_options=storage_options)
+
+
+def shuffled_samples(samples: Iterable[dict], *, seed: int = 0, buffer_bytes: int = SHUFFLE_BUFFER_BYTES):
+    """`samples` in a random order: a sequence (len and indexing) as a permuted view, indexed
+    lazily; any other iterable through a buffer of about `buffer_bytes` of samples, each next
+    sample drawn from it at random (the rest, in a random order, at the end)."""
+    rng = np.random.default_rng(seed)
+    if isinstance(samples, Sequence) or (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
+        return _Permuted(samples, rng.permutation(len(samples)))
+    return _buffered(iter(samples), rng, buffer_bytes)
+
+
+class _Permuted:
+    def __init__(self, samples, order: np.ndarray):
+        self.samples, self.order = samples, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int):
+        return self.samples[int(self.order[index])]
+
+    def __iter__(self):
+        return (self.samples[int(i)] for i in self.order)
+
+
+def _buffered(samples, rng, buffer_bytes: int):
+    held, sizes, total = [], [], 0
+    for sample in samples:
+        held.append(sample)
+        sizes.append(_sample_bytes(sample))
+        total += sizes[-1]
+        while total > buffer_bytes and held:
+            i = int(rng.integers(len(held)))
+            held[i], held[-1] = held[-1], held[i]
+            sizes[i], sizes[-1] = sizes[-1], sizes[i]
+            total -= sizes.pop()
+            yield held.pop()
+    for i in rng.permutation(len(held)):
+        yield held[int(i)]
+
+
+def _sample_bytes(sample) -> int:
+    if not isinstance(sample, dict):
+        return 64
+    return 64 + sum(len(v) if isinstance(v, (bytes, bytearray, str)) else 8 for v in sample.values())
 
 
 class _Writer:

@@ -8,8 +8,14 @@ Cost: a permutation of the shard list per epoch; reading is `read_shard`'s. With
 `PrefetchCache`, the next shards download in background threads while the current one is read.
 Adapt here: `read_shard`; give it `(path, start, stop)` parameters to read sample ranges
 without reading the skipped samples (otherwise ranges are cut with `islice`).
-Trade-off: order is shuffled at shard level only (add a shuffle buffer in `read_shard` for
-sample-level mixing).
+Trade-off: samples mix within windows of `shuffle_window` shards (`shard_mixing.py`), not over
+the whole epoch; a shuffled write (`write_shards`' default) mixes what a window cannot.
+
+Order (with `shuffle`): the shards in a random order per epoch, cut among the consumers as
+below; then each consumer's samples in windows of `shuffle_window` of its shards (pieces), each
+window's samples in a random order (blocks of `blocks` samples read in one call, a few at once),
+seeded by `(seed, epoch, rank, worker)`. Mixing needs `shard_lengths` and a ranged `read_shard`
+(or `blocks`); without them, each shard is read front to back, in the shuffled shard order.
 
 Who reads what (consumer = rank x worker, see `shard_indices`):
 - at least as many shards as consumers, or unknown `shard_lengths`: whole shards, in the
@@ -22,7 +28,7 @@ With `even=True` every rank yields the same number of samples per epoch:
 - whole shards: every rank stops at the smallest rank's sample count; the surplus of the other
   ranks (the ends of their last shards) is skipped that epoch, a different part each epoch.
 Both need `shard_lengths` when `world_size > 1`.
-Copy with: common/caches/packed_strings.py, common/sampling/sharding.py.
+Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/shards/shard_mixing.py.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import _block, distributed_world, shard_indices
+from recipes.common.shards.shard_mixing import INTERLEAVE, WINDOW, mixing_windows, skip_counts
 
 Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
 
@@ -50,11 +57,20 @@ class ShardedIterableDataset(IterableDataset):
     Args:
         shards: shard paths or fsspec URLs.
         read_shard: `read_shard(path) -> Iterable[sample]`, or `read_shard(path, start, stop)`
-            to read a sample range; gets a local path when `cache` is set.
+            to read a sample range (its second and third parameters required, or named
+            `start` and `stop`); gets a local path when `cache` is set.
         shard_lengths: samples per shard, when known (needed for ranges and `even` under DDP).
-        shuffle: shuffle the shard order every epoch from `(seed, epoch)`.
-        seed: the base seed, the same on every rank.
-        even: equal samples per rank (see the module docstring for the rule).
+        shuffle: shuffle the shard order every epoch from `(seed, epoch)`, and mix the samples
+            of each window of `shuffle_window` shards (module docstring).
+        shuffle_window: shards (pieces of a consumer's plan) whose samples are mixed together;
+            0: shard order only, each shard read front to back. Cost: a window's shards are
+            read at random, so with a `cache` they should fit in it together (`max_bytes` of
+            about 2 x window x workers x shard size per node; less costs downloads again).
+        blocks: where a shard may be cut for mixing: an int (every `blocks` samples) or
+            `blocks(shard) -> ascending sample indices` (the first 0), each block read whole in
+            one `read_shard(path, start, stop)` call when first drawn (memory: `INTERLEAVE`
+            blocks). Default: single samples with a ranged `read_shard`; a reader without
+            ranges does not mix unless given `blocks` (each block then reads past its start).
         rank, world_size: this rank and the number of ranks; `torch.distributed`'s when
             initialised at construction, else 0 and 1.
         cache: a `PrefetchCache` to download remote shards ahead of reading.
@@ -84,7 +100,14 @@ class ShardedIterableDataset(IterableDataset):
         cache=None,
         split: str = "auto",
         shard_sha256: Sequence[str] | None = None,
+        shuffle_window: int = WINDOW,
+        blocks: int | Callable[[int], Sequence[int]] | None = None,
     ):
+        if not isinstance(shuffle_window, int) or shuffle_window < 0:
+            raise ValueError(f"`shuffle_window` must be a non-negative int, but is {shuffle_window!r} instead.")
+        if isinstance(blocks, int) and blocks < 1:
+            raise ValueError(f"`blocks` must be a positive int or a callable, but is {blocks!r} instead.")
+        self.shuffle_window, self.blocks = shuffle_window, blocks
         if split not in ("auto", "samples"):
             raise ValueError(f"`split` must be 'auto' or 'samples', but is {split!r} instead.")
         if split == "samples" and shard_lengths is None:
@@ -157,6 +180,10 @@ class ShardedIterableDataset(IterableDataset):
                     "shard_lengths": self._shards_crc[1], "shuffle": self.shuffle, "seed": self.seed, "even": self.even}
         if self.split != "auto":  # states saved before `split` existed still match "auto"
             settings["split"] = self.split
+        if self.mixes:  # the sample order within windows (states of shard-order reading do not match)
+            settings["mixing"] = {"window": self.shuffle_window, "interleave": INTERLEAVE,
+                                  "blocks": self.blocks if isinstance(self.blocks, int) or self.blocks is None
+                                  else getattr(self.blocks, "name", "custom")}
         return settings
 
     # ---- the plan ----------------------------------------------------------------------
@@ -330,7 +357,22 @@ class ShardedIterableDataset(IterableDataset):
     def _stream(self, epoch: int, worker: int, num_workers: int, skip: int = 0) -> Iterator:
         """The samples of consumer (rank, worker) in `epoch`, after the first `skip`."""
         pieces = self.plan(epoch, worker, num_workers)
-        upcoming = pieces + (self.plan(epoch + 1, worker, num_workers) if self.cache is not None else [])
+        upcoming = (lambda: self.plan(epoch + 1, worker, num_workers)) if self.cache is not None else list
+        if self.mixes:
+            yield from self._mixed(epoch, worker, pieces, skip, upcoming)
+        else:
+            yield from self._in_order(pieces, skip, upcoming)
+
+    @property
+    def mixes(self) -> bool:
+        """Whether samples mix (`shuffle` with a window, `shard_lengths`, and a ranged `read_shard`
+        or explicit `blocks`); otherwise each shard is read front to back."""
+        return bool(self.shuffle and self.shuffle_window and self.shard_lengths is not None
+                    and (self._ranged or self.blocks is not None))
+
+    def _in_order(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list]) -> Iterator:
+        """The pieces one after another, each front to back (no mixing)."""
+        after = pieces + (upcoming() if self.cache is not None else [])
         for k, (shard, start, stop) in enumerate(pieces):
             if skip:
                 length = self._plan_samples([(shard, start, stop)])
@@ -340,11 +382,74 @@ class ShardedIterableDataset(IterableDataset):
                 if length is not None:
                     start, skip = start + skip, 0
             if self.cache is not None:  # the next shards, then the next epoch's first ones
-                self.cache.prefetch(self.shards[s] for s, _, _ in upcoming[k + 1 : k + 1 + self.cache.depth])
+                self.cache.prefetch(self.shards[s] for s, _, _ in after[k + 1 : k + 1 + self.cache.depth])
             items = self._read(shard, start, stop)
             if skip:  # a piece of unknown length: read past what was done
                 items, skip = _drop(items, skip)
             yield from items
+
+    def _mixed(self, epoch: int, worker: int, pieces: list[Piece], skip: int, upcoming) -> Iterator:
+        """The consumer's samples in the order of `shard_mixing.mixing_windows`; a resume starts
+        each block after its samples among the skipped draws, reading none of them. A block is
+        read whole when first drawn (its shard pinned in the cache only meanwhile), so memory
+        holds at most `INTERLEAVE` blocks and the cache one pinned shard per consumer."""
+        pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
+        windows = mixing_windows(pieces, block_starts=self._block_starts, seed=(self.seed, epoch, self.rank, worker),
+                                 window=self.shuffle_window)
+        for w, window in enumerate(windows):
+            if skip >= len(window):
+                skip -= len(window)
+                continue
+            done, draws, skip = skip_counts(window, skip), window.draws[skip:], 0
+            needed = self._need_order(window, draws) if self.cache is not None else []
+            after = pieces[(w + 1) * self.shuffle_window : (w + 2) * self.shuffle_window]
+            reading: dict[int, list] = {}
+            for j in draws.tolist():
+                if j not in reading:
+                    shard = int(window.shards[j])
+                    if self.cache is not None:  # the next shards in the order this window needs them
+                        self._prefetch_after(shard, needed, after or upcoming())
+                    start, stop = int(window.starts[j]) + int(done[j]), int(window.stops[j])
+                    reading[j] = self._read_block(shard, start, stop)
+                block = reading[j]
+                item = block.pop()
+                if not block:
+                    del reading[j]
+                yield item
+
+    def _read_block(self, shard: int, start: int, stop: int) -> list:
+        """The samples `[start, stop)` of `shard`, reversed (taken from the end with `pop`)."""
+        with contextlib.ExitStack() as held:
+            items = list(self._read_path(self._path(shard, held), shard, start, stop))
+        if len(items) != stop - start:
+            raise ValueError(f"read_shard({self.shards[shard]!r}, {start}, {stop}) gave {len(items)} samples where "
+                             f"the range holds {stop - start} (`shard_lengths` says how many each shard holds): a "
+                             "stale length, or a reader that ignores `start`/`stop`?")
+        items.reverse()
+        return items
+
+    def _need_order(self, window, draws: np.ndarray) -> list[int]:
+        needed = window.shards[draws]
+        _, first = np.unique(needed, return_index=True)
+        return [int(s) for s in needed[np.sort(first)]]
+
+    def _prefetch_after(self, shard: int, needed: list[int], after: list[Piece]) -> None:
+        """Starts the downloads of the `cache.depth` shards needed after `shard` (this window's,
+        then the next window's or the next epoch's first ones): no further, so that downloads
+        ahead do not evict what is still to be read."""
+        at = needed.index(shard) if shard in needed else len(needed)
+        ahead = needed[at + 1 : at + 1 + self.cache.depth]
+        ahead += [s for s, _, _ in after[: self.cache.depth - len(ahead)]]
+        if ahead:
+            self.cache.prefetch(self.shards[s] for s in ahead)
+
+    def _block_starts(self, shard: int) -> np.ndarray:
+        if callable(self.blocks):
+            return np.asarray(self.blocks(shard), dtype=np.int64)
+        size = self.blocks or (1 if self._ranged else None)
+        if size is None:  # whole pieces: a reader without ranges reads from the shard's start
+            return np.zeros(1, dtype=np.int64)
+        return np.arange(0, int(self.shard_lengths[shard]), size, dtype=np.int64)
 
     def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
         """The rest of an interrupted epoch in the order its DataLoader would have yielded it:
@@ -363,15 +468,24 @@ class ShardedIterableDataset(IterableDataset):
                 yield batch if batch_size else batch[0]
 
     def _read(self, shard: int, start: int, stop: int | None) -> Iterator:
+        with contextlib.ExitStack() as held:
+            yield from self._read_path(self._path(shard, held), shard, start, stop)
+
+    def _path(self, shard: int, held: contextlib.ExitStack):
+        """Where to read `shard` from: its URL, or its copy in the cache, pinned until `held` closes."""
         url = self.shards[shard]
+        if self.cache is None:
+            return url
         sha256 = None if self.shard_sha256 is None else self.shard_sha256[shard]
-        with self.cache.pinned(url, sha256=sha256) if self.cache is not None else contextlib.nullcontext(url) as path:
-            if self._ranged:
-                yield from self.read_shard(path, start, stop)
-            elif start or stop is not None:
-                yield from itertools.islice(self.read_shard(path), start, stop)
-            else:
-                yield from self.read_shard(path)
+        return held.enter_context(self.cache.pinned(url, sha256=sha256))
+
+    def _read_path(self, path, shard: int, start: int, stop: int | None) -> Iterable:
+        if self._ranged:
+            return self.read_shard(path, start, stop)
+        if start or stop is not None:
+            return itertools.islice(self.read_shard(path), start, stop)
+        return self.read_shard(path)
+
 
 def _drop(items: Iterator, count: int) -> tuple[Iterator, int]:
     """`items` after its first `count`, and how many of `count` it could not supply."""
@@ -386,10 +500,13 @@ _END = object()
 
 
 def _takes_range(fn) -> bool:
+    """`read_shard(path, start, stop)`: a second and third positional parameter, required or
+    named `start` and `stop` (a reader's optional settings in those places are not a range)."""
     try:
         params = [p for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
-    return len(params) >= 3
+    return len(params) >= 3 and all(p.default is p.empty or p.name == name
+                                    for p, name in zip(params[1:3], ("start", "stop")))
 

@@ -28,7 +28,7 @@ def _on_the_fly(ds, i, **kw):
 def test_a_shard_set_caches_the_features_of_its_utterances(audio_files, tmp_path, format):
     if format == "parquet":
         pytest.importorskip("pyarrow")
-    shards = write_shards(_samples(audio_files), tmp_path / "s", format=format, shard_bytes=1, progress=False)
+    shards = write_shards(_samples(audio_files), tmp_path / "s", format=format, shard_bytes=1, progress=False, shuffle=False)
     assert len(shards.entries) == 3  # one utterance per shard: items cross shards
     cache = build_spectrogram_cache(shards, tmp_path / "c", num_workers=2, progress=False)
     files = ChunkedAudioDataset(audio_files)  # the uncached path, from the original files
@@ -44,7 +44,7 @@ def test_a_shard_set_caches_the_features_of_its_utterances(audio_files, tmp_path
 
 
 def test_shard_utterances_resample_and_equal_the_file_dataset(audio_files, tmp_path):
-    shards = write_shards(_samples(audio_files), tmp_path / "s", progress=False)
+    shards = write_shards(_samples(audio_files), tmp_path / "s", progress=False, shuffle=False)
     utterances = ShardUtterances(shards, sample_rate=8000)
     files = ChunkedAudioDataset(audio_files, sample_rate=8000)
     for i in range(len(files)):
@@ -66,13 +66,13 @@ def test_differing_rates_without_sample_rate_name_the_sample(audio_files, tmp_pa
 
     sf.write(tmp_path / "low.flac", np.zeros(8000, np.float32), 8000)
     samples = _samples(audio_files[:1]) + [{"__key__": "low", "flac": (tmp_path / "low.flac").read_bytes(), "cls": 9}]
-    shards = write_shards(samples, tmp_path / "s", progress=False)
+    shards = write_shards(samples, tmp_path / "s", progress=False, shuffle=False)
     with pytest.raises(ShardAudioError, match=r"sample 'low' is at 8000 Hz, the first at 16000 Hz; pass .*sample_rate="):
         build_spectrogram_cache(shards, tmp_path / "c", num_workers=0, progress=False)
 
 
 def test_a_damaged_shard_is_refused_and_paths_get_a_hint(audio_files, tmp_path):
-    shards = write_shards(_samples(audio_files), tmp_path / "s", shard_bytes=1, progress=False)
+    shards = write_shards(_samples(audio_files), tmp_path / "s", shard_bytes=1, progress=False, shuffle=False)
     shard = tmp_path / "s" / shards.entries[2]["name"]
     data = bytearray(shard.read_bytes())
     data[1000] ^= 0xFF
@@ -86,7 +86,7 @@ def test_a_damaged_shard_is_refused_and_paths_get_a_hint(audio_files, tmp_path):
 def test_cli_takes_a_shard_folder(audio_files, tmp_path, capsys):
     from recipes.cli import main
 
-    shards = write_shards(_samples(audio_files), tmp_path / "s", progress=False)
+    shards = write_shards(_samples(audio_files), tmp_path / "s", progress=False, shuffle=False)
     assert main(["cache", "audio", str(tmp_path / "s"), str(tmp_path / "c"), "--workers", "0"]) == 0
     assert "ragged layout" in capsys.readouterr().out
     stamp = (tmp_path / "c" / "features.bin").stat().st_mtime_ns

@@ -81,7 +81,7 @@ def test_parquet_and_shard_inputs_equal_the_jsonl_cache(corpus, tokenizer, tmp_p
     pq.write_table(pa.table({"body": corpus, "n": list(range(len(corpus)))}), tmp_path / "t.parquet",
                    row_group_size=37)
     shards = write_shards(({"__key__": f"k{i}", "body": t} for i, t in enumerate(corpus)), tmp_path / "shards",
-                          format="parquet", shard_bytes=1 << 30, progress=False)
+                          format="parquet", shard_bytes=1 << 30, progress=False, shuffle=False)
     with LocalHTTPServer(tmp_path / "shards") as server:
         for n, source in enumerate([tmp_path / "t.parquet", server.url(shards.entries[0]["name"])]):
             cache = build_token_cache(source, tokenizer, tmp_path / f"p{n}", progress=False, text_field="body")

@@ -25,7 +25,7 @@ def _ids(cache):
 def parquet_shards(corpus, tmp_path):
     pytest.importorskip("pyarrow")
     return write_shards(({"__key__": f"k{i}", "text": t} for i, t in enumerate(corpus)), tmp_path / "pq",
-                        format="parquet", shard_bytes=4000, progress=False)
+                        format="parquet", shard_bytes=4000, progress=False, shuffle=False)
 
 
 def test_a_parquet_shard_set_its_folder_and_a_glob_of_its_shards_are_the_texts(corpus, tokenizer, tmp_path,
@@ -41,7 +41,7 @@ def test_a_parquet_shard_set_its_folder_and_a_glob_of_its_shards_are_the_texts(c
 
 def test_a_tar_shard_set_reads_its_text_field(corpus, tokenizer, tmp_path):
     shards = write_shards(({"__key__": f"k{i}", "txt": t, "cls": i} for i, t in enumerate(corpus)), tmp_path / "tar",
-                          shard_bytes=20_000, progress=False)
+                          shard_bytes=20_000, progress=False, shuffle=False)
     assert len(shards.entries) > 1
     cache = build_token_cache(shards, tokenizer, tmp_path / "c", progress=False, text_field="txt")
     assert _ids(cache) == _direct(tokenizer, corpus)
@@ -76,7 +76,7 @@ def test_remote_shards_are_keyed_on_the_index_and_checked_when_read(corpus, toke
 def test_a_changed_index_rebuilds(corpus, tokenizer, tmp_path, parquet_shards):
     first = build_token_cache(tmp_path / "pq", tokenizer, tmp_path / "c", progress=False)
     write_shards(({"__key__": f"k{i}", "text": t} for i, t in enumerate(corpus[::-1])), tmp_path / "pq",
-                 format="parquet", shard_bytes=4000, progress=False)
+                 format="parquet", shard_bytes=4000, progress=False, shuffle=False)
     second = build_token_cache(tmp_path / "pq", tokenizer, tmp_path / "c", progress=False)
     assert second.fingerprint != first.fingerprint and _ids(second) == _direct(tokenizer, corpus[::-1])
 
@@ -176,7 +176,7 @@ def test_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer,
 
 def test_tar_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer, tmp_path):
     shards = write_shards(({"__key__": f"k{i}", "txt": t} for i, t in enumerate(corpus)), tmp_path / "tar",
-                          shard_bytes=20_000, progress=False)
+                          shard_bytes=20_000, progress=False, shuffle=False)
     paths = [tmp_path / "tar" / e["name"] for e in shards.entries]
     for n, source in enumerate([str(tmp_path / "tar" / "*.tar"), paths]):
         cache = build_token_cache(source, tokenizer, tmp_path / f"c{n}", progress=False, text_field="txt")

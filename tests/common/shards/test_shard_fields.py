@@ -16,7 +16,7 @@ FORMATS = ["tar", "parquet"]
 def test_fields_decode_by_their_extension_in_both_formats(tmp_path, fmt):
     samples = [{"__key__": f"k{i}", "meta.json": {"x": i, "tags": ["a"]}, "label.cls": i, "caption.txt": f"a cat {i}",
                 "json": {"1": i}} for i in range(5)]
-    shards = write_shards(samples, tmp_path / "s", format=fmt, progress=False)
+    shards = write_shards(samples, tmp_path / "s", format=fmt, progress=False, shuffle=False)
     assert list(ShardSet.open(tmp_path / "s").read(0)) == samples
     assert [s["meta.json"] for s in shards.dataset(shuffle=False)] == [s["meta.json"] for s in samples]
 
@@ -24,7 +24,7 @@ def test_fields_decode_by_their_extension_in_both_formats(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_json_is_standard_json(tmp_path, fmt):
     # int keys come back as strings and tuples as lists (documented in recipes.common.shards.shard_samples)
-    write_shards([{"__key__": "k", "json": {1: "a", 2: (1, 2)}}], tmp_path / "s", format=fmt, progress=False)
+    write_shards([{"__key__": "k", "json": {1: "a", 2: (1, 2)}}], tmp_path / "s", format=fmt, progress=False, shuffle=False)
     assert next(iter(ShardSet.open(tmp_path / "s").read(0)))["json"] == {"1": "a", "2": [1, 2]}
 
 
@@ -42,17 +42,17 @@ def test_json_is_standard_json(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_values_that_would_not_read_back_are_refused_naming_key_and_field(tmp_path, fmt, field, value, message):
     with pytest.raises(ShardFormatError, match=rf"sample 'k', field '{field}': {message}"):
-        write_shards([{"__key__": "k", field: value}], tmp_path / "s", format=fmt, progress=False)
+        write_shards([{"__key__": "k", field: value}], tmp_path / "s", format=fmt, progress=False, shuffle=False)
 
 
 def test_a_surrogate_in_any_parquet_string_column_is_named(tmp_path):
     with pytest.raises(ShardFormatError, match=r"sample 'k', field 'name': the text holds '\\udc80'"):
-        write_shards([{"__key__": "k", "name": "a\udc80"}], tmp_path / "s", format="parquet", progress=False)
+        write_shards([{"__key__": "k", "name": "a\udc80"}], tmp_path / "s", format="parquet", progress=False, shuffle=False)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_an_empty_write_gives_one_empty_shard_in_both_formats(tmp_path, fmt):
-    shards = write_shards([], tmp_path / "s", format=fmt, progress=False)
+    shards = write_shards([], tmp_path / "s", format=fmt, progress=False, shuffle=False)
     reopened = ShardSet.open(tmp_path / "s")
     assert len(shards) == len(reopened) == 0 and len(reopened.entries) == 1
     assert list(reopened.read(0)) == [] and list(reopened.dataset(shuffle=False)) == []

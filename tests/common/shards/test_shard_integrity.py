@@ -61,7 +61,7 @@ def test_a_member_twice_in_one_sample_is_refused_at_read_and_at_indexing(tmp_pat
     (lambda i: i["shards"][0].__setitem__("end", 10**9), r"shard-000000\.tar has an `end`"),
 ])
 def test_an_index_that_disagrees_with_itself_or_its_shard_is_refused_naming_the_shard(tmp_path, edit, message):
-    write_shards(_samples(), tmp_path / "s", shard_bytes=60_000, progress=False)
+    write_shards(_samples(), tmp_path / "s", shard_bytes=60_000, progress=False, shuffle=False)
     index = json.loads((tmp_path / "s" / "index.json").read_text())
     edit(index)
     (tmp_path / "s" / "index.json").write_text(json.dumps(index))
@@ -75,7 +75,7 @@ def test_an_index_that_disagrees_with_itself_or_its_shard_is_refused_naming_the_
 
 
 def test_parquet_index_counts_and_columns_are_checked(tmp_path):
-    write_shards(_samples(), tmp_path / "p", format="parquet", shard_bytes=6_000, progress=False)
+    write_shards(_samples(), tmp_path / "p", format="parquet", shard_bytes=6_000, progress=False, shuffle=False)
     index = json.loads((tmp_path / "p" / "index.json").read_text())
     index["shards"][0]["row_groups"][0] += 1
     (tmp_path / "p" / "index.json").write_text(json.dumps(index))
@@ -92,7 +92,7 @@ def test_parquet_index_counts_and_columns_are_checked(tmp_path):
 def test_a_flipped_payload_bit_in_a_remote_tar_is_never_served(tmp_path):
     url = _memory_url("tar")
     samples = [{"__key__": f"k{i}", "bin": bytes([i]) * 300} for i in range(8)]
-    shards = write_shards(samples, url, progress=False)
+    shards = write_shards(samples, url, progress=False, shuffle=False)
     fs = fsspec.filesystem("memory")
     path = url.removeprefix("memory://") + "/shard-000000.tar"
     data = bytearray(fs.cat(path))
@@ -113,7 +113,7 @@ def test_damage_in_a_remote_parquet_shard_raises_naming_the_shard(tmp_path, wher
     url = _memory_url("pq")
     rng = np.random.default_rng(3)
     samples = [{"__key__": f"k{i}", "bin": rng.bytes(300), "cls": i} for i in range(8)]  # 8 row groups of 1
-    write_shards(samples, url, format="parquet", progress=False)
+    write_shards(samples, url, format="parquet", progress=False, shuffle=False)
     fs = fsspec.filesystem("memory")
     path = url.removeprefix("memory://") + "/shard-000000.parquet"
     data = bytearray(fs.cat(path))
@@ -126,7 +126,7 @@ def test_damage_in_a_remote_parquet_shard_raises_naming_the_shard(tmp_path, wher
 
 
 def test_a_v1_index_still_reads_with_a_warning_that_it_is_not_verified(tmp_path):
-    write_shards(_samples(12), tmp_path / "s", progress=False)
+    write_shards(_samples(12), tmp_path / "s", progress=False, shuffle=False)
     index = json.loads((tmp_path / "s" / "index.json").read_text())
     index["version"] = 1
     for entry in index["shards"]:
@@ -167,7 +167,7 @@ def test_values_readers_would_not_give_back_are_refused(tmp_path, sample, messag
     if fmt == "parquet" and any(isinstance(v, (int, str, np.ndarray)) for k, v in sample.items() if k != "__key__"):
         pytest.skip("Parquet columns keep ints and str typed (tested in test_shards.py), and refuse arrays")
     with pytest.raises(ShardFormatError, match=message):
-        write_shards([sample], tmp_path / "bad", format=fmt, progress=False)
+        write_shards([sample], tmp_path / "bad", format=fmt, progress=False, shuffle=False)
 
 
 def test_a_zero_byte_tar_is_refused_by_read_tar_and_index_shards_alike(tmp_path):
@@ -176,7 +176,7 @@ def test_a_zero_byte_tar_is_refused_by_read_tar_and_index_shards_alike(tmp_path)
         list(read_tar(tmp_path / "empty.tar"))
     with pytest.raises(ShardFormatError, match=r"empty\.tar is not a tar file \(0 bytes\)"):
         index_shards([str(tmp_path / "empty.tar")], progress=False)
-    empty = write_shards([], tmp_path / "none", progress=False)  # an archive without samples is not empty
+    empty = write_shards([], tmp_path / "none", progress=False, shuffle=False)  # an archive without samples is not empty
     assert list(read_tar(empty.urls[0])) == [] and list(empty.read(0)) == []
 
 
@@ -209,7 +209,7 @@ def _fuzz(tmp_path, fmt, place, trials, seed):
     samples = _samples(24, seed)
     # PrefetchCache takes object stores and files, not memory://: it copies file:// URLs
     url = {"local": str(tmp_path / "set"), "cache": f"file://{tmp_path}/set"}.get(place) or _memory_url(f"f-{fmt}")
-    shards = write_shards(samples, url, format=fmt, shard_bytes=3_000, progress=False)
+    shards = write_shards(samples, url, format=fmt, shard_bytes=3_000, progress=False, shuffle=False)
     starts = np.concatenate([[0], np.cumsum(shards.lengths)]).tolist()
     fs, root = fsspec.core.url_to_fs(url)
     files = {name: fs.cat(f"{root}/{name}") for name in [e["name"] for e in shards.entries] + ["index.json"]}
@@ -268,7 +268,7 @@ def test_fuzz_flipped_bytes_are_never_served_long(tmp_path, fmt, place):
 # ---- review B3: a version turned back to 1 does not turn the checks off ---------------------------
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
 def test_a_v2_index_relabelled_v1_is_refused_as_damaged(tmp_path, fmt):
-    write_shards(_samples(12), tmp_path / "s", format=fmt, progress=False)
+    write_shards(_samples(12), tmp_path / "s", format=fmt, progress=False, shuffle=False)
     text = (tmp_path / "s" / "index.json").read_text()
     (tmp_path / "s" / "index.json").write_text(text.replace('"version":2', '"version":1'))
     with warnings.catch_warnings():
@@ -280,7 +280,7 @@ def test_a_v2_index_relabelled_v1_is_refused_as_damaged(tmp_path, fmt):
 # ---- review B7: an offset the shard does not start a key at is the index's fault ------------------
 def _offsets_edited(tmp_path, edit):
     shards = write_shards([{"__key__": f"k{i}", "bin": bytes([i]) * 700, "cls": i} for i in range(6)],
-                          tmp_path / "s", progress=False)
+                          tmp_path / "s", progress=False, shuffle=False)
     index = json.loads((tmp_path / "s" / "index.json").read_text())
     edit(index["shards"][0]["offsets"], shards.entries[0]["offsets"])
     (tmp_path / "s" / "index.json").write_text(json.dumps(index))

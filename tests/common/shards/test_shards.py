@@ -44,7 +44,7 @@ def _same(read, written):
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
 def test_round_trip_by_shard_and_by_range(tmp_path, fmt):
     samples = _samples()
-    shards = write_shards(samples, tmp_path / "set", format=fmt, shard_bytes=40_000, progress=False)
+    shards = write_shards(samples, tmp_path / "set", format=fmt, shard_bytes=40_000, progress=False, shuffle=False)
     assert len(shards.entries) >= 4 and len(shards) == len(samples)
     assert shards.lengths.sum() == len(samples)
     _same([s for i in range(len(shards.entries)) for s in shards.read(i)], samples)
@@ -66,7 +66,7 @@ def test_round_trip_by_shard_and_by_range(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", ["tar", "parquet"])
 def test_the_dataset_reads_each_sample_once_over_workers_and_epochs(tmp_path, fmt):
     samples = _samples(90)
-    shards = write_shards(samples, tmp_path / "set", format=fmt, shard_bytes=30_000, progress=False)
+    shards = write_shards(samples, tmp_path / "set", format=fmt, shard_bytes=30_000, progress=False, shuffle=False)
     ds = shards.dataset(shuffle=True, seed=4)
     by_key = {s["__key__"]: s for s in samples}
     for epoch in range(2):
@@ -77,7 +77,7 @@ def test_the_dataset_reads_each_sample_once_over_workers_and_epochs(tmp_path, fm
             seen[sample["__key__"]] += 1
             assert sample["jpg"] == by_key[sample["__key__"]]["jpg"] and sample["cls"] == by_key[sample["__key__"]]["cls"]
         assert seen == Counter(by_key.keys()), epoch
-    few = write_shards(samples, tmp_path / f"few{fmt}", format=fmt, progress=False)  # one shard, 2 ranks
+    few = write_shards(samples, tmp_path / f"few{fmt}", format=fmt, progress=False, shuffle=False)  # one shard, 2 ranks
     assert len(few.entries) == 1
     counts = [Counter(s["__key__"] for s in few.dataset(rank=r, world_size=2, even=False)) for r in range(2)]
     assert sum(counts, Counter()) == Counter(by_key.keys()) and abs(sum(counts[0].values()) - sum(counts[1].values())) <= 1
@@ -85,7 +85,7 @@ def test_the_dataset_reads_each_sample_once_over_workers_and_epochs(tmp_path, fm
 
 def test_webdataset_reads_our_tars_and_we_read_and_index_its_tars(tmp_path):
     samples = _samples(60)
-    ours = write_shards(samples, tmp_path / "ours", shard_bytes=25_000, progress=False)
+    ours = write_shards(samples, tmp_path / "ours", shard_bytes=25_000, progress=False, shuffle=False)
     theirs = list(wds.WebDataset(ours.urls, shardshuffle=False))
     assert [s["__key__"] for s in theirs] == [s["__key__"] for s in samples]
     assert all(t["jpg"] == s["jpg"] and t["cls"] == str(s["cls"]).encode() and t["txt"] == s["txt"].encode()
@@ -108,7 +108,7 @@ def test_pyarrow_reads_our_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     samples = _samples(50)
-    shards = write_shards(samples, tmp_path / "p", format="parquet", progress=False)
+    shards = write_shards(samples, tmp_path / "p", format="parquet", progress=False, shuffle=False)
     table = pq.read_table(shards.urls[0])
     assert table.column_names == ["__key__", "jpg", "cls", "txt", "json"]
     assert table.column("jpg").to_pylist() == [s["jpg"] for s in samples]
@@ -119,11 +119,11 @@ def test_pyarrow_reads_our_parquet(tmp_path):
 def test_numpy_fields_round_trip_without_pickle(tmp_path):
     arrays = [np.arange(i * 6, dtype=np.float32).reshape(i, 6) for i in range(1, 5)]
     shards = write_shards(({"__key__": f"a{i}", "npy": a} for i, a in enumerate(arrays)), tmp_path / "n",
-                          progress=False)
+                          progress=False, shuffle=False)
     read = list(shards.read(0))
     assert all(np.array_equal(r["npy"], a) and r["npy"].dtype == a.dtype for r, a in zip(read, arrays, strict=True))
     with pytest.raises(ShardFormatError, match="object array"):
-        write_shards([{"__key__": "o", "npy": np.array([{}], dtype=object)}], tmp_path / "o", progress=False)
+        write_shards([{"__key__": "o", "npy": np.array([{}], dtype=object)}], tmp_path / "o", progress=False, shuffle=False)
 
 
 @pytest.mark.parametrize(("sample", "message"), [
@@ -137,7 +137,7 @@ def test_numpy_fields_round_trip_without_pickle(tmp_path):
 ])
 def test_bad_samples_raise_naming_the_key(tmp_path, sample, message):
     with pytest.raises(ShardFormatError, match=message):
-        write_shards([{"__key__": "s0000", "jpg": b"ok"}, sample], tmp_path / "bad", progress=False)
+        write_shards([{"__key__": "s0000", "jpg": b"ok"}, sample], tmp_path / "bad", progress=False, shuffle=False)
     with pytest.raises(ShardIndexError, match="does not exist"):
         ShardSet.open(tmp_path / "bad")
 
@@ -145,11 +145,11 @@ def test_bad_samples_raise_naming_the_key(tmp_path, sample, message):
 def test_parquet_rows_must_keep_the_first_samples_columns(tmp_path):
     with pytest.raises(ShardFormatError, match=r"sample 'b' has fields \['txt'\], but the first sample set"):
         write_shards([{"__key__": "a", "jpg": b"1"}, {"__key__": "b", "txt": "x"}], tmp_path / "p", format="parquet",
-                     progress=False)
+                     progress=False, shuffle=False)
 
 
 def test_a_damaged_index_or_shard_says_so(tmp_path):
-    shards = write_shards(_samples(10), tmp_path / "s", progress=False)
+    shards = write_shards(_samples(10), tmp_path / "s", progress=False, shuffle=False)
     (tmp_path / "s" / "index.json").write_text("{not json")
     with pytest.raises(ShardIndexError, match="damaged"):
         ShardSet.open(tmp_path / "s")
@@ -172,7 +172,7 @@ def slow_replace(src, dst):
     real_replace(src, dst)
 shards.os.replace = slow_replace
 samples = ({"__key__": f"s{i:04d}", "bin": bytes([i % 256]) * 1000} for i in range(40))
-shards.write_shards(samples, out, shard_bytes=10_000, progress=False)
+shards.write_shards(samples, out, shard_bytes=10_000, progress=False, shuffle=False)
 """
 
 
@@ -191,10 +191,10 @@ def test_a_writer_killed_mid_shard_leaves_no_partial_shard_and_no_index(tmp_path
     with pytest.raises(ShardIndexError, match="does not exist"):
         ShardSet.open(out)
     samples = [{"__key__": f"s{i:04d}", "bin": bytes([i % 256]) * 1000} for i in range(40)]
-    shards = write_shards(samples, out, shard_bytes=10_000, progress=False)  # the rerun completes
+    shards = write_shards(samples, out, shard_bytes=10_000, progress=False, shuffle=False)  # the rerun completes
     assert not [n for n in os.listdir(out) if ".tmp-" in n]  # and sweeps the dead writer's temp
     assert [s["bin"] for i in range(len(shards.entries)) for s in shards.read(i)] == [s["bin"] for s in samples]
-    clean = write_shards(samples, tmp_path / "clean", shard_bytes=10_000, progress=False)
+    clean = write_shards(samples, tmp_path / "clean", shard_bytes=10_000, progress=False, shuffle=False)
     assert [(out / e["name"]).read_bytes() for e in shards.entries] == [
         (tmp_path / "clean" / e["name"]).read_bytes() for e in clean.entries]
     assert published == (tmp_path / "clean" / "shard-000000.tar").read_bytes()  # it was whole
@@ -211,7 +211,7 @@ def test_images_and_audio_decode_from_shard_samples(tmp_path, image_tree_for_sha
     from recipes.vision.shard_images import ShardImages
 
     root = image_tree_for_shards
-    shards = write_shards(image_folder_samples(root), tmp_path / "img", progress=False)
+    shards = write_shards(image_folder_samples(root), tmp_path / "img", progress=False, shuffle=False)
     folder = ImageFolderFast(root, size=64)
     items = list(shards.dataset(shuffle=False, transform=ShardImages(64)))
     assert len(items) == len(folder)
@@ -264,9 +264,9 @@ def test_two_ranks_write_the_same_bytes_and_read_every_sample_once_from_s3(tmp_p
     (tmp_path / "texts.txt").write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")
     lines = (tmp_path / "texts.txt").read_text().splitlines()
     images = image_folder_samples(tmp_path / "tree")
-    single = write_shards(images, tmp_path / "single_tar", shard_bytes=60_000, progress=False)
+    single = write_shards(images, tmp_path / "single_tar", shard_bytes=60_000, progress=False, shuffle=False)
     single_text = write_shards([{"__key__": f"t{i:05d}", "txt": t} for i, t in enumerate(lines)],
-                               tmp_path / "single_text", format="parquet", shard_bytes=3_000, progress=False)
+                               tmp_path / "single_text", format="parquet", shard_bytes=3_000, progress=False, shuffle=False)
     assert len(single.entries) >= 4 and len(single_text.entries) >= 4
     script = Path(__file__).with_name("dist_shards_script.py")
     with MotoS3Server() as server:
@@ -303,12 +303,12 @@ def test_long_keys_and_truncated_tars(tmp_path):
     """A key past ustar's 100 characters gets a PAX header (read by tarfile, and by webdataset);
     a tar cut short raises instead of yielding a partial sample."""
     samples = [{"__key__": "deep/" * 30 + f"s{i}", "bin": bytes([i]) * 700} for i in range(5)]
-    shards = write_shards(samples, tmp_path / "long", progress=False)
+    shards = write_shards(samples, tmp_path / "long", progress=False, shuffle=False)
     assert [(s["__key__"], s["bin"]) for s in shards.read(0)] == [(s["__key__"], s["bin"]) for s in samples]
     assert [s["__key__"] for s in shards.read(0, 2, 4)] == [s["__key__"] for s in samples[2:4]]
     assert [s["__key__"] for s in wds.WebDataset(shards.urls, shardshuffle=False)] == [s["__key__"] for s in samples]
     plain = write_shards([{"__key__": f"s{i}", "bin": bytes([i]) * 700} for i in range(5)], tmp_path / "p",
-                         progress=False)
+                         progress=False, shuffle=False)
     data = (tmp_path / "p" / "shard-000000.tar").read_bytes()
     (tmp_path / "cut.tar").write_bytes(data[: plain.entries[0]["offsets"][3] + 600])  # inside sample 3's data
     with pytest.raises(ShardFormatError, match="cut.tar is not a tar file, or a damaged one"):
@@ -322,12 +322,17 @@ def test_the_command_line_writes_and_indexes_shards(tmp_path, image_tree_for_sha
     assert main(["shards", "vision", str(image_tree_for_shards), str(tmp_path / "img"), "--shard-mb", "0.05"]) == 0
     images = ShardSet.open(tmp_path / "img")
     assert len(images) == 8 and len(images.entries) >= 2 and "8 samples" in capsys.readouterr().out
-    first = next(images.read(0))
-    assert first["__key__"] == "class_00/img_0000" and first["cls"] == 0
-    assert first["jpg"] == (image_tree_for_shards / "class_00" / "img_0000.jpg").read_bytes()
+    written = [s for shard in range(len(images.entries)) for s in images.read(shard)]
+    files = sorted(image_tree_for_shards.glob("*/*.jpg"))
+    keys = [f"{f.parent.name}/{f.stem}" for f in files]
+    assert sorted(s["__key__"] for s in written) == keys
+    assert [s["__key__"] for s in written] != keys  # written in a random order by default
+    for sample in written:  # each key still holds its own file and label
+        path = image_tree_for_shards / f"{sample['__key__']}.jpg"
+        assert sample["jpg"] == path.read_bytes() and sample["cls"] == int(path.parent.name.split("_")[1])
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(30)))
     assert main(["shards", "text", str(tmp_path / "c.jsonl"), str(tmp_path / "txt"), "--format", "parquet",
-                 "--text-field", "body"]) == 0
+                 "--text-field", "body", "--no-shuffle"]) == 0
     assert [s["txt"] for s in ShardSet.open(tmp_path / "txt").read(0)] == [f"text {i}" for i in range(30)]
     make_audio_files(tmp_path / "audio", count=2, seconds=[0.5, 0.3], sample_rate=8000, seed=1)
     assert main(["shards", "audio", str(tmp_path / "audio"), str(tmp_path / "aud")]) == 0
@@ -345,7 +350,7 @@ def test_damaged_or_rewritten_shards_are_never_served(tmp_path):
     from recipes.common import PrefetchCache
 
     samples = [{"__key__": f"k{i:04d}", "txt": f"text {i}", "cls": i} for i in range(60)]
-    shards = write_shards(samples, tmp_path / "s", shard_bytes=20_000, progress=False)
+    shards = write_shards(samples, tmp_path / "s", shard_bytes=20_000, progress=False, shuffle=False)
     path = tmp_path / "s" / shards.entries[0]["name"]
     data = bytearray(path.read_bytes())
     data[700] ^= 0x01  # inside sample 0's text
@@ -355,20 +360,20 @@ def test_damaged_or_rewritten_shards_are_never_served(tmp_path):
     path.write_bytes(bytes(data[:4096]))
     with pytest.raises(ShardFormatError, match="bytes but its index says"):
         list(shards.dataset(shuffle=False))
-    write_shards(samples, tmp_path / "s", shard_bytes=20_000, progress=False)  # repaired
+    write_shards(samples, tmp_path / "s", shard_bytes=20_000, progress=False, shuffle=False)  # repaired
     with LocalHTTPServer(tmp_path / "s") as server:
         remote = ShardSet.open(server.url("").rstrip("/"))
         cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30)
         assert [s["cls"] for s in remote.dataset(cache=cache, shuffle=False)] == list(range(60))
         rewritten = [{**s, "txt": s["txt"].upper()} for s in samples]  # same sizes, other bytes
-        write_shards(rewritten, tmp_path / "s", shard_bytes=20_000, progress=False)
+        write_shards(rewritten, tmp_path / "s", shard_bytes=20_000, progress=False, shuffle=False)
         again = ShardSet.open(server.url("").rstrip("/"))
         assert [s["txt"] for s in again.dataset(cache=cache, shuffle=False)] == [s["txt"] for s in rewritten]
 
 
 def test_a_rewrite_removes_the_old_index_first_and_stale_shards_last(tmp_path):
     big = [{"__key__": f"a{i:04d}", "bin": bytes([i % 256]) * 900} for i in range(100)]
-    write_shards(big, tmp_path / "s", shard_bytes=10_000, progress=False)
+    write_shards(big, tmp_path / "s", shard_bytes=10_000, progress=False, shuffle=False)
     seen = []
     import recipes.common.shards.shard_writer as module
 
@@ -380,7 +385,7 @@ def test_a_rewrite_removes_the_old_index_first_and_stale_shards_last(tmp_path):
 
     module._Writer.write_shard = spy
     try:
-        small = write_shards(big[:20], tmp_path / "s", shard_bytes=10_000, progress=False)
+        small = write_shards(big[:20], tmp_path / "s", shard_bytes=10_000, progress=False, shuffle=False)
     finally:
         module._Writer.write_shard = real
     assert seen and not any(seen)
@@ -398,7 +403,7 @@ def test_a_rewrite_removes_the_old_index_first_and_stale_shards_last(tmp_path):
 ])
 def test_more_bad_samples_raise_naming_the_key(tmp_path, sample, message):
     with pytest.raises(ShardFormatError, match=message):
-        write_shards([sample], tmp_path / "bad", progress=False)
+        write_shards([sample], tmp_path / "bad", progress=False, shuffle=False)
 
 
 def test_parquet_columns_keep_their_type(tmp_path):
@@ -406,7 +411,7 @@ def test_parquet_columns_keep_their_type(tmp_path):
                            ("x", "a str where"), (2**70, "does not fit a 64-bit integer")):
         with pytest.raises(ShardFormatError, match=rf"sample 'b', field 'v': .*{message}"):
             write_shards([{"__key__": "a", "v": 1}, {"__key__": "b", "v": later}], tmp_path / "p", format="parquet",
-                         progress=False)
+                         progress=False, shuffle=False)
 
 
 def test_indexing_refuses_tars_whose_samples_are_not_grouped(tmp_path):
@@ -446,7 +451,7 @@ def test_a_resume_in_a_later_epoch_through_make_loader_and_the_cache(tmp_path, f
 
     samples = [{"__key__": f"k{i:04d}", "txt": f"text {i}", "cls": i} for i in range(90)]
     write_shards(samples, tmp_path / "s", format=fmt, shard_bytes=8_000 if fmt == "tar" else 1 << 20,
-                 progress=False)
+                 progress=False, shuffle=False)
     with LocalHTTPServer(tmp_path / "s") as server:
         def build(name):
             shards = ShardSet.open(server.url("").rstrip("/"))
