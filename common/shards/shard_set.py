@@ -45,11 +45,11 @@ from recipes.common.shards.shard_formats import (
     read_parquet,
     read_tar,
 )
+from recipes.common.shards.shard_mixing import WINDOW
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     decode_sample,
 )
-from recipes.common.shards.shard_mixing import WINDOW
 from recipes.common.shards.sharded_dataset import ShardedIterableDataset
 
 __all__ = ["ShardFormatError", "ShardIndexError", "ShardSet"]

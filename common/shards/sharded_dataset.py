@@ -508,5 +508,5 @@ def _takes_range(fn) -> bool:
     except (TypeError, ValueError):
         return False
     return len(params) >= 3 and all(p.default is p.empty or p.name == name
-                                    for p, name in zip(params[1:3], ("start", "stop")))
+                                    for p, name in zip(params[1:3], ("start", "stop"), strict=True))
 
