@@ -14,7 +14,10 @@ rows are left out otherwise, and the output says so. Reading counts samples (dic
 encoded bytes), no decoding: the transport and the reader are what differ. The rows "checksums
 off" read the same shards with the per-sample checks of `recipes.common.shards.shard_checks`
 turned off (a `ShardSet` whose `checksums` is None, as a v1 index's), interleaved with the rows
-that check: the checks' cost, on the paths where reading is not held up by the network.
+that check: the checks' cost, on the paths where reading is not held up by the network. The
+rows "shard order only" read with `shuffle_window=0` (each shard front to back): the cost of
+sample-level mixing. Then the shuffle-quality table (`shuffle_quality.py`): the class mix of
+batches read back from the folder written in its sorted order, against an i.i.d. shuffle.
 """
 
 from __future__ import annotations
@@ -146,6 +149,12 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
         ours = shards.dataset(cache=cache, seed=0)
         rows.append(measure("recipes ShardSet + PrefetchCache over S3, epoch 1",
                             _Epochs(lambda: DataLoader(ours, **settings))))
+        in_order_cache = PrefetchCache(Path(tmp) / "prefetch-in-order", max_bytes=cache.max_bytes,
+                                       storage_options=options)
+        in_order_cache.connect(shards.urls[0])
+        in_order = shards.dataset(cache=in_order_cache, seed=0, shuffle_window=0)
+        rows.append(measure("recipes ShardSet + PrefetchCache over S3, epoch 1, shard order only",
+                            _Epochs(lambda: DataLoader(in_order, **settings))))
         if (out / "wds").exists():
             import webdataset as wds
 
@@ -170,6 +179,7 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
             rows.append(measure("LitData StreamingDataset over S3, epoch 1", _Epochs(
                 lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))
         local = ShardSet.open(out / "ours").dataset(seed=0)
+        local_in_order = ShardSet.open(out / "ours").dataset(seed=0, shuffle_window=0)
         unchecked_set = ShardSet.open("s3://bench/ours", storage_options=options)
         unchecked_local_set = ShardSet.open(out / "ours")
         unchecked_set.checksums = unchecked_local_set.checksums = None  # the bench's switch: checks off
@@ -178,6 +188,8 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
         second = [lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2",
                                   _Epochs(lambda: DataLoader(ours, **settings), epoch=1)),
                   lambda: measure("recipes ShardSet from local disk", _Epochs(lambda: DataLoader(local, **settings))),
+                  lambda: measure("recipes ShardSet from local disk, shard order only",
+                                  _Epochs(lambda: DataLoader(local_in_order, **settings))),
                   lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2, checksums off",
                                   _Epochs(lambda: DataLoader(unchecked, **settings), epoch=1)),
                   lambda: measure("recipes ShardSet from local disk, checksums off",
@@ -192,6 +204,7 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.harness.bench_charts import Chart, write_chart
     from recipes.bench.harness.measure import show_table
+    from recipes.bench.shuffle_quality import BATCH, quality_rows, show_quality
     from recipes.bench.vision import ensure_data
     from recipes.common import smart_num_workers
 
@@ -209,10 +222,14 @@ def run(args: argparse.Namespace) -> int:
         write_chart(Chart("shards-write", heading, "samples/s", tuple(w[0] for w in written),
                           tuple(w[1] for w in written)), getattr(args, "plot", None))
         rows = read_rows(out, latency=args.latency, bandwidth=args.bandwidth * 2**20, workers=workers)
+        mixing, iid = quality_rows(root, out, workers)
     show_table(f"shards: reading them back, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per "
                f"connection, {workers} workers, batches of 64 (webdataset's row is the baseline)", rows,
                unit="samples/s", whole_epoch=True, baseline=1 if len(rows) > 3 else 0,
                plot=getattr(args, "plot", None), name="shards-read")
+    show_quality(mixing, iid, f"shards: shuffle quality, {args.images} JPEGs of 10 classes listed in sorted order, "
+                              f"written as a stream as the README does, read with the defaults, {workers} workers, "
+                              f"batches of {BATCH}, epochs 1 and 2")
     for note in notes:
         print(f"\n{note}")
     return 0

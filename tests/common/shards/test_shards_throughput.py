@@ -26,3 +26,20 @@ def test_shards_bench_rows(tmp_path):
     assert ours_1 > whole["webdataset.WebDataset over HTTP (curl), epoch 1"], whole
     assert rows["recipes ShardSet + PrefetchCache over S3, epoch 2"].items_per_s >= 0.5 * rows[
         "recipes ShardSet from local disk"].items_per_s, whole
+
+
+@pytest.mark.slow
+def test_shuffle_quality_rows_of_the_bench(tmp_path):
+    """The bench's table on the generated folder (10 classes, sorted): the README's way mixes
+    like i.i.d. (distinct classes within 15%, majority share at most 1.5x) and epochs differ;
+    shard order alone on sorted shards does not."""
+    from recipes.bench.shuffle_quality import quality_rows
+    from recipes.bench.vision import ensure_data
+
+    rows, (iid_distinct, iid_majority) = quality_rows(ensure_data(800), tmp_path, workers=2)
+    by_name = {name: (distinct, majority, differ) for name, _, distinct, majority, differ in rows}
+    for name in ("README's way, 64 MiB shards (the default)", "README's way, 256 KiB shards (the README's)"):
+        distinct, majority, differ = by_name[name]
+        assert distinct >= 0.85 * iid_distinct and majority <= 1.5 * iid_majority and differ, (name, rows)
+    distinct, _, _ = by_name["sorted shards, 64 MiB, shard order only (before)"]
+    assert distinct < 0.5 * iid_distinct, rows

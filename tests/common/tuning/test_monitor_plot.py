@@ -125,7 +125,7 @@ def test_without_matplotlib_plot_says_how_to_install_it(tmp_path, monkeypatch):
     monitor = LoaderMonitor([1, 2])
     list(monitor)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    with pytest.raises(ImportError, match=r'^Plotting needs matplotlib: pip install "recipes\[plot\]"$'):
+    with pytest.raises(ImportError, match=r'^Plotting needs matplotlib: pip install "loader-recipes\[plot\]"$'):
         monitor.plot(tmp_path / "t.png")
 
 
