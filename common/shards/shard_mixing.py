@@ -2,22 +2,25 @@
 
 Use when: shards were written in the order the data came (by class, by source, by date), and
 reading them one after another would give batches of one class.
-Cost: per consumer and epoch, one permutation of its samples within each window (numpy, no I/O);
-memory: `WINDOW` shards in use at once (pinned in a `PrefetchCache`), at most `INTERLEAVE`
-blocks read at once (a block is one sample of a tar, a row group of a Parquet file).
+Cost: per consumer and epoch, one sort of its blocks by a jittered position (numpy, no I/O);
+memory: at most `INTERLEAVE` blocks read at once (a block is one sample of a tar, a row group
+of a Parquet file); about `WINDOW` shards in use at any time, sliding along the plan.
 Adapt here: `WINDOW`, `INTERLEAVE`.
-Trade-off: samples mix within a window of shards, not over the whole epoch: a window spans
-`WINDOW` shards drawn at random each epoch, so shards of one class each still give batches of
-about `WINDOW` classes; a shuffled write (`write_shards(shuffle=True)`) mixes the rest.
+Trade-off: samples mix over a band of about `WINDOW` shards that slides along the consumer's
+(shuffled) shards, not over the whole epoch, and the first and last band's worth mix over fewer;
+a shuffled write (`write_shards(shuffle=True)`) mixes the rest.
 
 The order, for one consumer (rank x worker) in one epoch, from its plan (the pieces `(shard,
 start, stop)` it reads, whose shards come in the epoch's shuffled order):
-1. the pieces are taken in windows of `window` consecutive pieces;
-2. each piece is cut into blocks (ranges read in one call) at `block_starts(shard)`;
-3. a window's blocks are permuted, then taken in groups of `interleave`, and a group's samples
-   come in a uniformly random interleaving of its blocks (each block read front to back).
-With one-sample blocks this is a uniformly random permutation of the window's samples. Every
-draw comes from a generator seeded by `(seed, epoch, rank, worker, window)`, so the order is a
+1. each piece is cut into blocks (ranges read in one call) at `block_starts(shard)`;
+2. each block gets a key: its first sample's position in the plan plus a uniform jitter of up
+   to `window` pieces' worth of samples (a local shuffle: nothing moves further than that, so
+   the shards needed at a time are a sliding band, downloaded in turn as in shard order); the
+   reach starts at one piece and grows to `window` over the first `window / 2` pieces, so the
+   first batch waits for the first shards only;
+3. blocks are sorted by key, taken in groups of `interleave`, and a group's samples come in a
+   uniformly random interleaving of its blocks (each block read front to back).
+Every draw comes from a generator seeded by `(seed, epoch, rank, worker)`, so the order is a
 function of the plan: a resume after `n` samples counts each block's samples among the first
 `n` draws (`skip_counts`) and starts each block there, reading nothing it skips.
 Copy with: nothing.
@@ -25,7 +28,7 @@ Copy with: nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +38,9 @@ INTERLEAVE = 8
 
 
 @dataclass(frozen=True)
-class Window:
-    """One window's schedule: its blocks (after the permutation) and, per sample, which block
-    gives it. `shards`, `starts`, `stops`: int64 `[K]` (blocks); `draws`: int32 `[N]` (samples)."""
+class Schedule:
+    """A consumer's epoch: its blocks (sorted) and, per sample, which block gives it.
+    `shards`, `starts`, `stops`: int64 `[K]` (blocks); `draws`: int32 `[N]` (samples)."""
 
     shards: np.ndarray
     starts: np.ndarray
@@ -48,29 +51,37 @@ class Window:
         return len(self.draws)
 
 
-def mixing_windows(pieces: Sequence[tuple[int, int, int]], *, block_starts: Callable[[int], np.ndarray],
-                   seed: Sequence[int], window: int = WINDOW, interleave: int = INTERLEAVE) -> Iterator[Window]:
-    """The windows of a consumer's epoch, lazily (a window's schedule is made when reached).
+def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Callable[[int], np.ndarray],
+                    seed: Sequence[int], window: int = WINDOW, interleave: int = INTERLEAVE) -> Schedule:
+    """The order of a consumer's epoch (module docstring).
 
     Args:
         pieces: `(shard, start, stop)` with known stops, in plan order.
         block_starts: a shard's block starts (ascending sample indices, the first 0).
         seed: the generator's entropy, e.g. `(seed, epoch, rank, worker)`.
-        window, interleave: pieces per window; blocks read at once.
+        window: how far a sample may move, in pieces (their mean length in samples).
+        interleave: blocks read at once.
     """
-    for w, first in enumerate(range(0, len(pieces), window)):
-        rng = np.random.default_rng([*seed, w])
-        shards, starts, stops = _blocks(pieces[first : first + window], block_starts)
-        order = rng.permutation(len(shards))
-        shards, starts, stops = shards[order], starts[order], stops[order]
-        draws = np.empty(int((stops - starts).sum()), dtype=np.int32)
-        at = 0
-        for g in range(0, len(shards), interleave):
-            sizes = stops[g : g + interleave] - starts[g : g + interleave]
-            group = np.repeat(np.arange(g, g + len(sizes), dtype=np.int32), sizes)
-            draws[at : at + len(group)] = rng.permutation(group)
-            at += len(group)
-        yield Window(shards, starts, stops, draws)
+    rng = np.random.default_rng([*seed])
+    shards, starts, stops = _blocks(pieces, block_starts)
+    sizes = stops - starts
+    total = int(sizes.sum())
+    piece = total / max(1, len(pieces))
+    places = np.cumsum(sizes) - sizes
+    # the reach grows from one piece to `window` pieces over the epoch's first `window / 2`
+    # pieces: the first batches need the first shards only (as in shard order), not the whole
+    # band, which would all have to be downloaded before the first batch
+    reach = np.minimum(window * piece, piece + 2 * places)
+    keys = places + rng.random(len(sizes)) * reach
+    order = np.argsort(keys, kind="stable")
+    shards, starts, stops, sizes = shards[order], starts[order], stops[order], sizes[order]
+    draws = np.empty(total, dtype=np.int32)
+    at = 0
+    for g in range(0, len(shards), interleave):
+        group = np.repeat(np.arange(g, g + len(sizes[g : g + interleave]), dtype=np.int32), sizes[g : g + interleave])
+        draws[at : at + len(group)] = rng.permutation(group)
+        at += len(group)
+    return Schedule(shards, starts, stops, draws)
 
 
 def _blocks(pieces, block_starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,6 +99,6 @@ def _blocks(pieces, block_starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate(shards), np.concatenate(starts), np.concatenate(stops)
 
 
-def skip_counts(window: Window, skip: int) -> np.ndarray:
-    """Samples of each block among the window's first `skip` draws (int64 `[K]`)."""
-    return np.bincount(window.draws[:skip], minlength=len(window.shards)).astype(np.int64)
+def skip_counts(schedule: Schedule, skip: int) -> np.ndarray:
+    """Samples of each block among the first `skip` draws (int64 `[K]`)."""
+    return np.bincount(schedule.draws[:skip], minlength=len(schedule.shards)).astype(np.int64)

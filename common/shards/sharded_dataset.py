@@ -8,12 +8,13 @@ Cost: a permutation of the shard list per epoch; reading is `read_shard`'s. With
 `PrefetchCache`, the next shards download in background threads while the current one is read.
 Adapt here: `read_shard`; give it `(path, start, stop)` parameters to read sample ranges
 without reading the skipped samples (otherwise ranges are cut with `islice`).
-Trade-off: samples mix within windows of `shuffle_window` shards (`shard_mixing.py`), not over
-the whole epoch; a shuffled write (`write_shards`' default) mixes what a window cannot.
+Trade-off: samples mix over a band of about `shuffle_window` shards sliding along each
+consumer's shards (`shard_mixing.py`), not over the whole epoch; a shuffled write
+(`write_shards`' default) mixes what a band cannot.
 
 Order (with `shuffle`): the shards in a random order per epoch, cut among the consumers as
-below; then each consumer's samples in windows of `shuffle_window` of its shards (pieces), each
-window's samples in a random order (blocks of `blocks` samples read in one call, a few at once),
+below; then each consumer's samples in a local shuffle: none moves further than `shuffle_window`
+of its shards (pieces) from its place (blocks of `blocks` samples read in one call, a few at once),
 seeded by `(seed, epoch, rank, worker)`. Mixing needs `shard_lengths` and a ranged `read_shard`
 (or `blocks`); without them, each shard is read front to back, in the shuffled shard order.
 
@@ -46,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import _block, distributed_world, shard_indices
-from recipes.common.shards.shard_mixing import INTERLEAVE, WINDOW, mixing_windows, skip_counts
+from recipes.common.shards.shard_mixing import INTERLEAVE, WINDOW, mixing_schedule, skip_counts
 
 Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
 
@@ -61,11 +62,13 @@ class ShardedIterableDataset(IterableDataset):
             `start` and `stop`); gets a local path when `cache` is set.
         shard_lengths: samples per shard, when known (needed for ranges and `even` under DDP).
         shuffle: shuffle the shard order every epoch from `(seed, epoch)`, and mix the samples
-            of each window of `shuffle_window` shards (module docstring).
-        shuffle_window: shards (pieces of a consumer's plan) whose samples are mixed together;
-            0: shard order only, each shard read front to back. Cost: a window's shards are
-            read at random, so with a `cache` they should fit in it together (`max_bytes` of
-            about 2 x window x workers x shard size per node; less costs downloads again).
+            over a sliding band of `shuffle_window` shards (module docstring).
+        shuffle_window: how far (in shards: pieces of a consumer's plan) a sample may move from
+            its place in the shuffled shard order; 0: shard order only, each shard read front to
+            back. Cost: about this many shards are read at random at any time, so with a
+            `cache` they should fit in it together (`max_bytes` of about 2 x window x workers x
+            shard size per node; less costs downloads again); the band slides, so they are
+            downloaded in turn, as in shard order.
         blocks: where a shard may be cut for mixing: an int (every `blocks` samples) or
             `blocks(shard) -> ascending sample indices` (the first 0), each block read whole in
             one `read_shard(path, start, stop)` call when first drawn (memory: `INTERLEAVE`
@@ -159,10 +162,14 @@ class ShardedIterableDataset(IterableDataset):
         if self.cache is None or getattr(self, "_resume", None):  # a resume reads another order
             return []
         workers = num_workers or int(self._workers_seen.item())
-        plans = [self.plan(self.epoch, w, max(workers, 1)) for w in range(max(workers, 1))]
-        rounds = itertools.zip_longest(*plans)
-        firsts = dict.fromkeys(self.shards[p[0]] for r in rounds for p in r if p is not None)
-        return self.cache.prefetch(list(firsts)[: max(self.cache.depth, workers)])
+        consumers = range(max(workers, 1))
+        if self.mixes:  # the order the mixed draws first need them
+            orders = [self._need_order(self._schedule(self.epoch, w, max(workers, 1)))["order"] for w in consumers]
+        else:
+            orders = [[p[0] for p in self.plan(self.epoch, w, max(workers, 1))] for w in consumers]
+        rounds = itertools.zip_longest(*orders)
+        firsts = dict.fromkeys(self.shards[s] for r in rounds for s in r if s is not None)
+        return self.cache.prefetch(list(firsts)[: max(self.cache.depth, workers) * (2 if self.mixes else 1)])
 
     @property
     def epoch(self) -> int:
@@ -180,7 +187,7 @@ class ShardedIterableDataset(IterableDataset):
                     "shard_lengths": self._shards_crc[1], "shuffle": self.shuffle, "seed": self.seed, "even": self.even}
         if self.split != "auto":  # states saved before `split` existed still match "auto"
             settings["split"] = self.split
-        if self.mixes:  # the sample order within windows (states of shard-order reading do not match)
+        if self.mixes:  # the sample order (states of shard-order reading do not match)
             settings["mixing"] = {"window": self.shuffle_window, "interleave": INTERLEAVE,
                                   "blocks": self.blocks if isinstance(self.blocks, int) or self.blocks is None
                                   else getattr(self.blocks, "name", "custom")}
@@ -389,33 +396,28 @@ class ShardedIterableDataset(IterableDataset):
             yield from items
 
     def _mixed(self, epoch: int, worker: int, pieces: list[Piece], skip: int, upcoming) -> Iterator:
-        """The consumer's samples in the order of `shard_mixing.mixing_windows`; a resume starts
+        """The consumer's samples in the order of `shard_mixing.mixing_schedule`; a resume starts
         each block after its samples among the skipped draws, reading none of them. A block is
         read whole when first drawn (its shard pinned in the cache only meanwhile), so memory
         holds at most `INTERLEAVE` blocks and the cache one pinned shard per consumer."""
-        pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
-        windows = mixing_windows(pieces, block_starts=self._block_starts, seed=(self.seed, epoch, self.rank, worker),
-                                 window=self.shuffle_window)
-        for w, window in enumerate(windows):
-            if skip >= len(window):
-                skip -= len(window)
-                continue
-            done, draws, skip = skip_counts(window, skip), window.draws[skip:], 0
-            needed = self._need_order(window, draws) if self.cache is not None else []
-            after = pieces[(w + 1) * self.shuffle_window : (w + 2) * self.shuffle_window]
-            reading: dict[int, list] = {}
-            for j in draws.tolist():
-                if j not in reading:
-                    shard = int(window.shards[j])
-                    if self.cache is not None:  # the next shards in the order this window needs them
-                        self._prefetch_after(shard, needed, after or upcoming())
-                    start, stop = int(window.starts[j]) + int(done[j]), int(window.stops[j])
-                    reading[j] = self._read_block(shard, start, stop)
-                block = reading[j]
-                item = block.pop()
-                if not block:
-                    del reading[j]
-                yield item
+        schedule = self._schedule(epoch, worker, pieces=pieces)
+        if skip >= len(schedule):
+            return
+        done, draws = skip_counts(schedule, skip), schedule.draws[skip:]
+        needed = self._need_order(schedule, skip) if self.cache is not None else {}
+        reading: dict[int, list] = {}
+        for j in draws.tolist():
+            if j not in reading:
+                shard = int(schedule.shards[j])
+                if self.cache is not None:  # the next shards in the order the draws need them
+                    self._prefetch_after(shard, needed, upcoming)
+                start, stop = int(schedule.starts[j]) + int(done[j]), int(schedule.stops[j])
+                reading[j] = self._read_block(shard, start, stop)
+            block = reading[j]
+            item = block.pop()
+            if not block:
+                del reading[j]
+            yield item
 
     def _read_block(self, shard: int, start: int, stop: int) -> list:
         """The samples `[start, stop)` of `shard`, reversed (taken from the end with `pop`)."""
@@ -428,18 +430,29 @@ class ShardedIterableDataset(IterableDataset):
         items.reverse()
         return items
 
-    def _need_order(self, window, draws: np.ndarray) -> list[int]:
-        needed = window.shards[draws]
-        _, first = np.unique(needed, return_index=True)
-        return [int(s) for s in needed[np.sort(first)]]
+    def _schedule(self, epoch: int, worker: int, num_workers: int = 1, pieces: list[Piece] | None = None):
+        if pieces is None:
+            pieces = self.plan(epoch, worker, num_workers)
+        pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
+        return mixing_schedule(pieces, block_starts=self._block_starts, seed=(self.seed, epoch, self.rank, worker),
+                               window=self.shuffle_window)
 
-    def _prefetch_after(self, shard: int, needed: list[int], after: list[Piece]) -> None:
-        """Starts the downloads of the `cache.depth` shards needed after `shard` (this window's,
-        then the next window's or the next epoch's first ones): no further, so that downloads
-        ahead do not evict what is still to be read."""
-        at = needed.index(shard) if shard in needed else len(needed)
-        ahead = needed[at + 1 : at + 1 + self.cache.depth]
-        ahead += [s for s, _, _ in after[: self.cache.depth - len(ahead)]]
+    def _need_order(self, schedule, skip: int = 0) -> dict:
+        """`{"order": shards in the order the draws (after `skip`) first need them, "index": their
+        places}`, for prefetching."""
+        needed = schedule.shards[schedule.draws[skip:]]
+        _, first = np.unique(needed, return_index=True)
+        order = [int(s) for s in needed[np.sort(first)]]
+        return {"order": order, "index": {s: i for i, s in enumerate(order)}}
+
+    def _prefetch_after(self, shard: int, needed: dict, upcoming) -> None:
+        """Starts the downloads of the `cache.depth` shards needed after `shard` (then the next
+        epoch's first ones): no further, so that downloads ahead do not evict what is still to
+        be read."""
+        at = needed["index"].get(shard, len(needed["order"]))
+        ahead = needed["order"][at + 1 : at + 1 + self.cache.depth]
+        if len(ahead) < self.cache.depth:
+            ahead += [s for s, _, _ in upcoming()[: self.cache.depth - len(ahead)]]
         if ahead:
             self.cache.prefetch(self.shards[s] for s in ahead)
 

@@ -53,7 +53,7 @@ def quality_rows(root: Path, out: Path, workers: int) -> tuple[list[tuple], tupl
     """`[(name, shards, distinct, majority, epochs differ)]` and the i.i.d. reference."""
     from torch.utils.data import DataLoader
 
-    from recipes.common import write_shards, worker_init
+    from recipes.common import worker_init, write_shards
     from recipes.shards_cmd import image_folder_samples
 
     samples = image_folder_samples(root)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from recipes.common import ShardedIterableDataset, ShardSet, make_loader, write_shards
-from recipes.common.shards.shard_mixing import mixing_windows, skip_counts
+from recipes.common.shards.shard_mixing import mixing_schedule, skip_counts
 from recipes.common.shards.shard_writer import shuffled_samples
 
 CLASSES, PER_CLASS, BATCH = 15, 48, 32
@@ -137,29 +137,28 @@ def _keys_and_labels(batch):
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30), window=st.integers(1, 8),
        interleave=st.integers(1, 5), block=st.integers(1, 7), cut=st.floats(0, 1), seed=st.integers(0, 5))
 def test_the_schedule_reads_every_sample_once_and_resumes_from_counts(lengths, window, interleave, block, cut, seed):
-    """Every (piece, sample) once, each block front to back; and after any prefix the counts
-    alone give the rest of the order (what a resume does)."""
+    """Every (piece, sample) once, each block front to back, no sample further than the window
+    from its place; and after any prefix the counts alone give the rest of the order (what a
+    resume does)."""
     pieces = [(s, 0, n) for s, n in enumerate(lengths)]
-    windows = list(mixing_windows(pieces, block_starts=lambda s: np.arange(0, lengths[s], block), seed=(seed, 1),
-                                  window=window, interleave=interleave))
-    order = []
-    for w in windows:
-        nxt = w.starts.copy()
-        for j in w.draws:
-            order.append((int(w.shards[j]), int(nxt[j])))
-            nxt[j] += 1
-        assert (nxt == w.stops).all()
-    assert Counter(order) == Counter((s, i) for s, n in enumerate(lengths) for i in range(n))
-    assert len(order) == sum(lengths)
-    # within one shard, samples come front to back inside each block
-    w = windows[0]
-    skip = int(cut * len(w))
-    done = skip_counts(w, skip)
-    resumed, nxt = [], w.starts + done
-    for j in w.draws[skip:]:
-        resumed.append((int(w.shards[j]), int(nxt[j])))
+    schedule = mixing_schedule(pieces, block_starts=lambda s: np.arange(0, lengths[s], block), seed=(seed, 1),
+                               window=window, interleave=interleave)
+    order, nxt = [], schedule.starts.copy()
+    for j in schedule.draws:
+        order.append((int(schedule.shards[j]), int(nxt[j])))
         nxt[j] += 1
-    assert resumed == order[skip : len(w)]
+    assert (nxt == schedule.stops).all()
+    assert Counter(order) == Counter((s, i) for s, n in enumerate(lengths) for i in range(n))
+    place = {(s, i): sum(lengths[:s]) + i for s, n in enumerate(lengths) for i in range(n)}
+    reach = window * sum(lengths) / len(lengths)
+    assert all(abs(at - place[item]) <= reach + interleave * block + block for at, item in enumerate(order))
+    skip = int(cut * len(schedule))
+    done = skip_counts(schedule, skip)
+    resumed, nxt = [], schedule.starts + done
+    for j in schedule.draws[skip:]:
+        resumed.append((int(schedule.shards[j]), int(nxt[j])))
+        nxt[j] += 1
+    assert resumed == order[skip:]
 
 
 def test_the_writer_shuffles_a_sequence_and_a_stream_and_keeps_every_sample():
