@@ -267,10 +267,19 @@ class Passes:
 
     # ---- warnings ----------------------------------------------------------------------
     def _warn_same_epoch(self, epoch: int, pending) -> None:
-        """A dataset that resumes itself, iterated again at the epoch its last whole pass had."""
+        """A `set_epoch`-seeded order (or a dataset that resumes itself) iterated again at the epoch
+        its last whole pass had: the same order again, or worse."""
         last = self.current
-        if not self.own_state or self.holder is None or pending is not None or last is None or not last.done \
+        if self.holder is None or pending is not None or last is None or not last.done \
                 or last.dropped or last.epoch != epoch or "same_epoch" in self.warned:
+            return
+        if not self.own_state:
+            if getattr(self.holder, "shuffle", True) is False:
+                return  # an order that never changes: nothing repeats that would not anyway
+            self.warned.add("same_epoch")
+            warnings.warn(f"{type(self.holder).__name__} is iterated again at epoch {epoch}, the epoch of the last "
+                          "pass: it gives the same order as that pass. Call its set_epoch(epoch) before each epoch "
+                          "(as with DistributedSampler).", LoaderWarning, stacklevel=4)
             return
         self.warned.add("same_epoch")
         warnings.warn(f"{type(self.dataset).__name__} is iterated again at epoch {epoch}, the epoch of its last pass: "

@@ -35,6 +35,7 @@ import numpy as np
 
 WINDOW = 16
 INTERLEAVE = 8
+START = 8  # the reach at the epoch's start, in pieces
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Cal
     # the reach grows from one piece to `window` pieces over the epoch's first `window / 2`
     # pieces: the first batches need the first shards only (as in shard order), not the whole
     # band, which would all have to be downloaded before the first batch
-    reach = np.minimum(window * piece, piece + 2 * places)
+    reach = np.minimum(window * piece, START * piece + places)
     keys = places + rng.random(len(sizes)) * reach
     order = np.argsort(keys, kind="stable")
     shards, starts, stops, sizes = shards[order], starts[order], stops[order], sizes[order]

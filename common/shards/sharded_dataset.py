@@ -406,11 +406,13 @@ class ShardedIterableDataset(IterableDataset):
         done, draws = skip_counts(schedule, skip), schedule.draws[skip:]
         needed = self._need_order(schedule, skip) if self.cache is not None else {}
         reading: dict[int, list] = {}
+        frontier = -1  # the furthest shard, in the order of first need, drawn so far
         for j in draws.tolist():
             if j not in reading:
                 shard = int(schedule.shards[j])
-                if self.cache is not None:  # the next shards in the order the draws need them
-                    self._prefetch_after(shard, needed, upcoming)
+                if self.cache is not None and needed["index"][shard] > frontier:  # a shard new to this epoch:
+                    frontier = needed["index"][shard]  # the next ones in the order the draws need them
+                    self._prefetch_after(frontier, needed, upcoming)
                 start, stop = int(schedule.starts[j]) + int(done[j]), int(schedule.stops[j])
                 reading[j] = self._read_block(shard, start, stop)
             block = reading[j]
@@ -445,11 +447,10 @@ class ShardedIterableDataset(IterableDataset):
         order = [int(s) for s in needed[np.sort(first)]]
         return {"order": order, "index": {s: i for i, s in enumerate(order)}}
 
-    def _prefetch_after(self, shard: int, needed: dict, upcoming) -> None:
-        """Starts the downloads of the `cache.depth` shards needed after `shard` (then the next
-        epoch's first ones): no further, so that downloads ahead do not evict what is still to
-        be read."""
-        at = needed["index"].get(shard, len(needed["order"]))
+    def _prefetch_after(self, at: int, needed: dict, upcoming) -> None:
+        """Starts the downloads of the `cache.depth` shards needed after the `at`-th (then the
+        next epoch's first ones): no further, so that downloads ahead do not evict what is still
+        to be read."""
         ahead = needed["order"][at + 1 : at + 1 + self.cache.depth]
         if len(ahead) < self.cache.depth:
             ahead += [s for s, _, _ in upcoming()[: self.cache.depth - len(ahead)]]

@@ -198,3 +198,33 @@ def test_the_loader_state_refuses_another_window(tmp_path):
     a, b = shards.dataset(shuffle_window=16), shards.dataset(shuffle_window=4)
     assert a.plan_settings() != b.plan_settings()
     assert ShardSet.open(tmp_path / "s").dataset().plan_settings() == a.plan_settings()
+
+
+def test_a_second_pass_without_set_epoch_is_named():
+    """Two passes at one epoch give the same order: said once, naming the fix (here a shuffled
+    shard set and a bucketing sampler; a sampler without shuffling says nothing)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from recipes.common import LengthBucketSampler, LoaderWarning
+
+    def read(path, start, stop):
+        return range(start, 10 if stop is None else stop)
+
+    ds = ShardedIterableDataset([str(i) for i in range(4)], read, shard_lengths=[10] * 4, rank=0, world_size=1)
+    data = TensorDataset(torch.arange(40))
+    bucketed = LengthBucketSampler(np.arange(40) % 7 + 1, batch_size=4, seed=1, num_replicas=1, rank=0)
+    for loader in (make_loader(ds, batch_size=5, num_workers=0), make_loader(data, batch_sampler=bucketed,
+                                                                              num_workers=0)):
+        first = [b for b in loader]
+        with pytest.warns(LoaderWarning, match="set_epoch"):
+            second = [b for b in loader]
+        assert len(first) == len(second)
+    plain = ShardedIterableDataset([str(i) for i in range(4)], read, shard_lengths=[10] * 4, rank=0, world_size=1,
+                                   shuffle=False)
+    loader = make_loader(plain, batch_size=5, num_workers=0)
+    list(loader)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LoaderWarning)
+        list(loader)
