@@ -15,7 +15,8 @@ recordings into windows before writing the shards, or cache `ChunkedAudioDataset
 Copy with: audio/shard_audio.py, common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
   common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/shard_mixing.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/shards/shard_set.py, common/shards/shard_mixing.py, common/shards/shard_reading.py,
+  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
 

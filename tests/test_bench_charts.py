@@ -87,7 +87,7 @@ def test_without_matplotlib_plot_fails_at_once_saying_how_to_install(tmp_path, m
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert main(["bench", "common", "--paths", "1000000", "--plot", str(tmp_path)]) == 1  # before measuring
     assert 'pip install "loader-recipes[plot]"' in capsys.readouterr().err
-    with pytest.raises(ImportError, match=r'pip install "recipes\[plot\]"'):
+    with pytest.raises(ImportError, match=r'pip install "loader-recipes\[plot\]"'):
         write_chart(Chart("c", "t", "u", ("a",), (1.0,)), tmp_path)
 
 

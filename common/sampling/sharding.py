@@ -74,3 +74,55 @@ def _block(n: int, parts: int, part: int) -> tuple[int, int]:
     base, extra = divmod(n, parts)
     lo = part * base + min(part, extra)
     return lo, lo + base + (1 if part < extra else 0)
+
+
+# ---- a consumer's pieces of an epoch's shards (`ShardedIterableDataset.plan`) ------------------
+Piece = tuple[int, int, "int | None"]  # shard index, first sample, stop (None: to the end)
+
+
+def range_pieces(shard_lengths: np.ndarray, order: np.ndarray, *, rank: int, world_size: int, worker: int,
+                 num_workers: int, even: bool) -> list[Piece]:
+    """The consumer's `shard_indices` of the shards concatenated in `order`, as `(shard, start,
+    stop)` ranges (a run of positions may span several shards)."""
+    lengths = shard_lengths[order]
+    ends = np.cumsum(lengths)
+    positions = shard_indices(int(ends[-1]), rank=rank, world_size=world_size, worker=worker,
+                              num_workers=num_workers, even=even)
+    pieces: list[Piece] = []
+    if len(positions) == 0:
+        return pieces
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions
+    for run in np.split(positions, breaks):
+        lo, hi = int(run[0]), int(run[-1]) + 1
+        while lo < hi:
+            k = int(np.searchsorted(ends, lo, side="right"))
+            first = int(ends[k] - lengths[k])
+            stop = min(hi, int(ends[k]))
+            pieces.append((int(order[k]), lo - first, stop - first))
+            lo = stop
+    return pieces
+
+
+def shard_pieces(shard_lengths: np.ndarray | None, order: np.ndarray, *, rank: int, world_size: int, worker: int,
+                 num_workers: int, even: bool) -> list[Piece]:
+    """The consumer's whole shards of `order` (contiguous blocks); with `even` over several
+    ranks, cut to the smallest rank's sample count (needs `shard_lengths`)."""
+    n = len(order)
+    mine = shard_indices(n, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, even=False)
+    pieces: list[Piece] = [(int(order[p]), 0, None) for p in mine]
+    if not (even and world_size > 1):
+        return pieces
+    lengths = shard_lengths[order]
+    quota = min(int(lengths[slice(*_block(n, world_size, r))].sum()) for r in range(world_size))
+    rank_lo, rank_hi = _block(n, world_size, rank)
+    for w in range(worker):  # the earlier workers of this rank use their share of the quota first
+        a, b = _block(rank_hi - rank_lo, num_workers, w)
+        quota -= int(lengths[rank_lo + a : rank_lo + b].sum())
+    out, left = [], max(quota, 0)
+    for shard, _, _ in pieces:
+        if left <= 0:
+            break
+        size = int(shard_lengths[shard])
+        out.append((shard, 0, None) if size <= left else (shard, 0, left))
+        left -= min(size, left)
+    return out

@@ -5,7 +5,7 @@ reading them one after another would give batches of one class.
 Cost: per consumer and epoch, one sort of its blocks by a jittered position (numpy, no I/O);
 memory: at most `INTERLEAVE` blocks read at once (a block is one sample of a tar, a row group
 of a Parquet file); about `WINDOW` shards in use at any time, sliding along the plan.
-Adapt here: `WINDOW`, `INTERLEAVE`.
+Adapt here: `WINDOW`, `INTERLEAVE`, `START`; `SHUFFLE_BUFFER_BYTES` (`write_shards` of a stream).
 Trade-off: samples mix over a band of about `WINDOW` shards that slides along the consumer's
 (shuffled) shards, not over the whole epoch, and the first and last band's worth mix over fewer;
 a shuffled write (`write_shards(shuffle=True)`) mixes the rest.
@@ -28,7 +28,7 @@ Copy with: nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +36,7 @@ import numpy as np
 WINDOW = 16
 INTERLEAVE = 8
 START = 8  # the reach at the epoch's start, in pieces
+SHUFFLE_BUFFER_BYTES = 256 * 2**20  # write_shards' shuffle of a stream
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,82 @@ def _blocks(pieces, block_starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def skip_counts(schedule: Schedule, skip: int) -> np.ndarray:
     """Samples of each block among the first `skip` draws (int64 `[K]`)."""
     return np.bincount(schedule.draws[:skip], minlength=len(schedule.shards)).astype(np.int64)
+
+
+def need_order(schedule: Schedule, skip: int = 0) -> list[int]:
+    """The shards in the order the draws after the first `skip` first need them."""
+    needed = schedule.shards[schedule.draws[skip:]]
+    _, first = np.unique(needed, return_index=True)
+    return [int(s) for s in needed[np.sort(first)]]
+
+
+def mixed_samples(schedule: Schedule, skip: int, read_block: Callable[[int, int, int], list],
+                  first_need: Callable[[int], None] | None = None) -> Iterator:
+    """The samples in the schedule's order after the first `skip`: each block's samples from
+    `read_block(shard, start, stop)` (a list, taken from its end: read in reverse), called when
+    the block is first drawn, starting after its samples among the skipped draws.
+    `first_need(k)` is called when the draws reach the `k`-th shard of `need_order` (to download
+    the next ones)."""
+    done, draws = skip_counts(schedule, skip), schedule.draws[skip:]
+    rank = {s: k for k, s in enumerate(need_order(schedule, skip))} if first_need is not None else {}
+    reading: dict[int, list] = {}
+    frontier = -1  # the furthest shard of the need order drawn so far
+    for j in draws.tolist():
+        if j not in reading:
+            shard = int(schedule.shards[j])
+            if first_need is not None and rank[shard] > frontier:
+                frontier = rank[shard]
+                first_need(frontier)
+            reading[j] = read_block(shard, int(schedule.starts[j]) + int(done[j]), int(schedule.stops[j]))
+        block = reading[j]
+        item = block.pop()
+        if not block:
+            del reading[j]
+        yield item
+
+
+# ---- the writer's side: `write_shards(shuffle=True)` ------------------------------------------
+def shuffled_samples(samples: Iterable[dict], *, seed: int = 0, buffer_bytes: int = SHUFFLE_BUFFER_BYTES):
+    """`samples` in a random order: a sequence (len and indexing) as a permuted view, indexed
+    lazily; any other iterable through a buffer of about `buffer_bytes` of samples, each next
+    sample drawn from it at random (the rest, in a random order, at the end)."""
+    rng = np.random.default_rng(seed)
+    if isinstance(samples, Sequence) or (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
+        return _Permuted(samples, rng.permutation(len(samples)))
+    return _buffered(iter(samples), rng, buffer_bytes)
+
+
+class _Permuted:
+    def __init__(self, samples, order: np.ndarray):
+        self.samples, self.order = samples, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int):
+        return self.samples[int(self.order[index])]
+
+    def __iter__(self):
+        return (self.samples[int(i)] for i in self.order)
+
+
+def _buffered(samples, rng, buffer_bytes: int):
+    held, sizes, total = [], [], 0
+    for sample in samples:
+        held.append(sample)
+        sizes.append(_sample_bytes(sample))
+        total += sizes[-1]
+        while total > buffer_bytes and held:
+            i = int(rng.integers(len(held)))
+            held[i], held[-1] = held[-1], held[i]
+            sizes[i], sizes[-1] = sizes[-1], sizes[i]
+            total -= sizes.pop()
+            yield held.pop()
+    for i in rng.permutation(len(held)):
+        yield held[int(i)]
+
+
+def _sample_bytes(sample) -> int:
+    if not isinstance(sample, dict):
+        return 64
+    return 64 + sum(len(v) if isinstance(v, (bytes, bytearray, str)) else 8 for v in sample.values())

@@ -5,7 +5,8 @@ Use when: a dataset should live in a few large files on S3/GCS/HTTP or a shared 
 (`write_shards(samples, url)`); `shard_set.py` reads them back.
 Cost: encodes each sample once (twice with `distributed=True`: its size, then its bytes) and
 uploads each shard whole.
-Adapt here: `DEFAULT_SHARD_BYTES`, `SHUFFLE_BUFFER_BYTES`, `SHARD_NAME`, `INDEX_NAME`.
+Adapt here: `DEFAULT_SHARD_BYTES`, `SHARD_NAME`, `INDEX_NAME`; the shuffle's buffer:
+`shard_mixing.SHUFFLE_BUFFER_BYTES`.
 Trade-off: a shard is published whole (a local rename, or one object upload completed at its
 end), and the index last: a killed writer leaves no shard a reader could take and no index;
 a rerun rewrites everything. Output does not depend on the number of ranks that wrote it.
@@ -26,7 +27,8 @@ still has ~1,600 shards for exact splits over ranks x workers.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
   common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/shard_mixing.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/shards/shard_mixing.py, common/shards/shard_reading.py,
+  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
 
@@ -61,6 +63,7 @@ from recipes.common.shards.shard_formats import (
     tar_end,
     tar_sample,
 )
+from recipes.common.shards.shard_mixing import shuffled_samples
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     sample_fields,
@@ -69,7 +72,6 @@ from recipes.common.shards.shard_samples import (
 from recipes.common.shards.shard_set import ShardSet
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
-SHUFFLE_BUFFER_BYTES = 256 * 2**20
 SHARD_NAME = "shard-{:06d}.{}"
 FORMATS = ("tar", "parquet")
 
@@ -131,52 +133,6 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
 
         dist.barrier()
     return ShardSet.open(url, storage_options=storage_options)
-
-
-def shuffled_samples(samples: Iterable[dict], *, seed: int = 0, buffer_bytes: int = SHUFFLE_BUFFER_BYTES):
-    """`samples` in a random order: a sequence (len and indexing) as a permuted view, indexed
-    lazily; any other iterable through a buffer of about `buffer_bytes` of samples, each next
-    sample drawn from it at random (the rest, in a random order, at the end)."""
-    rng = np.random.default_rng(seed)
-    if isinstance(samples, Sequence) or (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
-        return _Permuted(samples, rng.permutation(len(samples)))
-    return _buffered(iter(samples), rng, buffer_bytes)
-
-
-class _Permuted:
-    def __init__(self, samples, order: np.ndarray):
-        self.samples, self.order = samples, order
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def __getitem__(self, index: int):
-        return self.samples[int(self.order[index])]
-
-    def __iter__(self):
-        return (self.samples[int(i)] for i in self.order)
-
-
-def _buffered(samples, rng, buffer_bytes: int):
-    held, sizes, total = [], [], 0
-    for sample in samples:
-        held.append(sample)
-        sizes.append(_sample_bytes(sample))
-        total += sizes[-1]
-        while total > buffer_bytes and held:
-            i = int(rng.integers(len(held)))
-            held[i], held[-1] = held[-1], held[i]
-            sizes[i], sizes[-1] = sizes[-1], sizes[i]
-            total -= sizes.pop()
-            yield held.pop()
-    for i in rng.permutation(len(held)):
-        yield held[int(i)]
-
-
-def _sample_bytes(sample) -> int:
-    if not isinstance(sample, dict):
-        return 64
-    return 64 + sum(len(v) if isinstance(v, (bytes, bytearray, str)) else 8 for v in sample.values())
 
 
 class _Writer:

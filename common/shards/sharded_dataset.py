@@ -29,12 +29,12 @@ With `even=True` every rank yields the same number of samples per epoch:
 - whole shards: every rank stops at the smallest rank's sample count; the surplus of the other
   ranks (the ends of their last shards) is skipped that epoch, a different part each epoch.
 Both need `shard_lengths` when `world_size > 1`.
-Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/shards/shard_mixing.py.
+Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/shards/shard_mixing.py,
+  common/shards/shard_reading.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import itertools
@@ -46,8 +46,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.caches.packed_strings import PackedStrings
-from recipes.common.sampling.sharding import _block, distributed_world, shard_indices
-from recipes.common.shards.shard_mixing import INTERLEAVE, WINDOW, mixing_schedule, skip_counts
+from recipes.common.sampling.sharding import distributed_world, range_pieces, shard_pieces
+from recipes.common.shards.shard_mixing import INTERLEAVE, WINDOW, need_order
+from recipes.common.shards.shard_reading import ShardReading
 
 Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
 
@@ -164,7 +165,7 @@ class ShardedIterableDataset(IterableDataset):
         workers = num_workers or int(self._workers_seen.item())
         consumers = range(max(workers, 1))
         if self.mixes:  # the order the mixed draws first need them
-            orders = [self._need_order(self._schedule(self.epoch, w, max(workers, 1)))["order"] for w in consumers]
+            orders = [need_order(self._schedule(self.epoch, w, max(workers, 1))) for w in consumers]
         else:
             orders = [[p[0] for p in self.plan(self.epoch, w, max(workers, 1))] for w in consumers]
         rounds = itertools.zip_longest(*orders)
@@ -205,50 +206,10 @@ class ShardedIterableDataset(IterableDataset):
         """The pieces (shard, start, stop) that consumer (self.rank, worker) reads in `epoch`."""
         order = self.order(epoch)
         consumers = self.world_size * num_workers
+        where = dict(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers, even=self.even)
         if self.shard_lengths is not None and (self.split == "samples" or len(order) < consumers):
-            return self._range_plan(order, worker, num_workers)
-        return self._shard_plan(order, worker, num_workers)
-
-    def _range_plan(self, order, worker, num_workers) -> list[Piece]:
-        lengths = self.shard_lengths[order]
-        ends = np.cumsum(lengths)
-        positions = shard_indices(int(ends[-1]), rank=self.rank, world_size=self.world_size, worker=worker,
-                                  num_workers=num_workers, even=self.even)
-        pieces: list[Piece] = []
-        if len(positions) == 0:
-            return pieces
-        breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions
-        for run in np.split(positions, breaks):
-            lo, hi = int(run[0]), int(run[-1]) + 1
-            while lo < hi:  # a run may span several shards
-                k = int(np.searchsorted(ends, lo, side="right"))
-                first = int(ends[k] - lengths[k])
-                stop = min(hi, int(ends[k]))
-                pieces.append((int(order[k]), lo - first, stop - first))
-                lo = stop
-        return pieces
-
-    def _shard_plan(self, order, worker, num_workers) -> list[Piece]:
-        n = len(order)
-        mine = shard_indices(n, rank=self.rank, world_size=self.world_size, worker=worker,
-                             num_workers=num_workers, even=False)
-        pieces: list[Piece] = [(int(order[p]), 0, None) for p in mine]
-        if not (self.even and self.world_size > 1):
-            return pieces
-        lengths = self.shard_lengths[order]
-        quota = min(int(lengths[slice(*_block(n, self.world_size, r))].sum()) for r in range(self.world_size))
-        rank_lo, rank_hi = _block(n, self.world_size, self.rank)
-        for w in range(worker):  # the earlier workers of this rank use their share of the quota first
-            a, b = _block(rank_hi - rank_lo, num_workers, w)
-            quota -= int(lengths[rank_lo + a : rank_lo + b].sum())
-        out, left = [], max(quota, 0)
-        for shard, _, _ in pieces:
-            if left <= 0:
-                break
-            size = int(self.shard_lengths[shard])
-            out.append((shard, 0, None) if size <= left else (shard, 0, left))
-            left -= min(size, left)
-        return out
+            return range_pieces(self.shard_lengths, order, **where)
+        return shard_pieces(self.shard_lengths, order, **where)
 
     # ---- resuming ----------------------------------------------------------------------
     def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
@@ -365,10 +326,11 @@ class ShardedIterableDataset(IterableDataset):
         """The samples of consumer (rank, worker) in `epoch`, after the first `skip`."""
         pieces = self.plan(epoch, worker, num_workers)
         upcoming = (lambda: self.plan(epoch + 1, worker, num_workers)) if self.cache is not None else list
+        reading = self._reading()
         if self.mixes:
-            yield from self._mixed(epoch, worker, pieces, skip, upcoming)
+            yield from reading.mixed(pieces, skip, upcoming, seed=(self.seed, epoch, self.rank, worker))
         else:
-            yield from self._in_order(pieces, skip, upcoming)
+            yield from reading.in_order(pieces, skip, upcoming)
 
     @property
     def mixes(self) -> bool:
@@ -377,93 +339,13 @@ class ShardedIterableDataset(IterableDataset):
         return bool(self.shuffle and self.shuffle_window and self.shard_lengths is not None
                     and (self._ranged or self.blocks is not None))
 
-    def _in_order(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list]) -> Iterator:
-        """The pieces one after another, each front to back (no mixing)."""
-        after = pieces + (upcoming() if self.cache is not None else [])
-        for k, (shard, start, stop) in enumerate(pieces):
-            if skip:
-                length = self._plan_samples([(shard, start, stop)])
-                if length is not None and length <= skip:
-                    skip -= length
-                    continue
-                if length is not None:
-                    start, skip = start + skip, 0
-            if self.cache is not None:  # the next shards, then the next epoch's first ones
-                self.cache.prefetch(self.shards[s] for s, _, _ in after[k + 1 : k + 1 + self.cache.depth])
-            items = self._read(shard, start, stop)
-            if skip:  # a piece of unknown length: read past what was done
-                items, skip = _drop(items, skip)
-            yield from items
-
-    def _mixed(self, epoch: int, worker: int, pieces: list[Piece], skip: int, upcoming) -> Iterator:
-        """The consumer's samples in the order of `shard_mixing.mixing_schedule`; a resume starts
-        each block after its samples among the skipped draws, reading none of them. A block is
-        read whole when first drawn (its shard pinned in the cache only meanwhile), so memory
-        holds at most `INTERLEAVE` blocks and the cache one pinned shard per consumer."""
-        schedule = self._schedule(epoch, worker, pieces=pieces)
-        if skip >= len(schedule):
-            return
-        done, draws = skip_counts(schedule, skip), schedule.draws[skip:]
-        needed = self._need_order(schedule, skip) if self.cache is not None else {}
-        reading: dict[int, list] = {}
-        frontier = -1  # the furthest shard, in the order of first need, drawn so far
-        for j in draws.tolist():
-            if j not in reading:
-                shard = int(schedule.shards[j])
-                if self.cache is not None and needed["index"][shard] > frontier:  # a shard new to this epoch:
-                    frontier = needed["index"][shard]  # the next ones in the order the draws need them
-                    self._prefetch_after(frontier, needed, upcoming)
-                start, stop = int(schedule.starts[j]) + int(done[j]), int(schedule.stops[j])
-                reading[j] = self._read_block(shard, start, stop)
-            block = reading[j]
-            item = block.pop()
-            if not block:
-                del reading[j]
-            yield item
-
-    def _read_block(self, shard: int, start: int, stop: int) -> list:
-        """The samples `[start, stop)` of `shard`, reversed (taken from the end with `pop`)."""
-        with contextlib.ExitStack() as held:
-            items = list(self._read_path(self._path(shard, held), shard, start, stop))
-        if len(items) != stop - start:
-            raise ValueError(f"read_shard({self.shards[shard]!r}, {start}, {stop}) gave {len(items)} samples where "
-                             f"the range holds {stop - start} (`shard_lengths` says how many each shard holds): a "
-                             "stale length, or a reader that ignores `start`/`stop`?")
-        items.reverse()
-        return items
+    def _reading(self) -> ShardReading:
+        return ShardReading(self.shards, self.read_shard, self._ranged, self.shard_lengths, self.cache,
+                            self.shard_sha256, self.blocks, self.shuffle_window)
 
     def _schedule(self, epoch: int, worker: int, num_workers: int = 1, pieces: list[Piece] | None = None):
-        if pieces is None:
-            pieces = self.plan(epoch, worker, num_workers)
-        pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
-        return mixing_schedule(pieces, block_starts=self._block_starts, seed=(self.seed, epoch, self.rank, worker),
-                               window=self.shuffle_window)
-
-    def _need_order(self, schedule, skip: int = 0) -> dict:
-        """`{"order": shards in the order the draws (after `skip`) first need them, "index": their
-        places}`, for prefetching."""
-        needed = schedule.shards[schedule.draws[skip:]]
-        _, first = np.unique(needed, return_index=True)
-        order = [int(s) for s in needed[np.sort(first)]]
-        return {"order": order, "index": {s: i for i, s in enumerate(order)}}
-
-    def _prefetch_after(self, at: int, needed: dict, upcoming) -> None:
-        """Starts the downloads of the `cache.depth` shards needed after the `at`-th (then the
-        next epoch's first ones): no further, so that downloads ahead do not evict what is still
-        to be read."""
-        ahead = needed["order"][at + 1 : at + 1 + self.cache.depth]
-        if len(ahead) < self.cache.depth:
-            ahead += [s for s, _, _ in upcoming()[: self.cache.depth - len(ahead)]]
-        if ahead:
-            self.cache.prefetch(self.shards[s] for s in ahead)
-
-    def _block_starts(self, shard: int) -> np.ndarray:
-        if callable(self.blocks):
-            return np.asarray(self.blocks(shard), dtype=np.int64)
-        size = self.blocks or (1 if self._ranged else None)
-        if size is None:  # whole pieces: a reader without ranges reads from the shard's start
-            return np.zeros(1, dtype=np.int64)
-        return np.arange(0, int(self.shard_lengths[shard]), size, dtype=np.int64)
+        pieces = self.plan(epoch, worker, num_workers) if pieces is None else pieces
+        return self._reading().schedule(pieces, seed=(self.seed, epoch, self.rank, worker))
 
     def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
         """The rest of an interrupted epoch in the order its DataLoader would have yielded it:
@@ -480,37 +362,6 @@ class ShardedIterableDataset(IterableDataset):
                     del streams[w]
                     continue
                 yield batch if batch_size else batch[0]
-
-    def _read(self, shard: int, start: int, stop: int | None) -> Iterator:
-        with contextlib.ExitStack() as held:
-            yield from self._read_path(self._path(shard, held), shard, start, stop)
-
-    def _path(self, shard: int, held: contextlib.ExitStack):
-        """Where to read `shard` from: its URL, or its copy in the cache, pinned until `held` closes."""
-        url = self.shards[shard]
-        if self.cache is None:
-            return url
-        sha256 = None if self.shard_sha256 is None else self.shard_sha256[shard]
-        return held.enter_context(self.cache.pinned(url, sha256=sha256))
-
-    def _read_path(self, path, shard: int, start: int, stop: int | None) -> Iterable:
-        if self._ranged:
-            return self.read_shard(path, start, stop)
-        if start or stop is not None:
-            return itertools.islice(self.read_shard(path), start, stop)
-        return self.read_shard(path)
-
-
-def _drop(items: Iterator, count: int) -> tuple[Iterator, int]:
-    """`items` after its first `count`, and how many of `count` it could not supply."""
-    items = iter(items)
-    for dropped in range(count):
-        if next(items, _END) is _END:
-            return iter(()), count - dropped
-    return items, 0
-
-
-_END = object()
 
 
 def _takes_range(fn) -> bool:

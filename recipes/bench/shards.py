@@ -16,7 +16,7 @@ off" read the same shards with the per-sample checks of `recipes.common.shards.s
 turned off (a `ShardSet` whose `checksums` is None, as a v1 index's), interleaved with the rows
 that check: the checks' cost, on the paths where reading is not held up by the network. The
 rows "shard order only" read with `shuffle_window=0` (each shard front to back): the cost of
-sample-level mixing. Then the shuffle-quality table (`shuffle_quality.py`): the class mix of
+sample-level mixing. Then the shuffle-quality table (`quality_rows`): the class mix of
 batches read back from the folder written in its sorted order, against an i.i.d. shuffle.
 """
 
@@ -27,7 +27,10 @@ import contextlib
 import importlib.util
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
+
+import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,7 +207,6 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.harness.bench_charts import Chart, write_chart
     from recipes.bench.harness.measure import show_table
-    from recipes.bench.shuffle_quality import BATCH, quality_rows, show_quality
     from recipes.bench.vision import ensure_data
     from recipes.common import smart_num_workers
 
@@ -233,3 +235,73 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"\n{note}")
     return 0
+
+
+# ---- shuffle quality: what a model trained through the shard path sees ----------------------
+# The folder, listed in sorted order (so by class), written as the README writes it (a stream),
+# read back per configuration, two epochs of labels (no decoding): per batch the distinct labels
+# and the most common label's share, against an i.i.d. permutation of the same labels.
+BATCH = 32
+# (row name, shard bytes, write_shards' shuffle, ShardSet.dataset's shuffle_window)
+CONFIGS = (
+    ("README's way, 64 MiB shards (the default)", 64 * 2**20, True, 16),
+    ("README's way, 256 KiB shards (the README's)", 256 * 2**10, True, 16),
+    ("sorted shards (shuffle=False), 256 KiB, window 16", 256 * 2**10, False, 16),
+    ("sorted shards, 1 MiB, window 16: read-side mixing alone", 2**20, False, 16),
+    ("sorted shards, 1 MiB, shard order only (before)", 2**20, False, 0),
+    ("sorted shards, 64 MiB, shard order only (before)", 64 * 2**20, False, 0),
+)
+
+
+def label_of(sample: dict) -> int:
+    return int(sample["cls"])
+
+
+def batch_mix(batches) -> tuple[float, float]:
+    """(mean distinct labels per full batch, mean share of its most common label)."""
+    full = [list(b) for b in batches if len(b) == BATCH]
+    distinct = float(np.mean([len(set(b)) for b in full]))
+    majority = float(np.mean([Counter(b).most_common(1)[0][1] / BATCH for b in full]))
+    return distinct, majority
+
+
+def iid_mix(labels, rounds: int = 200, seed: int = 0) -> tuple[float, float]:
+    rng = np.random.default_rng(seed)
+    full = len(labels) // BATCH * BATCH
+    runs = [batch_mix(rng.permutation(labels)[:full].reshape(-1, BATCH).tolist()) for _ in range(rounds)]
+    return float(np.mean([r[0] for r in runs])), float(np.mean([r[1] for r in runs]))
+
+
+def quality_rows(root: Path, out: Path, workers: int) -> tuple[list[tuple], tuple[float, float]]:
+    """`[(name, shards, distinct, majority, epochs differ)]` and the i.i.d. reference."""
+    from torch.utils.data import DataLoader
+
+    from recipes.common import worker_init, write_shards
+    from recipes.shards_cmd import image_folder_samples
+
+    samples = image_folder_samples(root)
+    labels = [label for _, label in samples.files]
+    rows = []
+    for k, (name, shard_bytes, shuffle, window) in enumerate(CONFIGS):
+        shards = write_shards(iter(samples), out / f"mix-{k}", shard_bytes=shard_bytes, shuffle=shuffle,
+                              progress=False)
+        ds = shards.dataset(shuffle=True, shuffle_window=window, transform=label_of)
+        loader = DataLoader(ds, batch_size=BATCH, num_workers=workers, worker_init_fn=worker_init if workers else None)
+        epochs = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            epochs.append([batch.tolist() for batch in loader])
+        distinct, majority = batch_mix(epochs[0] + epochs[1])
+        rows.append((name, len(shards.entries), distinct, majority, epochs[0] != epochs[1]))
+    return rows, iid_mix(labels)
+
+
+def show_quality(rows, iid, heading: str) -> None:
+    iid_distinct, iid_majority = iid
+    print(f"\n## {heading}\n")
+    print("| shards written and read | shards | distinct classes per batch | vs i.i.d. | majority share | vs i.i.d. "
+          "| epochs differ |\n|---|---:|---:|---:|---:|---:|---|")
+    for name, count, distinct, majority, differ in rows:
+        print(f"| {name} | {count} | {distinct:.1f} | {distinct / iid_distinct:.0%} | {majority:.0%} | "
+              f"{majority / iid_majority:.2f}x | {'yes' if differ else 'no'} |")
+    print(f"| i.i.d. permutation of the same labels | | {iid_distinct:.1f} | 100% | {iid_majority:.0%} | 1.00x | yes |")

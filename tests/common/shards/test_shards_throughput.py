@@ -33,7 +33,7 @@ def test_shuffle_quality_rows_of_the_bench(tmp_path):
     """The bench's table on the generated folder (10 classes, sorted): the README's way mixes
     like i.i.d. (distinct classes within 15%, majority share at most 1.5x) and epochs differ;
     shard order alone on sorted shards does not."""
-    from recipes.bench.shuffle_quality import quality_rows
+    from recipes.bench.shards import quality_rows
     from recipes.bench.vision import ensure_data
 
     rows, (iid_distinct, iid_majority) = quality_rows(ensure_data(800), tmp_path, workers=2)

@@ -1,0 +1,141 @@
+"""`ShardReading`: how one consumer (rank x worker) reads its pieces of an epoch's shards.
+
+Use when: `ShardedIterableDataset` has its plan (the pieces `(shard, start, stop)` this consumer
+reads) and needs the samples: in order (each piece front to back) or mixed (the order of
+`shard_mixing.mixing_schedule`), through a `PrefetchCache` when there is one.
+Cost: in order, one `read_shard` call per piece; mixed, one per block (a sample of a tar, a row
+group of a Parquet file), its shard pinned in the cache only meanwhile; downloads run
+`cache.depth` shards ahead in the order the samples need them.
+Adapt here: nothing; the dataset sets every field.
+Trade-off: a mixed block is read whole when first drawn (memory: `INTERLEAVE` blocks), so a
+reader's lazy iteration within a block is not kept.
+Copy with: common/caches/packed_strings.py, common/shards/shard_mixing.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from recipes.common.caches.packed_strings import PackedStrings
+from recipes.common.shards.shard_mixing import mixed_samples, mixing_schedule, need_order
+
+Piece = tuple[int, int, "int | None"]  # shard index, first sample, stop (None: to the end)
+
+
+@dataclass(frozen=True)
+class ShardReading:
+    """The dataset's reading settings: its shards, reader, lengths, cache and mixing."""
+
+    shards: PackedStrings
+    read_shard: Callable[..., Iterable]
+    ranged: bool
+    shard_lengths: np.ndarray | None
+    cache: Any
+    shard_sha256: Sequence[str] | None
+    blocks: Any
+    window: int
+
+    def in_order(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list]) -> Iterator:
+        """The pieces one after another, each front to back, after the first `skip` samples."""
+        after = pieces + (upcoming() if self.cache is not None else [])
+        for k, (shard, start, stop) in enumerate(pieces):
+            if skip:
+                length = self._length(shard, start, stop)
+                if length is not None and length <= skip:
+                    skip -= length
+                    continue
+                if length is not None:
+                    start, skip = start + skip, 0
+            if self.cache is not None:  # the next shards, then the next epoch's first ones
+                self.cache.prefetch(self.shards[s] for s, _, _ in after[k + 1 : k + 1 + self.cache.depth])
+            items = self.read(shard, start, stop)
+            if skip:  # a piece of unknown length: read past what was done
+                items, skip = drop(items, skip)
+            yield from items
+
+    def schedule(self, pieces: list[Piece], *, seed: Sequence[int]):
+        pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
+        return mixing_schedule(pieces, block_starts=self.block_starts, seed=seed, window=self.window)
+
+    def mixed(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list], *, seed: Sequence[int]) -> Iterator:
+        """The samples in the order of `mixing_schedule`, after the first `skip`; with a cache,
+        each shard new to the epoch starts the downloads of the next ones."""
+        schedule = self.schedule(pieces, seed=seed)
+        first_need = None
+        if self.cache is not None:
+            order = need_order(schedule, skip)
+            first_need = lambda at: self._prefetch_after(at, order, upcoming)  # noqa: E731
+        yield from mixed_samples(schedule, skip, self.read_block, first_need)
+
+    def read_block(self, shard: int, start: int, stop: int) -> list:
+        """The samples `[start, stop)` of `shard`, reversed (taken from the end with `pop`)."""
+        with contextlib.ExitStack() as held:
+            items = list(self._read_path(self._path(shard, held), start, stop))
+        if len(items) != stop - start:
+            raise ValueError(f"read_shard({self.shards[shard]!r}, {start}, {stop}) gave {len(items)} samples where "
+                             f"the range holds {stop - start} (`shard_lengths` says how many each shard holds): a "
+                             "stale length, or a reader that ignores `start`/`stop`?")
+        items.reverse()
+        return items
+
+    def read(self, shard: int, start: int, stop: int | None) -> Iterator:
+        with contextlib.ExitStack() as held:
+            yield from self._read_path(self._path(shard, held), start, stop)
+
+    def block_starts(self, shard: int) -> np.ndarray:
+        if callable(self.blocks):
+            return np.asarray(self.blocks(shard), dtype=np.int64)
+        size = self.blocks or (1 if self.ranged else None)
+        if size is None:  # whole pieces: a reader without ranges reads from the shard's start
+            return np.zeros(1, dtype=np.int64)
+        return np.arange(0, int(self.shard_lengths[shard]), size, dtype=np.int64)
+
+    def _prefetch_after(self, at: int, order: list[int], upcoming) -> None:
+        """Starts the downloads of the `cache.depth` shards needed after the `at`-th (then the
+        next epoch's first ones): no further, so that downloads ahead do not evict what is still
+        to be read."""
+        ahead = order[at + 1 : at + 1 + self.cache.depth]
+        if len(ahead) < self.cache.depth:
+            ahead += [s for s, _, _ in upcoming()[: self.cache.depth - len(ahead)]]
+        if ahead:
+            self.cache.prefetch(self.shards[s] for s in ahead)
+
+    def _length(self, shard: int, start: int, stop: int | None) -> int | None:
+        if stop is None:
+            if self.shard_lengths is None:
+                return None
+            stop = int(self.shard_lengths[shard])
+        return stop - start
+
+    def _path(self, shard: int, held: contextlib.ExitStack):
+        """Where to read `shard` from: its URL, or its copy in the cache, pinned until `held` closes."""
+        url = self.shards[shard]
+        if self.cache is None:
+            return url
+        sha256 = None if self.shard_sha256 is None else self.shard_sha256[shard]
+        return held.enter_context(self.cache.pinned(url, sha256=sha256))
+
+    def _read_path(self, path, start: int, stop: int | None) -> Iterable:
+        if self.ranged:
+            return self.read_shard(path, start, stop)
+        if start or stop is not None:
+            return itertools.islice(self.read_shard(path), start, stop)
+        return self.read_shard(path)
+
+
+def drop(items: Iterator, count: int) -> tuple[Iterator, int]:
+    """`items` after its first `count`, and how many of `count` it could not supply."""
+    items = iter(items)
+    for dropped in range(count):
+        if next(items, _END) is _END:
+            return iter(()), count - dropped
+    return items, 0
+
+
+_END = object()
