@@ -86,6 +86,7 @@ def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, whole):
         assert _samples(folder / "elastic") == _samples(folder / "whole")
 
 
+@pytest.mark.slow  # 8-17 s (two tokenizer trainings, two caches, two epochs); mixtures are tested in the fast tier (test_mixture.py)
 def test_the_nlp_template_mixes_two_corpora(tmp_path, capsys):
     """`--mix` (issue 23): a second corpus at its weight, mixed then bucketed; the monitor's
     realised shares are printed per epoch and follow the weight."""
