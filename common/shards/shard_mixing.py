@@ -28,6 +28,7 @@ Copy with: nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -180,6 +181,18 @@ def _buffered(samples, rng, buffer_bytes: int):
 
 
 def _sample_bytes(sample) -> int:
+    """About what a sample holds in memory: bytes and text by length, arrays by `nbytes`, JSON
+    values by their encoding's length."""
     if not isinstance(sample, dict):
         return 64
-    return 64 + sum(len(v) if isinstance(v, (bytes, bytearray, str)) else 8 for v in sample.values())
+    total = 64
+    for value in sample.values():
+        if isinstance(value, (bytes, bytearray, str)):
+            total += len(value)
+        elif hasattr(value, "nbytes"):  # numpy arrays, memoryviews, tensors
+            total += int(value.nbytes)
+        elif isinstance(value, (dict, list, tuple)):
+            total += len(json.dumps(value, default=str))
+        else:
+            total += 8
+    return total

@@ -58,7 +58,24 @@ class ShardReading:
             items = self.read(shard, start, stop)
             if skip:  # a piece of unknown length: read past what was done
                 items, skip = drop(items, skip)
+            elif self.ranged and self._length(shard, start, stop) is not None:
+                items = self._counted(items, shard, start, self._length(shard, start, stop))
             yield from items
+
+    def _counted(self, items: Iterable, shard: int, start: int, want: int) -> Iterator:
+        """A ranged read's samples, refusing more or fewer than its range (a reader that ignores
+        `start`/`stop` would repeat samples silently)."""
+        got = 0
+        for item in items:
+            got += 1
+            if got > want:
+                break
+            yield item
+        if got != want:
+            raise ValueError(f"read_shard({self.shards[shard]!r}, {start}, {start + want}) gave "
+                             f"{'more' if got > want else got} samples where the range holds {want} "
+                             "(`shard_lengths` says how many each shard holds): a stale length, or a reader that "
+                             "ignores `start`/`stop`?")
 
     def schedule(self, pieces: list[Piece], *, seed: Sequence[int]):
         pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]

@@ -189,10 +189,20 @@ class ShardedIterableDataset(IterableDataset):
         if self.split != "auto":  # states saved before `split` existed still match "auto"
             settings["split"] = self.split
         if self.mixes:  # the sample order (states of shard-order reading do not match)
-            settings["mixing"] = {"window": self.shuffle_window, "interleave": INTERLEAVE,
-                                  "blocks": self.blocks if isinstance(self.blocks, int) or self.blocks is None
-                                  else getattr(self.blocks, "name", "custom")}
+            settings["mixing"] = {"window": self.shuffle_window, "interleave": INTERLEAVE, "blocks": self._blocks_key()}
         return settings
+
+    def _blocks_key(self):
+        """`blocks` as it shapes the order: an int or None as it is; a callable by a checksum of
+        the cuts it gives for every shard (two callables that cut alike match, others do not)."""
+        if self.blocks is None or isinstance(self.blocks, int):
+            return self.blocks
+        if getattr(self, "_blocks_crc", None) is None:
+            crc = 0
+            for shard in range(len(self.shards)):
+                crc = zlib.crc32(np.asarray(self.blocks(shard), dtype=np.int64).tobytes(), crc)
+            self._blocks_crc = f"{crc:08x}"
+        return self._blocks_crc
 
     # ---- the plan ----------------------------------------------------------------------
     def order(self, epoch: int) -> np.ndarray:

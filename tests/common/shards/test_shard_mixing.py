@@ -227,3 +227,52 @@ def test_a_second_pass_without_set_epoch_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error", LoaderWarning)
         list(loader)
+
+
+def _ints(lengths):
+    def read(path, start, stop):
+        s = int(path.split("-")[1])
+        return [s * 1000 + i for i in range(start, lengths[s] if stop is None else stop)]
+    return read
+
+
+def test_a_state_under_other_custom_blocks_is_refused():
+    lengths = [10, 6, 8]
+
+    def build(cuts):
+        ds = ShardedIterableDataset([f"shard-{i}" for i in range(3)], _ints(lengths), shard_lengths=lengths,
+                                    blocks=lambda s: cuts, seed=1)
+        return make_loader(ds, batch_size=2, num_workers=0)
+
+    a = build([0, 2])
+    iterator = iter(a)
+    next(iterator)
+    state = json.loads(json.dumps(a.state_dict()))
+    build([0, 2]).load_state_dict(state)  # the same cuts from another callable: accepted
+    with pytest.raises(ValueError, match="mixing"):
+        build([0, 5]).load_state_dict(state)
+
+
+def test_a_ranged_reader_that_ignores_the_range_is_named_in_shard_order_too():
+    lengths = [10, 6, 8]
+
+    def read(path, start, stop):  # ignores start and stop
+        s = int(path.split("-")[1])
+        return [s * 1000 + i for i in range(lengths[s])]
+
+    ds = ShardedIterableDataset([f"shard-{i}" for i in range(3)], read, shard_lengths=lengths, split="samples",
+                                rank=0, world_size=2, even=False, shuffle_window=0)
+    with pytest.raises(ValueError, match="ignores `start`/`stop`"):
+        list(ds)
+
+
+def test_the_writers_buffer_counts_arrays_by_their_bytes():
+    pulled = []
+
+    def stream():
+        for i in range(5_000):
+            pulled.append(i)
+            yield {"__key__": f"{i:05d}", "npy": np.zeros(2**16, np.float32), "cls": i}  # 256 KiB each
+
+    next(iter(shuffled_samples(stream(), buffer_bytes=8 * 2**20)))
+    assert len(pulled) <= 33  # 8 MiB of 256 KiB arrays, not 8 bytes each
