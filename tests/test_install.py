@@ -102,6 +102,15 @@ def test_readme_ci_and_getting_started_install_with_the_constraints():
     assert (ROOT / ".ci" / "refresh-constraints").stat().st_mode & 0o111
 
 
+def test_dev_holds_every_extra():
+    """.ci/refresh-constraints resolves the `dev` extra: an extra left out of it gets no pins."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dev = {name for line in project["optional-dependencies"]["dev"]
+           if canonicalize_name(Requirement(line).name) == DIST for name in Requirement(line).extras}
+    missing = set(project["optional-dependencies"]) - {"dev"} - dev
+    assert not missing, f"add {sorted(f'{DIST}[{m}]' for m in missing)} to the `dev` extra, then run .ci/refresh-constraints"
+
+
 @pytest.mark.parametrize("name, env", list(environments()), ids=[n for n, _ in environments()])
 def test_constraints_pin_every_requirement_of_every_extra(name, env):
     """One pin per package per environment, inside every range pyproject.toml gives it: so a change

@@ -130,7 +130,7 @@ def test_threads_serve_what_workers_serve(photos, tmp_path):
     with_transform = ImageFolderFast(photos, size=64, cache_dir=tmp_path, transform=lambda x: x.flip(-2))
     assert with_transform.thread_batches() is False
     assert "thread_batches() is false" in make_loader(with_transform, batch_size=5).recipe.reasons["path"]
-    with pytest.raises(ValueError, match="a `transform` \(Python per item\)"):
+    with pytest.raises(ValueError, match=r"a `transform` \(Python per item\)"):
         with_transform.read_batch([0], np.random.default_rng(0))
 
 
