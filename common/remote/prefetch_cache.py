@@ -168,7 +168,8 @@ class PrefetchCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(final)
             self._download(url, final, sha256)
-        self._count(misses=1, downloaded=final.stat().st_size)
+            size = final.stat().st_size  # under the key's lock: once released, another process may evict it
+        self._count(misses=1, downloaded=size)
         return final
 
     def connect(self, url: str) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 WINDOW = 16
 INTERLEAVE = 8
 START = 8  # the reach at the epoch's start, in pieces
+ORDER_VERSION = 2  # raised whenever the order a schedule gives changes: a loader state records it
 SHUFFLE_BUFFER_BYTES = 256 * 2**20  # write_shards' shuffle of a stream
 
 

@@ -156,8 +156,10 @@ class ShardReading:
 class _Pins:
     """Cached copies held pinned while the mixed draws still need them (each shard's last block
     releases it), within a share of the cache: `max_bytes / (4 x workers x local ranks)` per
-    consumer; past it, a shard is pinned only while a block of it is read (a pin per sample
-    costs a lock, a stat and a timestamp: 10-20% of a cached epoch's rate)."""
+    consumer, and only while the cache is at most half full (processes this one cannot count,
+    such as ranks without `LOCAL_WORLD_SIZE` or other jobs, share it too); otherwise a shard is
+    pinned only while a block of it is read (a pin per sample costs a lock, a stat and a
+    timestamp: 10-20% of a cached epoch's rate)."""
 
     def __init__(self, reading: ShardReading, schedule, skip: int):
         from torch.utils.data import get_worker_info
@@ -173,7 +175,8 @@ class _Pins:
 
     def read_block(self, shard: int, start: int, stop: int) -> list:
         self.left[shard] -= 1
-        if shard not in self.held and self.left[shard] > 0 and self.bytes < self.budget:
+        if shard not in self.held and self.left[shard] > 0 and self.bytes < self.budget \
+                and self.reading.cache.used_bytes() <= self.reading.cache.max_bytes // 2:  # room to spare
             stack = contextlib.ExitStack()
             path = self.reading._path(shard, stack)
             size = _file_size(path)

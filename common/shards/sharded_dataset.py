@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import distributed_world, range_pieces, shard_pieces
-from recipes.common.shards.shard_mixing import INTERLEAVE, WINDOW, need_order
+from recipes.common.shards.shard_mixing import INTERLEAVE, ORDER_VERSION, START, WINDOW, need_order
 from recipes.common.shards.shard_reading import ShardReading
 
 Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
@@ -189,7 +189,8 @@ class ShardedIterableDataset(IterableDataset):
         if self.split != "auto":  # states saved before `split` existed still match "auto"
             settings["split"] = self.split
         if self.mixes:  # the sample order (states of shard-order reading do not match)
-            settings["mixing"] = {"window": self.shuffle_window, "interleave": INTERLEAVE, "blocks": self._blocks_key()}
+            settings["mixing"] = {"order": ORDER_VERSION, "window": self.shuffle_window, "start": START,
+                                  "interleave": INTERLEAVE, "blocks": self._blocks_key()}
         return settings
 
     def _blocks_key(self):
