@@ -137,10 +137,9 @@ class PrefetchCache:
         return path
 
     def get(self, url: str, *, sha256: str | None = None) -> Path:
-        """A local, complete copy of `url`, downloading it first if needed. With `sha256`, the
-        download is verified, and so is a copy already in the cache (once per process and file
-        version): a copy that differs (the object was rewritten, or the file damaged) is
-        removed and downloaded again.
+        """A local, complete copy of `url`, downloading it first if needed. With `sha256`, the download is
+        verified, and so is a copy already in the cache (once per process and file version): a copy that
+        differs (the object was rewritten, or the file damaged) is removed and downloaded again.
 
         Raises:
             ValueError: a refused protocol, or an object larger than `max_bytes`.
