@@ -9,7 +9,7 @@ group of a Parquet file), its shard pinned in the cache only meanwhile; download
 Adapt here: nothing; the dataset sets every field.
 Trade-off: a mixed block is read whole when first drawn (memory: `INTERLEAVE` blocks), so a
 reader's lazy iteration within a block is not kept.
-Copy with: common/caches/packed_strings.py, common/shards/shard_mixing.py.
+Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/shards/shard_mixing.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 
 from recipes.common.caches.packed_strings import PackedStrings
+from recipes.common.sampling.sharding import Piece
 from recipes.common.shards.shard_mixing import mixed_samples, mixing_schedule, need_order
-
-Piece = tuple[int, int, "int | None"]  # shard index, first sample, stop (None: to the end)
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.caches.packed_strings import PackedStrings
-from recipes.common.sampling.sharding import distributed_world, range_pieces, shard_pieces
+from recipes.common.sampling.sharding import Piece, distributed_world, range_pieces, shard_pieces
 from recipes.common.shards.shard_mixing import INTERLEAVE, ORDER_VERSION, START, WINDOW, need_order
 from recipes.common.shards.shard_reading import ShardReading
-
-Piece = tuple[int, int, int | None]  # shard index, first sample, stop (None: to the end)
 
 
 class ShardedIterableDataset(IterableDataset):
