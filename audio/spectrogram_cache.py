@@ -9,7 +9,8 @@ Trade-off: features are fixed at build time; waveform augmentations (speed, nois
 happen before the cache or be replaced by feature-space ones (SpecAugment).
 
 Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder, fsynced,
-renamed into place; split over the ranks of a process group with `distributed=True`):
+renamed into place; split over the ranks of a process group when one is initialised, each node's
+folder ending with the whole cache):
   header.json    {"format": "recipes-spectrogram-cache", "version", "fingerprint", "count",
                   "n_mels", "layout": "fixed" | "ragged", "dtype", ...}
   features.bin   every item's [n_mels, F_i] block back to back (a fixed layout is [N, n_mels, F])
@@ -21,11 +22,12 @@ The header holds its own checksum and those of the other small files (checked on
   damaged.json   written when a read (or `recipes cache verify`) finds a damaged item: the folder
                  then fails to open, so `build_spectrogram_cache` rebuilds it instead of reusing it
 Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py,
-  common/caches/cache_builds.py, common/caches/cache_checks.py, common/caches/cache_files.py,
-  common/caches/cache_folder.py, common/caches/packed_strings.py, common/loading/build_loader.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/shard_mixing.py, common/shards/shard_reading.py,
+  common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
+  common/caches/cache_files.py, common/caches/cache_folder.py, common/caches/packed_strings.py,
+  common/loading/build_loader.py, common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
+  common/shards/shard_mixing.py, common/shards/shard_plan.py, common/shards/shard_reading.py,
+  common/shards/shard_reshape.py, common/shards/shard_samples.py, common/shards/shard_set.py,
   common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
@@ -240,7 +242,7 @@ def _identity(batch):
 def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | ShardSet,
                             cache_dir: str | os.PathLike, *, n_fft: int = 400, hop_length: int = 160, n_mels: int = 80, log: bool = True, dtype: str = "float16",
                             num_workers: int | None = None, progress: bool = True,
-                            distributed: bool = False) -> SpectrogramCache:
+                            distributed: bool | None = None) -> SpectrogramCache:
     """Computes (log-)mel features of every item of a `ChunkedAudioDataset` once.
 
     Features are computed in DataLoader workers with a tqdm bar, into a temp folder renamed
@@ -258,9 +260,12 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | Sha
         dtype: "float16" (default) or "float32".
         num_workers: feature workers per rank; `smart_num_workers()` when None.
         progress: show a progress bar (on rank 0).
-        distributed: split the items over the ranks of the initialised process group (every
-            rank must make the same call); rank 0 joins the parts and publishes. `cache_dir`
-            must be writable by every rank. The result is byte-identical to one process's.
+        distributed: split the items over the ranks of the initialised process group, every
+            rank of every node making the same call; None (the default): whenever a group of
+            more than one rank is initialised; False: this process builds alone. Each node's
+            folder (node-local or shared, found at run time) ends with the whole cache, the
+            parts computed elsewhere received over the process group: byte-identical to one
+            process's build.
 
     Returns:
         The opened `SpectrogramCache`: fixed `[N, n_mels, F]` when every item has the same
@@ -309,7 +314,7 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | Sha
             for name in ("features.bin", "lengths.bin", "info.bin"):
                 build.concat(name)
             header = None
-            if build.rank == 0:
+            if build.leader:  # in each folder (node-local disks: one per node)
                 all_lengths = np.fromfile(build.path / "lengths.bin", "<i8")
                 (build.path / "lengths.bin").unlink()
                 offsets = np.concatenate(([0], np.cumsum(all_lengths))).astype("<i8")

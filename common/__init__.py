@@ -8,6 +8,7 @@ from recipes.common.loading.stateful_loader import StatefulLoader
 from recipes.common.loading.thread_loader import ThreadLoader
 from recipes.common.remote.prefetch_cache import DownloadError, PrefetchCache
 from recipes.common.sampling.bucketing import LengthBucketSampler
+from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
 from recipes.common.sampling.mixture import MixtureSampler, MixtureSources
 from recipes.common.sampling.mixture_iterable import MixtureIterable
 from recipes.common.sampling.sharding import shard_indices
@@ -30,6 +31,7 @@ from recipes.common.workers.worker_memory import measure_worker_memory_growth
 
 __all__ = [
     "DownloadError",
+    "ElasticDistributedSampler",
     "LengthBucketSampler",
     "LoaderMonitor",
     "LoaderRecipe",

@@ -12,7 +12,8 @@ and it is rebuilt (never silently reused: the key hashes the tokenizer's full se
 content, its special tokens and the data, unlike a random fingerprint).
 
 Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder, fsynced,
-renamed into place; split over the ranks of a process group with `distributed=True`):
+renamed into place; split over the ranks of a process group when one is initialised, each node's
+folder ending with the whole cache):
   header.json   {"format": "recipes-token-cache", "version", "fingerprint", "count",
                  "num_tokens", "dtype", ...}
   tokens.bin    uint16/uint32 x num_tokens, all samples back to back
@@ -27,11 +28,12 @@ The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in th
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
 workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in each worker.
-Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/shard_mixing.py, common/shards/shard_reading.py,
+Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/cache_folder.py,
+  common/caches/packed_strings.py, common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
+  common/shards/shard_mixing.py, common/shards/shard_plan.py, common/shards/shard_reading.py,
+  common/shards/shard_reshape.py, common/shards/shard_samples.py, common/shards/shard_set.py,
   common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, nlp/texts.py.
 """
@@ -208,7 +210,7 @@ def build_token_cache(
     text_field: str = "text",
     batch_size: int = 1000,
     progress: bool = True,
-    distributed: bool = False,
+    distributed: bool | None = None,
 ) -> TokenCache:
     """Tokenizes `texts` once into `cache_dir`, or reuses the cache there when it matches.
 
@@ -230,10 +232,12 @@ def build_token_cache(
         text_field: the JSON field or column holding the text (`.jsonl`, `.parquet`, datasets).
         batch_size: texts per batch-encode call.
         progress: show a progress bar (on rank 0).
-        distributed: split the batches over the ranks of the initialised process group (every
-            rank must make the same call); rank 0 joins the parts and publishes. `cache_dir`
-            must be writable by every rank (a shared file system across nodes). The result is
-            byte-identical to a single-process build.
+        distributed: split the batches over the ranks of the initialised process group, every
+            rank of every node making the same call; None (the default): whenever a group of
+            more than one rank is initialised; False: this process builds alone. Each node's
+            folder (node-local or shared, found at run time) ends with the whole cache, the
+            parts tokenized elsewhere received over the process group: byte-identical to a
+            single-process build, each text tokenized once by the job.
 
     Returns:
         The opened `TokenCache`.
@@ -264,9 +268,9 @@ def build_token_cache(
         with build, tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar:
             _write_part(source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar)
             count, num_tokens = map(sum, zip(*build.gather(_part_totals(build)), strict=True))
-            build.barrier()  # every part is complete
+            build.collect("tokens.bin", "lengths.bin")  # every part complete, in every folder
             checksum, files = build.gather(algorithm())[0], None
-            if build.rank == 0:
+            if build.leader:  # in each folder (node-local disks: one per node)
                 _join_parts(build, batch_size, dtype)
                 offsets = np.fromfile(build.path / "offsets.bin", "<i8")
                 write_item_sums(build.path, "tokens.bin", offsets * dtype.itemsize, checksum)

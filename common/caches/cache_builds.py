@@ -1,16 +1,19 @@
 """How a cache folder is built: under a temp name beside its target, by one process or split
-over the ranks of a `torch.distributed` group, then renamed into place.
+over the ranks of a `torch.distributed` group, then renamed into place on every node.
 
 Use when: a `build_*` step writes a cache that workers, other ranks or a rerun after a crash
 will read (`FolderBuild`), or sweeps the temp files builders killed midway left behind
 (`sweep_dead_temps`).
-Cost: one fsync per file and per folder; a barrier per build across ranks.
+Cost: one fsync per file and per folder; a few collectives per build across ranks; across
+folders that are not shared (node-local disks), the transfer of the parts written elsewhere
+(`build_ranks.py`).
 Adapt here: nothing; each cache passes its own format name, error type and rebuild hint.
-Trade-off: rank 0 publishes after a barrier; a build across nodes needs a folder every rank
-can write (a shared file system). Temp names hold the host and pid, so only a dead builder's
-temps on this host are swept.
-Copy with: common/caches/cache_files.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+Trade-off: every folder ends with the whole cache (each node's disk holds all of it). A folder
+that lacks a valid cache while another folder of the job holds one gets a copy of it over the
+process group, with nothing rebuilt. Temp names hold the host and pid, so only a dead
+builder's temps on this host are swept.
+Copy with: common/caches/build_ranks.py, common/caches/cache_files.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from recipes.common.caches.build_ranks import BuildRanks, distributed_build
 from recipes.common.caches.cache_files import _host, _seal, replace_dir, write_synced
 from recipes.common.workers.process_lifetime import pid_alive
 
@@ -47,18 +51,22 @@ def sweep_dead_temps(folder: Path, name: str) -> int:
 class FolderBuild:
     """Builds a cache folder atomically, in one process or split over the ranks of a group.
 
-    Every rank enters the same `with` block; rank 0 makes the temp folder next to `target`
-    (after sweeping dead builders' temps) and every rank writes its part files into `path`.
-    `publish(header)` waits for all ranks, then rank 0 writes `header.json` and renames the
-    folder into place. An exception, or a rank that dies (the collectives fail), leaves
-    nothing published; rank 0 removes the temp folder, or a later build sweeps it.
+    Every rank enters the same `with` block. The ranks that share a folder (`build_ranks.py`
+    finds out which) write into one temp folder next to `target`, made by their leader (after
+    sweeping dead builders' temps); every rank writes its part files into `path`.
+    `concat(name)` (or `collect`, for a join of your own) first brings every rank's part into
+    each folder, then `publish(header)` waits for all ranks and each leader writes
+    `header.json` and renames its folder into place. An exception, or a rank that dies (the
+    collectives fail), leaves nothing published; the leader removes its temp folder, or a
+    later build sweeps it.
 
     Args:
         target: the cache folder.
-        distributed: split over the initialised `torch.distributed` group (every rank calls).
+        distributed: split over the initialised `torch.distributed` group (every rank calls);
+            None (the default): when one of more than one rank is initialised.
 
     Example:
-        >>> build = FolderBuild(cache_dir, distributed=True)
+        >>> build = FolderBuild(cache_dir)
         >>> if build.needed(lambda: MyCache.open(cache_dir, fingerprint=fp), MyCacheError):
         ...     with build:
         ...         for i in build.block(n):
@@ -67,13 +75,27 @@ class FolderBuild:
         ...         build.publish({"format": "my-cache", "version": 1, "fingerprint": fp})
     """
 
-    def __init__(self, target: str | os.PathLike, *, distributed: bool = False):
+    def __init__(self, target: str | os.PathLike, *, distributed: bool | None = None):
         self.target = Path(target)
-        self.rank, self.world = _rank_and_world() if distributed else (0, 1)
+        self.distributed = distributed_build(distributed)
+        self.ranks = BuildRanks.alone()
+        self.rank, self.world = _rank_and_world() if self.distributed else (0, 1)
         self.path: Path | None = None
+        self._joined = not self.distributed
         self._published = False
         self._open_cache: Callable[[], object] | None = None
         self._error: type[Exception] = Exception
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank joins the parts and publishes in its folder (the first rank of the
+        ranks that share it; rank 0 of a build on one folder)."""
+        return self.ranks.leader
+
+    def _join(self) -> None:
+        if not self._joined:
+            self.ranks = BuildRanks.join(self.target.parent, self.target.name)
+            self._joined = True
 
     def _valid(self) -> bool:
         """Whether `target` opens as a valid cache now (another process published it first)."""
@@ -86,33 +108,56 @@ class FolderBuild:
         return True
 
     def needed(self, open_cache: Callable[[], object], error: type[Exception]) -> bool:
-        """Whether to build: rank 0 tries `open_cache()`, which raises `error` for a missing,
-        stale or damaged cache, and every rank gets the answer. Rank 0 first removes the temp
-        folders of this cache's dead builders (a build killed midway)."""
-        answer = None
+        """Whether to build: each folder's leader tries `open_cache()`, which raises `error` for
+        a missing, stale or damaged cache, and every rank gets the answer. A folder without a
+        valid cache while another folder holds one receives a copy of it (no build). Leaders
+        first remove the temp folders of this cache's dead builders (a build killed midway)."""
+        self._join()
         self._open_cache, self._error = open_cache, error
-        if self.rank == 0:
+        valid = None
+        if self.leader:
             if self.target.parent.is_dir():  # a build killed midway, even when no build follows
                 sweep_dead_temps(self.target.parent, self.target.name)
+            valid = self._valid()
+        answers = self.ranks.gather(valid)
+        holders = [r for r in self.ranks.leaders if answers[r]]
+        if not holders:
+            return True
+        if len(holders) < len(self.ranks.leaders):
+            self._copy_from(holders[0], needs=not answers[self.rank] if self.leader else False)
+        return False
+
+    def _copy_from(self, source: int, *, needs: bool) -> None:
+        """Each leader whose folder lacks the cache receives `source`'s copy into a temp folder,
+        published as a build's is (kept when a valid one appeared meanwhile)."""
+        if self.leader:
+            temp = None
+            if needs:
+                self.target.parent.mkdir(parents=True, exist_ok=True)
+                temp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.{_host()}.{os.getpid()}.", suffix=".tmp",
+                                             dir=self.target.parent))
             try:
-                open_cache()
-                answer = False
-            except error:
-                answer = True
-        return self._from_rank_0(answer)
+                self.ranks.send_tree(source, self.target if self.rank == source else None, temp)
+                if temp is not None:
+                    replace_dir(temp, self.target, keep=self._valid)
+            finally:
+                if temp is not None and temp.exists():
+                    shutil.rmtree(temp, ignore_errors=True)
+        self.ranks.barrier()  # no rank reads its folder's cache before it is in place
 
     def __enter__(self) -> FolderBuild:
+        self._join()
         where = None
-        if self.rank == 0:
+        if self.leader:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             sweep_dead_temps(self.target.parent, self.target.name)
             where = tempfile.mkdtemp(prefix=f".{self.target.name}.{_host()}.{os.getpid()}.", suffix=".tmp",
                                      dir=self.target.parent)
-        self.path = Path(self._from_rank_0(where))
+        self.path = Path(self.ranks.from_leader(where))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.rank == 0 and not self._published and self.path is not None:
+        if self.leader and not self._published and self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
 
     def block(self, n: int) -> range:
@@ -123,25 +168,21 @@ class FolderBuild:
         return self.path / f"{name}.part{self.rank if rank is None else rank}"
 
     def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        self.ranks.barrier()
 
     def gather(self, value) -> list:
         """Every rank's `value` (a small picklable object), in rank order, on every rank."""
-        if self.world == 1:
-            return [value]
-        import torch.distributed as dist
+        return self.ranks.gather(value)
 
-        values = [None] * self.world
-        dist.all_gather_object(values, value)
-        return values
+    def collect(self, *names: str) -> None:
+        """Every rank's `part(name)` of each name, complete, in each leader's folder (moved
+        over the process group from the folders that have them). Collective."""
+        self.ranks.exchange(lambda rank: [self.part(name, rank) for name in names])
 
     def concat(self, name: str) -> None:
-        """Rank 0 joins every rank's `part(name)` into `name`, in rank order (after a barrier)."""
-        self.barrier()
-        if self.rank != 0:
+        """Each leader joins every rank's `part(name)` into `name`, in rank order (collective)."""
+        self.collect(name)
+        if not self.leader:
             return
         target = self.path / name
         os.replace(self.part(name, 0), target)
@@ -154,26 +195,17 @@ class FolderBuild:
             os.fsync(out.fileno())
 
     def publish(self, header: dict | None) -> None:
-        """After every rank is done: rank 0 writes its `header` to `header.json` and renames the
-        folder into place (the other ranks' `header` is ignored). When another process has
+        """After every rank is done: each leader writes its `header` to `header.json` and renames
+        its folder into place (the other ranks' `header` is ignored). When another process has
         published a valid copy meanwhile (the `open_cache` of `needed` opens it), that copy
         stays and this build is deleted: the first to publish wins."""
         self.barrier()
-        if self.rank == 0:
+        if self.leader:
             header = {**header, "header_sha256": _seal(header)}
             write_synced(self.path / "header.json", json.dumps(header, indent=1).encode("utf-8"))
             replace_dir(self.path, self.target, keep=self._valid)
         self._published = True
         self.barrier()  # no rank reads the cache before it is in place
-
-    def _from_rank_0(self, value):
-        if self.world == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -13,7 +13,7 @@ Cost: one fsync per file and per folder; one JSON read and a `stat` per data fil
 Adapt here: nothing; each cache passes its own format name, error type and rebuild hint.
 Trade-off: sizes catch truncation and the header's own checksum a damaged header (reported as
 damaged, not as stale); bit flips inside data files need `common/caches/cache_checks.py` (per-item
-checksums). A build across nodes needs a folder every rank can write (a shared file system).
+checksums). A build across nodes needs no shared file system (`cache_builds.py`).
 Copy with: common/workers/held_descriptors.py.
 """
 from __future__ import annotations

@@ -44,8 +44,9 @@ Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loadin
   common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
   common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/sizing/profiles.py, common/sizing/resources.py,
-  common/sizing/sizing.py, common/sizing/tune_store.py, common/workers/held_descriptors.py,
+  common/resume/pass_sampler.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/sizing/tune_store.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, common/workers/worker.py.
 """
 
@@ -58,6 +59,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.loading.loader import make_loader
+from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
 
 __all__ = ["LoaderDataModule", "LoaderDataModuleMixin", "check_sampler_kept", "epoch_holders"]  # noqa: F822 (lazy)
 
@@ -92,9 +94,9 @@ class LoaderDataModuleMixin:
         world, rank = _ranks(self.trainer)
         if not isinstance(self.dataset, IterableDataset) and kwargs.get("sampler") is None \
                 and kwargs.get("batch_sampler") is None:
-            kwargs["sampler"] = DistributedSampler(self.dataset, num_replicas=world, rank=rank, seed=self.seed,
-                                                   shuffle=bool(kwargs.pop("shuffle", False)),
-                                                   drop_last=bool(kwargs.get("drop_last", False)))
+            kwargs["sampler"] = ElasticDistributedSampler(self.dataset, num_replicas=world, rank=rank, seed=self.seed,
+                                                          shuffle=bool(kwargs.pop("shuffle", False)),
+                                                          drop_last=bool(kwargs.get("drop_last", False)))
         return make_loader(self.dataset, **kwargs)
 
     @property
@@ -111,13 +113,6 @@ class LoaderDataModuleMixin:
         loader = self.train_loader()
         check_sampler_kept(self.trainer, loader)
         _warn_without_length(loader)
-        world = _ranks(self.trainer)[0]
-        if self._state_to_load is not None and self._saved_world not in (None, world):
-            raise ValueError(f"This checkpoint's loader state was saved on {self._saved_world} ranks and the "
-                             f"trainer runs on {world}: Lightning counts a resumed epoch's steps in the saved "
-                             "run's units against its own batches per epoch, so samples would be lost or "
-                             f"repeated. Resume on {self._saved_world} ranks (accelerate's prepare_loader or a "
-                             "plain loop resume a LengthBucketSampler on another count).")
         if self._state_to_load is not None:  # restored before Lightning's own copy (#20550)
             loader.load_state_dict(self._state_to_load)
             self._state_to_load = None

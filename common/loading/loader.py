@@ -29,8 +29,9 @@ Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loadin
   common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
   common/resume/dataset_state.py, common/resume/loader_contract.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/sizing/profiles.py, common/sizing/resources.py,
-  common/sizing/sizing.py, common/sizing/tune_store.py, common/workers/held_descriptors.py,
+  common/resume/pass_sampler.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/sizing/tune_store.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, common/workers/worker.py.
 """
 
@@ -43,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from recipes.common.loading.loader_path import THREAD_KEYS, THREAD_ONLY, choose_path
 from recipes.common.loading.stateful_loader import StatefulLoader
@@ -67,6 +68,7 @@ def make_loader(
     resources: Resources | None = None,
     tuned: bool = True,
     path: str = "auto",
+    distributed: bool | None = None,
     **overrides: Any,
 ) -> DataLoader:
     """A DataLoader with the settings of `profile`, corrected for this machine.
@@ -86,6 +88,14 @@ def make_loader(
             batches are made by code that releases the GIL (`ThreadBatched.thread_batches()`: a
             memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is given, else worker processes; "workers" or "threads" to choose
             (`loader_path.py`). `loader.recipe.reasons["path"]` says which and why.
+        distributed: split a map-style dataset over the ranks of the initialised process
+            group with an `ElasticDistributedSampler` (`shuffle`, a seed drawn from `generator`
+            when given, else 0, `drop_last`: the same on every rank; a state resumes on any
+            number of ranks). None (the default): when a group of more than one rank is
+            initialised and no `sampler` or `batch_sampler` is given (the user's wins); False:
+            every rank reads the whole dataset (an evaluation on rank 0). An iterable dataset
+            splits itself (`ShardedIterableDataset` reads the ranks). `loader.recipe.reasons
+            ["sampler"]` says which sampler and why.
         **overrides: any DataLoader keyword argument; overrides win over the profile.
 
     Returns:
@@ -120,6 +130,7 @@ def make_loader(
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
+    _split_ranks(dataset, settings, reasons, distributed)
     extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
     if chosen == "threads":
         unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY))
@@ -137,6 +148,53 @@ def make_loader(
     reasons["path"] = why
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
+
+
+def _split_ranks(dataset, settings: dict[str, Any], reasons: dict[str, str], distributed: bool | None) -> None:
+    """Under an initialised process group of several ranks (`distributed` None or True), a
+    map-style dataset without a sampler of the user's gets an `ElasticDistributedSampler`."""
+    import torch.distributed as dist
+
+    from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if distributed and not initialised:
+        raise ValueError("make_loader(distributed=True) needs an initialised torch.distributed process group "
+                         "(dist.init_process_group); leave `distributed` at None to split the ranks when there is one.")
+    world = dist.get_world_size() if initialised else 1
+    if distributed is False or world < 2:
+        if initialised and world > 1 and not isinstance(dataset, IterableDataset):
+            reasons["sampler"] = f"every rank reads the whole dataset: distributed=False ({world} ranks)"
+        return
+    if isinstance(dataset, IterableDataset):
+        split = getattr(dataset, "world_size", None)
+        reasons["ranks"] = (f"{type(dataset).__name__} splits itself over its {split} ranks" if split is not None else
+                            f"{type(dataset).__name__} is iterable and says no world_size: it must split the "
+                            f"{world} ranks itself (every rank reads whatever it yields)")
+        return
+    for key in ("batch_sampler", "sampler"):
+        if settings.get(key) is not None:
+            mine = settings[key]
+            inner = getattr(mine, "sampler", mine)
+            ranks = getattr(mine, "num_replicas", getattr(inner, "num_replicas", None))
+            reasons[key] = (f"given ({type(mine).__name__}" + (f", split over {ranks} ranks)" if ranks is not None else
+                            f"; it says no num_replicas: make sure it splits the {world} ranks)")
+                            + ("; a DistributedSampler's state refuses another number of ranks on resume, an "
+                               "ElasticDistributedSampler's does not" if isinstance(inner, DistributedSampler)
+                               and not isinstance(inner, ElasticDistributedSampler) else ""))
+            return
+    generator = settings.get("generator")
+    seed = 0 if generator is None else int(torch.randint(0, 2**62, (), generator=generator))
+    shuffle, drop_last = bool(settings.pop("shuffle", False)), bool(settings.get("drop_last", False))
+    settings["sampler"] = ElasticDistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=shuffle,
+                                                    seed=seed, drop_last=drop_last)
+    reasons["sampler"] = (f"ElasticDistributedSampler: {world} ranks of an initialised process group, each its "
+                          f"share (shuffle={shuffle}, seed {seed}" + (" from `generator`" if generator is not None
+                          else ", the same on every rank") + f", drop_last={drop_last}: "
+                          + ("at most R - 1 samples dropped" if drop_last else "padded with at most R - 1 repeats")
+                          + " per epoch for equal steps); the state resumes on any number of ranks; the next epoch "
+                          "starts by itself when the loop does not call loader.sampler.set_epoch")
+    reasons.pop("shuffle", None)
 
 
 def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dict[str, str], res: Resources,

@@ -131,7 +131,8 @@ class StatefulLoader(DataLoader):
         if iterable:
             current.drawn = True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
         resumed = current.resumed or {}
-        if iterable and (current.skip or resumed.get("replayed") or resumed.get("dataset_states") is not None):
+        if iterable and (current.skip or resumed.get("replayed") or resumed.get("dataset_states") is not None
+                         or current.reshaped is not None):
             inner = _resumed_iterable(self, current)
         else:
             if current.resumed is None and isinstance(self.dataset, Prefetching):
@@ -255,6 +256,12 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
         return _dropped(DataLoader.__iter__(loader), skip)
     before, world = current.workers, state.get("world_size")
     whole = loader.collate_fn if loader.batch_size is not None else None
+    if current.reshaped is not None:  # an elastic resume: the epoch's rest dealt over this shape
+        rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=before,
+                                    interleave=before != loader.num_workers, reshaped=current.reshaped)
+        if before != loader.num_workers:  # within the rest, another worker count: its old order here
+            return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
+        return _fresh_workers(loader, rest)
     if world is not None and world != dataset.world_size:  # other ranks: replay their rests here
         replay = state.get("replay_world")
         if state.get("replayed") and replay != dataset.world_size:
@@ -270,6 +277,11 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
         return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
     rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
                                 num_workers=loader.num_workers)
+    return _fresh_workers(loader, rest)
+
+
+def _fresh_workers(loader: StatefulLoader, rest):
+    """One epoch of `rest` (a resumed copy of the dataset) on fresh workers, then the loader's own again."""
     kwargs = dict(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
                   collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
                   worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context)

@@ -45,7 +45,11 @@ What the loader guarantees (the state is plain JSON, constant size, loaded in a 
   resumed run draws what the uninterrupted one drew, with any number of workers.
 - `load_state_dict` refuses a state saved under other settings that shape the plan
   (batch size, `drop_last`, dataset size, the sampler's own settings via `plan_settings()`).
-- `PositionedBatchSampler` and `ResumableIterable` resume on another number of ranks (elastic).
+- `PositionedBatchSampler`, `PositionedSampler` and `ResumableIterable` resume on another
+  number of ranks (elastic): every new rank loads rank 0's state (or its own) and the rest of
+  the epoch is dealt over the new ranks, every sample once (padding to equal steps counted).
+- An `EpochAdvancing` sampler moves to the next epoch when the loop iterates again without
+  `set_epoch`.
 Copy with: nothing.
 """
 
@@ -65,6 +69,17 @@ class EpochSeeded(Protocol):
     epoch: int
 
     def set_epoch(self, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class EpochAdvancing(Protocol):
+    """An `EpochSeeded` sampler whose epoch the loader moves on when the loop does not
+    (`advance_epochs` true: `ElasticDistributedSampler`): iterated again while still at the epoch
+    of its last whole pass (no `set_epoch` since, or `set_epoch` to that same epoch), it gets
+    `set_epoch(epoch + 1)` first, so a loop that never calls `set_epoch` gets a new order each
+    epoch. A loop that does call it each epoch sees no difference."""
+
+    advance_epochs: bool
 
 
 @runtime_checkable
@@ -107,6 +122,23 @@ class PositionedBatchSampler(Protocol):
     def set_epoch(self, epoch: int) -> None: ...
 
     def state_dict(self, *, batches_done: int | None = None) -> dict[str, JSON]: ...
+
+    def load_state_dict(self, state: dict[str, JSON]) -> None: ...
+
+
+@runtime_checkable
+class PositionedSampler(Protocol):
+    """A sampler that keeps its own global position over all ranks (`ElasticDistributedSampler`,
+    `MixtureSampler` in index mode), batched by torch's `BatchSampler`: `state_dict(samples_done=k)`
+    is the position after this rank's loop received `k` samples of the current pass (the loader
+    passes batches x batch size); `load_state_dict(state)` continues from it on this sampler's
+    number of ranks. It is also `EpochSeeded`."""
+
+    epoch: int
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self, *, samples_done: int | None = None) -> dict[str, JSON]: ...
 
     def load_state_dict(self, state: dict[str, JSON]) -> None: ...
 

@@ -32,8 +32,13 @@ from recipes.common.resume.dataset_state import (
     live_state,
     may_resume_itself,
 )
-from recipes.common.resume.loader_contract import EpochSeeded, ResumableIterable, StatefulSampler
-from recipes.common.resume.loader_state import capture, find_generators, restore
+from recipes.common.resume.loader_contract import (
+    EpochAdvancing,
+    EpochSeeded,
+    ResumableIterable,
+    StatefulSampler,
+)
+from recipes.common.resume.loader_state import capture, find_generators, positioned_sampler, restore
 
 STATE_VERSION = 2
 
@@ -57,6 +62,7 @@ class Pass:
     base_states: dict = field(default_factory=dict)  # the copies' states as the pass began (loaded, or carried over)
     last_worker: int | None = None  # the worker that made the last batch received (its states' round-robin)
     length: int | None = None  # the epoch's batches here, when a positioned sampler's own count is its rest
+    reshaped: list | None = None  # an elastic resume's earlier shapes [ranks, workers, batches] (shards)
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
     # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
 
@@ -73,7 +79,7 @@ class Passes:
         self.self_resuming = may_resume_itself(loader.dataset)  # it, or its iterator, may (`dataset_state.py`)
         self.persistent = bool(loader.persistent_workers and loader.num_workers)
         roles = _roles(loader)
-        self.positioned = loader.batch_sampler if _positioned(loader.batch_sampler) else None
+        self.positioned = positioned_sampler(loader.batch_sampler)
         self.holder = _epoch_holder(loader.dataset, roles)
         unreproducible: list[str] = []
         self.generators = {} if self.iterable else find_generators(
@@ -93,6 +99,12 @@ class Passes:
     def _holder_epoch(self) -> int | None:
         return None if self.holder is None else int(self.holder.epoch)
 
+    def _advances(self, epoch: int | None) -> bool:
+        """Whether an `EpochAdvancing` holder still at the last whole pass's epoch moves on now."""
+        last = self.current
+        return bool(isinstance(self.holder, EpochAdvancing) and self.holder.advance_epochs and last is not None
+                    and last.done and last.epoch == epoch)
+
     # ---- a pass ------------------------------------------------------------------------
     def start(self, num_workers: int) -> Pass:
         """Begins a pass: the loaded state's, else a fresh epoch."""
@@ -103,6 +115,9 @@ class Passes:
             epoch = pending["epoch"]
         elif self.holder is not None:
             epoch = self._holder_epoch()
+            if self._advances(epoch):  # the loop did not move it on: the loader counts this epoch
+                epoch += 1
+                self.holder.set_epoch(epoch)
         else:  # a loader that counts its epochs: one per pass
             epoch = 0 if self.current is None else self.current.epoch + 1
         self._warn_same_epoch(epoch, pending)
@@ -112,7 +127,12 @@ class Passes:
         if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
             self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
             skip = 0
-            length = _rest_length(self.positioned, position)
+            try:  # the batches received before the resume and the sampler's rest (`len()` is the rest only:
+                length = position + len(self.positioned)  # a framework counts on from the step it restored)
+            except TypeError:
+                length = None
+        if (reshaped := self._reshaped(pending)) is not None and self._new_shape(pending):
+            skip = 0  # a new shape: the rest is dealt over these ranks and workers (`shard_reshape.py`)
         saved_workers = None if pending is None else pending.get("num_workers")
         if saved_workers is None or not (skip or pending.get("replayed")):
             saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
@@ -123,8 +143,24 @@ class Passes:
                 and not self.current.dropped:  # the copies go on from the epoch's end (after a break:
             base = carried_over(self.pass_states(self.current))  # unknown, read ahead; fresh states)
         self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip,
-                            base_states=base, length=length)
+                            base_states=base, length=length, reshaped=reshaped)
         return self.current
+
+    def _reshaped(self, pending: dict | None) -> list | None:
+        """An iterable dataset's earlier shapes of the epoch when this pass resumes on a new one."""
+        if pending is None or not self.iterable or not getattr(self.dataset, "reshapes", False):
+            return None
+        earlier = [list(s) for s in pending.get("reshaped") or []]
+        world, nodes = pending.get("world_size"), int(pending.get("nodes", 1))
+        if world is not None and self._new_shape(pending) and int(pending["batches_yielded"]):
+            return earlier + [[int(world), max(1, int(pending.get("num_workers") or 1)),
+                               int(pending["batches_yielded"]), nodes]]
+        return earlier or None  # the same shape, or nothing received on the old one
+
+    def _new_shape(self, pending: dict) -> bool:
+        """Whether an iterable dataset's ranks (or nodes) differ from the loaded state's."""
+        return (pending.get("world_size") != int(self.dataset.world_size)
+                or int(pending.get("nodes", 1)) != int(getattr(self.dataset, "nodes", 1)))
 
     def superseded(self, current: Pass) -> bool:
         """Whether `current` must begin again before its first batch is handed over: a state was
@@ -175,7 +211,8 @@ class Passes:
             return self._fresh(0 if epoch is None else epoch)
         if current.done and not current.dropped:
             # the next pass is the sampler's epoch when set_epoch says which
-            fresh = self._fresh(epoch if self.holder is not None else current.epoch + 1, finished=current.epoch)
+            following = epoch + 1 if self._advances(epoch) else epoch  # what the next pass starts
+            fresh = self._fresh(following if self.holder is not None else current.epoch + 1, finished=current.epoch)
             if self.self_resuming:
                 self._carried_states(fresh, current)
             return fresh
@@ -249,6 +286,8 @@ class Passes:
                  "num_workers": None, "order": self._capture()}
         if self.iterable and isinstance(self.dataset, ResumableIterable):
             state["world_size"] = int(self.dataset.world_size)
+            if int(getattr(self.dataset, "nodes", 1)) > 1:
+                state["nodes"] = int(self.dataset.nodes)
         return state
 
     def _iterable_position(self, state: dict[str, Any], current: Pass) -> None:
@@ -257,7 +296,12 @@ class Passes:
         resumed = current.resumed or {}
         old_world, world = resumed.get("world_size"), int(self.dataset.world_size)
         state["world_size"] = world
-        if old_world is not None and old_world != world:
+        if int(getattr(self.dataset, "nodes", 1)) > 1:  # node-affine: the nodes shape the plan too
+            state["nodes"] = int(self.dataset.nodes)
+        if current.reshaped is not None:  # within an elastic resume's rest: the earlier shapes
+            state["reshaped"] = current.reshaped
+            return
+        if old_world is not None and old_world != world and (current.skip or resumed.get("replayed")):
             state.update(batches_yielded=current.skip, world_size=old_world, replay_world=world,
                          replayed=int(resumed.get("replayed", 0)) + current.yielded - current.skip)
         elif resumed.get("replayed"):
@@ -305,17 +349,6 @@ class Passes:
                 "use make_loader(..., shuffle=True).", LoaderWarning, stacklevel=4)
 
 
-def _rest_length(positioned, position: int) -> int | None:
-    """`len(loader)` in a pass a positioned sampler resumes by itself: the batches this rank
-    received before the resume and the sampler's rest (`len()` gives only the rest, and a
-    framework counts on from the step it restored: Lightning stopped each epoch that many
-    batches short). None when the sampler has no length."""
-    try:
-        return position + len(positioned)
-    except TypeError:
-        return None
-
-
 def _roles(loader) -> dict[str, Any]:
     """The loader's samplers by role, each object once."""
     roles: dict[str, Any] = {}
@@ -333,16 +366,6 @@ def _epoch_holder(dataset, roles: dict[str, Any]):
         if isinstance(holder, EpochSeeded):
             return holder
     return None
-
-
-def _positioned(batch_sampler) -> bool:
-    """A `PositionedBatchSampler`: `state_dict` takes the loop's count (`batches_done=`)."""
-    if batch_sampler is None or not (hasattr(batch_sampler, "state_dict") and hasattr(batch_sampler, "load_state_dict")):
-        return False
-    try:
-        return "batches_done" in inspect.signature(batch_sampler.state_dict).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _no_args(method) -> bool:

@@ -14,6 +14,7 @@ Copy with: nothing.
 from __future__ import annotations
 
 import base64
+import inspect
 import random
 import zlib
 from collections.abc import Iterable, Mapping
@@ -201,3 +202,42 @@ def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], prefix: str =
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} (saved) vs {b!r} (this loader)")
     return out
+
+
+# ---- a sampler's own global position (elastic resumes) --------------------------------------
+def positioned_sampler(batch_sampler):
+    """What keeps the loader's global position over all ranks, so a resume may change their
+    number: a `PositionedBatchSampler` (`state_dict` takes the loop's count, `batches_done=`),
+    or torch's `BatchSampler` around a `PositionedSampler` (`samples_done=`); else None."""
+    if _takes(batch_sampler, "batches_done"):
+        return batch_sampler
+    if isinstance(batch_sampler, BatchSampler) and _takes(batch_sampler.sampler, "samples_done"):
+        return _SamplesPositioned(batch_sampler)
+    return None
+
+
+def _takes(obj, count: str) -> bool:
+    if obj is None or not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+        return False
+    try:
+        return count in inspect.signature(obj.state_dict).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _SamplesPositioned:
+    """A `PositionedSampler` batched by torch's `BatchSampler`, counted in batches: the loop's
+    `k` batches are `k x batch_size` samples (every batch mid-epoch is whole)."""
+
+    def __init__(self, batch_sampler: BatchSampler):
+        self.batches, self.sampler = batch_sampler, batch_sampler.sampler
+
+    def state_dict(self, *, batches_done: int | None = None) -> dict:
+        return self.sampler.state_dict(samples_done=None if batches_done is None
+                                       else batches_done * self.batches.batch_size)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    def __len__(self) -> int:
+        return len(self.batches)

@@ -29,9 +29,10 @@ refused: HF's meaning (cycle) and this library's former one (drop) differ, so th
 be named.
 DDP: the global plan is padded to a multiple of the ranks by repeating its first indices (at
 most `num_replicas - 1`, as `DistributedSampler`) and rank r takes positions r, r + R, ...:
-disjoint, equal counts. With `batch_size`, it is a batch sampler instead: global batches of
-the plan dealt round-robin, and `state_dict(batches_done=)` resumes on another number of ranks
-(elastic), as `LengthBucketSampler`.
+disjoint, equal counts; `state_dict(samples_done=)` resumes on another number of ranks
+(elastic: the plan's rest dealt over the new ranks, as `ElasticDistributedSampler`). With
+`batch_size`, it is a batch sampler instead: global batches of the plan dealt round-robin, and
+`state_dict(batches_done=)` resumes on another number of ranks, as `LengthBucketSampler`.
 `MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset` shard sets, each
 exact over ranks and workers) by the same weights and stop rules, for remote corpora.
 Copy with: common/sampling/sharding.py.
@@ -243,12 +244,14 @@ class MixtureSampler:
             end = 1 + max(int(np.flatnonzero(draws == s)[self.sizes[s] - 1]) for s in np.flatnonzero(drawing))
         return draws[: end if cap is None else min(end, cap)]
 
-    def _padded(self, epoch: int) -> np.ndarray:
+    def _padded(self, epoch: int, start: int = 0) -> np.ndarray:
+        """The plan's rest from position `start`, padded with its first indices to a multiple
+        of the ranks."""
         plan = self.global_indices(epoch)
-        r = self.num_replicas
-        if len(plan) % r and len(plan):
-            plan = np.concatenate([plan, plan[np.arange(r - len(plan) % r) % len(plan)]])
-        return plan
+        rest, r = plan[min(start, len(plan)):], self.num_replicas
+        if len(rest) % r and len(plan):
+            rest = np.concatenate([rest, plan[np.arange(r - len(rest) % r) % len(plan)]])
+        return rest
 
     def _global_batches(self, epoch: int) -> list[np.ndarray]:
         plan = self.global_indices(epoch)
@@ -269,7 +272,8 @@ class MixtureSampler:
     # ---- Sampler protocol ----------------------------------------------------------------
     def __iter__(self) -> Iterator:
         if self.batch_size is None:
-            yield from self._padded(self.epoch)[self.rank :: self.num_replicas].tolist()
+            self._begin, self._start = self._start, 0  # a resumed epoch continues only once
+            yield from self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas].tolist()
             return
         plan = self._batch_plan(self.epoch, self._start)
         self._begin, self._start, self._yielded = self._start, 0, 0
@@ -279,7 +283,7 @@ class MixtureSampler:
 
     def __len__(self) -> int:
         if self.batch_size is None:
-            return len(self._padded(self.epoch)) // self.num_replicas
+            return len(self._padded(self.epoch, self._start)) // self.num_replicas
         return len(self._batch_plan(self.epoch, self._start))
 
     def set_epoch(self, epoch: int) -> None:
@@ -293,9 +297,9 @@ class MixtureSampler:
         return np.searchsorted(self.offsets, np.asarray(indices, dtype=np.int64), side="right") - 1
 
     def source_counts(self, samples_done: int | None = None, *, start: int = 0) -> dict[str, int]:
-        """Samples per source among this rank's `samples_done` samples of the epoch from its
-        `start`-th (all of them when None): the realised mixture, by name."""
-        mine = self._padded(self.epoch)[self.rank :: self.num_replicas] if self.batch_size is None else \
+        """Samples per source among this rank's `samples_done` samples of the current pass from
+        its `start`-th (all of them when None): the realised mixture, by name."""
+        mine = self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas] if self.batch_size is None else \
             np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
         mine = mine[start:] if samples_done is None else mine[start : start + samples_done]
         counts = np.bincount(self.source_of(mine), minlength=len(self.sizes))
@@ -303,25 +307,25 @@ class MixtureSampler:
 
     # ---- resume ----------------------------------------------------------------------------
     def plan_settings(self) -> dict:
-        """Every setting that shapes the epoch's plan (JSON), checked when a state is loaded.
-        The ranks are part of it for the index mode (a resume on another number of ranks is
-        the batch mode's: `batch_size=`)."""
-        settings = {"sizes": self.sizes.tolist(), "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
-                    "num_samples": self.num_samples, "stop": self.stop, "seed": self.seed, "shuffle": self.shuffle,
-                    "batch_size": self.batch_size, "drop_last": self.drop_last}
-        if self.batch_size is None:
-            settings["num_replicas"] = self.num_replicas
-        return settings
+        """Every setting that shapes the epoch's plan (JSON), checked when a state is loaded; not
+        the ranks, which a resume may change."""
+        return {"sizes": self.sizes.tolist(), "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
+                "num_samples": self.num_samples, "stop": self.stop, "seed": self.seed, "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "drop_last": self.drop_last}
 
-    def state_dict(self, *, batches_done: int | None = None) -> dict:
-        """Batch mode: the epoch and the global batches done (local batches x ranks), which
-        `load_state_dict` continues on any number of ranks. (In index mode the loader's own
-        state, the epoch and the batches received, is the position: use `loader.state_dict()`.)"""
+    def state_dict(self, *, batches_done: int | None = None, samples_done: int | None = None) -> dict:
+        """The epoch and the plan's positions done over all ranks, which `load_state_dict`
+        continues on any number of ranks: in batch mode the global batches done after this
+        rank's loop received `batches_done` batches (x ranks); in index mode the samples done
+        after it received `samples_done` samples (x ranks; `make_loader`'s loader passes both
+        counts itself)."""
+        begin = self._start if self._start else self._begin
         if self.batch_size is None:
-            return {"epoch": self.epoch, "plan": self.plan_settings()}
+            done = begin + int(samples_done or 0) * self.num_replicas
+            return {"epoch": self.epoch, "samples_done": min(done, len(self.global_indices(self.epoch))),
+                    "plan": self.plan_settings()}
         done = self._yielded if batches_done is None else int(batches_done)
         total = len(self._global_batches(self.epoch))
-        begin = self._start if self._start else self._begin
         return {"epoch": self.epoch, "global_batches_done": min(total, begin + done * self.num_replicas),
                 "plan": self.plan_settings()}
 
@@ -332,15 +336,14 @@ class MixtureSampler:
             ValueError: a state saved under other sources, weights or settings.
         """
         saved, mine = dict(state.get("plan") or {}), self.plan_settings()
-        if self.batch_size is not None:
-            saved.pop("num_replicas", None)
+        saved.pop("num_replicas", None)  # states of recipes before the index mode resumed elastically
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if differ:
             raise ValueError("This MixtureSampler state was saved under other settings: " + ", ".join(
                 f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ) + "; resume with the same sources, "
                 "weights and settings (they decide the epoch's plan).")
         self.epoch = int(state["epoch"])
-        self._start = int(state.get("global_batches_done", 0))
+        self._start = int(state.get("global_batches_done" if self.batch_size else "samples_done", 0))
         self._begin = self._yielded = 0
 
     def __repr__(self) -> str:

@@ -60,6 +60,22 @@ def shard_indices(n: int, *, rank: int, world_size: int, worker: int, num_worker
     return rank_indices[lo:hi]
 
 
+def round_robin_position(batches: list[int], done: int) -> tuple[list[int], int]:
+    """Where DataLoader's round-robin over iterable workers stands after `done` batches, the
+    workers having `batches[w]` each (a worker that runs out leaves the round): `(batches each
+    worker gave, the worker whose batch comes next)` (worker 0 when the epoch is over)."""
+    skipped, round_ = [0] * len(batches), 0
+    while any(b > round_ for b in batches):
+        for w, count in enumerate(batches):
+            if count > round_:
+                if done == 0:
+                    return skipped, w
+                skipped[w] += 1
+                done -= 1
+        round_ += 1
+    return skipped, 0
+
+
 def distributed_world() -> tuple[int, int]:
     """(world_size, rank) of the initialised `torch.distributed` group, else (1, 0)."""
     import torch
@@ -84,10 +100,48 @@ def range_pieces(shard_lengths: np.ndarray, order: np.ndarray, *, rank: int, wor
                  num_workers: int, even: bool) -> list[Piece]:
     """The consumer's `shard_indices` of the shards concatenated in `order`, as `(shard, start,
     stop)` ranges (a run of positions may span several shards)."""
-    lengths = shard_lengths[order]
+    order = np.asarray(order, dtype=np.int64)
+    lengths = np.asarray(shard_lengths, dtype=np.int64)[order]
+    fragments = np.stack([order, np.zeros_like(order), lengths], axis=1)
+    return fragment_pieces(fragments, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
+                           even=even)
+
+
+def fragment_pieces(fragments: np.ndarray, *, rank: int, world_size: int, worker: int, num_workers: int,
+                    even: bool) -> list[Piece]:
+    """The consumer's `shard_indices` of `fragments` (int64 `[F, 3]`: shard, start, stop, read
+    one after another), as `(shard, start, stop)` ranges: a run of positions may span several
+    fragments, and with `even` the last ranks' padding repeats the first fragments' samples."""
+    total = int((fragments[:, 2] - fragments[:, 1]).sum())
+    positions = shard_indices(total, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
+                              even=even)
+    return position_pieces(fragments, positions)
+
+
+def node_fragments(fragments: np.ndarray, *, node: int, nodes: int, ranks_per_node: int, even: bool) -> np.ndarray:
+    """The samples of `fragments` that the ranks of `node` (ranks `node * ranks_per_node` on)
+    read, as fragments: the positions `shard_indices` gives those ranks together, except that
+    with `even` the last node's padding repeats its own first samples (no shard of another
+    node's to download)."""
+    total = int((fragments[:, 2] - fragments[:, 1]).sum())
+    world, first = nodes * ranks_per_node, node * ranks_per_node
+    if even:
+        per_rank = -(-total // world)
+        lo, hi = first * per_rank, (first + ranks_per_node) * per_rank
+        positions = np.arange(lo, hi, dtype=np.int64) % max(total, 1)
+        if lo < total < hi:
+            own = np.arange(lo, total, dtype=np.int64)
+            positions = np.concatenate([own, own[np.arange(hi - total) % len(own)]])
+    else:
+        positions = np.arange(_block(total, world, first)[0], _block(total, world, first + ranks_per_node - 1)[1],
+                              dtype=np.int64)
+    return np.asarray(position_pieces(fragments, positions if total else positions[:0]), dtype=np.int64).reshape(-1, 3)
+
+
+def position_pieces(fragments: np.ndarray, positions: np.ndarray) -> list[Piece]:
+    """`positions` of the fragments concatenated, as `(shard, start, stop)` ranges."""
+    lengths = fragments[:, 2] - fragments[:, 1]
     ends = np.cumsum(lengths)
-    positions = shard_indices(int(ends[-1]), rank=rank, world_size=world_size, worker=worker,
-                              num_workers=num_workers, even=even)
     pieces: list[Piece] = []
     if len(positions) == 0:
         return pieces
@@ -98,7 +152,8 @@ def range_pieces(shard_lengths: np.ndarray, order: np.ndarray, *, rank: int, wor
             k = int(np.searchsorted(ends, lo, side="right"))
             first = int(ends[k] - lengths[k])
             stop = min(hi, int(ends[k]))
-            pieces.append((int(order[k]), lo - first, stop - first))
+            shard, start = int(fragments[k, 0]), int(fragments[k, 1])
+            pieces.append((shard, start + lo - first, start + stop - first))
             lo = stop
     return pieces
 

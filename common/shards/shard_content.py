@@ -14,9 +14,9 @@ Trade-off: the key trusts the index: a shard rewritten under an old index is cau
 read (`ShardFormatError`), not by the key.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/shard_mixing.py, common/shards/shard_reading.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
+  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
 

@@ -56,7 +56,8 @@ class Schedule:
 
 
 def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Callable[[int], np.ndarray],
-                    seed: Sequence[int], window: int = WINDOW, interleave: int = INTERLEAVE) -> Schedule:
+                    seed: Sequence[int], window: int = WINDOW, interleave: int = INTERLEAVE,
+                    piece_samples: float | None = None) -> Schedule:
     """The order of a consumer's epoch (module docstring).
 
     Args:
@@ -65,12 +66,14 @@ def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Cal
         seed: the generator's entropy, e.g. `(seed, epoch, rank, worker)`.
         window: how far a sample may move, in pieces (their mean length in samples).
         interleave: blocks read at once.
+        piece_samples: the samples a piece stands for in `window` (default: the pieces' mean
+            length); an elastic resume's rest, cut into many small ranges, passes a shard's.
     """
     rng = np.random.default_rng([*seed])
     shards, starts, stops = _blocks(pieces, block_starts)
     sizes = stops - starts
     total = int(sizes.sum())
-    piece = total / max(1, len(pieces))
+    piece = total / max(1, len(pieces)) if piece_samples is None else float(piece_samples)
     places = np.cumsum(sizes) - sizes
     # the reach grows from one piece to `window` pieces over the epoch's first `window / 2`
     # pieces: the first batches need the first shards only (as in shard order), not the whole

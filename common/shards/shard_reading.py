@@ -15,6 +15,7 @@ Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -76,14 +77,16 @@ class ShardReading:
                              "(`shard_lengths` says how many each shard holds): a stale length, or a reader that "
                              "ignores `start`/`stop`?")
 
-    def schedule(self, pieces: list[Piece], *, seed: Sequence[int]):
+    def schedule(self, pieces: list[Piece], *, seed: Sequence[int], piece: float | None = None):
         pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
-        return mixing_schedule(pieces, block_starts=self.block_starts, seed=seed, window=self.window)
+        return mixing_schedule(pieces, block_starts=self.block_starts, seed=seed, window=self.window,
+                               piece_samples=piece)
 
-    def mixed(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list], *, seed: Sequence[int]) -> Iterator:
+    def mixed(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list], *, seed: Sequence[int],
+              piece: float | None = None) -> Iterator:
         """The samples in the order of `mixing_schedule`, after the first `skip`; with a cache,
         each shard new to the epoch starts the downloads of the next ones."""
-        schedule = self.schedule(pieces, seed=seed)
+        schedule = self.schedule(pieces, seed=seed, piece=piece)
         if self.cache is None:
             yield from mixed_samples(schedule, skip, self.read_block)
             return
@@ -217,3 +220,15 @@ def drop(items: Iterator, count: int) -> tuple[Iterator, int]:
 
 
 _END = object()
+
+
+def takes_range(fn) -> bool:
+    """`read_shard(path, start, stop)`: a second and third positional parameter, required or
+    named `start` and `stop` (a reader's optional settings in those places are not a range)."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3 and all(p.default is p.empty or p.name == name
+                                    for p, name in zip(params[1:3], ("start", "stop"), strict=True))

@@ -16,10 +16,10 @@ xxh3-64; for Parquet, rows per row group and an xxh3-64 per row group and column
 what it serves against it (see `recipes.common.shards.shard_checks`); v1 indexes read, unverified.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_reading.py,
-  common/shards/shard_samples.py,
-  common/shards/sharded_dataset.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
+  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
+  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ bandwidth, `PrefetchCache` holds a few per worker within a small disk budget, an
 still has ~1,600 shards for exact splits over ranks x workers.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/shard_mixing.py, common/shards/shard_reading.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
+  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
 

@@ -18,26 +18,19 @@ of its shards (pieces) from its place (blocks of `blocks` samples read in one ca
 seeded by `(seed, epoch, rank, worker)`. Mixing needs `shard_lengths` and a ranged `read_shard`
 (or `blocks`); without them, each shard is read front to back, in the shuffled shard order.
 
-Who reads what (consumer = rank x worker, see `shard_indices`):
-- at least as many shards as consumers, or unknown `shard_lengths`: whole shards, in the
-  epoch's shuffled order, contiguous blocks per consumer;
-- fewer shards than consumers with `shard_lengths`: sample ranges of the epoch's
-  concatenated shards, so no consumer idles and none reads samples it discards.
-With `even=True` every rank yields the same number of samples per epoch:
-- sample ranges: `ceil(total / world_size)` per rank; at most `world_size - 1` samples from the
-  start of the epoch's order repeat;
-- whole shards: every rank stops at the smallest rank's sample count; the surplus of the other
-  ranks (the ends of their last shards) is skipped that epoch, a different part each epoch.
-Both need `shard_lengths` when `world_size > 1`.
-Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/shards/shard_mixing.py,
-  common/shards/shard_reading.py.
+Who reads what (whole shards or sample ranges, `even`, node-affine with a cache per node) is
+`shard_plan.py`'s. A resume on another number of ranks or nodes deals what no rank received
+over the new ones (`shard_reshape.py`); `even` then repeats at most `world_size - 1` again.
+Copy with: common/caches/packed_strings.py, common/sampling/sharding.py,
+  common/shards/shard_mixing.py, common/shards/shard_plan.py, common/shards/shard_reading.py,
+  common/shards/shard_reshape.py.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import itertools
+import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -46,9 +39,16 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from recipes.common.caches.packed_strings import PackedStrings
-from recipes.common.sampling.sharding import Piece, distributed_world, range_pieces, shard_pieces
+from recipes.common.sampling.sharding import (
+    Piece,
+    distributed_world,
+    fragment_pieces,
+    round_robin_position,
+)
 from recipes.common.shards.shard_mixing import INTERLEAVE, ORDER_VERSION, START, WINDOW, need_order
-from recipes.common.shards.shard_reading import ShardReading
+from recipes.common.shards.shard_plan import ShardPlan
+from recipes.common.shards.shard_reading import ShardReading, takes_range
+from recipes.common.shards.shard_reshape import consumer_ranges, rest_fragments
 
 
 class ShardedIterableDataset(IterableDataset):
@@ -63,11 +63,9 @@ class ShardedIterableDataset(IterableDataset):
         shuffle: shuffle the shard order every epoch from `(seed, epoch)`, and mix the samples
             over a sliding band of `shuffle_window` shards (module docstring).
         shuffle_window: how far (in shards: pieces of a consumer's plan) a sample may move from
-            its place in the shuffled shard order; 0: shard order only, each shard read front to
-            back. Cost: about this many shards are read at random at any time, so with a
-            `cache` they should fit in it together (`max_bytes` of about 2 x window x workers x
-            shard size per node; less costs downloads again); the band slides, so they are
-            downloaded in turn, as in shard order.
+            its place in the shuffled shard order; 0: shard order only. About this many shards
+            are read at random at once: with a `cache`, give it `max_bytes` of about 2 x window x
+            workers x shard size per node (less costs downloads again).
         blocks: where a shard may be cut for mixing: an int (every `blocks` samples) or
             `blocks(shard) -> ascending sample indices` (the first 0), each block read whole in
             one `read_shard(path, start, stop)` call when first drawn (memory: `INTERLEAVE`
@@ -75,14 +73,15 @@ class ShardedIterableDataset(IterableDataset):
             ranges does not mix unless given `blocks` (each block then reads past its start).
         rank, world_size: this rank and the number of ranks; `torch.distributed`'s when
             initialised at construction, else 0 and 1.
-        cache: a `PrefetchCache` to download remote shards ahead of reading.
+        cache: a `PrefetchCache` to download remote shards ahead of reading. With one per node
+            on several nodes (torchrun's `LOCAL_WORLD_SIZE` ranks each), the plan is node-affine:
+            each node reads the same shards every epoch (`shard_plan.py`).
         shard_sha256: each shard's sha256, when known: the cache verifies its copies with it
             (a damaged copy, or one of an older version of the shard, is downloaded again).
         split: "auto" (the rule of the module docstring) or "samples": sample ranges of the
-            epoch's concatenated shards whatever the shard count (needs `shard_lengths`), so
-            that with `even` every sample is read once per epoch and at most
-            `world_size - 1` repeat, where whole shards would skip the surplus of the ranks
-            with more samples; a shard on a boundary is read in parts by two consumers.
+            epoch's concatenated shards whatever the shard count (needs `shard_lengths`): with
+            `even` every sample once per epoch and at most `world_size - 1` repeat, where whole
+            shards skip the surplus of the ranks with more samples.
 
     Raises:
         ValueError: bad lengths, or `even=True` under DDP without `shard_lengths`.
@@ -133,7 +132,11 @@ class ShardedIterableDataset(IterableDataset):
             raise ValueError("even=True under DDP needs `shard_lengths` to give every rank the same number of "
                              "samples; pass shard_lengths= (or even=False if your loop tolerates uneven ranks).")
         self.shuffle, self.seed, self.even, self.cache = shuffle, seed, even, cache
-        self._ranged = _takes_range(read_shard)
+        # node-affine with a cache (one per node): the nodes of torchrun's LOCAL_WORLD_SIZE ranks each
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self.nodes = self.world_size // per_node if cache is not None and shuffle and self.shard_lengths is not None \
+            and per_node and self.world_size % per_node == 0 else 1
+        self._ranged = takes_range(read_shard)
         self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
         self._workers_seen = torch.zeros(1, dtype=torch.int64).share_memory_()  # written by workers
 
@@ -149,15 +152,11 @@ class ShardedIterableDataset(IterableDataset):
 
     def start_downloads(self, num_workers: int | None = None) -> list:
         """Starts downloading, in this process's background threads, the shards the workers
-        read first this epoch, in the order the DataLoader needs them: each worker's first
-        shard, then each one's second, up to `max(cache.prefetch, num_workers)` shards.
-
-        The workers find them in place or in flight: one download per object, under the
-        cache's per-key lock. `num_workers` is the DataLoader's (`make_loader`'s loader passes
-        it); by default, the count the workers reported last epoch, and without one (the first
-        epoch of a plain DataLoader) this rank's first shards in order: each is read this epoch
-        by some worker, and the first is the first worker's. Returns the futures.
-        """
+        read first this epoch, in the order the DataLoader needs them (each worker's first, then
+        each one's second, ...), up to `max(cache.prefetch, num_workers)` shards; the workers
+        find them in place or in flight (the cache's per-key lock). `num_workers`: the
+        DataLoader's (`make_loader`'s loader passes it), else the count the workers reported
+        last epoch, else one. Returns the futures."""
         if self.cache is None or getattr(self, "_resume", None):  # a resume reads another order
             return []
         workers = num_workers or int(self._workers_seen.item())
@@ -206,48 +205,58 @@ class ShardedIterableDataset(IterableDataset):
     # ---- the plan ----------------------------------------------------------------------
     def order(self, epoch: int) -> np.ndarray:
         """Shard indices in the order of `epoch`."""
-        if not self.shuffle:
-            return np.arange(len(self.shards))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.shards), generator=g).numpy()
+        return self._rules().order(epoch)
 
     def plan(self, epoch: int, worker: int = 0, num_workers: int = 1) -> list[Piece]:
-        """The pieces (shard, start, stop) that consumer (self.rank, worker) reads in `epoch`."""
-        order = self.order(epoch)
-        consumers = self.world_size * num_workers
-        where = dict(rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers, even=self.even)
-        if self.shard_lengths is not None and (self.split == "samples" or len(order) < consumers):
-            return range_pieces(self.shard_lengths, order, **where)
-        return shard_pieces(self.shard_lengths, order, **where)
+        """The pieces (shard, start, stop) that consumer (self.rank, worker) reads in `epoch`: of
+        the epoch's shards (`shard_plan.py`), or of an elastic resume's rest (`resume_after`)."""
+        rest = getattr(self, "_rest", None)
+        if rest is not None and rest[0] == epoch:
+            return fragment_pieces(rest[2], rank=self.rank, world_size=self.world_size, worker=worker,
+                                   num_workers=num_workers, even=self.even)
+        return self._rules().pieces(epoch, rank=self.rank, world_size=self.world_size, worker=worker,
+                                    num_workers=num_workers)
+
+    def _rules(self) -> ShardPlan:
+        return ShardPlan(len(self.shards), self.shard_lengths, self.shuffle, self.seed, self.even, self.split, self.nodes)
 
     # ---- resuming ----------------------------------------------------------------------
+    @property
+    def reshapes(self) -> bool:
+        """Whether a resume on another shape deals the epoch's rest over the new ranks and workers
+        (`resume_after(reshaped=)`, with `shard_lengths`); else new ranks replay old ranks' rests."""
+        return self.shard_lengths is not None
+
     def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
-                     num_workers: int = 0, interleave: bool = False,
-                     world_size: int | None = None) -> ShardedIterableDataset:
+                     num_workers: int = 0, interleave: bool = False, world_size: int | None = None,
+                     reshaped: Sequence[Sequence[int]] | None = None) -> ShardedIterableDataset:
         """A copy whose next epoch starts after the first `batches_done` batches that a
         DataLoader with these settings yields (`StatefulLoader` calls it).
 
         DataLoader yields the workers' batches round-robin, skipping a worker once it is
         exhausted; each worker works out from the plan how many of the first `batches_done`
-        were its own, and starts after them, and the roles rotate so that the worker due next
-        comes first. With `shard_lengths` this is arithmetic; without them (and with several
-        workers) each worker reads the epoch's first `batches_done` batches of every worker's
-        stream in that round-robin to find its position: exact, but the prefix is read. With `interleave=True` (the resuming
-        loader has another worker count, as after a `RobustLoader` step down), the copy yields
-        the rest of the epoch in one process, as whole batches (lists) in the old order: read
-        it with `batch_size=None` and the old collate function.
+        were its own and starts after them, the roles rotated so that the worker due next comes
+        first (without `shard_lengths` and with several workers, by reading the epoch's first
+        `batches_done` batches). `interleave=True` (the resuming loader has another worker
+        count) yields the rest of the epoch in one process, as whole batches (lists) in the old
+        order: read it with `batch_size=None` and the old collate function.
 
-        Elastic: `world_size` is the number of ranks of the interrupted epoch, when it differs
-        from this dataset's. Every old rank had done `batches_done` batches (DDP ranks step
-        together); this rank replays, in-process as with `interleave`, the rests of the old
-        ranks `r` with `r % world_size == rank` (2 -> 1: both; 4 -> 2: two each, so the new
-        ranks stay equal when the old count is a multiple of the new one).
+        Elastic without `shard_lengths`: `world_size`, the interrupted epoch's ranks (each had
+        done `batches_done`); this rank replays in-process the rests of the old ranks `r` with
+        `r % world_size == rank` (the new ranks stay equal when the new count divides the old).
+
+        Reshaped (`reshapes`): `reshaped` lists the epoch's earlier shapes `(ranks, workers,
+        batches each rank received, nodes)`, oldest first; the copy's epoch is what no rank received in
+        them (`shard_reshape.py`), split and mixed over these ranks and `num_workers` workers as
+        an epoch is (`even`: at most `world_size - 1` repeat); `batches_done` counts this shape's.
         """
+        resumed = copy.copy(self)
+        if reshaped:
+            resumed._rest = (self.epoch, len(reshaped), self._rest_fragments(self.epoch, reshaped, batch_size, drop_last))
         if world_size is not None and world_size != self.world_size:
             if world_size <= 0:
                 raise ValueError(f"`world_size` must be positive, but is {world_size!r} instead.")
             interleave = True
-        resumed = copy.copy(self)
         resumed._resume = (int(batches_done), batch_size, bool(drop_last), max(1, int(num_workers)), interleave)
         resumed._resume_world = world_size if world_size is not None else self.world_size
         return resumed
@@ -262,17 +271,8 @@ class ShardedIterableDataset(IterableDataset):
             batches.append(None if n is None else (n // per_batch if drop_last else -(-n // per_batch)))
         if workers > 1 and None in batches:  # a worker may have run out first: replay to find out
             return self._replayed_position(epoch, done, per_batch, drop_last, workers)
-        skipped, round_ = [0] * workers, 0
-        active = lambda w: batches[w] > round_  # noqa: E731
-        while any(active(w) for w in range(workers)):
-            for w in range(workers):
-                if active(w):
-                    if done == 0:
-                        return [s * per_batch for s in skipped], w
-                    skipped[w] += 1
-                    done -= 1
-            round_ += 1
-        return [s * per_batch for s in skipped], 0
+        skipped, first = round_robin_position(batches, done)
+        return [s * per_batch for s in skipped], first
 
     def _replayed_position(self, epoch: int, done: int, per_batch: int, drop_last: bool,
                            workers: int) -> tuple[list[int], int]:
@@ -304,6 +304,32 @@ class ShardedIterableDataset(IterableDataset):
                 stop = int(self.shard_lengths[shard])
             total += stop - start
         return total
+
+    def _rest_fragments(self, epoch: int, segments, batch_size: int | None, drop_last: bool) -> np.ndarray:
+        """What no consumer received in the epoch's earlier `segments` (`resume_after`)."""
+        rest = None
+        for generation, (world, workers, batches, *nodes) in enumerate(segments):
+            consumers, workers = [], max(1, int(workers))
+            for rank in range(int(world)):
+                former = copy.copy(self)
+                former.rank, former.world_size, former._resume_world = rank, int(world), int(world)
+                former.nodes = int(nodes[0]) if nodes else 1
+                former._rest = None if rest is None else (epoch, generation, rest)
+                former._resume = (int(batches), batch_size, bool(drop_last), workers, False)
+                for w, skip in enumerate(former._resume_position(epoch)[0]):
+                    pieces = [(a, b, int(self.shard_lengths[a]) if c is None else c) for a, b, c in former.plan(epoch, w, workers)]
+                    mixing = former._schedule(epoch, w, workers, pieces) if former.mixes else None
+                    consumers.append(consumer_ranges(pieces, mixing, skip))
+            rest = rest_fragments(self.shard_lengths, self.order(epoch), consumers)
+        return rest
+
+    def _mixing(self, epoch: int, worker: int) -> dict:
+        """The mixing's seed (and in an elastic resume's rest the samples a piece stands for)."""
+        rest = getattr(self, "_rest", None)
+        if rest is not None and rest[0] == epoch:
+            return {"seed": (self.seed, epoch, self.rank, worker, rest[1]),
+                    "piece": float(self.shard_lengths.mean()) if len(self.shard_lengths) else None}
+        return {"seed": (self.seed, epoch, self.rank, worker)}
 
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:
@@ -337,7 +363,7 @@ class ShardedIterableDataset(IterableDataset):
         upcoming = (lambda: self.plan(epoch + 1, worker, num_workers)) if self.cache is not None else list
         reading = self._reading()
         if self.mixes:
-            yield from reading.mixed(pieces, skip, upcoming, seed=(self.seed, epoch, self.rank, worker))
+            yield from reading.mixed(pieces, skip, upcoming, **self._mixing(epoch, worker))
         else:
             yield from reading.in_order(pieces, skip, upcoming)
 
@@ -354,7 +380,7 @@ class ShardedIterableDataset(IterableDataset):
 
     def _schedule(self, epoch: int, worker: int, num_workers: int = 1, pieces: list[Piece] | None = None):
         pieces = self.plan(epoch, worker, num_workers) if pieces is None else pieces
-        return self._reading().schedule(pieces, seed=(self.seed, epoch, self.rank, worker))
+        return self._reading().schedule(pieces, **self._mixing(epoch, worker))
 
     def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
         """The rest of an interrupted epoch in the order its DataLoader would have yielded it:
@@ -371,16 +397,3 @@ class ShardedIterableDataset(IterableDataset):
                     del streams[w]
                     continue
                 yield batch if batch_size else batch[0]
-
-
-def _takes_range(fn) -> bool:
-    """`read_shard(path, start, stop)`: a second and third positional parameter, required or
-    named `start` and `stop` (a reader's optional settings in those places are not a range)."""
-    try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        return False
-    return len(params) >= 3 and all(p.default is p.empty or p.name == name
-                                    for p, name in zip(params[1:3], ("start", "stop"), strict=True))
-

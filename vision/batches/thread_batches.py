@@ -12,12 +12,13 @@ Trade-off: Python per image still holds the GIL (the crop draws, the loop): on m
 rate per thread falls; workers (`make_loader(..., path="workers")`) scale further.
 It reads the dataset through its public side: `thread_batches()`, `len()`, `root`,
 `resolution`, `cache`, `eval_view`, `crop_settings()` and `read_item(i, rng, into=)`.
-Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/caches/packed_strings.py, common/loading/build_loader.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  vision/batches/batch_buffers.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
-  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/decoding/crop.py,
-  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
+  common/loading/build_loader.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, vision/batches/batch_buffers.py, vision/cache/cache_source.py,
+  vision/cache/cached_batches.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations

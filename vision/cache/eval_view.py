@@ -20,8 +20,10 @@ Files, beside the cache's own in `images-<fingerprint[:24]>/`:
   eval-<h>x<w>-crop<pct>.sums   uint64 x N, image i's checksum (`recipes.common.caches.cache_checks`)
   eval-<h>x<w>-crop<pct>.json   {"format", "version", "fingerprint", "count", "size", "crop_pct",
                                  "checksum", "sums_checksum", "header_sha256"}
-They are written to temp files (`.<name>.<host>.<pid>.{data,sums,json}.tmp`, swept when their
-builder on this host is dead) and fsynced; under the cache folder's lock, unless a valid view
+They are written into a temp folder (`.<name>.<host>.<pid>.<random>.tmp`, swept when its
+builder on this host is dead; in a distributed build each rank writes its block there as a
+part, and each node's leader joins them after receiving the parts written on other nodes) and
+fsynced; under the cache folder's lock, unless a valid view
 appeared meanwhile, the `.bin` and `.sums` are renamed into place first and the `.json`,
 renamed last, commits them. A view whose header is damaged or names another cache
 fingerprint, count or size, or whose data file has another size or sums file another
@@ -29,7 +31,7 @@ checksum, is not opened (`eval_view_of` warns, naming it, and the next `build_im
 rebuilds it); an image whose row differs from its checksum raises the cache's error when read
 and is recorded in the cache's `damaged.json`: the view is then not opened, and the next
 `build_image_cache` on an eval dataset rebuilds the view alone (not the whole images).
-Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
+Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
   common/caches/cache_files.py, common/loading/build_loader.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, vision/cache/cache_source.py, vision/decoding/crop.py,
   vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
@@ -39,11 +41,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from recipes.common.caches.build_ranks import BuildRanks
 from recipes.common.caches.cache_builds import sweep_dead_temps
 from recipes.common.caches.cache_checks import (
     ItemChecks,
@@ -161,75 +166,109 @@ def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
 
 
 def build_eval_view(dataset: CacheSource, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
-                    error: type[Exception]) -> EvalView:
+                    error: type[Exception], ranks: BuildRanks | None = None) -> EvalView:
     """Decodes every image of an eval `dataset` (`eval_record(i)`: torchvision's eval pixels)
     into the view of its resolution in `folder`, atomically (see the module doc); a record of
-    damage to the view it replaces (`damaged.json`) is removed with it."""
-    from tqdm import tqdm
-
+    damage to the view it replaces (`damaged.json`) is removed with it. With `ranks` (a
+    distributed build), each rank decodes a contiguous block into a part file, every folder
+    receives the parts written elsewhere (`build_ranks.py`), and each folder's leader joins and
+    commits them there. Collective over `ranks`."""
+    ranks = ranks or BuildRanks.alone()
     size, count = dataset.resolution, len(dataset)
     name = view_name(size, dataset.CROP_PCT)
-    sweep_dead_temps(folder, "eval-*")  # left by a builder killed midway
-    temp, temp_sums, temp_header = (folder / f".{name}.{_host()}.{os.getpid()}.{kind}.tmp"
-                                    for kind in ("data", "sums", "json"))
-    loader = build_loader(_EvalItems(dataset), num_workers=num_workers, batch_size=16, collate_fn=list)
-    checksum = algorithm()
-    hash_, sums = hasher(checksum), np.zeros(count, "<u8")
+    parts = None
+    if ranks.leader:
+        sweep_dead_temps(folder, "eval-*")  # left by a builder killed midway
+        parts = tempfile.mkdtemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=folder)
+    parts = Path(ranks.from_leader(parts))
     try:
-        with open(temp, "wb") as out, tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar:
-            done = 0
-            for images in loader:
-                for image in images:
-                    row = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
-                    out.write(row.tobytes())
-                    sums[done], done = hash_(row), done + 1
-                bar.update(len(images))
-            out.flush()
-            os.fsync(out.fileno())
-        write_synced(temp_sums, sums.tobytes())
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-                  "size": list(size), "crop_pct": dataset.CROP_PCT, "checksum": checksum,
-                  "sums_checksum": file_checksum(temp_sums, checksum)}
-        write_synced(temp_header, json.dumps({**header, "header_sha256": _seal(header)}).encode())
-        # Another process may be committing the same view: the check and the commit happen under
-        # the cache folder's lock, so a view that became valid meanwhile (and may be open in a
-        # reader) is kept, and an invalid one (a crashed or damaged build's) is replaced.
-        with folder_lock(folder):
-            if open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error) is None:
-                os.replace(temp, folder / f"{name}.bin")
-                os.replace(temp_sums, folder / f"{name}.sums")
-                os.replace(temp_header, folder / f"{name}.json")  # the header commits the data
-                clear_damage(folder, f"{name}.bin")  # the damage recorded was the replaced file's
-                fsync_path(folder)
+        checksum = ranks.gather(algorithm())[0]  # rank 0's, on every rank
+        _decode_block(dataset, parts, ranks, num_workers, progress and ranks.rank == 0, checksum)
+        ranks.exchange(lambda rank: [parts / f"data.part{rank}", parts / f"sums.part{rank}"])
+        if ranks.leader:
+            _commit(dataset, folder, fingerprint, parts, ranks.world, checksum, error)
     finally:
-        for path in (temp, temp_sums, temp_header):
-            path.unlink(missing_ok=True)
+        ranks.barrier()  # every rank is done with the parts before they go
+        if ranks.leader:
+            shutil.rmtree(parts, ignore_errors=True)
     view = open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error)
     assert view is not None, f"the eval view {name} just written in {folder} did not open"
     return view
 
 
-def ensure_eval_view(dataset: CacheSource, cache: ImageCache, *, builder: bool, distributed: bool, num_workers: int | None,
-                     progress: bool, error: type[Exception]) -> None:
-    """After a cache build: the eval view of an eval `dataset`'s resolution in `cache`'s
-    folder, built by the `builder` rank unless a valid one is there (the others wait)."""
-    if open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
-                      error) is None:
-        if builder:
-            build_eval_view(dataset, cache.path, cache.fingerprint, num_workers=num_workers, progress=progress,
-                            error=error)
-        if distributed:
-            import torch.distributed as dist
+def _decode_block(dataset: CacheSource, parts: Path, ranks: BuildRanks, num_workers: int | None, progress: bool,
+                  checksum: str) -> None:
+    """This rank's block of the eval images, in index order, into `data.part<rank>` (rows) and
+    `sums.part<rank>` (their checksums)."""
+    from tqdm import tqdm
 
-            dist.barrier()
+    count = len(dataset)
+    block = range(count * ranks.rank // ranks.world, count * (ranks.rank + 1) // ranks.world)
+    loader = build_loader(_EvalItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list)
+    hash_, sums, done = hasher(checksum), np.zeros(len(block), "<u8"), 0
+    with open(parts / f"data.part{ranks.rank}", "wb") as out, \
+            tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar:
+        for images in loader:
+            for image in images:
+                row = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+                out.write(row.tobytes())
+                sums[done], done = hash_(row), done + 1
+            bar.update(len(images) * ranks.world)
+        out.flush()
+        os.fsync(out.fileno())
+    write_synced(parts / f"sums.part{ranks.rank}", sums.tobytes())
+
+
+def _commit(dataset: CacheSource, folder: Path, fingerprint: str, parts: Path, world: int, checksum: str,
+            error: type[Exception]) -> None:
+    """A leader: every rank's parts joined into the view's files, then committed in `folder`."""
+    size, count = dataset.resolution, len(dataset)
+    name = view_name(size, dataset.CROP_PCT)
+    data, sums = parts / "data", parts / "sums"
+    for kind, joined in (("data", data), ("sums", sums)):
+        os.replace(parts / f"{kind}.part0", joined)
+        with open(joined, "ab") as out:
+            for rank in range(1, world):
+                with open(parts / f"{kind}.part{rank}", "rb") as part:
+                    shutil.copyfileobj(part, out, 1 << 24)
+            out.flush()
+            os.fsync(out.fileno())
+    header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
+              "size": list(size), "crop_pct": dataset.CROP_PCT, "checksum": checksum,
+              "sums_checksum": file_checksum(sums, checksum)}
+    write_synced(parts / "json", json.dumps({**header, "header_sha256": _seal(header)}).encode())
+    # Another process may be committing the same view: the check and the commit happen under
+    # the cache folder's lock, so a view that became valid meanwhile (and may be open in a
+    # reader) is kept, and an invalid one (a crashed or damaged build's) is replaced.
+    with folder_lock(folder):
+        if open_eval_view(folder, fingerprint, count, size, dataset.CROP_PCT, error) is None:
+            os.replace(data, folder / f"{name}.bin")
+            os.replace(sums, folder / f"{name}.sums")
+            os.replace(parts / "json", folder / f"{name}.json")  # the header commits the data
+            clear_damage(folder, f"{name}.bin")  # the damage recorded was the replaced file's
+            fsync_path(folder)
+
+
+def ensure_eval_view(dataset: CacheSource, cache: ImageCache, *, ranks: BuildRanks | None = None,
+                     num_workers: int | None, progress: bool, error: type[Exception]) -> None:
+    """After a cache build: the eval view of an eval `dataset`'s resolution in `cache`'s folder,
+    unless a valid one is there; built by every rank of `ranks` when any folder lacks it."""
+    ranks = ranks or BuildRanks.alone()
+    missing = None
+    if ranks.leader:
+        missing = open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
+                                 error) is None
+    if any(ranks.gather(missing)):
+        build_eval_view(dataset, cache.path, cache.fingerprint, num_workers=num_workers, progress=progress,
+                        error=error, ranks=ranks)
 
 
 class _EvalItems:
-    def __init__(self, dataset: CacheSource):
-        self.dataset = dataset
+    def __init__(self, dataset: CacheSource, block: range):
+        self.dataset, self.block = dataset, block
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.block)
 
-    def __getitem__(self, index: int):
-        return self.dataset.eval_record(index)
+    def __getitem__(self, position: int):
+        return self.dataset.eval_record(self.block[position])

@@ -5,18 +5,20 @@ vision`), or a dataset opens the cache built from exactly its files (`attach_ima
 which names what changed when only a stale one is there). The cache itself, its layout and
 its checks are `recipes.vision.cache.image_cache`.
 Cost: one `stat` per input file for the fingerprint (`cache_inputs`); at build one decode per
-image (DataLoader workers, split over the ranks with `distributed=True`) and one write.
+image (DataLoader workers, split over the ranks of a process group, whose node-local folders
+each receive the parts decoded elsewhere) and one write.
 Adapt here: `decode_stored`, how an image is stored (change `image_cache.FORMAT_VERSION` with it).
 Trade-off: the fingerprint covers sizes and mtimes, not content: a file rewritten with the same
 size and mtime is not noticed.
 The build reads the dataset through `CacheSource` (`recipes.vision.cache.cache_source`): `paths`,
 `targets`, `root`, `max_side`, `train`, `len()`, `cache_record(i)`, `use_cache(cache)` and, for
 an eval dataset, what the eval view reads (`resolution`, `CROP_PCT`, `eval_record(i)`).
-Copy with: common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/loading/build_loader.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, vision/cache/cache_source.py, vision/cache/eval_view.py,
-  vision/cache/image_cache.py, vision/cache/stale_caches.py, vision/decoding/crop.py,
-  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/loading/build_loader.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  vision/cache/cache_source.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
+  vision/cache/stale_caches.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def attach_image_cache(cache_dir: Path, root: str, paths, targets: np.ndarray, m
 
 
 def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num_workers: int | None = None,
-                      progress: bool = True, distributed: bool = False) -> ImageCache:
+                      progress: bool = True, distributed: bool | None = None) -> ImageCache:
     """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
 
     Each whole image is stored with its aspect ratio, its longer side at most the dataset's
@@ -122,9 +124,14 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
         cache_dir: the folder for caches (created).
         num_workers: decode workers per rank; `smart_num_workers()` when None.
         progress: show a progress bar (on rank 0).
-        distributed: split the decoding over the ranks of the initialised process group (every
-            rank must make the same call); rank 0 joins the ranks' parts and publishes.
-            `cache_dir` must be writable by every rank (a shared file system across nodes).
+        distributed: split the decoding over the ranks of the initialised process group, every
+            rank of every node making the same call; None (the default): whenever a group of
+            more than one rank is initialised; False: this process builds alone (the others
+            wait in a barrier of yours). The ranks that share `cache_dir` are found at run time:
+            each node's folder (a relative path on each node's own disk, or one shared folder)
+            ends with the whole cache, the parts decoded on other nodes received over the
+            process group, so the job decodes each image once (twice for an eval dataset: the
+            cache and its eval view). Each node's disk holds the whole cache.
 
     Returns:
         The opened `ImageCache`.
@@ -141,7 +148,7 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
                         "write their images to root/<class>/<key>.jpg and cache ImageFolderFast(root).")
     fingerprint, _, table = cache_inputs(dataset.paths, dataset.targets, dataset.root, dataset.max_side)
     target = ImageCache.folder_for(cache_dir, fingerprint)
-    build = FolderBuild(target, distributed=distributed)
+    build = FolderBuild(target, distributed=distributed)  # every node's folder ends with the cache
     if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint).check_labels(dataset.targets),
                     ImageCacheError):
         with build:
@@ -154,7 +161,7 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
             for name in ("images.bin", "labels.bin", "shapes.bin", "checksums.bin"):
                 build.concat(name)
             skipped = sorted(i for part in build.gather(skipped) for i in part)
-            if build.rank == 0:
+            if build.leader:  # in each folder (node-local disks: one per node)
                 shapes = np.fromfile(build.path / "shapes.bin", "<i4").reshape(-1, 2).astype(np.int64)
                 offsets = np.concatenate(([0], np.cumsum(shapes[:, 0] * shapes[:, 1] * 3)))
                 write_synced(build.path / "offsets.bin", offsets.astype("<i8").tobytes())
@@ -165,14 +172,14 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
             build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
                            "count": len(dataset), "max_side": dataset.max_side, "skipped": skipped,
                            "root": os.path.abspath(dataset.root), "checksum": checksum, "file_checksums": table})
-    if build.rank == 0:  # replaced, not left beside it
+    if build.leader:  # replaced, not left beside it
         for stale in find_stale_caches(Path(cache_dir), os.path.abspath(dataset.root), fingerprint):
             remove_cache(stale)
     cache = ImageCache.open(target, fingerprint=fingerprint)
     dataset.use_cache(cache)
     if not dataset.train:  # evaluation at this resolution serves rows of an eval view
-        ensure_eval_view(dataset, cache, builder=build.rank == 0, distributed=distributed, num_workers=num_workers,
-                         progress=progress, error=ImageCacheError)
+        ensure_eval_view(dataset, cache, ranks=build.ranks, num_workers=num_workers, progress=progress,
+                         error=ImageCacheError)
     return cache
 
 
