@@ -21,10 +21,12 @@ BENCHES = {
     "lightning": "recipes.bench.frameworks.lightning_loop",
     "hf": "recipes.bench.frameworks.hf_loops",
     "train": "recipes.bench.harness.train",
+    "nodes": "recipes.bench.nodes",
 }
-# Run on their own, not by a bare `recipes bench`: a training step per loader, or a framework's
-# loop (their extras: loader-recipes[lightning], loader-recipes[accelerate]).
-_ON_THEIR_OWN = ("train", "lightning", "hf")
+# Run on their own, not by a bare `recipes bench`: a training step per loader, a framework's loop
+# (their extras: loader-recipes[lightning], loader-recipes[accelerate]), or torchrun launches of
+# simulated nodes (minutes).
+_ON_THEIR_OWN = ("train", "lightning", "hf", "nodes")
 
 
 class _Parser(argparse.ArgumentParser):

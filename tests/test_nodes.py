@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodes import kill_node, report, run_nodes, start_nodes, wait_nodes
+import recipes.bench.nodes_job
+from recipes.testing_nodes import kill_node, report, run_nodes, start_nodes, wait_nodes
 
-JOB = Path(__file__).with_name("nodes_job.py")
+JOB = Path(recipes.bench.nodes_job.__file__)
 IMAGES = 720
 BATCH = 8
 STOP_AFTER = 6  # steps of epoch 1 before the checkpoint and the lost node
@@ -190,3 +191,17 @@ def test_a_mixture_two_nodes_then_one_node_with_3_ranks(tmp_path, data):
     _exactly_once(_epochs(resumed)[2], expected, 3)
     assert len(_steps(resumed, 1)) == 1 and len(_steps(resumed, 2)) == 1
     shutil.rmtree(folders[1])
+
+
+@pytest.mark.slow  # nine torchrun launches (about 2 minutes)
+def test_recipes_bench_nodes_prints_its_tables(capsys):
+    from recipes.cli import main
+
+    assert main(["bench", "nodes", "--images", "48"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert "| 1.00x |" in rows["2 nodes, node-local disks"]  # decodes as one process building alone
+    assert "| 4.00x |" in rows["2 nodes, every rank builds alone (0.1)"]
+    firsts = [float(line.rsplit("|", 2)[1]) for line in out.splitlines() if "resumed mid-epoch" in line
+              or "first batch, the rest" in line]
+    assert len(firsts) == 3 and max(firsts) < 2.0, firsts

@@ -35,9 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
 
-from recipes.common import LoaderMonitor, make_loader
+from recipes.common import ElasticDistributedSampler, LoaderMonitor, make_loader
 from recipes.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -110,7 +109,7 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
             (args.data / ".complete").touch()
     barrier(world)
     dataset = ImageFolderFast(args.data, size=size, train=True, cache_dir=args.cache, on_error="skip")
-    # Every rank makes this call: the ranks split the decoding and rank 0 publishes the file
+    # Every rank makes this call: the ranks split the decoding, each node's folder ends with the cache
     # (an existing valid cache is reused, as rank 0 finds it).
     build_image_cache(dataset, args.cache, distributed=world > 1)
     return dataset
@@ -127,7 +126,7 @@ def main(argv=None) -> None:
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
     dataset = prepare_data(args, rank, world)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
     loader = LoaderMonitor(make_loader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                                        collate_fn=uint8_collate))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

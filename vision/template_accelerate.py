@@ -22,8 +22,9 @@ What to change for your data (lines marked ADAPT):
 What each setting buys (measured; README "Benchmarks"): as in the plain template:
   - `build_image_cache` + `make_loader`: decoded once; warm epochs read by threads of this
     process (a `ThreadLoader`), 13-17x torchvision's ImageFolder + PIL on 2 cores.
-  - `DistributedSampler` split before `prepare_loader`: each rank its share, a new order each
-    `set_epoch`; accelerate's own re-sharding is not used.
+  - `ElasticDistributedSampler` split before `prepare_loader`: each rank its share, a new order
+    each `set_epoch`, a checkpoint that resumes on any number of ranks; accelerate's own
+    re-sharding is not used.
   - `uint8_collate` + `DeviceNormalize` (so `device_placement=False`: the uint8 batch is moved
     and normalised in one step on the device), `ProgressiveResolution`, `LoaderMonitor`.
   - Checkpoints: `accelerator.save_state` into `checkpoints/step-N`, marked complete once every
@@ -40,9 +41,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DistributedSampler
 
-from recipes.common import LoaderMonitor, make_loader
+from recipes.common import ElasticDistributedSampler, LoaderMonitor, make_loader
 from recipes.common.frameworks.accelerate_glue import prepare_loader
 from recipes.vision import (
     IMAGENET_MEAN,
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     dataset = prepare_data(args, accelerator)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
     loader = prepare_loader(accelerator, LoaderMonitor(make_loader(
         dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, collate_fn=uint8_collate)),
         device_placement=False)  # DeviceNormalize moves the uint8 batch itself

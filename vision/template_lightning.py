@@ -15,8 +15,9 @@ What Lightning gets from the recipes (docs/frameworks/lightning.md):
     the first batch not trained, in the same order, on every rank; also with OneCycleLR, which
     reads `trainer.estimated_stepping_batches` (there Lightning alone loses the loader's place:
     Lightning #20550). Run the same command again to resume.
-  - The `DistributedSampler` is built here, so Lightning keeps the loader as it is
-    (`use_distributed_sampler` stays on).
+  - The `ElasticDistributedSampler` (a `DistributedSampler`) is built here, so Lightning keeps
+    the loader as it is (`use_distributed_sampler` stays on), and a checkpoint resumes on any
+    number of ranks.
   - The rest is the plain template's (`recipes template vision`): the decoded cache (threads read
     its batches), uint8 batches normalised on the device, progressive resolution.
 Copy with: the installed recipes package.
@@ -32,9 +33,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DistributedSampler
 
-from recipes.common import make_loader
+from recipes.common import ElasticDistributedSampler, make_loader
 from recipes.common.frameworks.lightning_glue import LoaderDataModule
 from recipes.vision import (
     IMAGENET_MEAN,
@@ -98,14 +98,14 @@ class Images(LoaderDataModule):
         args, world = self.args, self.trainer.world_size
         self.dataset = ImageFolderFast(args.data, size=64 if args.smoke else SIZE, train=True, cache_dir=args.cache,
                                        on_error="skip")
-        # every rank makes this call: the ranks split the decoding and rank 0 publishes the file
+        # every rank makes this call: the ranks split the decoding, each node's folder ends with the cache
         build_image_cache(self.dataset, args.cache, distributed=world > 1)
         self.schedule = ProgressiveResolution(start=48 if args.smoke else 160, end=self.dataset.size[0],
                                               start_epoch=0, end_epoch=max(0, args.epochs - 2))
 
     def train_loader(self):
         self.schedule.apply(self.dataset, self.start_epoch)  # later epochs: Classifier.on_train_epoch_start
-        sampler = DistributedSampler(self.dataset, num_replicas=self.trainer.world_size,
+        sampler = ElasticDistributedSampler(self.dataset, num_replicas=self.trainer.world_size,
                                      rank=self.trainer.global_rank, shuffle=True, seed=0, drop_last=True)
         return make_loader(self.dataset, batch_size=self.args.batch_size, sampler=sampler, drop_last=True,
                            collate_fn=uint8_collate)

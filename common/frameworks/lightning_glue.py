@@ -9,10 +9,11 @@ module's); a `set_epoch` call per epoch; nothing per batch.
 Adapt here: `train_loader()`, the hook that builds the loader (a sampler of ours,
 `path="threads"`, a `RobustLoader`); `seed`, the order of a shuffled loader on several ranks.
 Trade-off: the checkpoint holds rank 0's loader state (Lightning's rule): right for loaders
-whose ranks step together (`DistributedSampler`, `LengthBucketSampler`, `PackedBatchSampler`).
-A resume on another number of ranks is refused (Lightning counts the resumed epoch in the old
-world's steps); a loader without a length is read one batch ahead by Lightning, so its
-mid-epoch resume skips a batch: `train_dataloader()` warns (`LoaderWarning`).
+whose ranks step together (`ElasticDistributedSampler`, `LengthBucketSampler`,
+`PackedBatchSampler`), which also resume it on another number of ranks (the loader's length then
+covers both the resumed epoch and a whole one: Lightning reads it once); a loader without a
+length is read one batch ahead by Lightning, so its mid-epoch resume skips a batch:
+`train_dataloader()` warns (`LoaderWarning`).
 
 What Lightning does, and what this module adds:
 - Lightning saves each training loader's `state_dict()` and, on resume, calls its
@@ -26,7 +27,8 @@ What Lightning does, and what this module adds:
 - `use_distributed_sampler=True` (the default) re-creates a map-style loader whose sampler is
   not a `DistributedSampler`: a state loaded into the old loader is lost, and a batch sampler
   of ours cannot be re-created (`LengthBucketSampler` fails inside Lightning). On several ranks
-  the default `train_loader()` gives the loader a `DistributedSampler`, which Lightning keeps; a
+  the default `train_loader()` gives the loader an `ElasticDistributedSampler` (a
+  `DistributedSampler`), which Lightning keeps; a
   loader with a sampler or batch sampler of its own needs `use_distributed_sampler=False`, and
   `train_dataloader()` raises, naming it.
 - Lightning calls `set_epoch` on `loader.sampler` and `loader.batch_sampler.sampler` only; a
@@ -36,7 +38,7 @@ What Lightning does, and what this module adds:
   epoch's last step, it starts the next epoch on the loader's empty rest of the old one (a
   loader that counts its own epochs, `make_loader(shuffle=True)` without a sampler, then loses
   that epoch: measured, plain Lightning trains 64 of 192 samples fewer). This module's loader
-  draws its order from a `DistributedSampler` (one rank or more), whose `set_epoch` begins the
+  draws its order from an `ElasticDistributedSampler` (one rank or more), whose `set_epoch` begins the
   right epoch (an iterator that handed no batch over follows a later `set_epoch`).
 Importing this module does not import Lightning: `LoaderDataModule` is built on first use, as
 `LoaderDataModuleMixin` on `lightning.pytorch.LightningDataModule`.
@@ -70,7 +72,7 @@ class LoaderDataModuleMixin:
 
     Args:
         dataset: the training dataset (the default `train_loader()` reads it).
-        seed: the order's seed (the default `train_loader()`'s `DistributedSampler`, the same on
+        seed: the order's seed (the default `train_loader()`'s `ElasticDistributedSampler`, the same on
             every rank).
         **loader_kwargs: `make_loader`'s arguments (`batch_size`, `shuffle`, `num_workers`, ...).
 
@@ -84,11 +86,10 @@ class LoaderDataModuleMixin:
         self.dataset, self.seed, self.loader_kwargs = dataset, seed, loader_kwargs
         self.loader = None  # the training loader built last: the one Lightning iterates
         self._state_to_load: dict[str, Any] | None = None
-        self._saved_world: int | None = None
 
     def train_loader(self):
         """The training loader; override to build your own. By default `make_loader(dataset,
-        **loader_kwargs)`, given a `DistributedSampler` (`shuffle`, `seed`, this trainer's ranks,
+        **loader_kwargs)`, given an `ElasticDistributedSampler` (`shuffle`, `seed`, this trainer's ranks,
         one or more) when it has no sampler: its order follows the epoch Lightning sets."""
         kwargs = dict(self.loader_kwargs)
         world, rank = _ranks(self.trainer)
@@ -131,7 +132,6 @@ class LoaderDataModuleMixin:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state_to_load = state_dict.get("train_loader")
-        self._saved_world = state_dict.get("world_size")
 
 
 def check_sampler_kept(trainer, loader) -> None:

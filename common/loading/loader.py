@@ -25,6 +25,10 @@ Traps handled:
   gets a `LoaderWarning` naming the attribute (`PackedStrings` or numpy instead).
 - The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
   before the user's own `worker_init_fn`.
+- Under an initialised process group, a map-style dataset read whole by every rank (each rank
+  trains on everything, or the user's `DistributedSampler` refuses to resume on another world
+  size): an `ElasticDistributedSampler` of its own (`distributed=False` opts out; a sampler or
+  batch sampler of the user's wins).
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/loader_path.py,
   common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
   common/resume/dataset_state.py, common/resume/loader_contract.py,

@@ -38,7 +38,13 @@ from recipes.common.resume.loader_contract import (
     ResumableIterable,
     StatefulSampler,
 )
-from recipes.common.resume.loader_state import capture, find_generators, positioned_sampler, restore
+from recipes.common.resume.loader_state import (
+    capture,
+    find_generators,
+    positioned_sampler,
+    restore,
+    resumed_length,
+)
 
 STATE_VERSION = 2
 
@@ -80,6 +86,7 @@ class Passes:
         self.persistent = bool(loader.persistent_workers and loader.num_workers)
         roles = _roles(loader)
         self.positioned = positioned_sampler(loader.batch_sampler)
+        self.known_length: list = []  # `resumed_length`'s of the loaded state
         self.holder = _epoch_holder(loader.dataset, roles)
         unreproducible: list[str] = []
         self.generators = {} if self.iterable else find_generators(
@@ -125,12 +132,7 @@ class Passes:
         position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
         length = None
         if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
-            self.positioned.load_state_dict(pending["sampler"])  # it resumes by itself, on any number of ranks
-            skip = 0
-            try:  # the batches received before the resume and the sampler's rest (`len()` is the rest only:
-                length = position + len(self.positioned)  # a framework counts on from the step it restored)
-            except TypeError:
-                length = None
+            skip, length = 0, resumed_length(self.positioned, pending, self.known_length)  # it resumes by itself
         if (reshaped := self._reshaped(pending)) is not None and self._new_shape(pending):
             skip = 0  # a new shape: the rest is dealt over these ranks and workers (`shard_reshape.py`)
         saved_workers = None if pending is None else pending.get("num_workers")

@@ -241,3 +241,25 @@ class _SamplesPositioned:
 
     def __len__(self) -> int:
         return len(self.batches)
+
+
+def resumed_length(positioned, pending: dict, known: list) -> int | None:
+    """The batches of an epoch that a positioned sampler resumes: those received before the
+    resume and the sampler's rest (`len()` gives the rest only), or a whole epoch on this shape
+    when that is more (on another number of ranks: a framework that takes the length once,
+    Lightning, then counts from the step it restored and cuts neither this epoch nor the next;
+    the epoch ends when its batches do). Loads `pending["sampler"]` into the sampler, as the
+    pass does. `known`: `[state, length]` of an earlier call, kept for an equal state (the
+    sampler holds the rest then, not a whole epoch)."""
+    if known and known[0] == pending:
+        positioned.load_state_dict(pending["sampler"])
+        return known[1]
+    try:
+        whole = len(positioned)
+        positioned.load_state_dict(pending["sampler"])
+        length = max(whole, int(pending.get("position", pending["batches_yielded"])) + len(positioned))
+    except TypeError:  # no length
+        positioned.load_state_dict(pending["sampler"])
+        length = None
+    known[:] = [pending, length]
+    return length

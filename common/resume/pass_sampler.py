@@ -18,7 +18,7 @@ import warnings
 
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.resume.batch_seeds import batch_seed, seeded
-from recipes.common.resume.loader_state import GlobalDraws
+from recipes.common.resume.loader_state import GlobalDraws, resumed_length
 
 _END = object()
 
@@ -81,8 +81,21 @@ class PassSampler:
             yield seeded(item, seed)
 
     def __len__(self) -> int:
-        """The epoch's batches, those received before a resume included (`Pass.length`)."""
+        """The epoch's batches, those received before a resume included (`Pass.length`), also while
+        a loaded state of a positioned sampler waits for its pass (Lightning reads it then):
+        `loader_state.resumed_length`."""
+        waiting = self._waiting_length()
+        if waiting is not None:
+            return waiting
         current = self.passes.current
         if current is not None and current.length is not None and not current.done:
             return current.length
         return len(self.inner)
+
+    def _waiting_length(self) -> int | None:
+        passes = self.passes
+        pending, positioned = passes.pending, passes.positioned
+        if pending is None or positioned is None or pending.get("sampler") is None or (
+                passes.holder is not None and int(passes.holder.epoch) != pending["epoch"]):
+            return None
+        return resumed_length(positioned, pending, passes.known_length)

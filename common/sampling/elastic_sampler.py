@@ -109,9 +109,11 @@ class ElasticDistributedSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         """Draws `epoch`'s order (the same on every rank): call before each epoch, as with
         `DistributedSampler` (under `make_loader`'s loader a loop that does not gets the next
-        epoch each time it iterates the loader again)."""
-        self.epoch = int(epoch)
-        self._start = self._begin = 0
+        epoch each time it iterates the loader again). The epoch it is at already keeps a loaded
+        position (Lightning sets the epoch after `iter()`, where a resumed epoch has begun)."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._start = self._begin = 0
 
     # ---- resume ------------------------------------------------------------------------
     def plan_settings(self) -> dict:

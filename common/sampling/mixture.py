@@ -287,9 +287,11 @@ class MixtureSampler:
         return len(self._batch_plan(self.epoch, self._start))
 
     def set_epoch(self, epoch: int) -> None:
-        """Draws `epoch`'s plan (call before each epoch, as with `DistributedSampler`)."""
-        self.epoch = int(epoch)
-        self._start = self._begin = self._yielded = 0
+        """Draws `epoch`'s plan (call before each epoch, as with `DistributedSampler`); the epoch
+        it is at already keeps a loaded position (Lightning sets it after `iter()`)."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._start = self._begin = self._yielded = 0
 
     # ---- what it drew ----------------------------------------------------------------------
     def source_of(self, indices) -> np.ndarray:

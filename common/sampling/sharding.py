@@ -122,20 +122,45 @@ def node_fragments(fragments: np.ndarray, *, node: int, nodes: int, ranks_per_no
     """The samples of `fragments` that the ranks of `node` (ranks `node * ranks_per_node` on)
     read, as fragments: the positions `shard_indices` gives those ranks together, except that
     with `even` the last node's padding repeats its own first samples (no shard of another
-    node's to download)."""
+    node's to download). O(fragments): positions stay runs, never arrays."""
     total = int((fragments[:, 2] - fragments[:, 1]).sum())
     world, first = nodes * ranks_per_node, node * ranks_per_node
-    if even:
+    if not even:
+        runs = [(_block(total, world, first)[0], _block(total, world, first + ranks_per_node - 1)[1])]
+    else:
         per_rank = -(-total // world)
         lo, hi = first * per_rank, (first + ranks_per_node) * per_rank
-        positions = np.arange(lo, hi, dtype=np.int64) % max(total, 1)
-        if lo < total < hi:
-            own = np.arange(lo, total, dtype=np.int64)
-            positions = np.concatenate([own, own[np.arange(hi - total) % len(own)]])
-    else:
-        positions = np.arange(_block(total, world, first)[0], _block(total, world, first + ranks_per_node - 1)[1],
-                              dtype=np.int64)
-    return np.asarray(position_pieces(fragments, positions if total else positions[:0]), dtype=np.int64).reshape(-1, 3)
+        if lo < total:  # its share, then (the last node) its own first samples again
+            runs, left, own = [(lo, min(hi, total))], hi - min(hi, total), (lo, total)
+        else:  # a node wholly past the end (fewer samples than ranks): the order again, from lo
+            runs, left, own = [], hi - lo, (0, total)
+        at = own[0] if lo < total else lo % max(total, 1)
+        while left > 0 and total:
+            take = min(left, own[1] - at)
+            runs.append((at, at + take))
+            left, at = left - take, own[0]
+    lengths = fragments[:, 2] - fragments[:, 1]
+    ends = np.cumsum(lengths)
+    pieces: list[Piece] = []
+    for lo, hi in runs:
+        _run_pieces(fragments, lengths, ends, lo, hi, pieces)
+    return np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+
+
+def _run_pieces(fragments: np.ndarray, lengths: np.ndarray, ends: np.ndarray, lo: int, hi: int,
+                pieces: list[Piece]) -> None:
+    """Positions `[lo, hi)` of the fragments concatenated, appended to `pieces` as ranges (the
+    fragments it spans at once: numpy, not a step per fragment)."""
+    if lo >= hi:
+        return
+    first, last = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(ends, hi - 1, side="right"))
+    span = slice(first, last + 1)
+    begins = ends[span] - lengths[span]  # each spanned fragment's first position
+    low, high = np.maximum(begins, lo), np.minimum(ends[span], hi)
+    keep = high > low
+    starts = fragments[span, 1] + (low - begins)
+    stops = fragments[span, 1] + (high - begins)
+    pieces.extend(zip(fragments[span, 0][keep].tolist(), starts[keep].tolist(), stops[keep].tolist(), strict=True))
 
 
 def position_pieces(fragments: np.ndarray, positions: np.ndarray) -> list[Piece]:
@@ -147,14 +172,7 @@ def position_pieces(fragments: np.ndarray, positions: np.ndarray) -> list[Piece]
         return pieces
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # runs of consecutive positions
     for run in np.split(positions, breaks):
-        lo, hi = int(run[0]), int(run[-1]) + 1
-        while lo < hi:
-            k = int(np.searchsorted(ends, lo, side="right"))
-            first = int(ends[k] - lengths[k])
-            stop = min(hi, int(ends[k]))
-            shard, start = int(fragments[k, 0]), int(fragments[k, 1])
-            pieces.append((shard, start + lo - first, start + stop - first))
-            lo = stop
+        _run_pieces(fragments, lengths, ends, int(run[0]), int(run[-1]) + 1, pieces)
     return pieces
 
 

@@ -68,7 +68,8 @@ def test_sharded_dataset_with_workers_under_torchrun_then_resumed_on_one_rank(ru
     assert sum(samples.values()) - sum(SHARDS) <= 1  # at most world - 1 padding repeats
     stopped, rest = _batches(runs, "sharded", "stop"), _batches(runs, "sharded", "resume")
     done = Counter(i for rank in stopped for b in rank for i in b) + Counter(i for b in rest[0] for i in b)
-    assert done == samples  # the same epoch: nothing lost, nothing read twice
+    assert set(done) == set(range(sum(SHARDS)))  # nothing lost: the rest is what no rank received
+    assert sum(done.values()) - sum(SHARDS) <= 1  # at most the padding of the first deal read twice
 
 
 def test_mixtures_under_torchrun_then_resumed_on_one_rank(runs):

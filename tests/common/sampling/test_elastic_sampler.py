@@ -210,3 +210,30 @@ def test_the_state_is_the_same_size_whatever_the_position():
             sizes.append(None)
         sizes[-1] = len(json.dumps(loader.state_dict()))
     assert sizes[-1] - sizes[0] == len("200") - len("1") + len("8000") - len("40") and sizes[0] < 4000
+
+
+@pytest.mark.parametrize("path", ["threads", "workers"])
+def test_a_loaded_state_survives_set_epoch_to_its_epoch_after_iter(path):
+    """Lightning's order: the state is loaded, `iter()`, then `sampler.set_epoch(epoch)`. The
+    epoch the sampler is at keeps its loaded position (another epoch would start afresh)."""
+    dataset = ThreadNumbers(64)
+
+    def build():
+        sampler = ElasticDistributedSampler(dataset, num_replicas=2, rank=0, seed=0)
+        extra = {"path": "threads", "threads": 2} if path == "threads" else {"path": "workers", "num_workers": 2}
+        return make_loader(dataset, batch_size=4, sampler=sampler, collate_fn=list, **extra)
+
+    whole = build()
+    whole.sampler.set_epoch(1)
+    uninterrupted = list(whole)
+    first = build()
+    first.sampler.set_epoch(1)
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(5)]
+    state = first.state_dict()
+    del iterator
+    resumed = build()
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    resumed.sampler.set_epoch(1)
+    assert head + list(iterator) == uninterrupted

@@ -1,7 +1,13 @@
-"""Simulated nodes on one machine (`shared/reference/two-nodes.md`): one `torchrun --nnodes N
---node-rank K` launch per node on 127.0.0.1, each in its own working directory with its own
-`TMPDIR`, so a relative cache folder lives on "its own disk" and nothing is shared between
-the nodes except what a test chooses (read-only data, moto's S3, a checkpoint folder).
+"""Simulated nodes on one machine: one `torchrun --nnodes N --node-rank K` launch per node on
+127.0.0.1, each in its own working directory with its own `TMPDIR`.
+
+Use when: a test or `recipes bench nodes` runs a job on several nodes without a shared disk: a
+relative cache folder then lives on "its own disk", and nothing is shared between the nodes but
+what the job is given (read-only data, an S3 bucket in moto, a checkpoint folder).
+Cost: a torchrun launch per node (its ranks import torch: seconds each on 2 cores).
+Adapt here: nothing; `start_nodes` takes the script and its arguments.
+Trade-off: the nodes share this machine's cores and memory, so times are not a cluster's; what
+is counted (decodes, downloads, samples) is.
 """
 
 from __future__ import annotations

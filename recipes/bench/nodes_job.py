@@ -1,5 +1,6 @@
-"""One simulated node's training job (`tests/nodes.py` starts it under torchrun on each node;
-`tests/test_nodes.py` checks what it wrote), as a user writes it for N nodes with local disks:
+"""One simulated node's training job (`recipes.testing_nodes` starts it under torchrun on each
+node; `tests/test_nodes.py` checks what it wrote, `recipes bench nodes` times it), as a user
+writes it for N nodes with local disks:
 caches built into a relative folder (this node's own disk), `make_loader` splitting the ranks
 by itself, rank 0's loader state saved as the checkpoint.
 
@@ -10,7 +11,9 @@ node-local PrefetchCache; "mixture": a MixtureSampler over the image cache and a
 `data` (read-only inputs), `shared` (what the nodes share: the checkpoint and the reports),
 `run` (the report folder's name), `epochs`, `batch`, `stop_after` and `stop_epoch` (rank 0
 saves its loader state after this many steps of that epoch, then the job waits to lose a
-node), `resume` (load the checkpoint first), `url` and `storage_options` (the shards on S3).
+node), `resume` (load the checkpoint first), `url` and `storage_options` (the shards on S3), `alone` (every rank builds
+the caches by itself, `distributed=False`: what recipes 0.1 did under torchrun), `images`
+(the photo folder's name in `data`, "photos" by default).
 
 Each rank writes `shared/<run>/rank<R>.json`: what it received, per epoch and step (each sample's
 identity: an eval image's pixel hash, a shard sample's key, a mixture source's name and index).
@@ -29,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -76,8 +78,9 @@ def image_hash(image: torch.Tensor) -> str:
 def images(spec: dict):
     from recipes.vision import ImageFolderFast, build_image_cache
 
-    dataset = ImageFolderFast(Path(spec["data"]) / "photos", size=64, train=False)
-    build_image_cache(dataset, "cache", num_workers=0, progress=False)  # every rank calls; split over all
+    dataset = ImageFolderFast(Path(spec["data"]) / spec.get("images", "photos"), size=64, train=False)
+    # every rank calls: split over all of them, each node's folder ending with the whole cache
+    build_image_cache(dataset, "cache", num_workers=0, progress=False, distributed=False if spec.get("alone") else None)
     return dataset
 
 
@@ -182,6 +185,4 @@ def _write(report: Path, rank: int, received: list, built: float, first_batch, w
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    np.seterr(all="ignore")
     main(json.loads(sys.argv[1]))
