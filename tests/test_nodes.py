@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import recipes.bench.nodes_job
+import recipes.bench.nodes.job
 from recipes.testing_nodes import kill_node, report, run_nodes, start_nodes, wait_nodes
 
-JOB = Path(recipes.bench.nodes_job.__file__)
+JOB = Path(recipes.bench.nodes.job.__file__)
 IMAGES = 720
 BATCH = 8
 STOP_AFTER = 6  # steps of epoch 1 before the checkpoint and the lost node

@@ -106,8 +106,7 @@ class Passes:
     def _holder_epoch(self) -> int | None:
         return None if self.holder is None else int(self.holder.epoch)
 
-    def _advances(self, epoch: int | None) -> bool:
-        """Whether an `EpochAdvancing` holder still at the last whole pass's epoch moves on now."""
+    def _advances(self, epoch: int | None) -> bool:  # an `EpochAdvancing` holder at the last whole pass's epoch
         last = self.current
         return bool(isinstance(self.holder, EpochAdvancing) and self.holder.advance_epochs and last is not None
                     and last.done and last.epoch == epoch)
@@ -130,9 +129,9 @@ class Passes:
         self._warn_same_epoch(epoch, pending)
         skip = 0 if pending is None else int(pending["batches_yielded"])
         position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
-        length = None
+        length = None  # a positioned sampler resumes by itself, on any number of ranks:
         if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
-            skip, length = 0, resumed_length(self.positioned, pending, self.known_length)  # it resumes by itself
+            skip, length = 0, resumed_length(self.positioned, pending, self.known_length)
         if (reshaped := self._reshaped(pending)) is not None and self._new_shape(pending):
             skip = 0  # a new shape: the rest is dealt over these ranks and workers (`shard_reshape.py`)
         saved_workers = None if pending is None else pending.get("num_workers")
@@ -159,8 +158,7 @@ class Passes:
                                int(pending["batches_yielded"]), nodes]]
         return earlier or None  # the same shape, or nothing received on the old one
 
-    def _new_shape(self, pending: dict) -> bool:
-        """Whether an iterable dataset's ranks (or nodes) differ from the loaded state's."""
+    def _new_shape(self, pending: dict) -> bool:  # an iterable dataset's ranks (or nodes) not the state's
         return (pending.get("world_size") != int(self.dataset.world_size)
                 or int(pending.get("nodes", 1)) != int(getattr(self.dataset, "nodes", 1)))
 

@@ -309,18 +309,16 @@ class MixtureSampler:
 
     # ---- resume ----------------------------------------------------------------------------
     def plan_settings(self) -> dict:
-        """Every setting that shapes the epoch's plan (JSON), checked when a state is loaded; not
-        the ranks, which a resume may change."""
+        """Every setting that shapes the epoch's plan (JSON; not the ranks, which a resume may change)."""
         return {"sizes": self.sizes.tolist(), "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
                 "num_samples": self.num_samples, "stop": self.stop, "seed": self.seed, "shuffle": self.shuffle,
                 "batch_size": self.batch_size, "drop_last": self.drop_last}
 
     def state_dict(self, *, batches_done: int | None = None, samples_done: int | None = None) -> dict:
-        """The epoch and the plan's positions done over all ranks, which `load_state_dict`
-        continues on any number of ranks: in batch mode the global batches done after this
-        rank's loop received `batches_done` batches (x ranks); in index mode the samples done
-        after it received `samples_done` samples (x ranks; `make_loader`'s loader passes both
-        counts itself)."""
+        """The epoch and the plan's positions done over all ranks (`load_state_dict` continues on
+        any number of ranks): the global batches done after this rank's loop received
+        `batches_done` batches (batch mode), or the samples done after `samples_done` samples
+        (index mode); `make_loader`'s loader passes its counts itself."""
         begin = self._start if self._start else self._begin
         if self.batch_size is None:
             done = begin + int(samples_done or 0) * self.num_replicas

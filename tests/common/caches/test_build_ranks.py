@@ -12,6 +12,7 @@ import json
 import socket
 
 import numpy as np
+import pytest
 
 CHILD = r"""
 import json, sys, time
@@ -112,6 +113,7 @@ def test_one_shared_folder_builds_one_cache(zygote, tmp_path):
     assert report["groups"] == [[0, 1, 2, 3]] and not report["leader"]
 
 
+@pytest.mark.slow  # waits out the rendezvous (3 s)
 def test_a_build_not_every_rank_calls_fails_naming_how_many_came(zygote, tmp_path):
     layout = [tmp_path / "a", tmp_path / "a", tmp_path / "b"]
     for folder in layout:

@@ -4,12 +4,14 @@ growing or shrinking, not only dividing R; mixed or in shard order; several time
 reads every sample once over all the runs, counted, the only repeats the padding of each deal
 to equal steps (at most R - 1 each), with equal steps on the new ranks, and the rest read by the
 new ranks' workers (no replay in the main process). Node-affine, each node reads the same shards
-every epoch and every sample once per epoch over the nodes."""
+every epoch and every sample once per epoch over the nodes. `HYPOTHESIS_PROFILE=thorough` draws
+300 sequences of shapes (10 in the default suite)."""
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +77,7 @@ def _plans(draw):
     return sizes, batch, shapes, draw(st.sampled_from([0, 16]))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=300 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 10, deadline=None)
 @given(plan=_plans())
 def test_any_change_of_shape_reads_every_sample_once(tmp_path_factory, plan):
     sizes, batch, shapes, window = plan
@@ -98,8 +100,6 @@ def test_four_ranks_stopped_mid_epoch_finish_on_three_with_two_workers_each(tmp_
 def test_the_rest_is_read_by_the_new_workers_not_replayed_in_the_main_process(tmp_path):
     """The resumed epoch's samples come from the loader's worker processes (each sample's
     reader runs in a worker), where the replay of old ranks' rests read them in this one."""
-    import os
-
     sizes = [20] * 6
     paths = make_int_shards(tmp_path, sizes)
     main, seen = os.getpid(), []

@@ -4,7 +4,7 @@ writes it for N nodes with local disks:
 caches built into a relative folder (this node's own disk), `make_loader` splitting the ranks
 by itself, rank 0's loader state saved as the checkpoint.
 
-    python nodes_job.py SPEC_JSON
+    python recipes/bench/nodes/job.py SPEC_JSON
 
 SPEC: `kind` ("images": an eval set's decoded cache; "shards": a ShardSet on moto's S3 through a
 node-local PrefetchCache; "mixture": a MixtureSampler over the image cache and a token cache),

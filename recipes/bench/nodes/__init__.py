@@ -5,7 +5,7 @@ Use when: sizing a job on several nodes with local disks: what a build costs eac
 decodes, disk), against every rank building alone (recipes 0.1's default under torchrun), and
 how long a job resumed on another shape waits for its first batch.
 Cost: the photographic set (`--images`, made once into the bench data folder) and its bytes
-written as shards, then nine torchrun launches of `recipes/bench/nodes_job.py` on 127.0.0.1 (`recipes.testing_nodes`), each
+written as shards, then nine torchrun launches of `recipes/bench/nodes/job.py` on 127.0.0.1 (`recipes.testing_nodes`), each
 node in a temp folder of its own: a few minutes on 2 cores.
 Adapt here: `--images`, `--ranks` (per node).
 Trade-off: the simulated nodes share this machine's cores, so 2 nodes build in about the time 1
@@ -31,11 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _launch(folders: list[Path], spec: dict, ranks: int, *, lose_node_after: int | None = None) -> list[dict]:
     """One run; with `lose_node_after`, node 1 is killed once rank 0 checkpointed at that step."""
-    from recipes.bench import nodes_job
+    from recipes.bench.nodes import job
     from recipes.testing_nodes import kill_node, report, start_nodes, wait_nodes
 
     shared = Path(spec["shared"]) / spec["run"]
-    nodes = start_nodes(folders, Path(nodes_job.__file__), json.dumps(spec), per_node=ranks)
+    nodes = start_nodes(folders, Path(job.__file__), json.dumps(spec), per_node=ranks)
     if lose_node_after is not None:
         deadline = time.monotonic() + 600
         while len(list(shared.glob("rank*.json"))) < len(folders) * ranks:
