@@ -66,9 +66,11 @@ def wait_nodes(nodes: list[Node], timeout: float) -> list[Node]:
     try:
         for node in nodes:
             node.process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    except BaseException as stop:  # a timeout, or the caller interrupted (a test's time limit)
         for node in nodes:
             kill_node(node)
+        if not isinstance(stop, subprocess.TimeoutExpired):
+            raise
 
     for node in nodes:
         node.process.wait()

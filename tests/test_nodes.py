@@ -21,6 +21,7 @@ import pytest
 import recipes.bench.nodes.job
 from recipes.testing_nodes import kill_node, report, run_nodes, start_nodes, wait_nodes
 
+pytestmark = pytest.mark.timeout(900)  # several torchrun launches of 4 ranks on 2 cores each
 JOB = Path(recipes.bench.nodes.job.__file__)
 IMAGES = 720
 BATCH = 8
@@ -85,9 +86,15 @@ def _lose_a_node(tmp_path, data, kind, **extra):
     shared, folders = tmp_path / "shared", [tmp_path / "node0", tmp_path / "node1"]
     nodes = start_nodes(folders, JOB, _spec(data, shared, kind, "first", stop_after=STOP_AFTER, stop_epoch=1, **extra))
     deadline = time.monotonic() + 400
-    while len(_reports(shared, "first")) < 4 or any(len(r["received"]) < 2 for r in _reports(shared, "first")):
-        assert time.monotonic() < deadline and all(n.process.poll() is None for n in nodes), report(wait_nodes(nodes, 1))
-        time.sleep(0.5)
+    try:
+        while len(_reports(shared, "first")) < 4 or any(len(r["received"]) < 2 for r in _reports(shared, "first")):
+            assert time.monotonic() < deadline and all(n.process.poll() is None for n in nodes), \
+                report(wait_nodes(nodes, 1))
+            time.sleep(0.5)
+    except BaseException:  # a failed wait or the test's time limit: no rank left running
+        for node in nodes:
+            kill_node(node)
+        raise
     kill_node(nodes[1])  # the lost node; the survivors' next collective fails
     wait_nodes(nodes, 120)
     assert nodes[0].returncode != 0  # node 0 lost its peers: the job ended there too

@@ -36,17 +36,29 @@ def _launch(folders: list[Path], spec: dict, ranks: int, *, lose_node_after: int
 
     shared = Path(spec["shared"]) / spec["run"]
     nodes = start_nodes(folders, Path(job.__file__), json.dumps(spec), per_node=ranks)
-    if lose_node_after is not None:
-        deadline = time.monotonic() + 600
-        while len(list(shared.glob("rank*.json"))) < len(folders) * ranks:
-            if time.monotonic() > deadline or any(n.process.poll() is not None for n in nodes):
-                raise RuntimeError("the run ended before its checkpoint:\n" + report(wait_nodes(nodes, 1)))
-            time.sleep(0.5)
-        kill_node(nodes[1])
+    try:
+        _lose_a_node(nodes, shared, len(folders) * ranks, lose_node_after)
+    except BaseException:
+        for node in nodes:
+            kill_node(node)
+        raise
     wait_nodes(nodes, 600)
     if lose_node_after is None and any(n.returncode for n in nodes):
         raise RuntimeError("a run failed:\n" + report(nodes))
     return [json.loads(p.read_text()) for p in sorted(shared.glob("rank*.json"))]
+
+
+def _lose_a_node(nodes, shared: Path, ranks: int, lose_node_after: int | None) -> None:
+    """With `lose_node_after`: node 1 killed once every rank reported its checkpoint."""
+    from recipes.testing_nodes import kill_node, report, wait_nodes
+
+    if lose_node_after is not None:
+        deadline = time.monotonic() + 600
+        while len(list(shared.glob("rank*.json"))) < ranks:
+            if time.monotonic() > deadline or any(n.process.poll() is not None for n in nodes):
+                raise RuntimeError("the run ended before its checkpoint:\n" + report(wait_nodes(nodes, 1)))
+            time.sleep(0.5)
+        kill_node(nodes[1])
 
 
 def _work(folders: list[Path], what: str, run: str) -> int:
