@@ -292,7 +292,7 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | Sha
     settings = _settings(dataset, n_fft, hop_length, n_mels, log, dtype)
     fingerprint = cache_fingerprint(dataset, settings)
     target = Path(cache_dir)
-    build = FolderBuild(target, distributed=distributed)
+    build = FolderBuild(target, distributed=distributed, inputs=fingerprint)
     if build.needed(lambda: SpectrogramCache.open(target, fingerprint=fingerprint), SpectrogramCacheError):
         block = build.block(len(dataset))
         loader = build_loader(_Features(dataset, settings, block), num_workers=num_workers, batch_size=8,

@@ -262,7 +262,7 @@ def build_token_cache(
     fingerprint = cache_fingerprint(source, tokenizer, max_length=max_length,
                                     add_special_tokens=add_special_tokens)
     target = Path(cache_dir)
-    build = FolderBuild(target, distributed=distributed)
+    build = FolderBuild(target, distributed=distributed, inputs=fingerprint)
     if build.needed(lambda: TokenCache.open(target, fingerprint=fingerprint), TokenCacheError):
         dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32).newbyteorder("<")
         with build, tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar:

@@ -9,7 +9,8 @@ rank, listed by every rank, then an all-gather; per part file a folder lacks, on
 its bytes (`CHUNK_BYTES` at a time) over a gloo group of one rank per folder (its leader): each
 of F folders receives the (F - 1) / F of the parts written elsewhere. With one folder (one
 node, or a shared file system) nothing moves.
-Adapt here: `RENDEZVOUS_S` (how long a build waits for every rank to call it), `CHUNK_BYTES`.
+Adapt here: `RENDEZVOUS_S` (how long a build waits for every rank to call it; rank 0 warns after
+`NOTICE_S`), `CHUNK_BYTES`.
 Trade-off: every folder ends with the whole cache, so any rank reads any sample (an elastic
 resume on any shape, no node-affine sampler): the price is the whole cache's disk on every
 node and the transfer of the parts written on other nodes. Which ranks share a folder is seen,
@@ -25,6 +26,7 @@ import datetime
 import itertools
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from pathlib import Path
 from recipes.common.caches.cache_files import _host
 
 RENDEZVOUS_S = 300.0  # every rank calls a distributed build within this long of the first one
+NOTICE_S = 30.0  # after this long, rank 0 warns that it waits for the others
 CHUNK_BYTES = 16 * 2**20
 _SEQUENCE = itertools.count()  # this process's distributed builds: the n-th meets the others' n-th
 _GLOO: list = []  # [(the default group, a gloo group over it)] when the default backend is not gloo
@@ -219,9 +222,17 @@ def _rendezvous(rank: int, world: int, what: str) -> None:
     store, key = store_of(), f"recipes/build/{next(_SEQUENCE)}"
     if store.add(key, 1) >= world:
         store.set(f"{key}/all", "1")
+    first = min(NOTICE_S, RENDEZVOUS_S)
     try:
-        store.wait([f"{key}/all"], datetime.timedelta(seconds=RENDEZVOUS_S))
-    except RuntimeError:  # torch's DistStoreError (a RuntimeError) on the timeout
+        try:
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=first))
+        except RuntimeError:  # torch's DistStoreError (a RuntimeError) on the timeout: say so, wait on
+            if rank == 0:
+                warnings.warn(f"Building {what}: {store.add(key, 0)} of the {world} ranks have called the build after "
+                              f"{first:.0f} s; waiting up to {RENDEZVOUS_S:.0f} s for the others (every rank makes "
+                              "this call; distributed=False builds on one rank).", stacklevel=4)
+            store.wait([f"{key}/all"], datetime.timedelta(seconds=max(0.1, RENDEZVOUS_S - first)))
+    except RuntimeError:
         came = store.add(key, 0)
         raise BuildRendezvousError(
             f"Building {what}: only {came} of the {world} ranks called the build within {RENDEZVOUS_S:.0f} s. "

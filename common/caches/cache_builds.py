@@ -64,6 +64,10 @@ class FolderBuild:
         target: the cache folder.
         distributed: split over the initialised `torch.distributed` group (every rank calls);
             None (the default): when one of more than one rank is initialised.
+        inputs: what identifies the inputs (the cache's fingerprint), which every rank must
+            give alike: ranks whose data differ raise `BuildInputsError`, naming them.
+        local: header fields that are each folder's own (the image cache's `root`): rewritten,
+            and the header sealed again, in a copy received from another folder.
 
     Example:
         >>> build = FolderBuild(cache_dir)
@@ -75,8 +79,9 @@ class FolderBuild:
         ...         build.publish({"format": "my-cache", "version": 1, "fingerprint": fp})
     """
 
-    def __init__(self, target: str | os.PathLike, *, distributed: bool | None = None):
-        self.target = Path(target)
+    def __init__(self, target: str | os.PathLike, *, distributed: bool | None = None, inputs: str | None = None,
+                 local: dict | None = None):
+        self.target, self.inputs, self.local = Path(target), inputs, dict(local or {})
         self.distributed = distributed_build(distributed)
         self.ranks = BuildRanks.alone()
         self.rank, self.world = _rank_and_world() if self.distributed else (0, 1)
@@ -96,6 +101,8 @@ class FolderBuild:
         if not self._joined:
             self.ranks = BuildRanks.join(self.target.parent, self.target.name)
             self._joined = True
+            if self.inputs is not None:
+                check_inputs(self.ranks.gather(self.inputs), self.target.name)
 
     def _valid(self) -> bool:
         """Whether `target` opens as a valid cache now (another process published it first)."""
@@ -139,11 +146,22 @@ class FolderBuild:
             try:
                 self.ranks.send_tree(source, self.target if self.rank == source else None, temp)
                 if temp is not None:
+                    self._localise(temp)
                     replace_dir(temp, self.target, keep=self._valid)
             finally:
                 if temp is not None and temp.exists():
                     shutil.rmtree(temp, ignore_errors=True)
         self.ranks.barrier()  # no rank reads its folder's cache before it is in place
+
+    def _localise(self, folder: Path) -> None:
+        """A received copy's header with this folder's own `local` fields, sealed again."""
+        path = folder / "header.json"
+        if not self.local or not path.exists():
+            return
+        header = json.loads(path.read_text())
+        header.pop("header_sha256", None)
+        header.update(self.local)
+        write_synced(path, json.dumps({**header, "header_sha256": _seal(header)}, indent=1).encode("utf-8"))
 
     def __enter__(self) -> FolderBuild:
         self._join()
@@ -206,6 +224,26 @@ class FolderBuild:
             replace_dir(self.path, self.target, keep=self._valid)
         self._published = True
         self.barrier()  # no rank reads the cache before it is in place
+
+
+class BuildInputsError(ValueError):
+    """The ranks of a distributed build were given other inputs (their data differ)."""
+
+
+def check_inputs(keys: list, name: str) -> None:
+    """Raises `BuildInputsError` naming the ranks of each differing input key (every rank gets
+    the same list, so every rank raises)."""
+    if len(set(keys)) <= 1:
+        return
+    ranks: dict = {}
+    for rank, key in enumerate(keys):
+        ranks.setdefault(key, []).append(rank)
+    seen = "; ".join(f"ranks {r} have {str(k)[:12]}..." for k, r in ranks.items())
+    raise BuildInputsError(
+        f"Building {name}: the ranks' inputs differ ({seen}), so no one cache serves them all. Give every node the "
+        "same data: the same files under the same relative paths, with their sizes and modification times (an "
+        "image cache's fingerprint covers them: copy with cp -p or rsync -a, which keep the times), the same "
+        "texts and tokenizer; or build on each node with distributed=False.")
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -93,9 +93,9 @@ def make_loader(
             memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is given, else worker processes; "workers" or "threads" to choose
             (`loader_path.py`). `loader.recipe.reasons["path"]` says which and why.
         distributed: split a map-style dataset over the ranks of the initialised process
-            group with an `ElasticDistributedSampler` (`shuffle`, a seed drawn from `generator`
-            when given, else 0, `drop_last`: the same on every rank; a state resumes on any
-            number of ranks). None (the default): when a group of more than one rank is
+            group with an `ElasticDistributedSampler` (`shuffle`, `drop_last`, seed 0 on every
+            rank as `DistributedSampler`'s, never `generator`'s, which may differ per rank; a
+            state resumes on any number of ranks). None (the default): when a group of more than one rank is
             initialised and no `sampler` or `batch_sampler` is given (the user's wins); False:
             every rank reads the whole dataset (an evaluation on rank 0). An iterable dataset
             splits itself (`ShardedIterableDataset` reads the ranks). `loader.recipe.reasons
@@ -187,15 +187,16 @@ def _split_ranks(dataset, settings: dict[str, Any], reasons: dict[str, str], dis
                                "ElasticDistributedSampler's does not" if isinstance(inner, DistributedSampler)
                                and not isinstance(inner, ElasticDistributedSampler) else ""))
             return
-    generator = settings.get("generator")
-    seed = 0 if generator is None else int(torch.randint(0, 2**62, (), generator=generator))
     shuffle, drop_last = bool(settings.pop("shuffle", False)), bool(settings.get("drop_last", False))
     settings["sampler"] = ElasticDistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=shuffle,
-                                                    seed=seed, drop_last=drop_last)
+                                                    seed=0, drop_last=drop_last)
+    # seed 0 on every rank, as DistributedSampler's: a `generator=` is often seeded per rank (for the
+    # batches' own draws), and ranks whose orders differ would read some samples twice and miss others
     reasons["sampler"] = (f"ElasticDistributedSampler: {world} ranks of an initialised process group, each its "
-                          f"share (shuffle={shuffle}, seed {seed}" + (" from `generator`" if generator is not None
-                          else ", the same on every rank") + f", drop_last={drop_last}: "
-                          + ("at most R - 1 samples dropped" if drop_last else "padded with at most R - 1 repeats")
+                          f"share (shuffle={shuffle}, seed 0 on every rank as DistributedSampler's; another order: "
+                          f"sampler=ElasticDistributedSampler(dataset, seed=...); drop_last={drop_last}: "
+                          + ("at most R - 1 samples dropped, and each rank's last partial batch" if drop_last
+                             else "padded with at most R - 1 repeats")
                           + " per epoch for equal steps); the state resumes on any number of ranks; the next epoch "
                           "starts by itself when the loop does not call loader.sampler.set_epoch")
     reasons.pop("shuffle", None)

@@ -194,12 +194,13 @@ class LengthBucketSampler(Sampler[list[int]]):
         return len(self._plan(self.epoch, self._start))
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffles for `epoch` (call before each epoch, as with DistributedSampler)."""
+        """Reshuffles for `epoch` (call before each epoch, as with DistributedSampler); the epoch
+        it is at already keeps a loaded position (a loop may set it after `iter()`)."""
         if self.mixture is not None:
             self.mixture.set_epoch(epoch)
-        self.epoch = int(epoch)
-        self._start = self._begin = 0
-        self._yielded = 0
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._start = self._begin = self._yielded = 0
 
     # ---- resume ----------------------------------------------------------------------
     def plan_settings(self) -> dict:

@@ -58,7 +58,7 @@ class Schedule:
 
 def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Callable[[int], np.ndarray],
                     seed: Sequence[int], window: int = WINDOW, interleave: int = INTERLEAVE,
-                    piece_samples: float | None = None) -> Schedule:
+                    piece_samples: float | None = None, draws_needed: int | None = None) -> Schedule:
     """The order of a consumer's epoch (module docstring).
 
     Args:
@@ -69,6 +69,8 @@ def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Cal
         interleave: blocks read at once.
         piece_samples: the samples a piece stands for in `window` (default: the pieces' mean
             length); an elastic resume's rest, cut into many small ranges, passes a shard's.
+        draws_needed: make only the draws up to the end of the group holding this many (what
+            `skip_counts` of up to that many needs: an elastic resume's arithmetic).
     """
     rng = np.random.default_rng([*seed])
     shards, starts, stops = _blocks(pieces, block_starts)
@@ -83,18 +85,26 @@ def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Cal
     keys = places + rng.random(len(sizes)) * reach
     order = np.argsort(keys, kind="stable")
     shards, starts, stops, sizes = shards[order], starts[order], stops[order], sizes[order]
-    # each group's samples in a uniformly random interleaving: a random key per sample, sorted
-    # within its group (one vectorised sort; groups follow one another)
+    # each group's samples in a uniformly random interleaving: a random key in [0, 1) per sample
+    # added to its group's number, one sort (groups follow one another)
     blocks = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-    draws = blocks[np.lexsort((rng.random(total), blocks // interleave))]
+    groups, noise = blocks // interleave, rng.random(total)
+    if draws_needed is not None and draws_needed < total:
+        cut = int(np.searchsorted(groups, groups[draws_needed - 1], side="right")) if draws_needed > 0 else 0
+        blocks, groups, noise = blocks[:cut], groups[:cut], noise[:cut]
+    draws = blocks[np.argsort(groups + noise, kind="stable")]
     return Schedule(shards, starts, stops, draws)
 
 
 def _blocks(pieces, block_starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    shards, starts, stops = [], [], []
+    """The pieces cut at their shards' (ascending) block starts; each shard's asked for once (an
+    elastic resume's rest holds many small pieces of the same shards)."""
+    shards, starts, stops, known = [], [], [], {}
     for shard, start, stop in pieces:
-        cuts = np.asarray(block_starts(shard), dtype=np.int64)
-        inner = cuts[(cuts > start) & (cuts < stop)]
+        cuts = known.get(shard)
+        if cuts is None:
+            cuts = known[shard] = np.asarray(block_starts(shard), dtype=np.int64)
+        inner = cuts[np.searchsorted(cuts, start, side="right"):np.searchsorted(cuts, stop, side="left")]
         edges = np.concatenate(([start], inner, [stop]))
         starts.append(edges[:-1])
         stops.append(edges[1:])

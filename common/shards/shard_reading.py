@@ -77,10 +77,11 @@ class ShardReading:
                              "(`shard_lengths` says how many each shard holds): a stale length, or a reader that "
                              "ignores `start`/`stop`?")
 
-    def schedule(self, pieces: list[Piece], *, seed: Sequence[int], piece: float | None = None):
+    def schedule(self, pieces: list[Piece], *, seed: Sequence[int], piece: float | None = None,
+                 draws_needed: int | None = None):
         pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
         return mixing_schedule(pieces, block_starts=self.block_starts, seed=seed, window=self.window,
-                               piece_samples=piece)
+                               piece_samples=piece, draws_needed=draws_needed)
 
     def mixed(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list], *, seed: Sequence[int],
               piece: float | None = None) -> Iterator:

@@ -269,8 +269,9 @@ class ShardedIterableDataset(IterableDataset):
         for w in range(workers):
             n = self._plan_samples(self.plan(epoch, w, workers))
             batches.append(None if n is None else (n // per_batch if drop_last else -(-n // per_batch)))
-        if workers > 1 and None in batches:  # a worker may have run out first: replay to find out
-            return self._replayed_position(epoch, done, per_batch, drop_last, workers)
+        if None in batches:  # unknown lengths: one worker made every batch; several may have run out
+            return ([done * per_batch], 0) if workers == 1 else \
+                self._replayed_position(epoch, done, per_batch, drop_last, workers)
         skipped, first = round_robin_position(batches, done)
         return [s * per_batch for s in skipped], first
 
@@ -318,7 +319,7 @@ class ShardedIterableDataset(IterableDataset):
                 former._resume = (int(batches), batch_size, bool(drop_last), workers, False)
                 for w, skip in enumerate(former._resume_position(epoch)[0]):
                     pieces = [(a, b, int(self.shard_lengths[a]) if c is None else c) for a, b, c in former.plan(epoch, w, workers)]
-                    mixing = former._schedule(epoch, w, workers, pieces) if former.mixes else None
+                    mixing = former._schedule(epoch, w, workers, pieces, draws_needed=skip) if former.mixes else None
                     consumers.append(consumer_ranges(pieces, mixing, skip))
             rest = rest_fragments(self.shard_lengths, self.order(epoch), consumers)
         return rest
@@ -378,9 +379,9 @@ class ShardedIterableDataset(IterableDataset):
         return ShardReading(self.shards, self.read_shard, self._ranged, self.shard_lengths, self.cache,
                             self.shard_sha256, self.blocks, self.shuffle_window)
 
-    def _schedule(self, epoch: int, worker: int, num_workers: int = 1, pieces: list[Piece] | None = None):
+    def _schedule(self, epoch: int, worker: int, num_workers: int = 1, pieces: list[Piece] | None = None, draws_needed=None):
         pieces = self.plan(epoch, worker, num_workers) if pieces is None else pieces
-        return self._reading().schedule(pieces, **self._mixing(epoch, worker))
+        return self._reading().schedule(pieces, **self._mixing(epoch, worker), draws_needed=draws_needed)
 
     def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
         """The rest of an interrupted epoch in the order its DataLoader would have yielded it:

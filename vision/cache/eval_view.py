@@ -252,15 +252,49 @@ def _commit(dataset: CacheSource, folder: Path, fingerprint: str, parts: Path, w
 def ensure_eval_view(dataset: CacheSource, cache: ImageCache, *, ranks: BuildRanks | None = None,
                      num_workers: int | None, progress: bool, error: type[Exception]) -> None:
     """After a cache build: the eval view of an eval `dataset`'s resolution in `cache`'s folder,
-    unless a valid one is there; built by every rank of `ranks` when any folder lacks it."""
+    unless a valid one is there; copied from a folder that holds one to those that lack it, or
+    built by every rank of `ranks` when none holds it."""
     ranks = ranks or BuildRanks.alone()
     missing = None
     if ranks.leader:
         missing = open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
                                  error) is None
-    if any(ranks.gather(missing)):
+    answers = ranks.gather(missing)
+    holders = [r for r in ranks.leaders if not answers[r]]
+    if len(holders) == len(ranks.leaders):
+        return
+    if not holders:
         build_eval_view(dataset, cache.path, cache.fingerprint, num_workers=num_workers, progress=progress,
                         error=error, ranks=ranks)
+        return
+    if ranks.leader:
+        _copy_view(dataset, cache, ranks, holders[0], needs=bool(missing), error=error)
+    ranks.barrier()  # no rank reads its folder's view before it is in place
+
+
+def _copy_view(dataset: CacheSource, cache: ImageCache, ranks: BuildRanks, source: int, *, needs: bool,
+               error: type[Exception]) -> None:
+    """Leaders: `source`'s view files into each leader that lacks them, committed as a build's."""
+    name = view_name(dataset.resolution, dataset.CROP_PCT)
+    kinds = ("bin", "sums", "json")  # the header last: it commits the data
+    if ranks.rank == source:
+        ranks.send(source, [cache.path / f"{name}.{kind}" for kind in kinds])
+        return
+    parts = Path(tempfile.mkdtemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=cache.path)) \
+        if needs else None
+    try:
+        ranks.send(source, [None if parts is None else parts / kind for kind in kinds])
+        if parts is not None:
+            with folder_lock(cache.path):
+                if open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
+                                  error) is None:
+                    for kind in kinds:
+                        os.replace(parts / kind, cache.path / f"{name}.{kind}")
+                    clear_damage(cache.path, f"{name}.bin")
+                    fsync_path(cache.path)
+    finally:
+        if parts is not None:
+            shutil.rmtree(parts, ignore_errors=True)
 
 
 class _EvalItems:

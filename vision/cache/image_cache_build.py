@@ -148,7 +148,8 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
                         "write their images to root/<class>/<key>.jpg and cache ImageFolderFast(root).")
     fingerprint, _, table = cache_inputs(dataset.paths, dataset.targets, dataset.root, dataset.max_side)
     target = ImageCache.folder_for(cache_dir, fingerprint)
-    build = FolderBuild(target, distributed=distributed)  # every node's folder ends with the cache
+    build = FolderBuild(target, distributed=distributed, inputs=fingerprint,  # every node's folder ends with it
+                        local={"root": os.path.abspath(dataset.root)})
     if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint).check_labels(dataset.targets),
                     ImageCacheError):
         with build:

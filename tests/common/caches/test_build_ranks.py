@@ -41,11 +41,12 @@ def open_cache():
 
 
 if mode == "late":
-    build_ranks.RENDEZVOUS_S = 1.0
+    build_ranks.RENDEZVOUS_S, build_ranks.NOTICE_S = 1.5, 0.5
     if rank == world - 1:
         time.sleep(2.5)
         sys.exit(0)
-build = FolderBuild(target)
+inputs = Path.cwd().name if mode == "differ" else "the same data"  # a node's own data, or everyone's
+build = FolderBuild(target, inputs=inputs)
 if build.needed(open_cache, Missing):
     with build:
         Path(f"built.{rank}").write_text("1")
@@ -122,3 +123,16 @@ def test_a_build_not_every_rank_calls_fails_naming_how_many_came(zygote, tmp_pat
     failed = [c for c in children[:-1] if c.returncode != 0]
     assert failed and all("BuildRendezvousError" in c.stderr and "only 2 of the 3 ranks" in c.stderr
                           and "distributed=False" in c.stderr for c in failed)
+    assert "2 of the 3 ranks have called the build after 0 s; waiting up to 2 s" in children[0].stderr
+
+
+def test_ranks_given_other_inputs_fail_naming_them_before_any_work(zygote, tmp_path):
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    children = _launch(zygote, [nodes[0], nodes[0], nodes[1], nodes[1]], mode="differ")
+    assert all(c.returncode != 0 for c in children)
+    assert all("BuildInputsError" in c.stderr and "ranks [0, 1]" in c.stderr and "ranks [2, 3]" in c.stderr
+               and "cp -p or rsync -a" in c.stderr for c in children)
+    assert not list(tmp_path.rglob("built.*")) and not list(tmp_path.rglob("data.bin*"))  # nothing decoded
+

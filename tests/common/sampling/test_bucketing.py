@@ -212,3 +212,28 @@ def test_state_after_a_resumed_pass_counts_the_resumed_part():
     again = LengthBucketSampler(lengths, max_tokens=150, num_replicas=2, rank=0, seed=2)
     again.load_state_dict(resumed.state_dict())
     assert list(again) == []  # the epoch is done; nothing repeats
+
+
+def test_a_loaded_position_survives_set_epoch_to_its_epoch_after_iter():
+    """A loop that loads a state, calls `iter()`, then `set_epoch(epoch)` of the same epoch (no
+    workers: nothing is drawn at `iter()`) continues where the state was, as with workers."""
+    from recipes.common import make_loader
+
+    lengths = np.random.default_rng(1).integers(1, 40, 90)
+
+    def build():
+        sampler = LengthBucketSampler(lengths, max_tokens=120, seed=2, num_replicas=2, rank=0)
+        sampler.set_epoch(1)
+        return make_loader(list(range(90)), batch_sampler=sampler, num_workers=0, collate_fn=list)
+
+    whole = list(build())
+    first = build()
+    iterator = iter(first)
+    head = [next(iterator) for _ in range(3)]
+    state = first.state_dict()
+    del iterator
+    resumed = build()
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    resumed.batch_sampler.set_epoch(1)
+    assert head + list(iterator) == whole

@@ -158,6 +158,10 @@ def test_the_schedule_reads_every_sample_once_and_resumes_from_counts(lengths, w
         resumed.append((int(schedule.shards[j]), int(nxt[j])))
         nxt[j] += 1
     assert resumed == order[skip:]
+    prefix = mixing_schedule(pieces, block_starts=lambda s: np.arange(0, lengths[s], block), seed=(seed, 1),
+                             window=window, interleave=interleave, draws_needed=skip)  # an elastic resume's
+    assert (prefix.draws == schedule.draws[: len(prefix.draws)]).all() and len(prefix.draws) >= skip
+    assert (skip_counts(prefix, skip) == done).all()
 
 
 def test_the_writer_shuffles_a_sequence_and_a_stream_and_keeps_every_sample():
