@@ -204,7 +204,7 @@ def test_a_mixture_two_nodes_then_one_node_with_3_ranks(tmp_path, data):
 def test_recipes_bench_nodes_prints_its_tables(capsys):
     from recipes.cli import main
 
-    assert main(["bench", "nodes", "--images", "48"]) == 0
+    assert main(["bench", "nodes", "--images", "96"]) == 0  # 3 batches of 8 a rank on 2 x 2 ranks
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert "| 1.00x |" in rows["2 nodes, node-local disks"]  # decodes as one process building alone

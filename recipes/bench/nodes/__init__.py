@@ -68,6 +68,11 @@ def _work(folders: list[Path], what: str, run: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from recipes.bench.vision import ensure_data
 
+    per_rank = -(-args.images // (2 * args.ranks))  # images a rank reads in epoch 0 on 2 nodes
+    stop = min(3, -(-per_rank // 8) - 1)  # a step of epoch 0 before its last batch
+    if stop < 1:
+        raise SystemExit(f"recipes bench nodes: --images {args.images} gives each of 2 x {args.ranks} ranks a single "
+                         "batch of 8; give at least two batches a rank (--images 32 or more per rank).")
     root = ensure_data(args.images, kind="photos")
     base = {"kind": "images", "data": str(root.parent), "images": root.name, "epochs": 1, "batch": 8}
     rows, resumes = [], []
@@ -86,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
                          _work(folders, "read", run_name), max(per_node.values())))
         shards = _write_shards(root, tmp / "shards")
         for kind, extra in (("images", {}), ("shards", {"kind": "shards", "url": str(shards), "storage_options": {}})):
-            # an elastic resume: 2 nodes stopped after 3 steps, node 1 lost, finished on 1 node with 3 ranks
+            # an elastic resume: 2 nodes stopped after `stop` steps, node 1 lost, finished on 1 node with 3 ranks
             folders = [tmp / f"elastic-{kind}" / f"node{k}" for k in range(2)]
             shared = tmp / f"elastic-{kind}" / "shared"
             spec = {**base, **extra, "shared": str(shared)}
-            _launch(folders, {**spec, "run": "first", "stop_after": 3, "epochs": 2}, args.ranks, lose_node_after=3)
+            _launch(folders, {**spec, "run": "first", "stop_after": stop, "epochs": 2}, args.ranks, lose_node_after=stop)
             for name, more in (("a fresh epoch on 1 node x 3 ranks (baseline)", {"run": "fresh"}),
                                ("resumed mid-epoch from 2 nodes x 2 ranks on 1 node x 3 ranks",
                                 {"run": "resumed", "resume": True})):

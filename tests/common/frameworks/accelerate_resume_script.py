@@ -2,8 +2,9 @@
 `test_accelerate_resume.py`: `torchrun --nproc_per_node 2 accelerate_resume_script.py WORKDIR KIND
 [--stop-after N]`.
 
-KIND: `workers` (a `DistributedSampler`, one persistent worker per rank) or `bucket` (a
-`LengthBucketSampler` under a token budget, batches made in the loop's process). Every step
+KIND: `workers` (a `DistributedSampler`, one persistent worker per rank), `elastic` (make_loader's
+own sampler under the process group, an `ElasticDistributedSampler`, one persistent worker) or
+`bucket` (a `LengthBucketSampler` under a token budget, batches made in the loop's process). Every step
 appends `epoch idx idx ...` to `WORKDIR/samples-rank<r>.txt`; `accelerator.save_state` runs every
 `SAVE_EVERY` steps into `WORKDIR/ckpt`, which a later launch resumes (`load_state`). The first
 batch of the first epoch this launch trains is timed into `WORKDIR/first-batch-rank<r>.txt`
@@ -53,6 +54,9 @@ def build_loader(kind: str):
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # the torch.distributed world
         return make_loader(dataset, batch_size=4, sampler=sampler, collate_fn=collate, num_workers=1,
                            persistent_workers=True, path="workers")
+    if kind == "elastic":  # the loader splits the ranks itself: resumable on another number of them
+        return make_loader(dataset, batch_size=4, shuffle=True, collate_fn=collate, num_workers=1,
+                           persistent_workers=True, path="workers")
     sampler = LengthBucketSampler(LENGTHS, max_tokens=64, seed=0)  # reads the world, as DistributedSampler
     return make_loader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
@@ -64,7 +68,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir", type=Path)
-    parser.add_argument("kind", choices=["workers", "bucket"])
+    parser.add_argument("kind", choices=["workers", "elastic", "bucket"])
     parser.add_argument("--stop-after", type=int, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -170,9 +170,9 @@ def test_each_rank_reads_its_own_state_and_another_world_reads_rank_0s(tmp_path)
 
 
 # ---- the proof: two processes, a crash in epoch 1, a fresh launch ---------------------------
-def _launch(workdir: Path, kind: str, *extra: str) -> None:
+def _launch(workdir: Path, kind: str, *extra: str, ranks: int = 2) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                            str(SCRIPT), str(workdir), kind, *extra], capture_output=True, text=True, timeout=300,
                           env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -202,3 +202,23 @@ def test_two_ranks_crashed_in_epoch_1_resume_exactly(kind, stop, tmp_path):
                                      if e == epoch for i in batch)
         assert counts == collections.Counter(range(96)), epoch  # every sample once per epoch over the ranks
     assert json.loads((crashed / "weights.json").read_text()) == json.loads((whole / "weights.json").read_text())
+
+
+@pytest.mark.slow  # 2 torchrun launches
+@pytest.mark.parametrize("kind, ranks", [("elastic", 3), ("bucket", 1)])
+def test_two_ranks_crashed_in_epoch_1_resume_on_another_number_of_ranks(kind, ranks, tmp_path):
+    """Crashed on 2 ranks mid-epoch 1, resumed on 3 (make_loader's own sampler) or 1
+    (LengthBucketSampler), each new rank reading rank 0's state: every sample of each epoch once
+    over both runs, at most the new deal's padding repeated (samples, or whole batches)."""
+    _launch(tmp_path, kind, "--stop-after", "18" if kind == "elastic" else "12")
+    before = [_batches(tmp_path, rank) for rank in range(2)]
+    for rank in range(2):
+        (tmp_path / f"samples-rank{rank}.txt").rename(tmp_path / f"before-rank{rank}.txt")
+    _launch(tmp_path, kind, ranks=ranks)
+    after = [_batches(tmp_path, rank) for rank in range(ranks)]
+    padding = ranks - 1 if kind == "elastic" else 0
+    for epoch in range(3):
+        counts = collections.Counter(i for seen in after for e, batch in seen if e == epoch for i in batch)
+        counts += collections.Counter(i for seen in before for e, batch in seen if e == epoch for i in batch)
+        assert set(counts) == set(range(96)) and sum(counts.values()) - 96 <= padding, (epoch, counts)
+
