@@ -84,12 +84,19 @@ class FolderBuild:
         self.target, self.inputs, self.local = Path(target), inputs, dict(local or {})
         self.distributed = distributed_build(distributed)
         self.ranks = BuildRanks.alone()
-        self.rank, self.world = _rank_and_world() if self.distributed else (0, 1)
         self.path: Path | None = None
         self._joined = not self.distributed
         self._published = False
         self._open_cache: Callable[[], object] | None = None
         self._error: type[Exception] = Exception
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world
 
     @property
     def leader(self) -> bool:
@@ -244,11 +251,3 @@ def check_inputs(keys: list, name: str) -> None:
         "same data: the same files under the same relative paths, with their sizes and modification times (an "
         "image cache's fingerprint covers them: copy with cp -p or rsync -a, which keep the times), the same "
         "texts and tokenizer; or build on each node with distributed=False.")
-
-
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
