@@ -208,7 +208,10 @@ def test_recipes_bench_nodes_prints_its_tables(capsys):
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
     assert "| 1.00x |" in rows["2 nodes, node-local disks"]  # decodes as one process building alone
-    assert "| 4.00x |" in rows["2 nodes, every rank builds alone (0.1)"]
+    # every node decodes every image at least once; its 2 ranks race for one folder, each decoding
+    # what it finds not yet written (4.00x when neither finds the other's work, 3.50x seen in CI)
+    alone = float(rows["2 nodes, every rank builds alone (0.1)"].split("|")[6].strip().rstrip("x"))
+    assert 2.0 <= alone <= 4.0, rows
     firsts = [float(line.rsplit("|", 2)[1]) for line in out.splitlines() if "resumed mid-epoch" in line
               or "first batch, the rest" in line]
     assert len(firsts) == 3 and max(firsts) < 2.0, firsts
