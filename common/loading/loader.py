@@ -62,6 +62,11 @@ from recipes.common.workers.worker import ChainedWorkerInit
 LOW_NOFILE = 4096
 # Python containers larger than this on a dataset cost forked workers real memory (copy-on-read).
 COPY_ON_READ_ITEMS = 100_000
+# Fewer batches than this an epoch: the thread path stays in this process (`_isolate`).
+ISOLATE_MIN_BATCHES = 16
+ISOLATED_WHY = ("; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a training "
+                "step that holds the GIL (an eager step's Python), threads of this process wait for it "
+                "(`recipes bench step`, docs/choosing-a-path.md); path='threads' keeps them in this process")
 
 
 def make_loader(
@@ -136,11 +141,15 @@ def make_loader(
         reasons[key] = "override"
     _split_ranks(dataset, settings, reasons, distributed)
     extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
-    if chosen == "threads":
-        unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY))
+    if chosen == "threads" and path == "auto":
+        chosen, why = _isolate(dataset, settings, res, why)
+    if chosen in ("threads", "isolated"):
+        if chosen == "isolated" and "timeout" in overrides:
+            extras["timeout"] = settings.pop("timeout")
+        unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY) - set(extras))
         if unknown:
             raise TypeError(f"make_loader() got arguments neither a ThreadLoader nor a DataLoader takes: {unknown}.")
-        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras)
+        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras, chosen)
     if extras:
         raise TypeError(f"{sorted(extras)} configure the thread path (ThreadLoader), but this loader has worker "
                         f"processes ({why}); drop them, or pass path='threads'.")
@@ -152,6 +161,41 @@ def make_loader(
     reasons["path"] = why
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
+
+
+def _isolate(dataset, settings: dict[str, Any], res: Resources, why: str) -> tuple[str, str]:
+    """"isolated" (the thread path in a child process) or "threads" (in this process) for
+    "auto", with the reason: isolated when a child can be forked, this rank has 2 CPUs or more,
+    and an epoch has `ISOLATE_MIN_BATCHES` batches or more (a fork and its first batches cost
+    a few batches' time)."""
+    import math
+
+    from recipes.common.loading.isolated_loader import isolated_available
+
+    batches = None
+    try:
+        if settings.get("batch_sampler") is not None:
+            batches = len(settings["batch_sampler"])
+        else:
+            sampler = settings.get("sampler")
+            batches = math.ceil(len(sampler if sampler is not None else dataset) / max(1, settings.get("batch_size") or 1))
+    except TypeError:  # a sampler without a length
+        pass
+    cpus = max(1, res.cpus // _local_ranks())
+    if not isolated_available() or multiprocessing.current_process().daemon:
+        return "threads", why + "; in this process: no child process can be forked here (path='isolated' refuses too)"
+    if cpus < 2:
+        return "threads", why + f"; in this process: {cpus} CPU for this rank, which the loop and a child would share"
+    if batches is not None and batches < ISOLATE_MIN_BATCHES:
+        return "threads", why + (f"; in this process: {batches} batches an epoch, fewer than {ISOLATE_MIN_BATCHES} "
+                                 "(a child's fork and first batches would cost more than they win)")
+    return "isolated", why.replace("threads:", "isolated threads:", 1) + ISOLATED_WHY
+
+
+def _local_ranks() -> int:
+    from recipes.common.sizing.sizing import local_world_size_from_env
+
+    return local_world_size_from_env()
 
 
 def _split_ranks(dataset, settings: dict[str, Any], reasons: dict[str, str], distributed: bool | None) -> None:
@@ -203,23 +247,25 @@ def _split_ranks(dataset, settings: dict[str, Any], reasons: dict[str, str], dis
 
 
 def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dict[str, str], res: Resources,
-                   why: str, extras: dict[str, Any]) -> ThreadLoader:
-    """The thread path: the profile's batch settings, one thread per CPU of this rank (or the
-    given `threads`, `prefetch`, `seed`)."""
+                   why: str, extras: dict[str, Any], path: str = "threads") -> ThreadLoader:
+    """The thread path, in this process or isolated in a child: the profile's batch settings,
+    one thread per CPU of this rank (or the given `threads`, `prefetch`, `seed`)."""
+    from recipes.common.loading.isolated_loader import IsolatedLoader
     from recipes.common.sizing.sizing import local_world_size_from_env
 
     kwargs = {key: settings[key] for key in THREAD_KEYS if key in settings}
     if "batch_sampler" in kwargs:
         kwargs.pop("batch_size", None)
     threads = extras.pop("threads", None) or max(1, res.cpus // local_world_size_from_env())
-    loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
+    loader = (IsolatedLoader if path == "isolated" else ThreadLoader)(dataset, threads=threads, **extras, **kwargs)
     kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
     kept.update({key: "override" for key in extras})
     kept.update(path=why, threads=f"{threads}: " + ("override" if "threads" in reasons else "the CPUs of this rank"),
                 sampler=reasons.get(
         "sampler", "the DataLoader default") if kwargs.get("shuffle") else kept.get("sampler", "in order"))
-    loader.recipe = LoaderRecipe(profile, _printable({**kwargs, **extras, "num_workers": 0, "path": "threads", "threads": threads}),
-                                 {**kept, "num_workers": "0: batches are read by threads of this process"})
+    where = "of one child process (IsolatedLoader)" if path == "isolated" else "of this process"
+    loader.recipe = LoaderRecipe(profile, _printable({**kwargs, **extras, "num_workers": 0, "path": path, "threads": threads}),
+                                 {**kept, "num_workers": f"0: batches are read by threads {where}"})
     return loader
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import ConcatDataset, IterableDataset
 
 from recipes.common.resume.loader_contract import ThreadBatched
 
-PATHS = ("auto", "threads", "workers")
+PATHS = ("auto", "isolated", "threads", "workers")
 # Arguments of worker processes: given by the user, they choose the worker path.
 WORKER_ONLY = ("num_workers", "prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context",
                "timeout", "pin_memory_device", "in_order")
@@ -61,16 +61,23 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
     ready = bool(able and thread_capable(dataset))
     asked = [key for key in WORKER_ONLY if key in overrides]
     name = type(dataset).__name__
-    if path == "threads":
+    if path in ("threads", "isolated"):
         if not ready:
-            raise ValueError(f"path='threads' needs a map-style dataset whose batches are made by code that "
+            raise ValueError(f"path={path!r} needs a map-style dataset whose batches are made by code that "
                              f"releases the GIL (thread_batches() true: a cache attached or OpenCV decoding, no "
                              f"transform); {name} "
                              f"{'has no thread_batches()' if not able else 'cannot now'}. Use path='workers'.")
+        asked = [key for key in asked if not (path == "isolated" and key == "timeout")]
         if asked:
-            raise ValueError(f"path='threads' makes batches in threads of this process; {asked} configure worker "
-                             "processes. Drop them, or use path='workers'.")
-        return "threads", "given"
+            raise ValueError(f"path={path!r} makes batches in threads (of this process, or of one child process); "
+                             f"{asked} configure worker processes. Drop them, or use path='workers'.")
+        if path == "isolated":
+            from recipes.common.loading.isolated_loader import isolated_available
+
+            if not isolated_available():
+                raise ValueError("path='isolated' forks a child process, which this platform cannot; use "
+                                 "path='threads'.")
+        return path, "given"
     if not ready:
         return "workers", (f"worker processes: {name} has no thread_batches() (loader_contract.ThreadBatched)"
                            if not able else

@@ -79,10 +79,15 @@ class RobustLoader:
         # chance to notice a dead worker inside next(); `self.timeout` bounds the whole wait.
         # The thread path has no workers to watch: it gets none (it would refuse it, and "auto"
         # would take worker processes for it).
+        from recipes.common.loading.isolated_loader import IsolatedLoader
+
         kwargs = {**self._kwargs, **changes}
         if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs)[0] == "workers":
             kwargs["timeout"] = min(_POLL_SECONDS, self.timeout)
-        return make_loader(self.dataset, batch_size=self.batch_size, **kwargs)
+        loader = make_loader(self.dataset, batch_size=self.batch_size, **kwargs)
+        if isinstance(loader, IsolatedLoader):  # its child is watched for a hang as workers are
+            loader.timeout = self.timeout
+        return loader
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -193,6 +198,12 @@ def _cause(error: BaseException) -> str | None:
     Deaths and hangs are DataLoader's own errors ("DataLoader worker (pid ...) ...", "DataLoader
     timed out after"); an error a worker raised comes back as "Caught ... in DataLoader worker
     process", and only a full /dev/shm is recognised inside one."""
+    from recipes.common.loading.isolated_loader import IsolatedProcessDied, IsolatedProcessHung
+
+    if isinstance(error, IsolatedProcessDied):
+        return "death"
+    if isinstance(error, IsolatedProcessHung):
+        return "hang"
     text = str(error).lower()
     if any(s in text for s in _SHM):
         return "shm"
@@ -236,6 +247,8 @@ def _next_rung(ladder, restarts, settings: dict[str, Any], cause: str) -> dict[s
         if len(restarts) >= len(ladder):
             return {"num_workers": 0}
         return dict(ladder[len(restarts)])
+    if settings.get("path") == "isolated":  # its child died or hung: a new child once, then this process's threads
+        return {"path": "isolated"} if not any(c.get("path") == "isolated" for _, c in restarts) else {"path": "threads"}
     workers = settings.get("num_workers", 0)
     if cause == "shm" or workers == 0:
         return {"num_workers": 0}  # shared memory cannot be fixed from here: no IPC at all
@@ -265,6 +278,9 @@ def _shut_down(iterator, kill_first: bool = False) -> None:
     """Ends the broken iterator's workers now. After a hang they are killed first: PyTorch's
     shutdown would wait 5 s on each hung worker's join before terminating it."""
     inner = getattr(iterator, "_inner", iterator)
+    child_of = getattr(getattr(inner, "_loader", None), "_stop_child", None)
+    if child_of is not None:  # an IsolatedLoader's epoch: its child process ended now (killed when hung)
+        child_of()
     if kill_first:
         for worker in getattr(inner, "_workers", []):
             if worker.is_alive():

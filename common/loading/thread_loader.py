@@ -210,7 +210,7 @@ class _Batches:
     def failed_batches_are_used(self, error: BaseException) -> bool:
         """An error from a pool thread is the dataset's: that batch's position is behind the loop
         (not when the loader was closed under the loop: those batches were never made)."""
-        return not isinstance(error, (LoaderClosedError, CancelledError))
+        return not isinstance(error, (LoaderClosedError, CancelledError)) and not getattr(error, "batch_not_made", False)
 
 
     def __len__(self) -> int:

@@ -244,7 +244,7 @@ class Flaky(Slow):
         return int(i)
 
 
-PATHS = {"threads": dict(path="threads"), "workers": dict(num_workers=2, collate_fn=_as_batch),
+PATHS = {"threads": dict(path="threads"), "isolated": dict(path="isolated"), "workers": dict(num_workers=2, collate_fn=_as_batch),
          "inline": dict(num_workers=0, collate_fn=_as_batch)}
 
 
@@ -344,9 +344,9 @@ def test_set_epoch_between_iter_and_the_first_batch_draws_that_epochs_batches():
     assert got + [(b[0].tolist(), b[1].tolist()) for b in resumed] == expected
 
 
-@pytest.mark.parametrize("path", ["threads", "workers"])
+@pytest.mark.parametrize("path", ["threads", "isolated", "workers"])
 def test_closing_mid_epoch_raises_and_the_state_resumes_there(path):
-    settings = {"threads": dict(path="threads"), "workers": dict(num_workers=2, collate_fn=_as_batch,
+    settings = {"threads": dict(path="threads"), "isolated": dict(path="isolated"), "workers": dict(num_workers=2, collate_fn=_as_batch,
                                                                 persistent_workers=True)}[path]
     loader = make_loader(Slow(40), batch_size=4, **settings)
     reference = [b[0].tolist() for b in make_loader(Slow(40), batch_size=4, **settings)]

@@ -123,7 +123,8 @@ class World:
         workers, persistent, prefetch, robust = config["workers"], config["persistent"], config["prefetch"], \
             config["robust"] and config["workers"] > 0
         threads = config.get("threads", False) and kind in THREADED and not robust
-        kwargs = dict(path="threads") if threads else dict(num_workers=workers)
+        # the thread path in this process, or isolated in a child process (IsolatedLoader)
+        kwargs = dict(path=threads if isinstance(threads, str) else "threads") if threads else dict(num_workers=workers)
         if workers and not threads:
             kwargs.update(persistent_workers=persistent, prefetch_factor=prefetch)
         torch.manual_seed(999 if rebuilt else SEED)  # a resumed process need not seed alike
@@ -210,7 +211,7 @@ class References:
 
 CONFIGS = st.fixed_dictionaries({"workers": st.sampled_from([0, 1, 2]), "persistent": st.booleans(),
                                  "prefetch": st.sampled_from([1, 2, 4]), "robust": st.booleans(),
-                                 "threads": st.booleans()})
+                                 "threads": st.sampled_from([False, "threads", "isolated"])})
 
 
 class ExactlyOnce(RuleBasedStateMachine):

@@ -157,7 +157,7 @@ def test_ranks_are_disjoint_equal_and_cover_the_plan():
     assert list(a) != list(b)  # each epoch its own plan
 
 
-@pytest.mark.parametrize("path", ["workers", "threads"])
+@pytest.mark.parametrize("path", ["workers", "threads", "isolated"])
 @pytest.mark.parametrize("epoch", [0, 1, 2])
 @pytest.mark.parametrize("cut", [0, 3, 11])
 def test_a_resume_at_any_batch_in_any_epoch_is_the_uninterrupted_run(path, epoch, cut):
@@ -166,7 +166,7 @@ def test_a_resume_at_any_batch_in_any_epoch_is_the_uninterrupted_run(path, epoch
     def build():
         mix = MixtureSampler(dict(zip("abc", sizes, strict=True)), {"a": 0.5, "b": 0.3, "c": 0.2},
                              num_samples=48, stop="never", seed=8)
-        settings = dict(num_workers=2) if path == "workers" else dict(path="threads")
+        settings = dict(num_workers=2) if path == "workers" else dict(path=path)
         return make_loader(_data(sizes), batch_size=4, sampler=mix, **settings), mix
 
     whole, mix = build()

@@ -1,0 +1,327 @@
+"""IsolatedLoader: the thread path run in a child process, beside a training loop that needs the GIL.
+
+Use when: a `ThreadLoader`'s dataset (a memory-speed cache, OpenCV decoding) feeds a training
+step that holds the GIL for part of each step (an eager PyTorch step launches its kernels and
+steps its optimizer in Python). In one process the loop's thread and the pool's threads take
+turns at the GIL, and both slow down; here the pool runs in a child with its own GIL, and the
+loop's process only maps finished batches.
+Cost: one fork, kept over the epochs while the dataset's attributes stay as they were
+(`dataset_fingerprint`: a new resolution, a cache attached or replaced forks a new child at
+the next epoch); per batch a copy into a shared-memory slot in the child and a few hundred
+bytes of layout through a pipe (`batch_ring.py`). No pickling of the batch, no new segment per
+batch.
+Adapt here: `threads`, `prefetch` (as `ThreadLoader`'s), `timeout`.
+Trade-off: needs the `fork` start method (Linux; elsewhere `make_loader` keeps the in-process
+thread path). The batches are the same as `ThreadLoader`'s for the same seed, sampler and
+state (each batch's draws come from `(seed, epoch, position)`), so a state saved on either path
+resumes on the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the
+loop's process.
+Copy with: common/loading/batch_ring.py, common/loading/thread_loader.py,
+  common/workers/process_lifetime.py, common/workers/worker.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from recipes.common.loading.batch_ring import Ring, flatten, unflatten
+from recipes.common.loading.thread_loader import ThreadLoader, _Batches, _pinned
+from recipes.common.resume.loader_counting import Counting, LoaderClosedError
+
+_POLL_SECONDS = 0.5
+
+
+class IsolatedProcessDied(RuntimeError):
+    """The isolated loader's child process ended under the epoch (the OOM killer, a signal, a
+    crash in native code); `RobustLoader` restarts it at the first batch the loop has not got."""
+
+    batch_not_made = True  # the batch waited for is not behind the loop (thread_loader._Batches)
+
+
+class IsolatedProcessHung(RuntimeError):
+    """No batch from the child within the loader's `timeout`."""
+
+    batch_not_made = True
+
+
+def isolated_available() -> bool:
+    """Whether this platform can fork the isolated loader's child (Linux and macOS)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+class IsolatedLoader(ThreadLoader):
+    """A `ThreadLoader` whose pool runs in a child process; same arguments, batches and state.
+
+    Args:
+        dataset, threads, prefetch, seed, **kwargs: as for `ThreadLoader`.
+        timeout: seconds a batch may take before the child counts as hung (a `RuntimeError`
+            naming it); None waits as long as the child lives.
+
+    Raises:
+        TypeError: as `ThreadLoader`.
+        RuntimeError: without the `fork` start method.
+    """
+
+    def __init__(self, dataset, *, timeout: float | None = None, **kwargs: Any):
+        if not isolated_available():
+            raise RuntimeError("IsolatedLoader forks its child process, which this platform cannot; use "
+                               "make_loader(..., path='threads') for the thread path in this process.")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"`timeout` must be positive, but is {timeout!r} instead.")
+        super().__init__(dataset, **kwargs)
+        self.timeout = timeout
+        self._ring = Ring()
+        self._child: _Child | None = None
+
+    def _begin_pass(self):
+        current = self._passes.start(0)
+        seen = dataset_fingerprint(self.dataset)
+        child = self._child
+        if child is None or not child.process.is_alive() or child.fingerprint != seen:
+            self._stop_child()  # the dataset changed since the fork (a resolution, a cache attached)
+            self._child = _Child(self, seen)
+        self._pool = self._child  # what _Batches submits to
+        return current, _Batches(self, iter(self._index_sampler), current)
+
+    def __iter__(self):
+        import weakref
+
+        return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
+
+    @property
+    def child_pid(self) -> int | None:
+        """The pid of the epoch's child process (None before the first `iter` and after `close`)."""
+        return None if self._child is None else self._child.process.pid
+
+    @property
+    def ring_slots(self) -> int:
+        """Shared-memory batch slots made so far (prefetch + the batches the loop holds)."""
+        return self._ring.slots
+
+    def _stop_child(self) -> None:
+        child, self._child = self._child, None
+        if child is not None:
+            child.stop()
+
+    def close(self) -> None:
+        """Ends the child process; the next `iter` starts another. An epoch's iterator in use
+        then raises `LoaderClosedError`; the state stays where it was."""
+        current = self._passes.current
+        if current is not None and not current.done:
+            current.closed = True
+        self._pool = None
+        self._stop_child()
+
+    def __del__(self):
+        child = getattr(self, "_child", None)
+        if child is not None:
+            try:
+                child.stop(wait=False)
+            except Exception:  # noqa: BLE001 - a finalizer must not raise
+                pass
+
+
+class _Remote:
+    """A batch asked of the child: `result()` waits for it (a `Future`'s part `_Batches` uses)."""
+
+    def __init__(self, child: _Child, request: int):
+        self._child, self.request = child, request
+
+    def result(self):
+        return self._child.wait(self.request)
+
+    def cancel(self) -> bool:
+        self._child.cancelled(self.request)
+        return True
+
+
+class _Child:
+    """One epoch's child process, with the pipe to it; `submit` asks for a batch."""
+
+    def __init__(self, loader: IsolatedLoader, fingerprint: tuple):
+        self.loader, self.ring, self.fingerprint = loader, loader._ring, fingerprint
+        context = multiprocessing.get_context("fork")
+        self.conn, child_end = context.Pipe(duplex=True)
+        self._next_request = 0
+        self._done: dict[int, Any] = {}
+        self._slots: dict[int, int] = {}  # request -> slot
+        self._dropped: set[int] = set()
+        self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn), daemon=True,
+                                       name="IsolatedLoader")
+        self.process.start()
+        child_end.close()
+
+    def submit(self, fn, indices, epoch: int, position: int) -> _Remote:
+        request, slot = self._next_request, self.ring.take()
+        self._next_request += 1
+        self._slots[request] = slot
+        try:
+            self.conn.send(("read", request, slot, indices, epoch, position, self.loader.seed))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # the child is gone: wait() says so
+        return _Remote(self, request)
+
+    def cancelled(self, request: int) -> None:
+        if request in self._done:
+            self._done.pop(request)  # its batch is dropped here: the slot's views go with it
+        else:
+            self._dropped.add(request)
+
+    def wait(self, request: int):
+        waited = 0.0
+        while request not in self._done:
+            start = time.monotonic()
+            try:
+                ready = self.conn.poll(_POLL_SECONDS)
+                message = self.conn.recv() if ready else None
+            except (EOFError, ConnectionResetError, OSError):
+                raise self._died() from None
+            if message is None:
+                if not self.process.is_alive():
+                    raise self._died()
+                waited += time.monotonic() - start
+                if self.loader.timeout is not None and waited >= self.loader.timeout:
+                    raise IsolatedProcessHung(f"IsolatedLoader: no batch from its child process (pid {self.process.pid}) "
+                                       f"within {self.loader.timeout:g} seconds (a hung read)")
+                continue
+            self._take(message)
+        result = self._done.pop(request)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _take(self, message) -> None:
+        kind, request = message[0], message[1]
+        slot = self._slots.pop(request)
+        if kind == "error":
+            self.ring.give_back(slot)
+            self._done[request] = _rebuilt(message[2], message[3])
+            return
+        _, _, new_segment, spec, layouts = message
+        if new_segment:
+            from multiprocessing.reduction import recv_handle
+
+            try:
+                self.ring.attach(slot, recv_handle(self.conn))
+            except (EOFError, ConnectionResetError, OSError):  # the child died between the two
+                self.ring.give_back(slot)
+                raise self._died() from None
+        batch = unflatten(spec, self.ring.read(slot, layouts))
+        if request in self._dropped:
+            self._dropped.discard(request)
+            return
+        self._done[request] = _pinned(batch) if self.loader.pin else batch
+
+    def _died(self) -> IsolatedProcessDied:
+        self.process.join(1.0)
+        code = self.process.exitcode
+        how = "is still running but its pipe closed" if code is None else (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        return IsolatedProcessDied(f"IsolatedLoader's child process (pid {self.process.pid}) {how} under the "
+                                   "epoch (the OOM killer, a signal, or a crash in native code). RobustLoader "
+                                   "restarts it at the first batch the loop has not received; without it, "
+                                   "load loader.state_dict() into a new loader to continue there.")
+
+    def stop(self, wait: bool = True) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+        if wait:
+            self.process.join(2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            if wait:
+                self.process.join(2.0)
+        self.conn.close()
+        for slot in self._slots.values():  # asked, never received: their slots are free again
+            self.ring.give_back(slot)
+        self._slots.clear()
+
+
+def dataset_fingerprint(dataset, depth: int = 2) -> tuple:
+    """What the child saw of `dataset` when it was forked: its attributes, by value when they
+    are plain (numbers, strings, tuples of them), else by identity (a cache attached or
+    replaced, a new index array); a `ConcatDataset`'s parts likewise. An in-place change of
+    an array or a nested object is not seen: set the attribute anew, or close the loader."""
+    plain = (int, float, str, bool, bytes, type(None))
+    items = []
+    for key, value in sorted(getattr(dataset, "__dict__", {}).items()):
+        if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+            items.append((key, value))
+        elif depth and isinstance(value, (list, tuple)) and value and all(hasattr(v, "__dict__") for v in value):
+            items.append((key, tuple(dataset_fingerprint(v, depth - 1) for v in value)))
+        else:
+            items.append((key, id(value)))
+    return (type(dataset).__name__, id(dataset), tuple(items))
+
+
+def _rebuilt(error: BaseException | None, text: str) -> BaseException:
+    if error is None:
+        return RuntimeError(f"IsolatedLoader: the dataset raised in the child process:\n{text}")
+    return error
+
+
+def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
+    """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
+    answers with its layout; ends on "stop", or when the loop's process is gone."""
+    from recipes.common.workers.process_lifetime import die_with_parent
+    from recipes.common.workers.worker import _single_threaded_libraries
+
+    parent_end.close()
+    die_with_parent()
+    _single_threaded_libraries()  # OpenCV inline in each pool thread (its pool's locks were forked)
+    loader.pin = False  # pinned in the loop's process, where CUDA is
+    send = threading.Lock()
+    pool = ThreadPoolExecutor(loader.threads, thread_name_prefix="IsolatedLoader")
+
+    def work(request: int, slot: int, indices, epoch: int, position: int, seed: int) -> None:
+        try:
+            loader.seed = seed
+            spec, tensors = flatten(loader._read(indices, epoch, position))
+            layouts, fd = loader._ring.write(slot, tensors)
+            reply, error = ("batch", request, fd is not None, spec, layouts), None
+        except Exception as caught:  # noqa: BLE001 - the dataset's error goes to the loop
+            fd, error = None, caught
+            reply = ("error", request, _picklable(caught), traceback.format_exc())
+        with send:
+            try:
+                conn.send(reply)
+            except Exception:  # noqa: BLE001 - an error that does not pickle: its text instead
+                if error is None:
+                    raise
+                conn.send(("error", request, None, traceback.format_exc()))
+            if fd is not None:
+                from multiprocessing.reduction import send_handle
+
+                send_handle(conn, fd, os.getppid())
+                os.close(fd)
+
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "stop":
+                break
+            pool.submit(work, *message[1:])
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        os._exit(0)  # no atexit handlers of the parent's copy
+
+
+def _picklable(error: BaseException) -> BaseException | None:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,138 @@
+"""`recipes bench step`: each loading path beside a training step that holds the GIL for part of it.
+
+Use when: choosing the path for a training loop (`make_loader(..., path=)`), or checking that
+`make_loader`'s default keeps its speed when the loop itself needs the GIL. A loader measured
+alone hides this: an eager PyTorch step spends milliseconds of Python per step launching
+kernels and stepping the optimizer, and threads of the same process wait for the GIL then.
+Cost: the photographic set (`--images`), its decoded cache built once, then per path one run
+alone and one beside each step; `--batches` batches per run after 3 of warm-up.
+Adapt here: `--gil` (ms of GIL per step), `--images`, `--size`, `--batch-size`.
+Trade-off: the step is simulated, so that it is the same on every machine: L ms of pure
+Python holding the GIL, then the rest of the step asleep with the GIL released (the device
+computing), the whole step as long as the thread path takes per batch alone (the balanced
+case, where any loss shows). "Of ideal" is the rate beside the step against the slower of the
+step alone and the thread path alone (the in-process thread path: the fastest loader here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import dataclass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--images", type=int, default=720, help="photographs in the set (default 720)")
+    parser.add_argument("--size", type=int, default=224, help="train crop size (default 224)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=150, help="batches timed per run (default 150)")
+    parser.add_argument("--gil", default="0,2,5", help="ms of GIL held per step, comma-separated (default 0,2,5)")
+
+
+@dataclass
+class StepRow:
+    path: str
+    gil_ms: float
+    rate: float
+    alone: float
+    of_ideal: float
+
+
+class SimulatedStep:
+    """`gil_s` of pure Python holding the GIL, then sleeping (GIL released) to `total_s`."""
+
+    def __init__(self, gil_s: float, total_s: float):
+        self.gil_s, self.total_s = gil_s, total_s
+
+    def __call__(self, batch) -> None:
+        start = time.perf_counter()
+        end = start + self.gil_s
+        while time.perf_counter() < end:  # the loop's Python: kernel launches, the optimizer step
+            pass
+        left = self.total_s - (time.perf_counter() - start)
+        if left > 0:
+            time.sleep(left)
+
+
+def rate(loader, step, batches: int, batch_size: int, warmup: int = 3) -> float:
+    """Samples per second over `batches` batches of `loader` (epochs repeat as needed), each
+    followed by `step(batch)` when given, after `warmup` batches."""
+    done, start = 0, None
+    while True:
+        for batch in loader:
+            if step is not None:
+                step(batch)
+            done += 1
+            if done == warmup:
+                start = time.perf_counter()
+            elif done == warmup + batches:
+                return batches * batch_size / (time.perf_counter() - start)
+
+
+def step_alone(step, batch, batches: int, batch_size: int) -> float:
+    start = time.perf_counter()
+    for _ in range(batches):
+        step(batch)
+    return batches * batch_size / (time.perf_counter() - start)
+
+
+def loaders(dataset, batch_size: int):
+    """(name, loader) per path: make_loader's default, each path it can take."""
+    from recipes.common import make_loader
+
+    return [("make_loader default", make_loader(dataset, batch_size=batch_size, shuffle=True)),
+            ("isolated threads (path='isolated')", make_loader(dataset, batch_size=batch_size, shuffle=True,
+                                                               path="isolated")),
+            ("in-process threads (path='threads')", make_loader(dataset, batch_size=batch_size, shuffle=True,
+                                                                path="threads")),
+            ("2 worker processes (path='workers')", make_loader(dataset, batch_size=batch_size, shuffle=True,
+                                                                num_workers=2, persistent_workers=True))]
+
+
+def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float]) -> tuple[list[StepRow], float, dict]:
+    """Rows of every path beside every step; (rows, step time in s, the paths' rates alone)."""
+    made = loaders(dataset, batch_size)
+    alone = {name: rate(loader, None, batches, batch_size) for name, loader in made}
+    for name, loader in made:  # a second round, in turns: the best of two
+        alone[name] = max(alone[name], rate(loader, None, batches, batch_size))
+    threads_alone = alone["in-process threads (path='threads')"]
+    total_s = batch_size / threads_alone  # balanced: the step alone as fast as the thread path alone
+    resident = next(iter(made[2][1]))
+    rows = []
+    for gil in gil_ms:
+        step = SimulatedStep(gil / 1000, total_s)
+        step_rate = step_alone(step, resident, batches, batch_size)
+        ideal = min(threads_alone, step_rate)
+        for name, loader in made:
+            got = rate(loader, step, batches, batch_size)
+            rows.append(StepRow(name, gil, got, step_rate, got / ideal))
+    for _, loader in made:
+        loader.close()
+    return rows, total_s, alone
+
+
+def run(args: argparse.Namespace) -> int:
+    from recipes.bench.vision import ensure_data
+    from recipes.vision import ImageFolderFast, build_image_cache
+
+    gil_ms = [float(v) for v in args.gil.split(",")]
+    root = ensure_data(args.images, kind="photos")
+    with tempfile.TemporaryDirectory(prefix="recipes-bench-step-") as cache:
+        dataset = ImageFolderFast(root, size=args.size, train=True)
+        build_image_cache(dataset, cache, progress=False)
+        rows, total_s, alone = measure(dataset, batch_size=args.batch_size, batches=args.batches, gil_ms=gil_ms)
+        reason = __import__("recipes.common", fromlist=["make_loader"]).make_loader(
+            dataset, batch_size=args.batch_size, shuffle=True).recipe.reasons["path"]
+    print(f"\n## step: each path beside a simulated training step ({args.images} photographs, warm cache, train "
+          f"crops {args.size} px, batch {args.batch_size}, a {total_s * 1000:.1f} ms step)\n")
+    print("| path | alone (img/s) |\n|---|---:|")
+    for name, value in alone.items():
+        print(f"| {name} | {value:,.0f} |")
+    print("\n| GIL held per step | path | beside the step (img/s) | step alone (img/s) | of ideal |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r.gil_ms:g} ms of {total_s * 1000:.1f} | {r.path} | {r.rate:,.0f} | {r.alone:,.0f} | "
+              f"{r.of_ideal:.0%} |")
+    print(f"\nmake_loader's default: {reason}")
+    return 0

@@ -1,0 +1,207 @@
+"""IsolatedLoader (issue 39): the thread path in a child process, batches through shared memory.
+
+Expectations are independent of the path under test: the in-process `ThreadLoader` (itself
+checked against torchvision in tests/vision) for the same seed and sampler, the indices the
+sampler gives, and an uninterrupted run for every resume."""
+
+import os
+import signal
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from recipes.common import LoaderMonitor, RobustLoader, ThreadLoader, make_loader
+from recipes.common.loading.isolated_loader import IsolatedLoader, IsolatedProcessDied
+from recipes.testing import make_image_folder
+from recipes.vision import ImageFolderFast, build_image_cache
+
+
+class Records:
+    """Thread-batched records: a dict batch of a tensor, a numpy array, strings and a scalar.
+    `kill_at` SIGKILLs the child process reading that index, once (a marker file)."""
+
+    def __init__(self, n: int = 64, bad: int | None = None, kill_at: int | None = None, marker: str | None = None):
+        self.n, self.bad, self.kill_at, self.marker = n, bad, kill_at, marker
+        self.parent = os.getpid()  # make_loader's probe reads an item here: never killed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.read_batch([i], None)
+
+    def thread_batches(self):
+        return True
+
+    def read_batch(self, indices, rng):
+        if self.bad in indices:
+            raise ValueError(f"record {self.bad} is damaged: rebuild its cache")
+        if self.kill_at in indices and os.getpid() != self.parent and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        ids = torch.tensor(indices, dtype=torch.int64)
+        return {"ids": ids, "square": np.asarray(indices, np.float32) ** 2, "names": [f"r{i}" for i in indices],
+                "size": len(indices), "mask": ids % 2 == 0}
+
+
+def _ids(batches) -> list[list[int]]:
+    return [b["ids"].tolist() for b in batches]
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    root = make_image_folder(tmp_path_factory.mktemp("iso"), classes=3, per_class=24, seed=4)
+    ds = ImageFolderFast(root, size=48, train=True)
+    build_image_cache(ds, tmp_path_factory.mktemp("iso-cache"), progress=False)
+    return ds
+
+
+def test_train_crops_equal_the_in_process_thread_path_over_epochs(cached):
+    threads = ThreadLoader(cached, batch_size=8, shuffle=True, seed=3, generator=torch.Generator().manual_seed(1))
+    isolated = IsolatedLoader(cached, batch_size=8, shuffle=True, seed=3, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        expected, got = list(threads), list(isolated)
+        assert len(got) == len(expected) == 9
+        for (xi, yi), (xe, ye) in zip(got, expected, strict=True):
+            assert torch.equal(xi, xe) and torch.equal(yi, ye)
+            assert xi.stride() == xe.stride() and xi.dtype == torch.uint8  # channels-last kept
+    pid = isolated.child_pid
+    assert pid is not None
+    isolated.close()
+    assert isolated.child_pid is None
+    with pytest.raises(ProcessLookupError):
+        for _ in range(200):  # reaped by close
+            os.kill(pid, 0)
+            import time
+            time.sleep(0.01)
+
+
+def test_dict_batches_with_numpy_strings_and_scalars_cross_intact():
+    loader = make_loader(Records(20), batch_size=6, path="isolated")
+    batches = list(loader)
+    assert [b["ids"].tolist() for b in batches] == [list(range(i, min(i + 6, 20))) for i in range(0, 20, 6)]
+    last = batches[-1]
+    assert isinstance(last["square"], np.ndarray) and last["square"].tolist() == [18.0**2, 19.0**2]
+    assert last["names"] == ["r18", "r19"] and last["size"] == 2 and last["mask"].dtype == torch.bool
+    assert last["mask"].tolist() == [True, False]
+
+
+def test_batches_the_loop_keeps_are_never_overwritten():
+    loader = make_loader(Records(96), batch_size=4, shuffle=True, path="isolated",
+                         generator=torch.Generator().manual_seed(2))
+    kept = list(loader)  # every batch of the epoch alive at once
+    assert Counter(i for b in kept for i in b["ids"].tolist()) == Counter(range(96))
+    for b in kept:
+        assert b["square"].tolist() == [float(i) ** 2 for i in b["ids"].tolist()]
+    assert loader.ring_slots >= len(kept)  # the ring grew rather than reuse a held slot
+    del kept, b
+    slots = loader.ring_slots
+    for _ in range(3):
+        for b in loader:  # dropped batch by batch: the slots are reused
+            pass
+    assert loader.ring_slots == slots
+
+
+@pytest.mark.parametrize("cut", [0, 5, 11])
+def test_a_resume_mid_epoch_on_either_path_finishes_the_uninterrupted_run(cut):
+    def build(path):
+        torch.manual_seed(0)
+        return make_loader(Records(48), batch_size=4, shuffle=True, path=path)
+
+    whole = build("threads")
+    expected = [_ids(whole) for _ in range(3)]
+    first = build("isolated")
+    list(first)
+    iterator = iter(first)
+    prefix = [next(iterator)["ids"].tolist() for _ in range(cut)]
+    state = first.state_dict()
+    del iterator
+    first.close()
+    for path in ("isolated", "threads"):  # a state of the isolated path resumes on either
+        resumed = build(path)
+        torch.manual_seed(5)  # the resumed process's own seed plays no part
+        resumed.load_state_dict(state)
+        assert prefix + _ids(resumed) == expected[1], path
+        assert _ids(resumed) == expected[2], path
+
+
+def test_a_dataset_error_in_the_child_reaches_the_loop_typed_and_its_batch_is_used_up():
+    loader = make_loader(Records(24, bad=9), batch_size=4, path="isolated")
+    iterator = iter(loader)
+    got = [next(iterator)["ids"].tolist() for _ in range(2)]
+    with pytest.raises(ValueError, match="record 9 is damaged"):
+        next(iterator)
+    got += _ids(iterator)  # the loop carries on past the bad batch, as on the thread path
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22, 23]]
+
+
+def test_a_killed_child_is_reported_and_the_state_resumes_at_the_first_batch_not_received(tmp_path):
+    marker = str(tmp_path / "killed")
+    loader = make_loader(Records(40, kill_at=21, marker=marker), batch_size=4, path="isolated", prefetch=1)
+    iterator = iter(loader)
+    got = [next(iterator)["ids"].tolist() for _ in range(5)]
+    with pytest.raises(IsolatedProcessDied, match="killed by signal 9"):
+        next(iterator)
+    resumed = make_loader(Records(40), batch_size=4, path="isolated")
+    resumed.load_state_dict(loader.state_dict())
+    assert got + _ids(resumed) == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+
+
+@pytest.mark.parametrize("kill_at", [0, 17, 39])
+def test_robust_loader_survives_the_child_killed_at_any_moment_each_sample_once(tmp_path, kill_at):
+    marker = str(tmp_path / "killed")
+    torch.manual_seed(3)
+    robust = RobustLoader(Records(40, kill_at=kill_at, marker=marker), batch_size=4, shuffle=True, path="isolated")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        received = [i for b in robust for i in b["ids"].tolist()]
+    assert Counter(received) == Counter(range(40))  # counted: each sample exactly once
+    assert os.path.exists(marker) and robust.restarts == [("death", {"path": "isolated"})]
+    assert any("restarting" in str(w.message) for w in caught)
+    assert isinstance(robust.loader, IsolatedLoader)
+
+
+def test_a_new_resolution_between_epochs_reaches_the_child(cached):
+    loader = IsolatedLoader(cached, batch_size=8, shuffle=False, seed=1)
+    first = next(iter(loader))[0]
+    pid = loader.child_pid
+    assert next(iter(loader))[0].shape == first.shape and loader.child_pid == pid  # one child over epochs
+    old = cached.resolution
+    try:
+        cached.set_resolution(32)  # progressive resizing (shared memory, as workers see it)
+        assert next(iter(loader))[0].shape[-2:] == (32, 32)
+    finally:
+        cached.set_resolution(old)
+        loader.close()
+
+
+def test_an_attribute_set_anew_between_epochs_forks_a_child_that_sees_it():
+    ds = Records(32)
+    loader = make_loader(ds, batch_size=4, path="isolated")
+    assert len(_ids(loader)) == 8
+    pid = loader.child_pid
+    ds.bad = 5  # what the child forked with no longer holds: the next epoch forks anew
+    with pytest.raises(ValueError, match="record 5 is damaged"):
+        list(loader)
+    assert loader.child_pid != pid
+
+
+def test_make_loader_isolates_the_thread_path_for_long_epochs_and_says_why(cached):
+    long = make_loader(Records(64), batch_size=4)
+    assert isinstance(long, IsolatedLoader) and long.recipe.settings["path"] == "isolated"
+    assert "one child process (IsolatedLoader)" in long.recipe.reasons["path"]
+    short = make_loader(Records(60), batch_size=4)  # 15 batches an epoch
+    assert type(short) is ThreadLoader and "fewer than 16" in short.recipe.reasons["path"]
+    assert type(make_loader(Records(64), batch_size=4, path="threads")) is ThreadLoader
+    with pytest.raises(ValueError, match=r"path='isolated' .* \['num_workers'\] configure worker processes"):
+        make_loader(Records(64), batch_size=4, path="isolated", num_workers=2)
+    assert make_loader(Records(64), batch_size=4, path="isolated", timeout=5).timeout == 5
+
+
+def test_loader_monitor_reads_the_isolated_path():
+    monitor = LoaderMonitor(make_loader(Records(64), batch_size=4, path="isolated"), warn_wait_fraction=1.0)
+    assert sum(len(b["ids"]) for b in monitor) == 64
+    assert monitor.epochs[0]["batches"] == 16
