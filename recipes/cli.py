@@ -22,7 +22,7 @@ BENCHES = {
     "hf": "recipes.bench.frameworks.hf_loops",
     "train": "recipes.bench.harness.train",
     "nodes": "recipes.bench.nodes",
-    "step": "recipes.bench.beside_step",
+    "step": "recipes.bench.harness.beside_step",
 }
 # Run on their own, not by a bare `recipes bench`: a training step per loader, a framework's loop
 # (their extras: loader-recipes[lightning], loader-recipes[accelerate]), or torchrun launches of

@@ -21,7 +21,7 @@ def test_bench_train_smoke_every_domain(tmp_path):
         assert f"## train/{domain}: tiny on cpu" in out.stdout
     result = json.loads((tmp_path / "train.json").read_text())
     assert result["device"] == "cpu" and result["steps"] == 3
-    expected_rows = {"vision": 4, "nlp": 2, "audio": 3, "lm": 2}
+    expected_rows = {"vision": 6, "nlp": 2, "audio": 3, "lm": 2}
     for domain, count in expected_rows.items():
         rows = result[domain]["rows"]
         assert len(rows) == count and result[domain]["model_alone"] > 0
@@ -31,6 +31,7 @@ def test_bench_train_smoke_every_domain(tmp_path):
             assert abs(row["of_model"] - row["rate"] / result[domain]["model_alone"]) < 1e-9
             assert row["first_batch_s"] > 0
     names = [row["name"] for row in result["vision"]["rows"]]
-    assert "plain" in names[0] and "cold" in names[1] and "warm" in names[2] and "DeviceCropLoader" in names[3]
+    assert "plain" in names[0] and "cold" in names[1] and "warm" in names[2] and "DeviceCropLoader" in names[5]
+    assert "path='threads'" in names[3] and "path='isolated'" in names[4]
     names = [row["name"] for row in result["lm"]["rows"]]
     assert "LengthBucketSampler" in names[0] and "packed_loader" in names[1]

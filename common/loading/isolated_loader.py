@@ -16,8 +16,13 @@ thread path). The batches are the same as `ThreadLoader`'s for the same seed, sa
 state (each batch's draws come from `(seed, epoch, position)`), so a state saved on either path
 resumes on the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the
 loop's process.
-Copy with: common/loading/batch_ring.py, common/loading/thread_loader.py,
-  common/workers/process_lifetime.py, common/workers/worker.py.
+Copy with: common/loader_warning.py, common/loading/batch_ring.py,
+  common/loading/loader_path.py, common/loading/stateful_loader.py,
+  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
+  common/sizing/resources.py, common/sizing/sizing.py, common/workers/process_lifetime.py,
+  common/workers/worker.py.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from recipes.common.loading.batch_ring import Ring, flatten, unflatten
+from recipes.common.loading.loader_path import isolated_available
 from recipes.common.loading.thread_loader import ThreadLoader, _Batches, _pinned
-from recipes.common.resume.loader_counting import Counting, LoaderClosedError
+from recipes.common.resume.loader_counting import Counting
 
 _POLL_SECONDS = 0.5
 
@@ -48,11 +54,6 @@ class IsolatedProcessHung(RuntimeError):
     """No batch from the child within the loader's `timeout`."""
 
     batch_not_made = True
-
-
-def isolated_available() -> bool:
-    """Whether this platform can fork the isolated loader's child (Linux and macOS)."""
-    return "fork" in multiprocessing.get_all_start_methods()
 
 
 class IsolatedLoader(ThreadLoader):

@@ -29,14 +29,16 @@ Traps handled:
   trains on everything, or the user's `DistributedSampler` refuses to resume on another world
   size): an `ElasticDistributedSampler` of its own (`distributed=False` opts out; a sampler or
   batch sampler of the user's wins).
-Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/loader_path.py,
-  common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
-  common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
-  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
-  common/sizing/tune_store.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, common/workers/worker.py.
+Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
+  common/loading/isolated_loader.py, common/loading/loader_path.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
+  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/profiles.py,
+  common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  common/workers/worker.py.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from recipes.common.loading.loader_path import THREAD_KEYS, THREAD_ONLY, choose_path
+from recipes.common.loading.loader_path import THREAD_KEYS, THREAD_ONLY, choose_path, isolate
 from recipes.common.loading.stateful_loader import StatefulLoader
 from recipes.common.loading.thread_loader import ThreadLoader
 from recipes.common.sizing.profiles import LoaderRecipe, profile_settings
@@ -62,11 +64,6 @@ from recipes.common.workers.worker import ChainedWorkerInit
 LOW_NOFILE = 4096
 # Python containers larger than this on a dataset cost forked workers real memory (copy-on-read).
 COPY_ON_READ_ITEMS = 100_000
-# Fewer batches than this an epoch: the thread path stays in this process (`_isolate`).
-ISOLATE_MIN_BATCHES = 16
-ISOLATED_WHY = ("; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a training "
-                "step that holds the GIL (an eager step's Python), threads of this process wait for it "
-                "(`recipes bench step`, docs/choosing-a-path.md); path='threads' keeps them in this process")
 
 
 def make_loader(
@@ -142,7 +139,7 @@ def make_loader(
     _split_ranks(dataset, settings, reasons, distributed)
     extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
     if chosen == "threads" and path == "auto":
-        chosen, why = _isolate(dataset, settings, res, why)
+        chosen, why = isolate(dataset, settings, res.cpus, why)
     if chosen in ("threads", "isolated"):
         if chosen == "isolated" and "timeout" in overrides:
             extras["timeout"] = settings.pop("timeout")
@@ -161,41 +158,6 @@ def make_loader(
     reasons["path"] = why
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
-
-
-def _isolate(dataset, settings: dict[str, Any], res: Resources, why: str) -> tuple[str, str]:
-    """"isolated" (the thread path in a child process) or "threads" (in this process) for
-    "auto", with the reason: isolated when a child can be forked, this rank has 2 CPUs or more,
-    and an epoch has `ISOLATE_MIN_BATCHES` batches or more (a fork and its first batches cost
-    a few batches' time)."""
-    import math
-
-    from recipes.common.loading.isolated_loader import isolated_available
-
-    batches = None
-    try:
-        if settings.get("batch_sampler") is not None:
-            batches = len(settings["batch_sampler"])
-        else:
-            sampler = settings.get("sampler")
-            batches = math.ceil(len(sampler if sampler is not None else dataset) / max(1, settings.get("batch_size") or 1))
-    except TypeError:  # a sampler without a length
-        pass
-    cpus = max(1, res.cpus // _local_ranks())
-    if not isolated_available() or multiprocessing.current_process().daemon:
-        return "threads", why + "; in this process: no child process can be forked here (path='isolated' refuses too)"
-    if cpus < 2:
-        return "threads", why + f"; in this process: {cpus} CPU for this rank, which the loop and a child would share"
-    if batches is not None and batches < ISOLATE_MIN_BATCHES:
-        return "threads", why + (f"; in this process: {batches} batches an epoch, fewer than {ISOLATE_MIN_BATCHES} "
-                                 "(a child's fork and first batches would cost more than they win)")
-    return "isolated", why.replace("threads:", "isolated threads:", 1) + ISOLATED_WHY
-
-
-def _local_ranks() -> int:
-    from recipes.common.sizing.sizing import local_world_size_from_env
-
-    return local_world_size_from_env()
 
 
 def _split_ranks(dataset, settings: dict[str, Any], reasons: dict[str, str], distributed: bool | None) -> None:

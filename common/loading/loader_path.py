@@ -13,7 +13,8 @@ measurement on both built-in image sets (`tests/vision/test_throughput.py`; `rec
 vision --set both` measures it on your machine): cold decoding in threads beat a DataLoader
 worker 1.70x on photographs (81% of the decode-only limit) and tied it (1.01x) on small
 generated JPEGs, 2 cores, 2026-12-01.
-Copy with: common/resume/loader_contract.py.
+Copy with: common/resume/loader_contract.py, common/sizing/resources.py,
+  common/sizing/sizing.py.
 """
 
 from __future__ import annotations
@@ -30,9 +31,21 @@ WORKER_ONLY = ("num_workers", "prefetch_factor", "persistent_workers", "worker_i
                "timeout", "pin_memory_device", "in_order")
 # Arguments of the thread path only (ThreadLoader's own).
 THREAD_ONLY = ("threads", "prefetch", "seed")
+# Fewer batches than this an epoch: the thread path stays in this process (`isolate`).
+ISOLATE_MIN_BATCHES = 16
+ISOLATED_WHY = ("; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a training "
+                "step that holds the GIL (an eager step's Python), threads of this process wait for it "
+                "(`recipes bench step`, docs/choosing-a-path.md); path='threads' keeps them in this process")
 # What a ThreadLoader takes from make_loader's settings.
 THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory",
                "collate_fn")
+
+
+def isolated_available() -> bool:
+    """Whether this platform can fork the isolated loader's child (Linux and macOS)."""
+    import multiprocessing
+
+    return "fork" in multiprocessing.get_all_start_methods()
 
 
 def thread_capable(dataset) -> bool | None:
@@ -72,8 +85,6 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
             raise ValueError(f"path={path!r} makes batches in threads (of this process, or of one child process); "
                              f"{asked} configure worker processes. Drop them, or use path='workers'.")
         if path == "isolated":
-            from recipes.common.loading.isolated_loader import isolated_available
-
             if not isolated_available():
                 raise ValueError("path='isolated' forks a child process, which this platform cannot; use "
                                  "path='threads'.")
@@ -90,3 +101,37 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
     return "threads", (f"threads: {name} {source} (the GIL released); worker processes would add a "
                        "shared-memory hand-over and pickling per batch, and leave a core to the training "
                        "loop. path='workers' for worker processes")
+
+
+def isolate(dataset, settings: dict[str, Any], cpus: int, why: str) -> tuple[str, str]:
+    """`("isolated" | "threads", the reason)` for "auto" on the thread path, `cpus` those of the
+    machine: isolated when a child can be forked, this rank has 2 CPUs or more,
+    and an epoch has `ISOLATE_MIN_BATCHES` batches or more (a fork and its first batches cost
+    a few batches' time)."""
+    import math
+    import multiprocessing
+
+    batches = None
+    try:
+        if settings.get("batch_sampler") is not None:
+            batches = len(settings["batch_sampler"])
+        else:
+            sampler = settings.get("sampler")
+            batches = math.ceil(len(sampler if sampler is not None else dataset) / max(1, settings.get("batch_size") or 1))
+    except TypeError:  # a sampler without a length
+        pass
+    cpus = max(1, cpus // _local_ranks())
+    if not isolated_available() or multiprocessing.current_process().daemon:
+        return "threads", why + "; in this process: no child process can be forked here (path='isolated' refuses too)"
+    if cpus < 2:
+        return "threads", why + f"; in this process: {cpus} CPU for this rank, which the loop and a child would share"
+    if batches is not None and batches < ISOLATE_MIN_BATCHES:
+        return "threads", why + (f"; in this process: {batches} batches an epoch, fewer than {ISOLATE_MIN_BATCHES} "
+                                 "(a child's fork and first batches would cost more than they win)")
+    return "isolated", why.replace("threads:", "isolated threads:", 1) + ISOLATED_WHY
+
+
+def _local_ranks() -> int:
+    from recipes.common.sizing.sizing import local_world_size_from_env
+
+    return local_world_size_from_env()

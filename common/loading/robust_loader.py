@@ -12,14 +12,16 @@ texts of other failure kinds.
 Trade-off: restarts cost a worker start-up each; after `max_restarts` the error is raised.
 Errors raised by the dataset itself (a bad file, a bug) are never retried: they would fail
 again.
-Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/loader.py,
-  common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
-  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
-  common/sizing/tune_store.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, common/workers/worker.py.
+Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
+  common/loading/isolated_loader.py, common/loading/loader.py, common/loading/loader_path.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
+  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/profiles.py,
+  common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  common/workers/worker.py.
 """
 
 from __future__ import annotations
@@ -72,14 +74,13 @@ class RobustLoader:
         self.loader = self._build({})
 
     def _build(self, changes: dict[str, Any]):
-        from recipes.common.loading.loader import make_loader
-        from recipes.common.loading.loader_path import choose_path
-
         # DataLoader's own timeout is a poll (it ignores it without workers): each expiry is a
         # chance to notice a dead worker inside next(); `self.timeout` bounds the whole wait.
         # The thread path has no workers to watch: it gets none (it would refuse it, and "auto"
         # would take worker processes for it).
         from recipes.common.loading.isolated_loader import IsolatedLoader
+        from recipes.common.loading.loader import make_loader
+        from recipes.common.loading.loader_path import choose_path
 
         kwargs = {**self._kwargs, **changes}
         if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs)[0] == "workers":

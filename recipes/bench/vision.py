@@ -342,6 +342,8 @@ def train_setup(args, device):
                (f"ImageFolderFast cold ({decoder}), make_loader", make_loader(cold, **common), to_device),
                ("ImageFolderFast warm (cache), make_loader (threads unless --workers)", make_loader(warm, **common),
                 to_device),
+               *((f"ImageFolderFast warm (cache), make_loader path='{p}' ({where})", make_loader(warm, **common, path=p),
+                  to_device) for p, where in (("threads", "in this process"), ("isolated", "threads of a child process"))),
                ("ImageFolderFast warm (cache), DeviceCropLoader (4 threads, crops on the device)",
                 DeviceCropLoader(warm, batch_size=batch, drop_last=True, device=device, dtype=dtype), lambda b: b)]
     if cuda:
@@ -367,8 +369,7 @@ def train_setup(args, device):
     resident = normalize(images, targets)
     notes = [f"{len(cold)} JPEGs under {root}, {size}px train crops, batch {batch}; decoded cache built in "
              f"{build:.1f} s ({len(cold) / build:,.0f} images/s, one-off)"]
-    return TrainSetup("images", step, lambda b: len(b[0]), resident, loaders,
-                      model_name, notes)
+    return TrainSetup("images", step, lambda b: len(b[0]), resident, loaders, model_name, notes)
 
 
 def _vision_step(name: str, device):

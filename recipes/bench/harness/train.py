@@ -85,19 +85,29 @@ def measure_setup(setup: TrainSetup, device, steps: int, *, plot: Path | None = 
     chart `plot/<prefix>-<loader>-timeline.png` and `.svg` (`LoaderMonitor.plot`)."""
     from recipes.bench.harness.bench_charts import slug
 
-    alone = model_alone(setup, device, steps)
+    before = model_alone(setup, device, steps)
     rows = []
     for name, loader, to_device in setup.loaders:
         timeline = None if plot is None else Path(plot) / f"{prefix}-{slug(name, 56)}-timeline"
-        rows.append(train_with(name, loader, to_device, setup, device, steps, alone, timeline=timeline))
+        rows.append(train_with(name, loader, to_device, setup, device, steps, before, timeline=timeline))
+    # measured again once the loaders ran (the allocator, cuDNN and the caches warm): the faster
+    # of the two; a first measurement alone was found slower than the step fed by a loader
+    alone = max(before, model_alone(setup, device, steps))
+    for row in rows:
+        row.of_model = row.rate / alone if alone else 0.0
     return rows, alone
 
 
 def model_alone(setup: TrainSetup, device, steps: int) -> float:
-    """Samples per second of the step on one batch already on the device."""
-    for _ in range(3):  # warm-up: cuDNN autotuning, allocator growth
+    """Samples per second of the step on one batch already on the device: the best of two
+    runs of `steps` steps (at least 10), after 5 of warm-up."""
+    for _ in range(5):  # warm-up: cuDNN autotuning, allocator growth
         setup.step(setup.resident)
     _sync(device)
+    return max(_steps_rate(setup, device, max(10, steps)) for _ in range(2))
+
+
+def _steps_rate(setup: TrainSetup, device, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         setup.step(setup.resident)

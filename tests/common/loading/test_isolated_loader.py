@@ -100,7 +100,7 @@ def test_batches_the_loop_keeps_are_never_overwritten():
     del kept, b
     slots = loader.ring_slots
     for _ in range(3):
-        for b in loader:  # dropped batch by batch: the slots are reused
+        for _b in loader:  # dropped batch by batch: the slots are reused
             pass
     assert loader.ring_slots == slots
 

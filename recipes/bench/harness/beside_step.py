@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--batches", type=int, default=150, help="batches timed per run (default 150)")
     parser.add_argument("--gil", default="0,2,5", help="ms of GIL held per step, comma-separated (default 0,2,5)")
+    parser.add_argument("--epoch-batches", type=int, default=None,
+                        help="epochs of this many batches, drawn with replacement from the set (default: the set's "
+                             "own epochs); a long epoch leaves out the drain at each epoch's end")
 
 
 @dataclass
@@ -77,22 +80,33 @@ def step_alone(step, batch, batches: int, batch_size: int) -> float:
     return batches * batch_size / (time.perf_counter() - start)
 
 
-def loaders(dataset, batch_size: int):
-    """(name, loader) per path: make_loader's default, each path it can take."""
+def loaders(dataset, batch_size: int, epoch_batches: int | None = None):
+    """(name, loader) per path: make_loader's default, each path it can take; with
+    `epoch_batches`, epochs of that many batches drawn with replacement."""
+    import torch
+    from torch.utils.data import RandomSampler
+
     from recipes.common import make_loader
 
-    return [("make_loader default", make_loader(dataset, batch_size=batch_size, shuffle=True)),
-            ("isolated threads (path='isolated')", make_loader(dataset, batch_size=batch_size, shuffle=True,
+    def order():
+        if epoch_batches is None:
+            return {"shuffle": True}
+        return {"sampler": RandomSampler(dataset, replacement=True, num_samples=epoch_batches * batch_size,
+                                         generator=torch.Generator().manual_seed(0))}
+
+    return [("make_loader default", make_loader(dataset, batch_size=batch_size, **order())),
+            ("isolated threads (path='isolated')", make_loader(dataset, batch_size=batch_size, **order(),
                                                                path="isolated")),
-            ("in-process threads (path='threads')", make_loader(dataset, batch_size=batch_size, shuffle=True,
+            ("in-process threads (path='threads')", make_loader(dataset, batch_size=batch_size, **order(),
                                                                 path="threads")),
-            ("2 worker processes (path='workers')", make_loader(dataset, batch_size=batch_size, shuffle=True,
+            ("2 worker processes (path='workers')", make_loader(dataset, batch_size=batch_size, **order(),
                                                                 num_workers=2, persistent_workers=True))]
 
 
-def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float]) -> tuple[list[StepRow], float, dict]:
+def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
+            epoch_batches: int | None = None) -> tuple[list[StepRow], float, dict]:
     """Rows of every path beside every step; (rows, step time in s, the paths' rates alone)."""
-    made = loaders(dataset, batch_size)
+    made = loaders(dataset, batch_size, epoch_batches)
     alone = {name: rate(loader, None, batches, batch_size) for name, loader in made}
     for name, loader in made:  # a second round, in turns: the best of two
         alone[name] = max(alone[name], rate(loader, None, batches, batch_size))
@@ -121,11 +135,13 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="recipes-bench-step-") as cache:
         dataset = ImageFolderFast(root, size=args.size, train=True)
         build_image_cache(dataset, cache, progress=False)
-        rows, total_s, alone = measure(dataset, batch_size=args.batch_size, batches=args.batches, gil_ms=gil_ms)
-        reason = __import__("recipes.common", fromlist=["make_loader"]).make_loader(
-            dataset, batch_size=args.batch_size, shuffle=True).recipe.reasons["path"]
+        rows, total_s, alone = measure(dataset, batch_size=args.batch_size, batches=args.batches, gil_ms=gil_ms,
+                                       epoch_batches=args.epoch_batches)
+        reason = loaders(dataset, args.batch_size, args.epoch_batches)[0][1].recipe.reasons["path"]
+    epochs = (f"epochs of {args.epoch_batches} batches drawn with replacement" if args.epoch_batches else
+              f"epochs of {-(-args.images // args.batch_size)} batches")
     print(f"\n## step: each path beside a simulated training step ({args.images} photographs, warm cache, train "
-          f"crops {args.size} px, batch {args.batch_size}, a {total_s * 1000:.1f} ms step)\n")
+          f"crops {args.size} px, batch {args.batch_size}, {epochs}, a {total_s * 1000:.1f} ms step)\n")
     print("| path | alone (img/s) |\n|---|---:|")
     for name, value in alone.items():
         print(f"| {name} | {value:,.0f} |")

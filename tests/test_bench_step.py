@@ -1,0 +1,52 @@
+"""`recipes bench step` (issue 39): each path beside a simulated step holding the GIL."""
+
+import pytest
+
+
+@pytest.mark.slow  # about 30 s: the photographic set, its cache, 4 paths x 4 runs
+def test_recipes_bench_step_prints_every_path_beside_every_step(capsys):
+    from recipes.cli import main
+
+    assert main(["bench", "step", "--images", "96", "--size", "96", "--batch-size", "16", "--batches", "24",
+                 "--gil", "0,3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and " ms of " in line]
+    assert len(rows) == 8  # 2 steps x 4 paths
+    assert {r[1].strip() for r in rows} == {"make_loader default", "isolated threads (path='isolated')",
+                                            "in-process threads (path='threads')",
+                                            "2 worker processes (path='workers')"}
+    for r in rows:
+        assert float(r[2].replace(",", "")) > 0 and 0 < float(r[4].strip().rstrip("%")) <= 200
+    assert "make_loader's default:" in out
+
+
+def test_the_simulated_step_holds_the_gil_for_its_share_and_sleeps_the_rest():
+    import threading
+    import time
+
+    from recipes.bench.harness.beside_step import SimulatedStep
+
+    counts = [0]
+    stop = threading.Event()
+
+    def spin():  # a Python thread: it runs only while the step's thread lets go of the GIL
+        while not stop.is_set():
+            counts[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        def share(step):
+            counts[0] = 0
+            start = time.perf_counter()
+            for _ in range(20):
+                step(None)
+            return counts[0], time.perf_counter() - start
+
+        free, free_s = share(SimulatedStep(0.0, 0.004))
+        held, held_s = share(SimulatedStep(0.004, 0.004))
+    finally:
+        stop.set()
+        thread.join()
+    assert free_s >= 0.08 and held_s >= 0.08  # 20 steps of 4 ms each
+    assert held < free  # the GIL held for the whole step leaves the other thread less
