@@ -6,8 +6,10 @@ loop's process maps the slot once and reads the tensors as views of it, and the 
 back when the loop has dropped every tensor of that batch.
 Cost: per batch, one copy of its tensors into the slot (a `memcpy` in the child, whose pages
 are faulted in once per slot, not once per batch) and a few hundred bytes of layout through
-the pipe; a slot grows (a new segment) only when a batch outgrows it.
-Adapt here: `ALIGN` (the bytes each tensor starts on).
+the pipe (tensors under `INLINE_BYTES`, labels and lengths, travel there whole, so a loop that
+keeps them does not keep the slot); a slot grows (a new segment) only when a batch outgrows
+it; a slot's mapping holds no file descriptor.
+Adapt here: `ALIGN` (the bytes each tensor starts on), `INLINE_BYTES`.
 Trade-off: a slot is reused only once nothing in the loop's process holds a view of it (a
 `weakref.finalize` per tensor's buffer): a loop that keeps its batches makes the ring grow by a
 slot per kept batch, as much memory as those batches cost anywhere, never a batch overwritten.
@@ -16,6 +18,7 @@ Copy with: nothing.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
@@ -27,6 +30,9 @@ import numpy as np
 import torch
 
 ALIGN = 64
+# Tensors smaller than this travel in the layout, not in the slot: a loop that keeps a batch's
+# labels (a metrics list) must not keep its images' slot mapped
+INLINE_BYTES = 64 * 1024
 _PAGE = mmap.PAGESIZE
 
 
@@ -37,10 +43,13 @@ def flatten(batch) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(node):
         if isinstance(node, torch.Tensor):
-            tensors.append(node.detach())
+            tensors.append(node)
             return ("t", len(tensors) - 1)
         if isinstance(node, np.ndarray) and node.dtype != object:
-            tensors.append(torch.from_numpy(np.ascontiguousarray(node)))
+            try:  # a dtype torch has (not big-endian, not strings); 0-d stays 0-d
+                tensors.append(torch.from_numpy(node if node.flags.c_contiguous else node.copy(order="C")))
+            except (TypeError, ValueError):  # big-endian, strings: pickled with the layout
+                return ("v", node)
             return ("n", len(tensors) - 1)
         if type(node) in (tuple, list):
             return (type(node).__name__, [walk(v) for v in node])
@@ -66,11 +75,17 @@ def unflatten(spec, tensors: list[torch.Tensor]):
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor itself when its elements fill their span (contiguous, or channels-last as a
-    vision batch is); else a contiguous copy."""
-    if tensor.is_contiguous() or (tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last)):
+    """The tensor itself when its elements fill their span in some order of its dimensions
+    (contiguous, channels-last as a vision batch is, a transpose); else a contiguous copy."""
+    if tensor.is_contiguous():
         return tensor
-    return tensor.contiguous()
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.shape[d]))
+    expected = 1
+    for d in reversed(order):
+        if tensor.shape[d] != 1 and tensor.stride(d) != expected:
+            return tensor.contiguous()
+        expected *= tensor.shape[d]
+    return tensor
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -81,7 +96,7 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def new_segment(size: int) -> tuple[int, mmap.mmap]:
+def new_segment(size: int):
     """An anonymous shared-memory file of `size` bytes and its mapping: `(fd, mapping)`. No name
     stays behind (a `memfd`, else a temp file unlinked at once): it lives while a process maps
     it or holds its descriptor."""
@@ -93,10 +108,47 @@ def new_segment(size: int) -> tuple[int, mmap.mmap]:
         os.unlink(name)
     try:
         os.ftruncate(fd, size)
-        return fd, mmap.mmap(fd, size)
+        return fd, map_shared(fd, size)
     except BaseException:
         os.close(fd)
         raise
+
+
+def map_shared(fd: int, size: int):
+    """A writable shared mapping of `fd` that holds no descriptor (Python's `mmap` keeps a
+    duplicate per mapping: a ring of a few hundred slots would use up `ulimit -n`); unmapped
+    when the last buffer made from it is gone."""
+    libc = _libc()
+    if libc is None:  # pragma: no cover - not glibc or macOS libc
+        return mmap.mmap(fd, size)
+    address = libc.mmap(None, ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of a {size}-byte batch slot failed")
+    mapping = (ctypes.c_char * size).from_address(address)
+    unmap = weakref.finalize(mapping, libc.munmap, ctypes.c_void_p(address), ctypes.c_size_t(size))
+    unmap.atexit = False  # at exit a tensor may still view it: the process's end unmaps it
+    return mapping
+
+
+def _size(mapping) -> int:
+    return len(mapping) if isinstance(mapping, mmap.mmap) else ctypes.sizeof(mapping)
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.mmap.restype = ctypes.c_void_p
+            _LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_long)
+            _LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        except (OSError, AttributeError):  # pragma: no cover
+            _LIBC = False
+    return _LIBC or None
+
+
+_LIBC = None
 
 
 class Ring:
@@ -132,20 +184,25 @@ class Ring:
     def write(self, slot: int, tensors: list[torch.Tensor]) -> tuple[list[tuple], int | None]:
         """Copies `tensors` into `slot`; returns (their layouts, the fd of a new segment when
         the slot had none or outgrew it: send it to the loop's process, then close it)."""
-        tensors = [_dense(t) for t in tensors]
-        need = sum(_aligned(_bytes(t)) for t in tensors)
+        grads = [t.requires_grad for t in tensors]
+        tensors = [_dense(t.detach()) for t in tensors]
+        need = sum(_aligned(_bytes(t)) for t in tensors if _bytes(t) >= INLINE_BYTES)
         fd, mapping = None, self.maps.get(slot)
-        if mapping is None or len(mapping) < need:
+        if need and (mapping is None or _size(mapping) < need):
             fd, mapping = new_segment(need + need // 4)  # room for a batch a little larger
             self.maps[slot] = mapping
         layouts, offset = [], 0
-        for tensor in tensors:
-            n = _bytes(tensor)
-            if n:
-                dst = torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=offset)
-                dst.view(tensor.dtype).as_strided(tensor.shape, tensor.stride()).copy_(tensor)
-            layouts.append((str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tuple(tensor.stride()),
-                            offset, n))
+        for tensor, grad in zip(tensors, grads, strict=True):
+            n, meta = _bytes(tensor), (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+                                       tuple(tensor.stride()), grad)
+            if n < INLINE_BYTES:  # its bytes in the layout (a label, a length, a mask)
+                flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() else tensor.reshape(0)
+                raw = flat.view(torch.uint8).numpy().tobytes() if n else b""
+                layouts.append((*meta, None, raw))
+                continue
+            dst = torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=offset)
+            dst.view(tensor.dtype).as_strided(tensor.shape, tensor.stride()).copy_(tensor)
+            layouts.append((*meta, offset, n))
             offset += _aligned(n)
         return layouts, fd
 
@@ -153,21 +210,24 @@ class Ring:
     def attach(self, slot: int, fd: int) -> None:
         """Maps the child's new segment for `slot` (a batch still holding the old one keeps it)."""
         try:
-            self.maps[slot] = mmap.mmap(fd, os.fstat(fd).st_size)
+            self.maps[slot] = map_shared(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
 
     def read(self, slot: int, layouts: list[tuple]) -> list[torch.Tensor]:
-        """The slot's tensors as views of it; the slot is given back when all are dropped."""
-        mapping, tensors, watched = self.maps[slot], [], []
-        for dtype, shape, stride, offset, n in layouts:
+        """The slot's tensors as views of it (small ones copied out of the layout); the slot is
+        given back when all its views are dropped."""
+        mapping, tensors, watched = self.maps.get(slot), [], []
+        for dtype, shape, stride, grad, offset, data in layouts:
             dtype = getattr(torch, dtype)
-            if not n:
-                tensors.append(torch.empty(shape, dtype=dtype))
-                continue
-            buffer = np.frombuffer(mapping, dtype=np.uint8, count=n, offset=offset)
-            watched.append(buffer)
-            tensors.append(torch.from_numpy(buffer).view(dtype).as_strided(shape, stride))
+            if offset is None:
+                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                tensor = flat.view(dtype).as_strided(shape, stride) if data else torch.empty(shape, dtype=dtype)
+            else:
+                buffer = np.frombuffer(mapping, dtype=np.uint8, count=data, offset=offset)
+                watched.append(buffer)
+                tensor = torch.from_numpy(buffer).view(dtype).as_strided(shape, stride)
+            tensors.append(tensor.requires_grad_(True) if grad else tensor)
         if not watched:
             self.give_back(slot)
             return tensors

@@ -23,8 +23,9 @@ class Records:
     """Thread-batched records: a dict batch of a tensor, a numpy array, strings and a scalar.
     `kill_at` SIGKILLs the child process reading that index, once (a marker file)."""
 
-    def __init__(self, n: int = 64, bad: int | None = None, kill_at: int | None = None, marker: str | None = None):
-        self.n, self.bad, self.kill_at, self.marker = n, bad, kill_at, marker
+    def __init__(self, n: int = 64, bad: int | None = None, kill_at: int | None = None, marker: str | None = None,
+                 pixels: bool = False):
+        self.n, self.bad, self.kill_at, self.marker, self.pixels = n, bad, kill_at, marker, pixels
         self.parent = os.getpid()  # make_loader's probe reads an item here: never killed
 
     def __len__(self):
@@ -43,8 +44,11 @@ class Records:
             open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         ids = torch.tensor(indices, dtype=torch.int64)
-        return {"ids": ids, "square": np.asarray(indices, np.float32) ** 2, "names": [f"r{i}" for i in indices],
-                "size": len(indices), "mask": ids % 2 == 0}
+        batch = {"ids": ids, "square": np.asarray(indices, np.float32) ** 2, "names": [f"r{i}" for i in indices],
+                 "size": len(indices), "mask": ids % 2 == 0}
+        if self.pixels:  # 32 KiB an item: a batch large enough to travel in its slot
+            batch["pixels"] = (ids % 251).to(torch.uint8).view(-1, 1, 1).expand(-1, 128, 256).contiguous()
+        return batch
 
 
 def _ids(batches) -> list[list[int]]:
@@ -90,19 +94,29 @@ def test_dict_batches_with_numpy_strings_and_scalars_cross_intact():
 
 
 def test_batches_the_loop_keeps_are_never_overwritten():
-    loader = make_loader(Records(96), batch_size=4, shuffle=True, path="isolated",
+    loader = make_loader(Records(96, pixels=True), batch_size=4, shuffle=True, path="isolated",
                          generator=torch.Generator().manual_seed(2))
     kept = list(loader)  # every batch of the epoch alive at once
+    rows = [b["pixels"][1] for b in list(loader)]  # the next epoch: only a row of each batch kept
     assert Counter(i for b in kept for i in b["ids"].tolist()) == Counter(range(96))
     for b in kept:
         assert b["square"].tolist() == [float(i) ** 2 for i in b["ids"].tolist()]
-    assert loader.ring_slots >= len(kept)  # the ring grew rather than reuse a held slot
+        assert b["pixels"][:, 5, 7].tolist() == [i % 251 for i in b["ids"].tolist()]
+    assert all(int(r.min()) == int(r.max()) for r in rows) and len(rows) == 24
+    assert loader.ring_slots >= len(kept) + len(rows)  # the ring grew rather than reuse a held slot
     del kept, b
     slots = loader.ring_slots
     for _ in range(3):
         for _b in loader:  # dropped batch by batch: the slots are reused
             pass
     assert loader.ring_slots == slots
+
+
+def test_labels_the_loop_keeps_do_not_keep_their_batch_slot():
+    loader = make_loader(Records(96, pixels=True), batch_size=4, path="isolated")
+    labels = [b["ids"] for b in loader]  # a metrics list: small tensors travel apart from the slot
+    assert torch.cat(labels).tolist() == list(range(96))
+    assert loader.ring_slots <= 2 * loader.prefetch + 2
 
 
 @pytest.mark.parametrize("cut", [0, 5, 11])
