@@ -11,7 +11,8 @@ def test_recipes_bench_step_prints_every_path_beside_every_step(capsys):
                  "--gil", "0,3"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and " ms of " in line]
-    assert len(rows) == 8  # 2 steps x 4 paths
+    assert len(rows) == 12  # 2 steps holding the GIL and the longest off it, x 4 paths
+    assert sum("off the GIL" in r[0] for r in rows) == 4
     assert {r[1].strip() for r in rows} == {"make_loader default", "isolated threads (path='isolated')",
                                             "in-process threads (path='threads')",
                                             "2 worker processes (path='workers')"}
@@ -45,8 +46,9 @@ def test_the_simulated_step_holds_the_gil_for_its_share_and_sleeps_the_rest():
 
         free, free_s = share(SimulatedStep(0.0, 0.004))
         held, held_s = share(SimulatedStep(0.004, 0.004))
+        off, off_s = share(SimulatedStep(0.004, 0.004, held=False))
     finally:
         stop.set()
         thread.join()
-    assert free_s >= 0.08 and held_s >= 0.08  # 20 steps of 4 ms each
-    assert held < free  # the GIL held for the whole step leaves the other thread less
+    assert free_s >= 0.08 and held_s >= 0.08 and off_s >= 0.08  # 20 steps of 4 ms each
+    assert held < free and held < off  # the GIL held for the whole step leaves the other thread less

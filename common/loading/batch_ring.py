@@ -45,7 +45,7 @@ def flatten(batch) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(node, torch.Tensor):
             tensors.append(node)
             return ("t", len(tensors) - 1)
-        if isinstance(node, np.ndarray) and node.dtype != object:
+        if isinstance(node, np.ndarray) and node.dtype.isnative and node.dtype.kind in "biufc?":
             try:  # a dtype torch has (not big-endian, not strings); 0-d stays 0-d
                 tensors.append(torch.from_numpy(node if node.flags.c_contiguous else node.copy(order="C")))
             except (TypeError, ValueError):  # big-endian, strings: pickled with the layout
@@ -53,8 +53,10 @@ def flatten(batch) -> tuple[Any, list[torch.Tensor]]:
             return ("n", len(tensors) - 1)
         if type(node) in (tuple, list):
             return (type(node).__name__, [walk(v) for v in node])
-        if type(node) is dict:
-            return ("dict", [(k, walk(v)) for k, v in node.items()])
+        if isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple: its class by reference
+            return ("namedtuple", (type(node), [walk(v) for v in node]))
+        if type(node) is dict or (isinstance(node, dict) and type(node).__module__ == "collections"):
+            return ("dict", (type(node), [(k, walk(v)) for k, v in node.items()]))
         return ("v", node)  # a scalar, a string, or anything else: pickled with the layout
 
     return walk(batch), tensors
@@ -69,8 +71,11 @@ def unflatten(spec, tensors: list[torch.Tensor]):
     if kind in ("tuple", "list"):
         items = [unflatten(s, tensors) for s in body]
         return tuple(items) if kind == "tuple" else items
+    if kind == "namedtuple":
+        return body[0](*(unflatten(s, tensors) for s in body[1]))
     if kind == "dict":
-        return {k: unflatten(s, tensors) for k, s in body}
+        items = [(k, unflatten(s, tensors)) for k, s in body[1]]
+        return dict(items) if body[0] is dict else body[0](items)
     return body
 
 

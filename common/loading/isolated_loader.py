@@ -32,13 +32,14 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from recipes.common.loading.batch_ring import Ring, flatten, unflatten
 from recipes.common.loading.loader_path import isolated_available
 from recipes.common.loading.thread_loader import ThreadLoader, _Batches, _pinned
-from recipes.common.resume.loader_counting import Counting
+from recipes.common.resume.loader_counting import Counting, LoaderClosedError
 
 _POLL_SECONDS = 0.5
 
@@ -52,6 +53,13 @@ class IsolatedProcessDied(RuntimeError):
 
 class IsolatedProcessHung(RuntimeError):
     """No batch from the child within the loader's `timeout`."""
+
+    batch_not_made = True
+
+
+class IsolatedHandOverError(RuntimeError):
+    """The child made a batch but could not hand it over (no shared memory for its slot, a leaf
+    that does not pickle): not the dataset's error, and the batch is not counted as received."""
 
     batch_not_made = True
 
@@ -91,8 +99,6 @@ class IsolatedLoader(ThreadLoader):
         return current, _Batches(self, iter(self._index_sampler), current)
 
     def __iter__(self):
-        import weakref
-
         return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
 
     @property
@@ -120,12 +126,7 @@ class IsolatedLoader(ThreadLoader):
         self._stop_child()
 
     def __del__(self):
-        child = getattr(self, "_child", None)
-        if child is not None:
-            try:
-                child.stop(wait=False)
-            except Exception:  # noqa: BLE001 - a finalizer must not raise
-                pass
+        pass  # the child is ended by a weakref.finalize of this loader (_Child), not here
 
 
 class _Remote:
@@ -146,7 +147,8 @@ class _Child:
     """One epoch's child process, with the pipe to it; `submit` asks for a batch."""
 
     def __init__(self, loader: IsolatedLoader, fingerprint: tuple):
-        self.loader, self.ring, self.fingerprint = loader, loader._ring, fingerprint
+        # a weak reference: a loader dropped without close() is freed at once, and ends its child
+        self._loader, self.ring, self.fingerprint = weakref.ref(loader), loader._ring, fingerprint
         context = multiprocessing.get_context("fork")
         self.conn, child_end = context.Pipe(duplex=True)
         self._next_request = 0
@@ -156,7 +158,9 @@ class _Child:
         self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn), daemon=True,
                                        name="IsolatedLoader")
         self.process.start()
+        self.process._args = ()  # forked: the loader's copy is the child's; no reference kept here
         child_end.close()
+        self._finalizer = weakref.finalize(loader, _Child.stop, self, False)
 
     def submit(self, fn, indices, epoch: int, position: int) -> _Remote:
         request, slot = self._next_request, self.ring.take()
@@ -173,6 +177,13 @@ class _Child:
             self._done.pop(request)  # its batch is dropped here: the slot's views go with it
         else:
             self._dropped.add(request)
+
+    @property
+    def loader(self) -> IsolatedLoader:
+        loader = self._loader()
+        if loader is None:
+            raise LoaderClosedError("this IsolatedLoader was garbage-collected while its epoch was running.")
+        return loader
 
     def wait(self, request: int):
         waited = 0.0
@@ -204,6 +215,14 @@ class _Child:
             self.ring.give_back(slot)
             self._done[request] = _rebuilt(message[2], message[3])
             return
+        if kind == "failed":
+            self.ring.give_back(slot)
+            self._done[request] = IsolatedHandOverError(
+                f"IsolatedLoader could not hand a batch over from its child process: {message[2]}. A batch "
+                "crosses as tensors, numpy arrays, numbers and strings in tuples, lists and dicts (anything "
+                "else must pickle); a slot needs shared memory. The batch is not counted as received: "
+                "RobustLoader resumes there, on the in-process thread path if it fails again.")
+            return
         _, _, new_segment, spec, layouts = message
         if new_segment:
             from multiprocessing.reduction import recv_handle
@@ -230,16 +249,19 @@ class _Child:
                                    "load loader.state_dict() into a new loader to continue there.")
 
     def stop(self, wait: bool = True) -> None:
+        """Ends the child: asked to stop, then killed; `wait=False` (a finalizer) waits at most
+        0.5 s in all, so that it is reaped rather than left a zombie."""
+        self._finalizer.detach()
+        if self.conn.closed:
+            return
         try:
             self.conn.send(("stop",))
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
-        if wait:
-            self.process.join(2.0)
+        self.process.join(2.0 if wait else 0.25)
         if self.process.is_alive():
             self.process.kill()
-            if wait:
-                self.process.join(2.0)
+            self.process.join(2.0 if wait else 0.25)
         self.conn.close()
         for slot in self._slots.values():  # asked, never received: their slots are free again
             self.ring.give_back(slot)
@@ -264,40 +286,48 @@ def dataset_fingerprint(dataset, depth: int = 2) -> tuple:
 
 
 def _rebuilt(error: BaseException | None, text: str) -> BaseException:
+    """The dataset's error, with the child's traceback as a note (where in `read_batch`)."""
     if error is None:
         return RuntimeError(f"IsolatedLoader: the dataset raised in the child process:\n{text}")
+    if hasattr(error, "add_note"):
+        error.add_note(f"Raised in IsolatedLoader's child process:\n{text.rstrip()}")
     return error
 
 
 def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
     answers with its layout; ends on "stop", or when the loop's process is gone."""
-    from recipes.common.workers.process_lifetime import die_with_parent
+    from recipes.common.workers.process_lifetime import _exit_when_orphaned
     from recipes.common.workers.worker import _single_threaded_libraries
 
     parent_end.close()
-    die_with_parent()
+    # ends with the loop's process, whichever of its threads forked it (a prctl death signal is
+    # tied to the forking thread: a loop that began its epoch in a short-lived thread would lose it)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     _single_threaded_libraries()  # OpenCV inline in each pool thread (its pool's locks were forked)
     loader.pin = False  # pinned in the loop's process, where CUDA is
     send = threading.Lock()
     pool = ThreadPoolExecutor(loader.threads, thread_name_prefix="IsolatedLoader")
 
     def work(request: int, slot: int, indices, epoch: int, position: int, seed: int) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        fd = None
         try:
-            loader.seed = seed
-            spec, tensors = flatten(loader._read(indices, epoch, position))
-            layouts, fd = loader._ring.write(slot, tensors)
-            reply, error = ("batch", request, fd is not None, spec, layouts), None
-        except Exception as caught:  # noqa: BLE001 - the dataset's error goes to the loop
-            fd, error = None, caught
-            reply = ("error", request, _picklable(caught), traceback.format_exc())
+            batch = loader._read(indices, epoch, position, seed)
+        except BaseException as caught:  # noqa: BLE001 - the dataset's error (SystemExit too) goes to the loop
+            reply = ForkingPickler.dumps(("error", request, _picklable(caught), traceback.format_exc()))
+        else:
+            try:  # the hand-over's own failure (no memory for a slot, a leaf that does not pickle): not the dataset's
+                spec, tensors = flatten(batch)
+                layouts, fd = loader._ring.write(slot, tensors)
+                reply = ForkingPickler.dumps(("batch", request, fd is not None, spec, layouts))
+            except Exception as caught:  # noqa: BLE001
+                if fd is not None:
+                    os.close(fd)
+                fd, reply = None, ForkingPickler.dumps(("failed", request, f"{type(caught).__name__}: {caught}"))
         with send:
-            try:
-                conn.send(reply)
-            except Exception:  # noqa: BLE001 - an error that does not pickle: its text instead
-                if error is None:
-                    raise
-                conn.send(("error", request, None, traceback.format_exc()))
+            conn.send_bytes(reply)
             if fd is not None:
                 from multiprocessing.reduction import send_handle
 

@@ -218,7 +218,9 @@ def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dic
     kwargs = {key: settings[key] for key in THREAD_KEYS if key in settings}
     if "batch_sampler" in kwargs:
         kwargs.pop("batch_size", None)
-    threads = extras.pop("threads", None) or max(1, res.cpus // local_world_size_from_env())
+    threads = extras.pop("threads", None)
+    if threads is None:  # a given 0 or less is refused by the loader, not replaced
+        threads = max(1, res.cpus // local_world_size_from_env())
     loader = (IsolatedLoader if path == "isolated" else ThreadLoader)(dataset, threads=threads, **extras, **kwargs)
     kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
     kept.update({key: "override" for key in extras})

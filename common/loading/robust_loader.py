@@ -172,7 +172,13 @@ class RobustLoader:
         self.restarts.append((cause, changes))
         hint = (" /dev/shm is too small for the batches in flight: run the container with --shm-size=8g "
                 "(or --ipc=host)." if cause == "shm" else "")
-        warnings.warn(f"RobustLoader: {_DESCRIBE[cause]}; restarting with {changes} and resuming at batch "
+        what = _DESCRIBE[cause]
+        if settings.get("path") == "isolated":
+            what = {"death": "the isolated loader's child process died (OOM killer, segfault, or a signal)",
+                    "hang": "the isolated loader's child process hung past the timeout",
+                    "shm": "the isolated loader's child could not hand a batch over (shared memory, or a batch "
+                           "that does not cross)"}.get(cause, what)
+        warnings.warn(f"RobustLoader: {what}; restarting with {changes} and resuming at batch "
                       f"{resume_at} of the epoch.{hint}", LoaderWarning, stacklevel=3)
 
 
@@ -199,10 +205,16 @@ def _cause(error: BaseException) -> str | None:
     Deaths and hangs are DataLoader's own errors ("DataLoader worker (pid ...) ...", "DataLoader
     timed out after"); an error a worker raised comes back as "Caught ... in DataLoader worker
     process", and only a full /dev/shm is recognised inside one."""
-    from recipes.common.loading.isolated_loader import IsolatedProcessDied, IsolatedProcessHung
+    from recipes.common.loading.isolated_loader import (
+        IsolatedHandOverError,
+        IsolatedProcessDied,
+        IsolatedProcessHung,
+    )
 
     if isinstance(error, IsolatedProcessDied):
         return "death"
+    if isinstance(error, IsolatedHandOverError):
+        return "shm"
     if isinstance(error, IsolatedProcessHung):
         return "hang"
     text = str(error).lower()

@@ -124,8 +124,8 @@ class ThreadLoader(StatefulLoader):
         if state.get("thread_seed") is not None:
             self.seed = int(state["thread_seed"])
 
-    def _read(self, indices: list[int], epoch: int, position: int):
-        rng = np.random.default_rng([self.seed, epoch, position])
+    def _read(self, indices: list[int], epoch: int, position: int, seed: int | None = None):
+        rng = np.random.default_rng([self.seed if seed is None else seed, epoch, position])
         if self._whole:
             if self._pins_itself:
                 return self.dataset.read_batch(indices, rng, pin_memory=self.pin)
@@ -188,7 +188,9 @@ class _Batches:
                 self._ended = True
                 break
             if self._position is None:
-                self._position = self._pass.skip  # the first draw settled the epoch and the skip
+                # the first draw settled the epoch and where it starts: the batches skipped, or the
+                # position a resumed sampler starts at by itself (LengthBucketSampler, elastic ones)
+                self._position = self._pass.position
             indices = [int(i) for i in indices]
             self._pending.append(loader._pool.submit(loader._read, indices, self._pass.epoch, self._position))
             self._position += 1

@@ -4,6 +4,7 @@ Expectations are independent of the path under test: the in-process `ThreadLoade
 checked against torchvision in tests/vision) for the same seed and sampler, the indices the
 sampler gives, and an uninterrupted run for every resume."""
 
+import collections
 import os
 import signal
 import warnings
@@ -14,7 +15,11 @@ import pytest
 import torch
 
 from recipes.common import LoaderMonitor, RobustLoader, ThreadLoader, make_loader
-from recipes.common.loading.isolated_loader import IsolatedLoader, IsolatedProcessDied
+from recipes.common.loading.isolated_loader import (
+    IsolatedHandOverError,
+    IsolatedLoader,
+    IsolatedProcessDied,
+)
 from recipes.testing import make_image_folder
 from recipes.vision import ImageFolderFast, build_image_cache
 
@@ -219,3 +224,149 @@ def test_loader_monitor_reads_the_isolated_path():
     monitor = LoaderMonitor(make_loader(Records(64), batch_size=4, path="isolated"), warn_wait_fraction=1.0)
     assert sum(len(b["ids"]) for b in monitor) == 64
     assert monitor.epochs[0]["batches"] == 16
+
+
+Pair = collections.namedtuple("Pair", "ids pixels")
+
+
+class Leaves(Records):
+    """Records whose batch is `make(batch)`: another structure, or a leaf the thread path yields."""
+
+    def __init__(self, n, make):
+        super().__init__(n, pixels=True)
+        self.make = make
+
+    def read_batch(self, indices, rng):
+        return self.make(super().read_batch(indices, rng))
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: Pair(b["ids"], b["pixels"]),
+    lambda b: collections.OrderedDict(ids=b["ids"], pixels=b["pixels"], zero_d=np.array(2.5)),
+    lambda b: {"ids": b["ids"], "pixels": b["pixels"].permute(0, 2, 1), "text": np.array(["a", "b"]),
+               "grad": b["ids"].float().requires_grad_(True)},
+], ids=["namedtuple", "OrderedDict", "layouts"])
+def test_structures_and_leaves_cross_as_the_thread_path_yields_them(make):
+    threads = list(make_loader(Leaves(24, make), batch_size=4, path="threads"))
+    isolated = list(make_loader(Leaves(24, make), batch_size=4, path="isolated"))
+    for a, b in zip(threads, isolated, strict=True):
+        assert type(a) is type(b)
+        for key in (a._fields if isinstance(a, tuple) else a):
+            x, y = (getattr(a, key), getattr(b, key)) if isinstance(a, tuple) else (a[key], b[key])
+            assert type(x) is type(y) and x.shape == y.shape and x.dtype == y.dtype
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x.detach(), y.detach()) and x.stride() == y.stride()
+                assert x.requires_grad == y.requires_grad
+            else:
+                assert np.array_equal(x, y)
+
+
+def test_a_batch_that_cannot_cross_is_a_typed_error_not_a_hang_and_not_counted():
+    import threading
+
+    loader = make_loader(Leaves(24, lambda b: {**b, "lock": threading.Lock()}), batch_size=4, path="isolated",
+                         timeout=60)
+    iterator = iter(loader)
+    with pytest.raises(IsolatedHandOverError, match="cannot pickle"):
+        next(iterator)
+    assert loader.state_dict()["batches_yielded"] == 0  # not behind the loop: a resume makes it again
+
+
+def test_a_dataset_error_carries_the_childs_traceback():
+    loader = make_loader(Records(24, bad=9), batch_size=4, path="isolated")
+    with pytest.raises(ValueError) as caught:
+        list(loader)
+    assert any("child process" in note and "read_batch" in note for note in getattr(caught.value, "__notes__", []))
+
+
+def test_a_shared_memory_failure_in_the_child_is_resumed_by_robust_loader_each_sample_once(monkeypatch):
+    import errno
+
+    import recipes.common.loading.batch_ring as ring
+
+    parent, real, calls = os.getpid(), ring.new_segment, [0]
+
+    def flaky(size):  # the child's third new slot fails, as a full memory cgroup would make it
+        calls[0] += 1
+        if calls[0] == 3 and os.getpid() != parent:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(size)
+
+    monkeypatch.setattr(ring, "new_segment", flaky)
+    robust = RobustLoader(Records(64, pixels=True), batch_size=4, path="isolated", threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = Counter(i for b in robust for i in b["ids"].tolist())
+    # each child fails at its third slot: a new child, then the threads of this process
+    assert got == Counter(range(64))
+    assert robust.restarts == [("shm", {"path": "isolated"}), ("shm", {"path": "threads"})]
+
+
+def test_a_loader_dropped_without_close_ends_its_child():
+    import gc
+    import time
+
+    gc.disable()  # freed by reference counting alone, not by a collection
+    try:
+        loader = make_loader(Records(64), batch_size=4, path="isolated")
+        next(iter(loader))
+        pid = loader.child_pid
+        del loader
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        gc.enable()
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_the_child_outlives_the_thread_that_forked_it():
+    import threading
+
+    loader = make_loader(Records(64), batch_size=4, path="isolated")
+    iterators = []
+    thread = threading.Thread(target=lambda: iterators.append((lambda it: (it, next(it)))(iter(loader))))
+    thread.start()
+    thread.join()
+    iterator, first = iterators[0]
+    rest = [b["ids"].tolist() for b in iterator]  # the epoch goes on in the main thread
+    assert first["ids"].tolist() + [i for b in rest for i in b] == list(range(64))
+    loader.close()
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+@pytest.mark.parametrize("kind", ["buckets", "elastic"])
+def test_a_resume_by_a_sampler_that_resumes_itself_keeps_each_batchs_draws(path, kind):
+    """A positioned sampler (LengthBucketSampler, ElasticDistributedSampler) starts the rest by
+    itself: the batches' draws follow their epoch positions, as in the uninterrupted run."""
+    from recipes.common.sampling.bucketing import LengthBucketSampler
+    from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
+
+    class Draws(Records):
+        def read_batch(self, indices, rng):
+            draw = 0 if rng is None else int(rng.integers(0, 10**6))  # make_loader's probe passes none
+            return {"ids": torch.tensor(indices), "draw": torch.tensor(draw)}
+
+    def build():
+        if kind == "buckets":
+            return make_loader(Draws(40), batch_sampler=LengthBucketSampler(np.arange(40) % 5 + 1, batch_size=4,
+                                                                             seed=1), path=path, seed=7)
+        return make_loader(Draws(40), batch_size=4, sampler=ElasticDistributedSampler(range(40), num_replicas=2,
+                                                                                      rank=0, seed=1),
+                           path=path, seed=7)
+
+    whole = [(b["ids"].tolist(), int(b["draw"])) for b in build()]
+    first = build()
+    iterator = iter(first)
+    prefix = [(b["ids"].tolist(), int(b["draw"])) for b in (next(iterator), next(iterator))]
+    state = first.state_dict()
+    del iterator
+    resumed = build()
+    resumed.load_state_dict(state)
+    assert prefix + [(b["ids"].tolist(), int(b["draw"])) for b in resumed] == whole
