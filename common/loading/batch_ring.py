@@ -135,6 +135,19 @@ def map_shared(fd: int, size: int):
     return mapping
 
 
+def _placed(mapping, tensors: list[torch.Tensor]) -> dict[int, int]:
+    """{index: offset} of the tensors whose elements lie in `mapping` (from `slot_tensor`)."""
+    if mapping is None or isinstance(mapping, mmap.mmap):
+        return {}
+    start, size, found = ctypes.addressof(mapping), ctypes.sizeof(mapping), {}
+    for i, tensor in enumerate(tensors):
+        low = tensor.data_ptr()
+        if _bytes(tensor) >= INLINE_BYTES and start <= low and low + _bytes(tensor) <= start + size \
+                and (low - start) % ALIGN == 0:
+            found[i] = low - start
+    return found
+
+
 def _size(mapping) -> int:
     return len(mapping) if isinstance(mapping, mmap.mmap) else ctypes.sizeof(mapping)
 
@@ -154,6 +167,26 @@ def _libc():
 
 
 _LIBC = None
+
+
+_TARGET = threading.local()  # in the child's pool threads: (ring, slot, bytes used) of the batch being made
+
+
+def slot_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An empty tensor inside the shared-memory slot the batch being made goes to, so that the
+    batch is written in place (no copy into the slot afterwards); None outside the isolated
+    loader's child, for a small tensor, or while the slot is too small (its first batch).
+    A dataset's `read_batch` calls it for its large output (`torch.empty` when None)."""
+    target = getattr(_TARGET, "slot", None)
+    if target is None:
+        return None
+    ring, slot, used = target
+    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    mapping = ring.maps.get(slot)
+    if n < INLINE_BYTES or mapping is None or _size(mapping) < used + _aligned(n):
+        return None
+    _TARGET.slot = (ring, slot, used + _aligned(n))
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=used).view(dtype).view(shape)
 
 
 class Ring:
@@ -191,15 +224,24 @@ class Ring:
         the slot had none or outgrew it: send it to the loop's process, then close it)."""
         grads = [t.requires_grad for t in tensors]
         tensors = [_dense(t.detach()) for t in tensors]
-        need = sum(_aligned(_bytes(t)) for t in tensors if _bytes(t) >= INLINE_BYTES)
-        fd, mapping = None, self.maps.get(slot)
+        mapping = self.maps.get(slot)
+        placed = _placed(mapping, tensors)  # made in the slot already (`slot_tensor`): no copy
+        used = max((placed[i] + _aligned(_bytes(t)) for i, t in enumerate(tensors) if i in placed), default=0)
+        need = used + sum(_aligned(_bytes(t)) for i, t in enumerate(tensors) if _bytes(t) >= INLINE_BYTES
+                          and i not in placed)
+        fd = None
         if need and (mapping is None or _size(mapping) < need):
+            need = sum(_aligned(_bytes(t)) for t in tensors if _bytes(t) >= INLINE_BYTES)
             fd, mapping = new_segment(need + need // 4)  # room for a batch a little larger
             self.maps[slot] = mapping
-        layouts, offset = [], 0
-        for tensor, grad in zip(tensors, grads, strict=True):
+            placed, used = {}, 0  # all copied into the new segment
+        layouts, offset = [], used
+        for i, (tensor, grad) in enumerate(zip(tensors, grads, strict=True)):
             n, meta = _bytes(tensor), (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
                                        tuple(tensor.stride()), grad)
+            if i in placed:
+                layouts.append((*meta, placed[i], n))
+                continue
             if n < INLINE_BYTES:  # its bytes in the layout (a label, a length, a mask)
                 flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() else tensor.reshape(0)
                 raw = flat.view(torch.uint8).numpy().tobytes() if n else b""

@@ -36,7 +36,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from recipes.common.loading.batch_ring import Ring, flatten, unflatten
+from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
 from recipes.common.loading.loader_path import isolated_available
 from recipes.common.loading.thread_loader import ThreadLoader, _Batches, _pinned
 from recipes.common.resume.loader_counting import Counting, LoaderClosedError
@@ -313,6 +313,7 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
         from multiprocessing.reduction import ForkingPickler
 
         fd = None
+        _TARGET.slot = (loader._ring, slot, 0)  # read_batch may make its batch in the slot (slot_tensor)
         try:
             batch = loader._read(indices, epoch, position, seed)
         except BaseException as caught:  # noqa: BLE001 - the dataset's error (SystemExit too) goes to the loop
@@ -326,6 +327,7 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
                 if fd is not None:
                     os.close(fd)
                 fd, reply = None, ForkingPickler.dumps(("failed", request, f"{type(caught).__name__}: {caught}"))
+        _TARGET.slot = None
         with send:
             conn.send_bytes(reply)
             if fd is not None:

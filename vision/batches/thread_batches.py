@@ -14,11 +14,11 @@ It reads the dataset through its public side: `thread_batches()`, `len()`, `root
 `resolution`, `cache`, `eval_view`, `crop_settings()` and `read_item(i, rng, into=)`.
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
-  common/loading/build_loader.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, vision/batches/batch_buffers.py, vision/cache/cache_source.py,
-  vision/cache/cached_batches.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
-  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
-  vision/decoding/jpeg_damage.py.
+  common/loading/batch_ring.py, common/loading/build_loader.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  vision/batches/batch_buffers.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
+  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/decoding/crop.py,
+  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from recipes.common.caches.packed_strings import resolve_index
+from recipes.common.loading.batch_ring import slot_tensor
 from recipes.vision.batches.batch_buffers import trim_heap
 from recipes.vision.cache.cached_batches import fill_cached_batch
 
@@ -44,7 +45,10 @@ def read_batch(dataset, indices: list[int], rng: np.random.Generator, *,
                          "decode='gpu' rule out; use DataLoader workers (make_loader(..., path='workers')).")
     indices = [resolve_index(i, len(dataset), f"the {len(dataset)} images under {dataset.root}") for i in indices]
     h, w = dataset.resolution
-    batch = torch.empty((len(indices), h, w, 3), dtype=torch.uint8, pin_memory=pin_memory).permute(0, 3, 1, 2)
+    shape = (len(indices), h, w, 3)
+    made = None if pin_memory else slot_tensor(shape, torch.uint8)  # in the isolated loader's slot: no copy
+    batch = (made if made is not None else torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)).permute(
+        0, 3, 1, 2)
     if dataset.cache is None:
         targets = np.empty(len(indices), np.int64)
         for row, index in enumerate(indices):  # resized into the row (no transform on this path)
