@@ -26,8 +26,8 @@ BENCHES = {
 }
 # Run on their own, not by a bare `recipes bench`: a training step per loader, a framework's loop
 # (their extras: loader-recipes[lightning], loader-recipes[accelerate]), or torchrun launches of
-# simulated nodes (minutes).
-_ON_THEIR_OWN = ("train", "lightning", "hf", "nodes")
+# simulated nodes (minutes), or each path beside a simulated step (minutes).
+_ON_THEIR_OWN = ("train", "lightning", "hf", "nodes", "step")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -370,3 +370,33 @@ def test_a_resume_by_a_sampler_that_resumes_itself_keeps_each_batchs_draws(path,
     resumed = build()
     resumed.load_state_dict(state)
     assert prefix + [(b["ids"].tolist(), int(b["draw"])) for b in resumed] == whole
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_damage_is_never_served_on_the_isolated_path(tmp_path, train):
+    """The damage checks hold in the child: a flipped byte found at its first read there (a fork
+    starts with nothing verified), a file rewritten after the cache was opened found at the
+    child's own reopen; each error names the file."""
+    from recipes.vision import ImageCacheError
+
+    root = make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=6)
+    ds = ImageFolderFast(root, size=32, train=train)
+    build_image_cache(ds, tmp_path / "cache", progress=False)
+    path = ds.cache.path / "images.bin" if train else ds.eval_view.path
+    offset = int(ds.cache.offsets[5]) + 7 if train else 5 * 32 * 32 * 3 + 100
+    opened = ImageFolderFast(root, size=32, train=train, cache_dir=tmp_path / "cache")
+    list(make_loader(opened, batch_size=4, path="threads"))  # every item read and verified here
+    _flip(path, offset)
+    with pytest.raises(ImageCacheError, match=rf"{path.name} changed after the cache was opened"):
+        list(make_loader(opened, batch_size=1, path="isolated"))
+    fresh = ImageFolderFast(root, size=32, train=train, cache_dir=tmp_path / "cache")  # opened on the damage
+    with pytest.raises(ImageCacheError, match=rf"{path.name} is damaged: image 5"):
+        list(make_loader(fresh, batch_size=1, path="isolated"))
