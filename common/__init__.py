@@ -2,6 +2,7 @@
 
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.loader_warning import LoaderWarning
+from recipes.common.loading.isolated_loader import IsolatedLoader
 from recipes.common.loading.loader import make_loader
 from recipes.common.loading.robust_loader import RobustLoader
 from recipes.common.loading.stateful_loader import StatefulLoader
@@ -32,6 +33,7 @@ from recipes.common.workers.worker_memory import measure_worker_memory_growth
 __all__ = [
     "DownloadError",
     "ElasticDistributedSampler",
+    "IsolatedLoader",
     "LengthBucketSampler",
     "LoaderMonitor",
     "LoaderRecipe",

@@ -17,8 +17,9 @@ state (each batch's draws come from `(seed, epoch, position)`), so a state saved
 resumes on the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the
 loop's process.
 Copy with: common/loader_warning.py, common/loading/batch_ring.py,
-  common/loading/loader_path.py, common/loading/stateful_loader.py,
-  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/loading/loader_path.py, common/loading/loop_probe.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
   common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
   common/sizing/resources.py, common/sizing/sizing.py, common/workers/process_lifetime.py,
@@ -38,7 +39,8 @@ from typing import Any
 
 from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
 from recipes.common.loading.loader_path import isolated_available
-from recipes.common.loading.thread_loader import ThreadLoader, _Batches, _pinned
+from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
+from recipes.common.loading.thread_loader import ThreadLoader, _pinned
 from recipes.common.resume.loader_counting import Counting, LoaderClosedError
 
 _POLL_SECONDS = 0.5
@@ -71,13 +73,17 @@ class IsolatedLoader(ThreadLoader):
         dataset, threads, prefetch, seed, **kwargs: as for `ThreadLoader`.
         timeout: seconds a batch may take before the child counts as hung (a `RuntimeError`
             naming it); None waits as long as the child lives.
+        adaptive: measure the loop (`loop_probe.LoopProbe`): from the next epoch, threads of this process
+            while the loop's thread spends under 15% of its time between batches on a CPU
+            (a step that waits on the device, GIL released), the child again above 30%.
+            `make_loader` sets it when it chose this path by itself.
 
     Raises:
         TypeError: as `ThreadLoader`.
         RuntimeError: without the `fork` start method.
     """
 
-    def __init__(self, dataset, *, timeout: float | None = None, **kwargs: Any):
+    def __init__(self, dataset, *, timeout: float | None = None, adaptive: bool = False, **kwargs: Any):
         if not isolated_available():
             raise RuntimeError("IsolatedLoader forks its child process, which this platform cannot; use "
                                "make_loader(..., path='threads') for the thread path in this process.")
@@ -87,16 +93,31 @@ class IsolatedLoader(ThreadLoader):
         self.timeout = timeout
         self._ring = Ring()
         self._child: _Child | None = None
+        self.adaptive = adaptive
+        self._probe = LoopProbe()
 
     def _begin_pass(self):
         current = self._passes.start(0)
+        if self.adaptive and self._probe.decide(self):
+            self._stop_child()  # the loop's thread needs no GIL: threads of this process serve it faster
+            if not isinstance(self._pool, ThreadPoolExecutor):
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
+            return current, TimedBatches(self, iter(self._index_sampler), current)
+        if isinstance(self._pool, ThreadPoolExecutor):
+            self._pool.shutdown(wait=False, cancel_futures=True)
         seen = dataset_fingerprint(self.dataset)
         child = self._child
         if child is None or not child.process.is_alive() or child.fingerprint != seen:
             self._stop_child()  # the dataset changed since the fork (a resolution, a cache attached)
             self._child = _Child(self, seen)
         self._pool = self._child  # what _Batches submits to
-        return current, _Batches(self, iter(self._index_sampler), current)
+        return current, TimedBatches(self, iter(self._index_sampler), current)
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the epoch's batches are made by threads of this process (the probe found a
+        loop whose thread needs no GIL), not by the child's."""
+        return isinstance(self._pool, ThreadPoolExecutor)
 
     def __iter__(self):
         return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
@@ -122,7 +143,9 @@ class IsolatedLoader(ThreadLoader):
         current = self._passes.current
         if current is not None and not current.done:
             current.closed = True
-        self._pool = None
+        pool, self._pool = self._pool, None
+        if isinstance(pool, ThreadPoolExecutor):
+            pool.shutdown(wait=True, cancel_futures=True)
         self._stop_child()
 
     def __del__(self):

@@ -31,8 +31,8 @@ Traps handled:
   batch sampler of the user's wins).
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
   common/loading/isolated_loader.py, common/loading/loader_path.py,
-  common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/loading/loop_probe.py, common/loading/stateful_loader.py,
+  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
   common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
   common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/profiles.py,
@@ -221,7 +221,10 @@ def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dic
     threads = extras.pop("threads", None)
     if threads is None:  # a given 0 or less is refused by the loader, not replaced
         threads = max(1, res.cpus // local_world_size_from_env())
-    loader = (IsolatedLoader if path == "isolated" else ThreadLoader)(dataset, threads=threads, **extras, **kwargs)
+    if path == "isolated":  # chosen by "auto": measured against the loop (IsolatedLoader's probe)
+        loader = IsolatedLoader(dataset, threads=threads, adaptive=why != "given", **extras, **kwargs)
+    else:
+        loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
     kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
     kept.update({key: "override" for key in extras})
     kept.update(path=why, threads=f"{threads}: " + ("override" if "threads" in reasons else "the CPUs of this rank"),

@@ -35,7 +35,9 @@ THREAD_ONLY = ("threads", "prefetch", "seed")
 ISOLATE_MIN_BATCHES = 16
 ISOLATED_WHY = ("; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a training "
                 "step that holds the GIL (an eager step's Python), threads of this process wait for it "
-                "(`recipes bench step`, docs/choosing-a-path.md); path='threads' keeps them in this process")
+                "(`recipes bench step`, docs/choosing-a-path.md); measured against the loop: from the next "
+                "epoch, threads of this process while the loop's thread waits with the GIL released "
+                "(`reasons['path_measured']` says when); path='threads' keeps them in this process")
 # What a ThreadLoader takes from make_loader's settings.
 THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory",
                "collate_fn")

@@ -401,3 +401,32 @@ def test_damage_is_never_served_on_the_isolated_path(tmp_path, train):
     fresh = ImageFolderFast(root, size=32, train=train, cache_dir=tmp_path / "cache")  # opened on the damage
     with pytest.raises(ImageCacheError, match=rf"{path.name} is damaged: image 5"):
         list(make_loader(fresh, batch_size=1, path="isolated"))
+
+
+def test_make_loaders_isolated_path_measures_the_loop_and_takes_this_process_for_a_waiting_step():
+    import time
+
+    loader = make_loader(Records(64), batch_size=4, shuffle=True)  # auto: isolated, measured
+    assert isinstance(loader, IsolatedLoader) and loader.adaptive
+
+    def epoch(step):
+        got = []
+        for b in loader:
+            got += b["ids"].tolist()
+            step()
+        return got
+
+    def busy():  # Python on a CPU between batches (an eager step)
+        end = time.perf_counter() + 0.004
+        while time.perf_counter() < end:
+            pass
+
+    assert Counter(epoch(busy)) == Counter(range(64)) and not loader.in_process
+    assert Counter(epoch(lambda: time.sleep(0.005))) == Counter(range(64)) and not loader.in_process
+    assert Counter(epoch(busy)) == Counter(range(64)) and loader.in_process  # measured: the loop waited
+    assert "path_measured" in loader.recipe.reasons and loader.child_pid is None
+    assert "this process" in loader.recipe.reasons["path_measured"]
+    assert Counter(epoch(busy)) == Counter(range(64)) and not loader.in_process  # busy again: the child
+    assert loader.child_pid is not None
+    given = make_loader(Records(64), batch_size=4, path="isolated")
+    assert not given.adaptive  # a path the user chose stays chosen

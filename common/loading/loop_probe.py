@@ -1,0 +1,82 @@
+"""The isolated loader's probe of the training loop: how much of its time between batches the loop's thread is on a CPU.
+
+Use when: reading why `make_loader`'s isolated path moved to threads of this process
+(`loader.recipe.reasons["path_measured"]`), or tuning when it does (`LoopProbe.LOW`, `HIGH`).
+Cost: two clock reads (`perf_counter`, `thread_time`) per batch, in the loop's thread.
+Adapt here: `LOW`, `HIGH`.
+Trade-off: the CPU time cannot tell Python (which holds the GIL) from a computation that
+releases it: either keeps the child (beside the second the two paths are about even,
+`recipes bench step`'s last rows); only a loop that mostly waits (on the device, GIL
+released) moves to threads of this process, where its hand-over costs less. The decision is
+taken at each epoch's start from the last epoch's batches.
+Copy with: common/loader_warning.py, common/loading/loader_path.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
+  common/sizing/resources.py, common/sizing/sizing.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from recipes.common.loading.thread_loader import _Batches
+
+
+class LoopProbe:
+    """The loop's thread between batches: its wall time and its CPU time (`time.thread_time`),
+    summed over the last epoch's batches. A thread on a CPU for most of that time runs Python
+    (it holds the GIL) or computes; one that mostly waits (on the device, GIL released) leaves
+    the GIL to threads of its own process, which then hand batches over for less."""
+
+    LOW, HIGH = 0.15, 0.30  # the CPU share below which threads of this process serve, above which the child does
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+        self.gaps = 0
+        self.in_process = False
+        self.share: float | None = None
+
+    def decide(self, loader) -> bool:
+        """Whether the coming epoch runs in this process; updates `loader.recipe`'s reason."""
+        if self.gaps >= 8 and self.wall >= 0.05:
+            self.share = self.cpu / self.wall
+            switched = self.in_process != (self.share < (self.HIGH if self.in_process else self.LOW))
+            self.in_process = not self.in_process if switched else self.in_process
+            if switched:
+                _note(loader, self)
+        self.wall = self.cpu = 0.0
+        self.gaps = 0
+        return self.in_process
+
+
+def _note(loader, probe: LoopProbe) -> None:
+    recipe = getattr(loader, "recipe", None)
+    if recipe is None:
+        return
+    where = ("threads of this process from this epoch" if probe.in_process else "the child's threads again")
+    recipe.reasons["path_measured"] = (f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
+                                       f"between batches (the step waits, GIL released) -> {where}"
+                                       if probe.in_process else
+                                       f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
+                                       f"between batches (it runs Python) -> {where}")
+
+
+class TimedBatches(_Batches):
+    """The epoch's batches, the loop's time between them measured for the loader's `LoopProbe`."""
+
+    def __init__(self, loader, indices, current):
+        super().__init__(loader, indices, current)
+        self._left: tuple[float, float] | None = None
+
+    def __next__(self):
+        if self._left is not None:
+            probe = self._loader._probe
+            probe.wall += time.perf_counter() - self._left[0]
+            probe.cpu += time.thread_time() - self._left[1]
+            probe.gaps += 1
+        try:
+            return super().__next__()
+        finally:
+            self._left = (time.perf_counter(), time.thread_time())
