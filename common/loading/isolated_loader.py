@@ -74,8 +74,8 @@ class IsolatedLoader(ThreadLoader):
         timeout: seconds a batch may take before the child counts as hung (a `RuntimeError`
             naming it); None waits as long as the child lives.
         adaptive: measure the loop (`loop_probe.LoopProbe`): from the next epoch, threads of this process
-            while the loop's thread spends under 15% of its time between batches on a CPU
-            (a step that waits on the device, GIL released), the child again above 30%.
+            while the loop's thread spends under 10% of its time between batches on a CPU
+            (a step that waits on the device, GIL released), the child again above 20%.
             `make_loader` sets it when it chose this path by itself.
 
     Raises:

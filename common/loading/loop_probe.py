@@ -30,7 +30,7 @@ class LoopProbe:
     (it holds the GIL) or computes; one that mostly waits (on the device, GIL released) leaves
     the GIL to threads of its own process, which then hand batches over for less."""
 
-    LOW, HIGH = 0.15, 0.30  # the CPU share below which threads of this process serve, above which the child does
+    LOW, HIGH = 0.10, 0.20  # the CPU share below which threads of this process serve, above which the child does
 
     def __init__(self):
         self.wall = self.cpu = 0.0
