@@ -100,8 +100,7 @@ class IsolatedLoader(ThreadLoader):
         current = self._passes.start(0)
         if self.adaptive and self._probe.decide(self):
             self._stop_child()  # the loop's thread needs no GIL: threads of this process serve it faster
-            if not isinstance(self._pool, ThreadPoolExecutor):
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
+            self._in_process_pool()
             return current, TimedBatches(self, iter(self._index_sampler), current)
         if isinstance(self._pool, ThreadPoolExecutor):
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -138,18 +137,10 @@ class IsolatedLoader(ThreadLoader):
             child.stop()
 
     def close(self) -> None:
-        """Ends the child process; the next `iter` starts another. An epoch's iterator in use
-        then raises `LoaderClosedError`; the state stays where it was."""
-        current = self._passes.current
-        if current is not None and not current.done:
-            current.closed = True
-        pool, self._pool = self._pool, None
-        if isinstance(pool, ThreadPoolExecutor):
-            pool.shutdown(wait=True, cancel_futures=True)
+        """Ends the child process (or this process's pool); the next `iter` starts another. An
+        epoch's iterator in use then raises `LoaderClosedError`; the state stays where it was."""
+        super().close()  # the epoch's pool: the child (`_Child.shutdown`) or this process's threads
         self._stop_child()
-
-    def __del__(self):
-        pass  # the child is ended by a weakref.finalize of this loader (_Child), not here
 
 
 class _Remote:
@@ -270,6 +261,10 @@ class _Child:
                                    "epoch (the OOM killer, a signal, or a crash in native code). RobustLoader "
                                    "restarts it at the first batch the loop has not received; without it, "
                                    "load loader.state_dict() into a new loader to continue there.")
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
+        """`ThreadPoolExecutor.shutdown`'s part (ThreadLoader's close and finalizer): `stop`."""
+        self.stop(wait)
 
     def stop(self, wait: bool = True) -> None:
         """Ends the child: asked to stop, then killed; `wait=False` (a finalizer) waits at most

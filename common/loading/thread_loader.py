@@ -106,9 +106,12 @@ class ThreadLoader(StatefulLoader):
 
     def _begin_pass(self):
         current = self._passes.start(0)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
+        self._in_process_pool()
         return current, _Batches(self, iter(self._index_sampler), current)
+
+    def _in_process_pool(self) -> None:
+        if not isinstance(self._pool, ThreadPoolExecutor):
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ThreadLoader")
 
     def state_dict(self) -> dict[str, Any]:
         """`StatefulLoader.state_dict()`, and the seed of the batches' random draws (crops and
