@@ -1,7 +1,9 @@
 """`recipes tune MODULE:FACTORY`: measure loader settings for your dataset and store them.
 
 `FACTORY` is a function (or class) in `MODULE` (importable from the current folder) that takes
-no arguments and returns a Dataset. The table of trials is printed, the result is stored so
+no arguments and returns a Dataset. `--step MODULE:FN` names your training step (called with
+each batch, as the loop would): the trials run beside it, thread paths included, and the
+path that feeds it for the least is what `make_loader` takes from then on. The table of trials is printed, the result is stored so
 that `make_loader` on this machine reuses it, and `--json OUT` writes it as JSON too.
 """
 
@@ -21,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. train:make_dataset (returns a Dataset)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--collate", metavar="MODULE:FN", default=None, help="the loader's collate_fn")
-    parser.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (ms)")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("--step", metavar="MODULE:FN", default=None,
+                      help="your training step, called with each batch (e.g. train:step)")
+    step.add_argument("--step-ms", type=float, default=0.0, help="simulated training step per batch (ms)")
     parser.add_argument("--memory-budget", type=_bytes, default=None, help="peak loader memory, e.g. 8G")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="the whole sweep's budget")
     parser.add_argument("--seconds-per-trial", type=float, default=2.0)
@@ -34,15 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     factory = _load(args.factory)  # a wrong MODULE:NAME is reported before torch is imported
     collate = _load(args.collate) if args.collate else None
+    step = _load(args.step) if args.step else None
+    if step is not None and not callable(step):
+        raise ValueError(f"--step {args.step}: {type(step).__name__} is not callable; name a function of one batch.")
     from recipes.common.tuning.autotune import autotune
 
     dataset = factory()
-    result = autotune(dataset, batch_size=args.batch_size, collate_fn=collate, step_seconds=args.step_ms / 1000,
+    result = autotune(dataset, batch_size=args.batch_size, collate_fn=collate, step=step,
+                      step_seconds=args.step_ms / 1000,
                       memory_budget=args.memory_budget, seconds_per_trial=args.seconds_per_trial,
                       max_seconds=args.max_seconds, max_workers=args.max_workers, store=not args.no_store,
                       log=lambda line: print(line, file=sys.stderr))
-    print(f"\n## tune: {type(dataset).__name__} ({args.factory}), batch {args.batch_size}, "
-          f"step {args.step_ms:g} ms\n")
+    beside = args.step if step is not None else f"{args.step_ms:g} ms"
+    print(f"\n## tune: {type(dataset).__name__} ({args.factory}), batch {args.batch_size}, step {beside}\n")
     print(result.table())
     print(f"\nmake_loader(dataset, **{dict(result)!r})")
     if args.json is not None:

@@ -130,3 +130,51 @@ def test_tune_names_a_bad_factory(tmp_path):
     out = subprocess.run([sys.executable, "-m", "recipes", "tune", "nothing_here"], capture_output=True,
                          text=True, timeout=60, cwd=tmp_path)
     assert out.returncode != 0 and "MODULE:NAME" in out.stderr
+
+
+TUNE_WITH_STEP = """
+import time
+import torch
+
+class Held:  # thread-batched records, each batch 4 ms of Python
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        return self.read_batch([i], None)
+    def thread_batches(self):
+        return True
+    def read_batch(self, indices, rng):
+        end = time.thread_time() + 0.004
+        while time.thread_time() < end:
+            pass
+        return {"ids": torch.tensor(indices)}
+    def __repr__(self):
+        return "Held()"
+
+def make():
+    return Held()
+
+def step(batch):  # 12 ms of Python: the GIL held
+    end = time.thread_time() + 0.012
+    while time.thread_time() < end:
+        pass
+"""
+
+
+@pytest.mark.slow  # 6 s of measuring
+def test_tune_with_the_real_step_measures_the_thread_paths_and_stores_the_path(tmp_path):
+    (tmp_path / "mine.py").write_text(TUNE_WITH_STEP)
+    env = {**__import__("os").environ, "RECIPES_TUNE_DIR": str(tmp_path / "tune")}
+    out = subprocess.run([sys.executable, "-m", "recipes", "tune", "mine:make", "--batch-size", "8", "--step",
+                          "mine:step", "--seconds-per-trial", "0.3", "--max-workers", "1", "--json", "out.json"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "| threads |" in out.stdout and "| isolated |" in out.stdout and "step mine:step" in out.stdout
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["settings"]["path"] in ("threads", "isolated", "workers") and result["trials"][0]["kept"] > 0
+    (stored,) = (tmp_path / "tune").glob("*.json")
+    record = json.loads(stored.read_text())
+    assert record["settings"] == result["settings"] and record["step"] == "the step step()"
+    both = subprocess.run([sys.executable, "-m", "recipes", "tune", "mine:make", "--step", "mine:step",
+                           "--step-ms", "5"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert both.returncode != 0 and "not allowed with argument" in both.stderr

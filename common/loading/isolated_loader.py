@@ -131,6 +131,12 @@ class IsolatedLoader(ThreadLoader):
         """Shared-memory batch slots made so far (prefetch + the batches the loop holds)."""
         return self._ring.slots
 
+    def _retire_child(self, pending) -> None:
+        """Moved to threads of this process mid-epoch: the child ends once the loop has every
+        batch asked of it (none left in `pending`)."""
+        if not any(isinstance(future, _Remote) for future in pending):
+            self._stop_child()
+
     def _stop_child(self) -> None:
         child, self._child = self._child, None
         if child is not None:

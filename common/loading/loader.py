@@ -88,7 +88,7 @@ def make_loader(
         batch_size: samples per batch; the profile's default when None. Not passed when
             `batch_sampler` is given.
         resources: a `Resources` snapshot; `detect_resources()` when None.
-        tuned: use the workers and prefetch factor that `autotune` / `recipes tune` stored for
+        tuned: use the path, workers and prefetch factor that `autotune` / `recipes tune` stored for
             this dataset, batch size and machine, when there are such (overrides still win).
         path: "auto": a `ThreadLoader` (threads of this process, no workers) when the dataset's
             batches are made by code that releases the GIL (`ThreadBatched.thread_batches()`: a
@@ -131,22 +131,25 @@ def make_loader(
     if batch_size is not None:
         settings["batch_size"] = batch_size
         reasons["batch_size"] = "given"
-    if tuned and not {"num_workers", "prefetch_factor"} & set(overrides):
-        _apply_tuned(dataset, settings, reasons, res, batch_sampler="batch_sampler" in overrides)
+    record = _apply_tuned(dataset, settings, reasons, res, batch_sampler="batch_sampler" in overrides) \
+        if tuned and not {"num_workers", "prefetch_factor"} & set(overrides) else None
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
     _split_ranks(dataset, settings, reasons, distributed)
     extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
+    measured = None  # the path autotune measured, when "auto" takes it
     if chosen == "threads" and path == "auto":
-        chosen, why = isolate(dataset, settings, res.cpus, why)
+        from recipes.common.loading.loader_path import from_tuned
+        chosen, why = (measured := from_tuned(record, extras)) or isolate(dataset, settings, res.cpus, why)
     if chosen in ("threads", "isolated"):
         if chosen == "isolated" and "timeout" in overrides:
             extras["timeout"] = settings.pop("timeout")
         unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY) - set(extras))
         if unknown:
             raise TypeError(f"make_loader() got arguments neither a ThreadLoader nor a DataLoader takes: {unknown}.")
-        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras, chosen)
+        return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras, chosen,
+                              adaptive=path == "auto" and measured is None)
     if extras:
         raise TypeError(f"{sorted(extras)} configure the thread path (ThreadLoader), but this loader has worker "
                         f"processes ({why}); drop them, or pass path='threads'.")
@@ -209,7 +212,7 @@ def _split_ranks(dataset, settings: dict[str, Any], reasons: dict[str, str], dis
 
 
 def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dict[str, str], res: Resources,
-                   why: str, extras: dict[str, Any], path: str = "threads") -> ThreadLoader:
+                   why: str, extras: dict[str, Any], path: str = "threads", adaptive: bool = True) -> ThreadLoader:
     """The thread path, in this process or isolated in a child: the profile's batch settings,
     one thread per CPU of this rank (or the given `threads`, `prefetch`, `seed`)."""
     from recipes.common.loading.isolated_loader import IsolatedLoader
@@ -221,8 +224,8 @@ def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dic
     threads = extras.pop("threads", None)
     if threads is None:  # a given 0 or less is refused by the loader, not replaced
         threads = max(1, res.cpus // local_world_size_from_env())
-    if path == "isolated":  # chosen by "auto": measured against the loop (IsolatedLoader's probe)
-        loader = IsolatedLoader(dataset, threads=threads, adaptive=why != "given", **extras, **kwargs)
+    if path == "isolated":  # chosen by "auto" by rule: measured against the loop (IsolatedLoader's probe)
+        loader = IsolatedLoader(dataset, threads=threads, adaptive=adaptive, **extras, **kwargs)
     else:
         loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
     kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
@@ -237,15 +240,16 @@ def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dic
 
 
 def _apply_tuned(dataset, settings: dict[str, Any], reasons: dict[str, str], res: Resources, *,
-                 batch_sampler: bool) -> None:
+                 batch_sampler: bool) -> dict[str, Any] | None:
+    """Applies the stored worker settings; returns their record (`loader_path.from_tuned`), or None."""
     from recipes.common.sizing.tune_store import load_tuned
 
     record = load_tuned(dataset, res)
     if record is None:
-        return
+        return None
     stored = record["settings"]
     if not batch_sampler and stored.get("batch_size") != settings.get("batch_size"):
-        return  # tuned for another batch size: the figures do not transfer
+        return None  # tuned for another batch size: the figures do not transfer
     why = (f"autotuned {record.get('when', '')}: {record.get('samples_per_s', 0):,.0f} samples/s measured "
            "on this machine (recipes tune; tuned=False ignores it)")
     for key in ("num_workers", "prefetch_factor", "persistent_workers"):
@@ -256,6 +260,7 @@ def _apply_tuned(dataset, settings: dict[str, Any], reasons: dict[str, str], res
         for key in ("prefetch_factor", "persistent_workers"):
             settings.pop(key, None)
             reasons.pop(key, None)
+    return record
 
 
 def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """Which path `make_loader` takes: worker processes (`StatefulLoader`) or threads (`ThreadLoader`).
 
 Use when: reading why `make_loader` returned a `ThreadLoader` (`loader.recipe.reasons["path"]`)
-or forcing a path (`make_loader(..., path="workers")` or `path="threads"`).
+or forcing a path (`make_loader(..., path="workers")` or `path="threads"`). A path `autotune`
+measured for the dataset (`recipes tune --step`) wins over the rules (`from_tuned`).
 Cost: one `thread_batches()` call on the dataset.
 Adapt here: `WORKER_ONLY`, the arguments that ask for worker processes.
 Trade-off: "auto" takes threads only for a dataset that says its batches are made by code
@@ -131,6 +132,26 @@ def isolate(dataset, settings: dict[str, Any], cpus: int, why: str) -> tuple[str
         return "threads", why + (f"; in this process: {batches} batches an epoch, fewer than {ISOLATE_MIN_BATCHES} "
                                  "(a child's fork and first batches would cost more than they win)")
     return "isolated", why.replace("threads:", "isolated threads:", 1) + ISOLATED_WHY
+
+
+def from_tuned(record: dict[str, Any] | None, extras: dict[str, Any]) -> tuple[str, str] | None:
+    """The path `autotune` / `recipes tune` measured best for this dataset (`record`, from the
+    tuned-settings store), with its reason, when "auto" may take it: the dataset can take the
+    thread path now (the caller's condition), no thread argument is given (`extras`: then the
+    thread path stays), and an isolated path can still fork here. None: the rules decide."""
+    import multiprocessing
+
+    stored = ((record or {}).get("settings") or {}).get("path")
+    if stored not in ("threads", "isolated", "workers") or (extras and stored == "workers"):
+        return None
+    if stored == "isolated" and (not isolated_available() or multiprocessing.current_process().daemon):
+        return None
+    where = {"threads": "threads of this process", "isolated": "threads of one child process (IsolatedLoader)",
+             "workers": "worker processes"}[stored]
+    measured = str(record.get("reason") or "").removeprefix("autotune: ")
+    return stored, (f"{where}: autotuned {record.get('when', '')} on this machine, the thread paths and worker "
+                    f"counts measured{' beside ' + record['step'] if record.get('step') else ''}: "
+                    f"{measured or 'the best measured'} (recipes tune; tuned=False ignores it, path= chooses)")
 
 
 def _local_ranks() -> int:

@@ -8,7 +8,8 @@ Trade-off: the CPU time cannot tell Python (which holds the GIL) from a computat
 releases it: either keeps the child (beside the second the two paths are about even,
 `recipes bench step`'s last rows); only a loop that mostly waits (on the device, GIL
 released) moves to threads of this process, where its hand-over costs less. The decision is
-taken at each epoch's start from the last epoch's batches.
+taken at each epoch's start from the last epoch's batches, and once mid-epoch, after an
+epoch's first `EARLY` batches on the child, towards threads of this process only.
 Copy with: common/loader_warning.py, common/loading/loader_path.py,
   common/loading/stateful_loader.py, common/loading/thread_loader.py,
   common/resume/batch_seeds.py, common/resume/dataset_state.py,
@@ -31,6 +32,7 @@ class LoopProbe:
     the GIL to threads of its own process, which then hand batches over for less."""
 
     LOW, HIGH = 0.10, 0.20  # the CPU share below which threads of this process serve, above which the child does
+    EARLY = 48  # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
 
     def __init__(self):
         self.wall = self.cpu = 0.0
@@ -50,12 +52,26 @@ class LoopProbe:
         self.gaps = 0
         return self.in_process
 
+    def early(self, loader) -> bool:
+        """Whether the loop moves to threads of this process now, mid-epoch: once, after the
+        epoch's first `EARLY` batches on the child, when the loop's thread was on a CPU under
+        `LOW` of that time (a long first epoch need not run its whole length on the child).
+        Back to the child is decided at an epoch's start only (forking beside running threads is not safe)."""
+        if not loader.adaptive or self.in_process or loader.in_process or self.gaps != self.EARLY:
+            return False
+        if self.wall < 0.05 or self.cpu / self.wall >= self.LOW:
+            return False
+        self.share, self.in_process = self.cpu / self.wall, True
+        _note(loader, self, mid_epoch=True)
+        return True
 
-def _note(loader, probe: LoopProbe) -> None:
+
+def _note(loader, probe: LoopProbe, mid_epoch: bool = False) -> None:
     recipe = getattr(loader, "recipe", None)
     if recipe is None:
         return
-    where = ("threads of this process from this epoch" if probe.in_process else "the child's threads again")
+    where = (f"threads of this process from {f'batch {probe.EARLY} of this epoch' if mid_epoch else 'this epoch'}"
+             if probe.in_process else "the child's threads again")
     recipe.reasons["path_measured"] = (f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
                                        f"between batches (the step waits, GIL released) -> {where}"
                                        if probe.in_process else
@@ -71,11 +87,16 @@ class TimedBatches(_Batches):
         self._left: tuple[float, float] | None = None
 
     def __next__(self):
+        loader = self._loader
         if self._left is not None:
-            probe = self._loader._probe
+            probe = loader._probe
             probe.wall += time.perf_counter() - self._left[0]
             probe.cpu += time.thread_time() - self._left[1]
             probe.gaps += 1
+            if probe.early(loader):  # the next batches are asked of this process's threads; the
+                loader._in_process_pool()  # child's, asked already, still come from the child
+        if loader._child is not None and loader.in_process:
+            loader._retire_child(self._pending)
         try:
             return super().__next__()
         finally:

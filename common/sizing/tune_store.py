@@ -71,6 +71,7 @@ def save_tuned(dataset, settings: dict[str, Any], measured: dict[str, Any]) -> P
     record = {"version": FORMAT_VERSION, "dataset": dataset_key(dataset), "machine": machine_key(),
               "settings": dict(settings), "samples_per_s": measured["samples_per_s"],
               "wait_fraction": measured.get("wait_fraction"), "peak_bytes": measured.get("peak_bytes"),
+              "reason": getattr(settings, "reason", None), "step": getattr(settings, "step", None),
               "when": time.strftime("%Y-%m-%d %H:%M")}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     write_synced(tmp, json.dumps(record, indent=1).encode())

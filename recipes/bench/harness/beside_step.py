@@ -20,6 +20,7 @@ figure beside a step is the best of two rounds, in turns.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -44,10 +45,12 @@ class StepRow:
     alone: float
     of_ideal: float
     held: bool = True  # the step's CPU time holds the GIL (False: the same CPU off the GIL)
+    ceiling: float = 1.0  # of ideal: what the cores allow, the loader's CPU and the step's together
 
 
 class SimulatedStep:
-    """`gil_s` of pure Python holding the GIL, then sleeping (GIL released) to `total_s`. With
+    """`gil_s` of pure Python holding the GIL (CPU time of the loop's thread: the same work
+    whatever else wants the GIL), then sleeping (GIL released) to `total_s`. With
     `held=False` the same CPU time is spent off the GIL (hashing 64 KiB blocks, which CPython
     does with the GIL released): what the step's CPU alone costs the loader, without the GIL."""
 
@@ -60,9 +63,9 @@ class SimulatedStep:
         import hashlib
 
         start = time.perf_counter()
-        end = start + self.gil_s
-        while time.perf_counter() < end:  # the loop's Python: kernel launches, the optimizer step
-            if not self.held:
+        end = time.thread_time() + self.gil_s  # a fixed amount of work: this thread's CPU time, which
+        while time.thread_time() < end:  # stops while another thread holds the GIL (a wall clock would not)
+            if not self.held:  # the loop's Python, above: kernel launches, the optimizer step
                 hashlib.sha256(self._BLOCK)
         left = self.total_s - (time.perf_counter() - start)
         if left > 0:
@@ -119,9 +122,14 @@ def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
     """Rows of every path beside every step; (rows, step time in s, the paths' rates alone)."""
     made = loaders(dataset, batch_size, epoch_batches)
     alone = {name: rate(loader, None, batches, batch_size) for name, loader in made}
+    cpu_per_batch = 0.0
     for name, loader in made:  # a second round, in turns: the best of two
+        cpu = time.process_time()
         alone[name] = max(alone[name], rate(loader, None, batches, batch_size))
+        if name == "in-process threads (path='threads')":  # all its work is this process's CPU time
+            cpu_per_batch = (time.process_time() - cpu) / (batches + 3)
     threads_alone = alone["in-process threads (path='threads')"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     total_s = batch_size / threads_alone  # balanced: the step alone as fast as the thread path alone
     resident = next(iter(made[2][1]))
     rows = []
@@ -133,7 +141,9 @@ def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
         for _ in range(2):  # the best of two rounds, in turns
             for name, loader in made:
                 got[name] = max(got[name], rate(loader, step, batches, batch_size))
-        rows += [StepRow(name, gil, got[name], step_rate, got[name] / ideal, held) for name, _ in made]
+        # The cores bound any path: a batch costs the loader's CPU and the step's, whoever holds the GIL.
+        ceiling = min(1.0, cores * batch_size / (cpu_per_batch + gil / 1000) / ideal)
+        rows += [StepRow(name, gil, got[name], step_rate, got[name] / ideal, held, ceiling) for name, _ in made]
     for _, loader in made:
         loader.close()
     return rows, total_s, alone
@@ -158,13 +168,15 @@ def run(args: argparse.Namespace) -> int:
     print("| path | alone (img/s) |\n|---|---:|")
     for name, value in alone.items():
         print(f"| {name} | {value:,.0f} |")
-    print("\n| the step's CPU per step | path | beside the step (img/s) | step alone (img/s) | of ideal |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| the step's CPU per step | path | beside the step (img/s) | step alone (img/s) | of ideal | "
+          "CPU ceiling |")
+    print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         what = f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, GIL held" if r.held else \
             f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, off the GIL (the CPU alone)"
-        print(f"| {what} | {r.path} | {r.rate:,.0f} | {r.alone:,.0f} | {r.of_ideal:.0%} |")
+        print(f"| {what} | {r.path} | {r.rate:,.0f} | {r.alone:,.0f} | {r.of_ideal:.0%} | {r.ceiling:.0%} |")
     print("\nThe last rows spend the step's CPU with the GIL released: what is left between them and 100% is "
-          "the cores the step takes from the loader, not the GIL.")
+          "the cores the step takes from the loader, not the GIL. The CPU ceiling is what the cores allow any "
+          "path, of ideal: cores x batch / (the thread path's CPU per batch alone + the step's CPU).")
     print(f"\nmake_loader's default: {reason}")
     return 0
