@@ -322,8 +322,9 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
     answers with its layout; ends on "stop", or when the loop's process is gone."""
     from recipes.common.workers.process_lifetime import _exit_when_orphaned
-    from recipes.common.workers.worker import _single_threaded_libraries
+    from recipes.common.workers.worker import _single_threaded_libraries, keep_inherited_pages_shared
 
+    keep_inherited_pages_shared()  # no collection copies the loop's process's pages into the child
     parent_end.close()
     # ends with the loop's process, whichever of its threads forked it (a prctl death signal is
     # tied to the forking thread: a loop that began its epoch in a short-lived thread would lose it)

@@ -7,10 +7,13 @@ would be theirs: glibc handing a worker the inherited heap's free holes page by 
 one copied on write). A plain DataLoader over a constant tensor shows that drift (+8 MB
 per worker over 16 epochs, then flat) whenever the parent's heap is fragmented.
 
-Each epoch's figure is the least of a few reads after the epoch: CI twice saw the workers'
-USS step up about 3 MB on 30 (about one 2.5 MB batch of shared memory) at a late epoch, which
-6 runs here on a quiet machine never showed; a read at once can catch a batch still mapped in
-a worker, which is not growth, while a leak shows in every read.
+Each epoch's figure is the least of a few reads after the epoch: a read at once can catch a
+batch still mapped in a worker, which is not growth, while a leak shows in every read.
+
+The step that CI saw (1.5 MB a worker at epoch 2 or 3, then flat) was the cyclic garbage
+collector's first full collection in each worker: it writes into every inherited object, so
+every page of them is copied. `worker_init` freezes what a worker inherited (`gc.freeze`);
+without it this test fails here in 2 runs of 3 (5.0-5.3% against 0.6-1.1% with it).
 """
 
 import json
