@@ -17,13 +17,12 @@ state (each batch's draws come from `(seed, epoch, position)`), so a state saved
 resumes on the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the
 loop's process.
 Copy with: common/loader_warning.py, common/loading/batch_ring.py,
-  common/loading/loader_path.py, common/loading/loop_probe.py,
-  common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/workers/process_lifetime.py,
-  common/workers/worker.py.
+  common/loading/epoch_read_ahead.py, common/loading/loader_path.py, common/loading/loop_probe.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
+  common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/resume/pass_sampler.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/workers/process_lifetime.py, common/workers/worker.py.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
+from recipes.common.loading.epoch_read_ahead import dataset_fingerprint
 from recipes.common.loading.loader_path import isolated_available
 from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
 from recipes.common.loading.thread_loader import ThreadLoader, _pinned
@@ -182,12 +182,13 @@ class _Child:
         child_end.close()
         self._finalizer = weakref.finalize(loader, _Child.stop, self, False)
 
-    def submit(self, fn, indices, epoch: int, position: int) -> _Remote:
+    def submit(self, fn, indices, epoch: int, position: int, seed: int | None = None) -> _Remote:
         request, slot = self._next_request, self.ring.take()
         self._next_request += 1
         self._slots[request] = slot
         try:
-            self.conn.send(("read", request, slot, indices, epoch, position, self.loader.seed))
+            self.conn.send(("read", request, slot, indices, epoch, position,
+                            self.loader.seed if seed is None else seed))
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass  # the child is gone: wait() says so
         return _Remote(self, request)
@@ -290,23 +291,6 @@ class _Child:
         for slot in self._slots.values():  # asked, never received: their slots are free again
             self.ring.give_back(slot)
         self._slots.clear()
-
-
-def dataset_fingerprint(dataset, depth: int = 2) -> tuple:
-    """What the child saw of `dataset` when it was forked: its attributes, by value when they
-    are plain (numbers, strings, tuples of them), else by identity (a cache attached or
-    replaced, a new index array); a `ConcatDataset`'s parts likewise. An in-place change of
-    an array or a nested object is not seen: set the attribute anew, or close the loader."""
-    plain = (int, float, str, bool, bytes, type(None))
-    items = []
-    for key, value in sorted(getattr(dataset, "__dict__", {}).items()):
-        if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
-            items.append((key, value))
-        elif depth and isinstance(value, (list, tuple)) and value and all(hasattr(v, "__dict__") for v in value):
-            items.append((key, tuple(dataset_fingerprint(v, depth - 1) for v in value)))
-        else:
-            items.append((key, id(value)))
-    return (type(dataset).__name__, id(dataset), tuple(items))
 
 
 def _rebuilt(error: BaseException | None, text: str) -> BaseException:

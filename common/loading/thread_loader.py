@@ -9,7 +9,8 @@ of the main process fill each batch straight into its own tensor, batches are yi
 order, and the loader's state is `StatefulLoader`'s: it resumes exactly, in any epoch.
 Cost: per batch one call of the dataset's `read_batch(indices, rng)` in a pool thread; the
 order comes from the sampler in the main process, as in a DataLoader without workers.
-Adapt here: `threads` (the CPUs of this rank by default), `prefetch` (batches in flight).
+Adapt here: `threads` (the CPUs of this rank by default), `prefetch` (batches in flight, also
+across an epoch's end: `epoch_read_ahead.py`).
 Trade-off: only as fast as the dataset's `read_batch` releases the GIL (numpy reads, OpenCV
 resizes and torch copies do; Python per-item work does not, and belongs in worker processes:
 `make_loader(..., path="workers")`).
@@ -22,7 +23,7 @@ generator seeded by `(seed, epoch, batch position)`: the same batch gets the sam
 whatever the threads and after a resume. With `pin_memory` on CUDA, a `read_batch` that takes
 `pin_memory=` fills its batch in page-locked memory from torch's caching host allocator (reused
 blocks, no second copy); other batches are copied into pinned memory.
-Copy with: common/loader_warning.py, common/loading/loader_path.py,
+Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py, common/loading/loader_path.py,
   common/loading/stateful_loader.py, common/resume/batch_seeds.py,
   common/resume/dataset_state.py, common/resume/loader_contract.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py,
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset
 
+from recipes.common.loading.epoch_read_ahead import NextEpoch, dataset_key, forecast
 from recipes.common.loading.loader_path import thread_capable
 from recipes.common.loading.stateful_loader import StatefulLoader
 from recipes.common.resume.loader_contract import ReadAheadAware
@@ -58,7 +60,8 @@ class ThreadLoader(StatefulLoader):
     Args:
         dataset: a map-style dataset implementing `ThreadBatched`.
         threads: pool threads; the CPUs this process may use when None.
-        prefetch: batches in flight ahead of the loop; `2 * threads` when None.
+        prefetch: batches in flight ahead of the loop; `2 * threads` when None. At an epoch's
+            end they are the next epoch's first, when its order can be known (`epoch_read_ahead.py`).
         seed: seeds each batch's random draws with `(seed, epoch, position)`; drawn from
             torch's random generator when None (so `torch.manual_seed` reproduces runs).
         **kwargs: `batch_size`, `shuffle`, `sampler`, `batch_sampler`, `drop_last`,
@@ -97,6 +100,7 @@ class ThreadLoader(StatefulLoader):
         self.threads, self.prefetch = threads, prefetch or 2 * threads
         self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
         self._pool: ThreadPoolExecutor | None = None
+        self._ahead: NextEpoch | None = None  # the next epoch's first batches, asked at this one's end
         for holder in (self.batch_sampler, self.sampler):
             if isinstance(holder, ReadAheadAware):
                 holder.note_read_ahead(self.prefetch)
@@ -155,13 +159,16 @@ class ThreadLoader(StatefulLoader):
         current = self._passes.current
         if current is not None and not current.done:
             current.closed = True
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.cancel()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def __del__(self):
         pool = getattr(self, "_pool", None)
-        if pool is None or sys.is_finalizing():  # at interpreter exit its threads are being joined anyway
+        if pool is None or sys is None or sys.is_finalizing():  # at exit its threads are being joined anyway
             return
         try:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -179,6 +186,7 @@ class _Batches:
         self._position: int | None = None  # batches of the epoch before the first one read here
         self._pending: collections.deque = collections.deque()
         self._ended = False
+        self._next: NextEpoch | None = None  # the next epoch's batches this pass asked for at its end
 
     def _fill(self) -> None:
         loader = self._loader
@@ -195,8 +203,40 @@ class _Batches:
                 # position a resumed sampler starts at by itself (LengthBucketSampler, elastic ones)
                 self._position = self._pass.position
             indices = [int(i) for i in indices]
-            self._pending.append(loader._pool.submit(loader._read, indices, self._pass.epoch, self._position))
+            self._pending.append(self._made_ahead(indices) or
+                                 loader._pool.submit(loader._read, indices, self._pass.epoch, self._position))
             self._position += 1
+        if self._ended:
+            self._read_ahead()
+
+    def _made_ahead(self, indices: list[int]):
+        """This draw's batch if the last pass made it ahead (the same indices, epoch, position,
+        seed, pool and dataset); the first that differs drops what was made ahead."""
+        loader = self._loader
+        ahead = loader._ahead
+        if ahead is None or ahead is self._next:
+            return None
+        future = ahead.take(loader, indices, self._pass.epoch, self._position)
+        if future is None:
+            loader._ahead = None
+        return future
+
+    def _read_ahead(self) -> None:
+        """Every index of the epoch asked for: the pool's room goes to the next epoch's first batches."""
+        loader = self._loader
+        if self._next is None:
+            if loader._ahead is not None:
+                loader._ahead.cancel()
+            # from the second epoch on: a loader iterated once (an evaluation) makes nothing it does not use
+            batches = forecast(loader, self._pass.epoch) if self._pass.epoch >= 1 else None
+            if batches is None:
+                loader._ahead = None
+                self._next = NextEpoch(None, self._pass.epoch, iter(()), loader.seed, ())
+                return
+            self._next = loader._ahead = NextEpoch(loader._pool, self._pass.epoch, batches, loader.seed,
+                                                    dataset_key(loader.dataset))
+        if loader._ahead is self._next and self._next.pool is loader._pool:
+            self._next.extend(loader, loader.prefetch - len(self._pending) - len(self._next.made))
 
     def __iter__(self):
         return self

@@ -16,19 +16,18 @@ Adapt here: `_worker_counts`, `GAIN` (what counts as "helping"), `WAIT_TARGET`.
 Trade-off: trials are short, so figures carry ~5-10% noise (the second round keeps one burst
 of background work from deciding); a dataset whose cost changes over an epoch (cache warming)
 is tuned as it is now. Results are stored per dataset, batch size and machine, and `make_loader` reuses them.
-Copy with: common/caches/cache_files.py, common/caches/cache_folder.py,
-  common/loader_warning.py, common/loading/batch_ring.py, common/loading/isolated_loader.py,
-  common/loading/loader.py, common/loading/loader_path.py, common/loading/loop_probe.py,
-  common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/remote/object_download.py, common/remote/object_urls.py,
-  common/remote/prefetch_cache.py, common/remote/ranged_download.py, common/remote/retries.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
-  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/profiles.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
-  common/tuning/monitor.py, common/tuning/monitor_plot.py, common/tuning/probes.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
+  common/loading/batch_ring.py, common/loading/epoch_read_ahead.py,
+  common/loading/isolated_loader.py, common/loading/loader.py, common/loading/loader_path.py,
+  common/loading/loop_probe.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
+  common/remote/ranged_download.py, common/remote/retries.py, common/resume/batch_seeds.py,
+  common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/resume/pass_sampler.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/sizing/tune_store.py, common/tuning/monitor.py, common/tuning/monitor_plot.py,
+  common/tuning/probes.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py,
   common/workers/worker.py.
 """
 

@@ -1,0 +1,128 @@
+"""The thread paths' read-ahead into the next epoch: its first batches made while the loop takes the last ones.
+
+Use when: you read why a `ThreadLoader` (or `IsolatedLoader`) starts an epoch with batches
+ready. Without it each epoch starts empty: the pool drains at the epoch's end (fewer batches
+left than it has threads) and the loop waits a whole batch's time for the next epoch's first,
+which costs a loader as fast as the step 5-9 points on epochs of 23 batches (`recipes bench
+step`), as DataLoader's workers cost it too.
+Cost: none on the epoch; between epochs, up to `prefetch` batches of the next epoch held (made
+for nothing after the last epoch, or when the next epoch turns out to differ).
+Adapt here: `forecast` (which orders can be known before their epoch begins).
+Trade-off: a guess, checked before any use, from the end of the second epoch on (a loader
+iterated once, an evaluation, makes nothing it does not use). The next epoch is foreseen only when its order
+can be drawn without touching the loader's: torch's `BatchSampler` over a `SequentialSampler`,
+a `RandomSampler` with a generator (drawn from a copy of its state) or a `DistributedSampler`
+(`set_epoch` on a copy), for epoch + 1 at position 0. A batch made ahead is used only when the
+real pass asks for the same indices at the same epoch and position, with the same seed, pool
+and dataset (`dataset_key`: its attributes, and the values of its small tensors, such as
+`ImageFolderFast`'s resolution in shared memory); the first difference drops the rest (a
+`set_epoch` to another epoch, a loaded state, `set_resolution`, a closed loader). So a batch is
+always the one its pass would have made then, and the loader's state never sees the guess.
+Copy with: nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+
+_SMALL = 64  # a tensor or array attribute of at most this many elements is keyed by value
+# DistributedSamplers whose order is a function of (seed, epoch) and whose iteration only rebinds
+# the copy's own attributes: torch's, and ElasticDistributedSampler
+_DEALS = ("torch.utils.data.distributed", "recipes.common.sampling.elastic_sampler")
+
+
+class NextEpoch:
+    """Batches of the epoch after `epoch`, asked of `pool` before that epoch began, in order."""
+
+    def __init__(self, pool, epoch: int, batches, seed: int, key: tuple):
+        self.pool, self.epoch, self.seed, self.key = pool, epoch + 1, seed, key
+        self._batches = batches  # the foreseen index lists, drawn as room appears
+        self.made: deque = deque()  # (position, indices, future)
+        self._position = 0
+
+    def extend(self, loader, room: int) -> None:
+        """Asks for up to `room` more foreseen batches."""
+        for _ in range(room):
+            indices = next(self._batches, None)
+            if indices is None:
+                return
+            indices = [int(i) for i in indices]
+            future = loader._pool.submit(loader._read, indices, self.epoch, self._position, self.seed)
+            self.made.append((self._position, indices, future))
+            self._position += 1
+
+    def take(self, loader, indices: list[int], epoch: int, position: int):
+        """The batch made ahead for this draw, or None (then nothing made ahead is used again)."""
+        if self.made:
+            made_at, made_for, future = self.made[0]
+            if (made_at, made_for, self.epoch, self.seed) == (position, indices, epoch, loader.seed) and \
+                    self.pool is loader._pool and self.key == dataset_key(loader.dataset):
+                self.made.popleft()
+                return future
+        self.cancel()
+        return None
+
+    def cancel(self) -> None:
+        while self.made:
+            self.made.popleft()[2].cancel()
+        self._batches = iter(())
+
+
+def forecast(loader, epoch: int):
+    """The index lists of the pass after one at `epoch`, if it can be drawn without touching
+    the loader's sampler or any random generator; else None."""
+    passes = loader._passes
+    if passes.pending is not None or passes.iterable:
+        return None
+    batches = getattr(loader, "batch_sampler", None)
+    if type(batches) is not BatchSampler:
+        return None
+    sampler = batches.sampler
+    if type(sampler) is SequentialSampler:
+        foreseen = sampler
+    elif type(sampler) is RandomSampler and sampler.generator is not None:
+        foreseen = copy.copy(sampler)
+        foreseen.generator = torch.Generator().set_state(sampler.generator.get_state())
+    elif isinstance(sampler, DistributedSampler) and type(sampler).__iter__.__module__ in _DEALS:
+        foreseen = copy.copy(sampler)
+        foreseen.set_epoch(epoch + 1)
+    else:
+        return None
+    ahead = copy.copy(batches)
+    ahead.sampler = foreseen
+    return iter(ahead)
+
+
+def dataset_key(dataset) -> tuple:
+    """`dataset_fingerprint`, and the values of the dataset's small tensors and arrays (what
+    may change in place between epochs: a resolution in shared memory)."""
+    import numpy as np
+
+    small = []
+    for name, value in sorted(getattr(dataset, "__dict__", {}).items()):
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() <= _SMALL:
+            small.append((name, value.numpy(force=True).tobytes()))
+        elif isinstance(value, np.ndarray) and value.size <= _SMALL:
+            small.append((name, value.tobytes()))
+    return dataset_fingerprint(dataset), tuple(small)
+
+
+def dataset_fingerprint(dataset, depth: int = 2) -> tuple:
+    """What the child saw of `dataset` when it was forked: its attributes, by value when they
+    are plain (numbers, strings, tuples of them), else by identity (a cache attached or
+    replaced, a new index array); a `ConcatDataset`'s parts likewise. An in-place change of
+    an array or a nested object is not seen: set the attribute anew, or close the loader."""
+    plain = (int, float, str, bool, bytes, type(None))
+    items = []
+    for key, value in sorted(getattr(dataset, "__dict__", {}).items()):
+        if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+            items.append((key, value))
+        elif depth and isinstance(value, (list, tuple)) and value and all(hasattr(v, "__dict__") for v in value):
+            items.append((key, tuple(dataset_fingerprint(v, depth - 1) for v in value)))
+        else:
+            items.append((key, id(value)))
+    return (type(dataset).__name__, id(dataset), tuple(items))

@@ -1,0 +1,170 @@
+"""The thread paths read the next epoch's first batches while the loop takes the last ones
+(`epoch_read_ahead.py`): each batch made once, and always the one its epoch would have made
+(checked against a run that foresees nothing), whatever changes between epochs."""
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, SequentialSampler
+
+import recipes.common.loading.thread_loader as thread_loader
+from recipes.common import IsolatedLoader, ThreadLoader
+from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
+
+LOADERS = {"threads": ThreadLoader, "isolated": IsolatedLoader}
+
+
+class Counted:
+    """Thread-batched items whose reads are counted in shared memory (the isolated child's too);
+    each batch carries its indices and a draw of its generator (its seed, epoch and position)."""
+
+    def __init__(self, n: int = 40):
+        self.n = n
+        self.reads = multiprocessing.Value("q", 0, lock=False)  # shared with the forked child
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return int(i)
+
+    def thread_batches(self):
+        return True
+
+    def read_batch(self, indices, rng):
+        self.reads.value += 1  # one pool thread: no race
+        return torch.tensor(indices), torch.from_numpy(rng.integers(0, 2**31, len(indices)))
+
+
+def _order(kind, dataset):
+    if kind == "shuffle":
+        return {"shuffle": True, "generator": torch.Generator().manual_seed(5)}
+    if kind == "sequential":
+        return {"sampler": SequentialSampler(dataset)}
+    if kind == "elastic":
+        return {"sampler": ElasticDistributedSampler(dataset, num_replicas=2, rank=1, seed=3)}
+    return {"sampler": DistributedSampler(dataset, num_replicas=2, rank=0, seed=3)}
+
+
+def _epochs(loader, epochs, settle=None):
+    """Every epoch's batches as (ids, draws) lists; `settle(epoch)` runs after each epoch's last batch."""
+    got = []
+    for epoch in range(epochs):
+        if isinstance(loader.sampler, DistributedSampler) and type(loader.sampler) is DistributedSampler:
+            loader.sampler.set_epoch(epoch)
+        batches = [(ids.tolist(), draws.tolist()) for ids, draws in loader]
+        got.append(batches)
+        if settle is not None:
+            settle(epoch)
+    return got
+
+
+def _unforeseen(monkeypatch, make, epochs):
+    with monkeypatch.context() as patch:
+        patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
+        loader = make()
+        try:
+            return _epochs(loader, epochs), loader.dataset.reads.value
+        finally:
+            loader.close()
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+@pytest.mark.parametrize("kind", ["shuffle", "sequential", "elastic", "distributed"])
+def test_the_next_epochs_first_batches_are_made_ahead_once_and_equal_an_unforeseen_run(monkeypatch, path, kind):
+    def make():
+        dataset = Counted(40)
+        return LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=9, **_order(kind, dataset))
+
+    expected, reads_without = _unforeseen(monkeypatch, make, 4)
+    per_epoch = len(expected[0])
+    assert reads_without == 4 * per_epoch
+
+    loader = make()
+    seen = []
+
+    def settle(epoch):  # the pool's work done; what it made beyond the loop's batches is the next epoch's
+        time.sleep(0.3)
+        seen.append(loader.dataset.reads.value - (epoch + 1) * per_epoch)
+
+    try:
+        assert _epochs(loader, 4, settle) == expected
+    finally:
+        loader.close()
+    # nothing ahead of the second epoch (a loader iterated once makes nothing it does not use), then
+    # the next epoch's first `prefetch` batches, each used: no batch made twice
+    assert seen == [0, 2, 2, 2]
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+def test_a_new_resolution_between_epochs_drops_what_was_made_ahead(path, tmp_path):
+    from recipes.testing import make_image_folder
+    from recipes.vision import ImageFolderFast, build_image_cache
+
+    dataset = ImageFolderFast(make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=2), size=32,
+                              train=True)
+    build_image_cache(dataset, tmp_path / "cache", progress=False)
+    loader = LOADERS[path](dataset, batch_size=4, shuffle=True, threads=1, prefetch=2, seed=1,
+                           generator=torch.Generator().manual_seed(0))
+    reference = ThreadLoader(dataset, batch_size=4, shuffle=True, threads=1, prefetch=2, seed=1,
+                             generator=torch.Generator().manual_seed(0))
+    try:
+        for epoch, size in enumerate([32, 32, 24, 24, 32]):
+            dataset.set_resolution(size)  # progressive resizing: in shared memory, in place
+            got = list(loader)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
+                want = list(reference)
+            assert [x.shape[-2:] for x, _ in got] == [(size, size)] * 4, epoch
+            for (x, y), (xe, ye) in zip(got, want, strict=True):
+                assert torch.equal(x, xe) and torch.equal(y, ye)
+    finally:
+        dataset.set_resolution(32)
+        loader.close()
+        reference.close()
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+def test_a_state_loaded_or_another_epoch_set_between_epochs_is_served_not_the_guess(monkeypatch, path):
+    def make():
+        dataset = Counted(24)
+        return LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=9,
+                             sampler=ElasticDistributedSampler(dataset, num_replicas=1, rank=0, seed=1))
+
+    expected, _ = _unforeseen(monkeypatch, make, 6)
+    loader = make()
+    try:
+        assert _epochs(loader, 2) == expected[:2]  # the third epoch's first batches are made now
+        loader.sampler.set_epoch(4)  # the loop jumps to epoch 4
+        assert [(i.tolist(), d.tolist()) for i, d in loader] == expected[4]
+        saved = make()
+        try:
+            iterator = iter(saved)
+            for _ in range(2):
+                next(iterator)
+            state = saved.state_dict()  # epoch 0 after two batches
+        finally:
+            saved.close()
+        loader.load_state_dict(state)
+        assert [(i.tolist(), d.tolist()) for i, d in loader] == expected[0][2:]
+        assert [(i.tolist(), d.tolist()) for i, d in loader] == expected[1]
+    finally:
+        loader.close()
+
+
+def test_a_closed_loader_drops_what_was_made_ahead_and_starts_again_exactly(monkeypatch):
+    def make():
+        dataset = Counted(24)
+        return IsolatedLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=9, shuffle=True,
+                              generator=torch.Generator().manual_seed(2))
+
+    expected, _ = _unforeseen(monkeypatch, make, 4)
+    loader = make()
+    try:
+        assert _epochs(loader, 2) == expected[:2]
+        loader.close()  # the child ends with the next epoch's first batches asked of it
+        assert _epochs(loader, 2) == expected[2:]
+    finally:
+        loader.close()
