@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 from recipes.common.caches.packed_strings import PackedStrings, resolve_index
 from recipes.vision.batches.batch_buffers import new_uint8_batch, trim_heap
 from recipes.vision.batches.device import uint8_collate
-from recipes.vision.batches.thread_batches import read_batch, read_items
+from recipes.vision.batches.thread_batches import read_ahead_key, read_batch, read_items
 from recipes.vision.cache.cached_batches import eval_view_of, fill_cached_batch, read_cached_item
 from recipes.vision.cache.eval_view import EvalView, eval_record_of
 from recipes.vision.cache.image_cache import ImageCache
@@ -250,7 +250,7 @@ class ImageFolderFast(Dataset):
         and decode="cpu" (a `preadv` or a read and a decode, then a resize: all release the GIL)."""
         return self.transform is None and self.decode == "cpu"
 
-    read_batch = read_batch  # batches/thread_batches.py, through the public side below
+    read_batch, read_ahead_key = read_batch, read_ahead_key  # batches/thread_batches.py (the public side below)
     read_items = read_items  # read_batch's items, for a collate function of the user's
     read_batch_collate = staticmethod(uint8_collate)  # read_batch returns what it would: make_loader keeps threads
 

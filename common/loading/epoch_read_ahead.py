@@ -8,16 +8,18 @@ step`), as DataLoader's workers cost it too.
 Cost: none on the epoch; between epochs, up to `prefetch` batches of the next epoch held (made
 for nothing after the last epoch, or when the next epoch turns out to differ).
 Adapt here: `forecast` (which orders can be known before their epoch begins).
-Trade-off: a guess, checked before any use, from the end of the second epoch on (a loader
-iterated once, an evaluation, makes nothing it does not use). The next epoch is foreseen only when its order
-can be drawn without touching the loader's: torch's `BatchSampler` over a `SequentialSampler`,
-a `RandomSampler` with a generator (drawn from a copy of its state) or a `DistributedSampler`
-(`set_epoch` on a copy), for epoch + 1 at position 0. A batch made ahead is used only when the
-real pass asks for the same indices at the same epoch and position, with the same seed, pool
-and dataset (`dataset_key`: its attributes, and the values of its small tensors, such as
-`ImageFolderFast`'s resolution in shared memory); the first difference drops the rest (a
-`set_epoch` to another epoch, a loaded state, `set_resolution`, a closed loader). So a batch is
-always the one its pass would have made then, and the loader's state never sees the guess.
+Trade-off: a guess, checked before any use, made only for a dataset that says what its
+batches depend on (`read_ahead_key()`, `loader_contract.ReadAheadKeyed`: `ImageFolderFast`'s
+crop settings, resolution and cache; a `ConcatDataset` of such parts), from the end of a
+loader's second pass on (a loader iterated once, an evaluation, makes nothing it does not
+use). The next epoch is foreseen only when its order can be drawn without touching the
+loader's: torch's `BatchSampler` over a `SequentialSampler`, a `RandomSampler` with a generator
+(drawn from a copy of its state), a `DistributedSampler` or an `ElasticDistributedSampler`
+(exactly those classes: `set_epoch` on a copy), for epoch + 1 at position 0. A batch made
+ahead is used only when the real pass asks for the same indices at the same epoch and position,
+with the same seed, pool and dataset key; the first difference drops the rest (a `set_epoch` to
+another epoch, a loaded state, `set_resolution`, a closed loader). So a batch is always the one
+its pass would have made then, and the loader's state never sees the guess.
 Copy with: nothing.
 """
 
@@ -27,19 +29,19 @@ import copy
 from collections import deque
 
 import torch
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, ConcatDataset, RandomSampler, SequentialSampler
 
-_SMALL = 64  # a tensor or array attribute of at most this many elements is keyed by value
-# DistributedSamplers whose order is a function of (seed, epoch) and whose iteration only rebinds
-# the copy's own attributes: torch's, and ElasticDistributedSampler
-_DEALS = ("torch.utils.data.distributed", "recipes.common.sampling.elastic_sampler")
+# samplers whose order is a function of (seed, epoch) and whose set_epoch and iteration only
+# rebind the copy's own attributes (exactly these classes: a subclass may do more in set_epoch)
+_DEALS = ("torch.utils.data.distributed.DistributedSampler",
+          "recipes.common.sampling.elastic_sampler.ElasticDistributedSampler")
 
 
 class NextEpoch:
     """Batches of the epoch after `epoch`, asked of `pool` before that epoch began, in order."""
 
     def __init__(self, pool, epoch: int, batches, seed: int, key: tuple):
-        self.pool, self.epoch, self.seed, self.key = pool, epoch + 1, seed, key
+        self.pool, self.epoch, self.seed, self.key = pool, epoch + 1, seed, key  # key: read_ahead_key's
         self._batches = batches  # the foreseen index lists, drawn as room appears
         self.made: deque = deque()  # (position, indices, future)
         self._position = 0
@@ -55,12 +57,13 @@ class NextEpoch:
             self.made.append((self._position, indices, future))
             self._position += 1
 
-    def take(self, loader, indices: list[int], epoch: int, position: int):
-        """The batch made ahead for this draw, or None (then nothing made ahead is used again)."""
+    def take(self, loader, indices: list[int], epoch: int, position: int, key):
+        """The batch made ahead for this draw (`key`: the dataset's `read_ahead_key` now), or None
+        (then nothing made ahead is used again)."""
         if self.made:
             made_at, made_for, future = self.made[0]
             if (made_at, made_for, self.epoch, self.seed) == (position, indices, epoch, loader.seed) and \
-                    self.pool is loader._pool and self.key == dataset_key(loader.dataset):
+                    self.pool is loader._pool and self.key == key:
                 self.made.popleft()
                 return future
         self.cancel()
@@ -76,7 +79,7 @@ def forecast(loader, epoch: int):
     """The index lists of the pass after one at `epoch`, if it can be drawn without touching
     the loader's sampler or any random generator; else None."""
     passes = loader._passes
-    if passes.pending is not None or passes.iterable:
+    if passes.pending is not None or passes.iterable or read_ahead_key(loader.dataset) is None:
         return None
     batches = getattr(loader, "batch_sampler", None)
     if type(batches) is not BatchSampler:
@@ -87,7 +90,7 @@ def forecast(loader, epoch: int):
     elif type(sampler) is RandomSampler and sampler.generator is not None:
         foreseen = copy.copy(sampler)
         foreseen.generator = torch.Generator().set_state(sampler.generator.get_state())
-    elif isinstance(sampler, DistributedSampler) and type(sampler).__iter__.__module__ in _DEALS:
+    elif f"{type(sampler).__module__}.{type(sampler).__qualname__}" in _DEALS:
         foreseen = copy.copy(sampler)
         foreseen.set_epoch(epoch + 1)
     else:
@@ -97,18 +100,13 @@ def forecast(loader, epoch: int):
     return iter(ahead)
 
 
-def dataset_key(dataset) -> tuple:
-    """`dataset_fingerprint`, and the values of the dataset's small tensors and arrays (what
-    may change in place between epochs: a resolution in shared memory)."""
-    import numpy as np
-
-    small = []
-    for name, value in sorted(getattr(dataset, "__dict__", {}).items()):
-        if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() <= _SMALL:
-            small.append((name, value.numpy(force=True).tobytes()))
-        elif isinstance(value, np.ndarray) and value.size <= _SMALL:
-            small.append((name, value.tobytes()))
-    return dataset_fingerprint(dataset), tuple(small)
+def read_ahead_key(dataset):
+    """The dataset's `read_ahead_key()` (a `ConcatDataset`'s: its parts'), None when it has none."""
+    if isinstance(dataset, ConcatDataset):
+        keys = tuple(read_ahead_key(part) for part in dataset.datasets)
+        return None if any(key is None for key in keys) else (id(dataset.datasets), keys)
+    keyed = getattr(dataset, "read_ahead_key", None)
+    return keyed() if callable(keyed) else None
 
 
 def dataset_fingerprint(dataset, depth: int = 2) -> tuple:

@@ -103,7 +103,10 @@ class IsolatedLoader(ThreadLoader):
             self._in_process_pool()
             return current, TimedBatches(self, iter(self._index_sampler), current)
         if isinstance(self._pool, ThreadPoolExecutor):
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            # no thread of this process may be inside a read when the child is forked (a lock it
+            # holds would be copied held): the batches asked of it (the last epoch's rest after a
+            # break, the next epoch's made ahead) are cancelled, and a running one is waited for
+            self._pool.shutdown(wait=True, cancel_futures=True)
         seen = dataset_fingerprint(self.dataset)
         child = self._child
         if child is None or not child.process.is_alive() or child.fingerprint != seen:
@@ -232,6 +235,10 @@ class _Child:
     def _take(self, message) -> None:
         kind, request = message[0], message[1]
         slot = self._slots.pop(request)
+        if kind in ("error", "failed") and request in self._dropped:  # a batch nobody waits for
+            self.ring.give_back(slot)
+            self._dropped.discard(request)
+            return
         if kind == "error":
             self.ring.give_back(slot)
             self._done[request] = _rebuilt(message[2], message[3])
@@ -306,7 +313,10 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
     answers with its layout; ends on "stop", or when the loop's process is gone."""
     from recipes.common.workers.process_lifetime import _exit_when_orphaned
-    from recipes.common.workers.worker import _single_threaded_libraries, keep_inherited_pages_shared
+    from recipes.common.workers.worker import (
+        _single_threaded_libraries,
+        keep_inherited_pages_shared,
+    )
 
     keep_inherited_pages_shared()  # no collection copies the loop's process's pages into the child
     parent_end.close()

@@ -45,12 +45,13 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset
 
-from recipes.common.loading.epoch_read_ahead import NextEpoch, dataset_key, forecast
+from recipes.common.loading.epoch_read_ahead import NextEpoch, forecast, read_ahead_key
 from recipes.common.loading.loader_path import thread_capable
 from recipes.common.loading.stateful_loader import StatefulLoader
 from recipes.common.resume.loader_contract import ReadAheadAware
 from recipes.common.resume.loader_counting import Counting, LoaderClosedError
 
+_UNREAD = object()
 _ACCEPTED = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory", "collate_fn"}
 
 
@@ -101,6 +102,7 @@ class ThreadLoader(StatefulLoader):
         self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: NextEpoch | None = None  # the next epoch's first batches, asked at this one's end
+        self._passes_read: list = [None, 0]  # the last pass whose batches were asked for, and how many passes
         for holder in (self.batch_sampler, self.sampler):
             if isinstance(holder, ReadAheadAware):
                 holder.note_read_ahead(self.prefetch)
@@ -187,6 +189,10 @@ class _Batches:
         self._pending: collections.deque = collections.deque()
         self._ended = False
         self._next: NextEpoch | None = None  # the next epoch's batches this pass asked for at its end
+        self._key = _UNREAD  # the dataset's read_ahead_key as this pass began, read once
+        seen = loader._passes_read
+        if seen[0] is not current:  # a pass, not a restart of one (RobustLoader)
+            seen[0], seen[1] = current, seen[1] + 1
 
     def _fill(self) -> None:
         loader = self._loader
@@ -216,7 +222,9 @@ class _Batches:
         ahead = loader._ahead
         if ahead is None or ahead is self._next:
             return None
-        future = ahead.take(loader, indices, self._pass.epoch, self._position)
+        if self._key is _UNREAD:
+            self._key = read_ahead_key(loader.dataset)
+        future = ahead.take(loader, indices, self._pass.epoch, self._position, self._key)
         if future is None:
             loader._ahead = None
         return future
@@ -227,14 +235,14 @@ class _Batches:
         if self._next is None:
             if loader._ahead is not None:
                 loader._ahead.cancel()
-            # from the second epoch on: a loader iterated once (an evaluation) makes nothing it does not use
-            batches = forecast(loader, self._pass.epoch) if self._pass.epoch >= 1 else None
+            # from the second pass on: a loader iterated once (an evaluation) makes nothing it does not use
+            batches = forecast(loader, self._pass.epoch) if loader._passes_read[1] >= 2 else None
             if batches is None:
                 loader._ahead = None
-                self._next = NextEpoch(None, self._pass.epoch, iter(()), loader.seed, ())
+                self._next = NextEpoch(None, self._pass.epoch, iter(()), loader.seed, None)
                 return
             self._next = loader._ahead = NextEpoch(loader._pool, self._pass.epoch, batches, loader.seed,
-                                                    dataset_key(loader.dataset))
+                                                    read_ahead_key(loader.dataset))
         if loader._ahead is self._next and self._next.pool is loader._pool:
             self._next.extend(loader, loader.prefetch - len(self._pending) - len(self._next.made))
 

@@ -55,6 +55,7 @@ Copy with: nothing.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, Protocol, runtime_checkable
 
 JSON = Any  # a value `json.dumps` accepts
@@ -196,6 +197,18 @@ class ThreadBatched(Protocol):
     output it equals), else `default_collate`. Both must be safe in several threads at once."""
 
     def thread_batches(self) -> bool: ...
+
+
+@runtime_checkable
+class ReadAheadKeyed(Protocol):
+    """`read_ahead_key()`: every setting `read_batch` depends on besides its indices and its
+    generator, as a value that compares equal while the batches would be the same (a
+    resolution, the crops' settings, the cache attached). A `ThreadBatched` dataset that has it
+    lets the thread paths make the next epoch's first batches at this epoch's end
+    (`epoch_read_ahead.py`), served only while the key is unchanged; without it each batch is
+    made in its own epoch, and any change between epochs, in place or not, is seen."""
+
+    def read_ahead_key(self) -> Hashable: ...
 
 
 @runtime_checkable

@@ -64,3 +64,13 @@ def read_items(dataset, indices: list[int], rng: np.random.Generator) -> list[tu
     function of the user's on the thread path: the same draws from `rng`."""
     images, targets = read_batch(dataset, indices, rng)
     return [(images[row], int(t)) for row, t in enumerate(targets.tolist())]
+
+
+def read_ahead_key(dataset) -> tuple:
+    """What `ImageFolderFast`'s batches depend on besides their indices and generator
+    (`loader_contract.ReadAheadKeyed`): the crops' settings (the resolution in them), the cache
+    attached (the object itself: a new one never compares equal), the error policy and the
+    decoder. The thread paths make the next epoch's first batches ahead while it stays the same;
+    a subclass whose batches depend on more adds it here."""
+    return (type(dataset), dataset.crop_settings(), dataset.cache, dataset.cache_dir, dataset.on_error,
+            dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode, dataset.transform is None)

@@ -3,6 +3,7 @@
 (checked against a run that foresees nothing), whatever changes between epochs."""
 
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -32,6 +33,9 @@ class Counted:
 
     def thread_batches(self):
         return True
+
+    def read_ahead_key(self):
+        return self.n  # its batches depend on nothing else
 
     def read_batch(self, indices, rng):
         self.reads.value += 1  # one pool thread: no race
@@ -86,8 +90,11 @@ def test_the_next_epochs_first_batches_are_made_ahead_once_and_equal_an_unforese
     seen = []
 
     def settle(epoch):  # the pool's work done; what it made beyond the loop's batches is the next epoch's
-        time.sleep(0.3)
-        seen.append(loader.dataset.reads.value - (epoch + 1) * per_epoch)
+        reads, deadline = loader.dataset.reads, time.monotonic() + 5
+        while reads.value < (epoch + 1) * per_epoch + 2 * (epoch >= 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # time for a read too many
+        seen.append(reads.value - (epoch + 1) * per_epoch)
 
     try:
         assert _epochs(loader, 4, settle) == expected
@@ -98,21 +105,126 @@ def test_the_next_epochs_first_batches_are_made_ahead_once_and_equal_an_unforese
     assert seen == [0, 2, 2, 2]
 
 
+class Unkeyed(Counted):
+    """Says nothing of what its batches depend on: an `offset` the loop changes in place."""
+
+    read_ahead_key = None
+
+    def __init__(self, n: int = 40):
+        super().__init__(n)
+        self.settings = {"offset": 0}
+
+    def read_batch(self, indices, rng):
+        self.reads.value += 1
+        return torch.tensor(indices) + self.settings["offset"], torch.from_numpy(rng.integers(0, 2**31, len(indices)))
+
+
+def test_a_dataset_without_a_read_ahead_key_is_read_in_its_epoch_and_changes_in_place_are_seen():
+    dataset = Unkeyed(16)
+    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+    for epoch in range(4):
+        dataset.settings["offset"] = 1000 * epoch  # in place: no attribute set anew
+        ids = torch.cat([i for i, _ in loader])
+        assert sorted((ids - 1000 * epoch).tolist()) == list(range(16))
+        time.sleep(0.05)
+        assert dataset.reads.value == 4 * (epoch + 1)  # nothing made ahead
+
+
+class SideEffects(DistributedSampler):
+    """Its set_epoch also moves the dataset on: a copy's set_epoch would too."""
+
+    def set_epoch(self, epoch):
+        super().set_epoch(epoch)
+        self.dataset.epoch = epoch
+
+
+def test_a_sampler_subclass_is_not_foreseen():
+    dataset = Counted(16)
+    dataset.epoch = 0
+    sampler = SideEffects(dataset, num_replicas=1, rank=0)
+    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, sampler=sampler)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        assert len(list(loader)) == 4 and dataset.epoch == epoch
+    assert dataset.reads.value == 12
+
+
 @pytest.mark.parametrize("path", ["threads", "isolated"])
-def test_a_new_resolution_between_epochs_drops_what_was_made_ahead(path, tmp_path):
+def test_a_loader_iterated_once_reads_nothing_beyond_its_epoch_whatever_its_epoch(path):
+    dataset = Counted(16)
+    sampler = ElasticDistributedSampler(dataset, num_replicas=1, rank=0)
+    sampler.set_epoch(3)
+    loader = LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=1, sampler=sampler)
+    try:
+        assert len(list(loader)) == 4
+        time.sleep(0.2)
+        assert dataset.reads.value == 4
+    finally:
+        loader.close()
+
+
+class Locked(Counted):
+    """Each read holds a lock of the dataset's (a file handle's, h5py's): a child forked while a
+    thread of this process holds it would wait for it forever."""
+
+    def __init__(self, n: int = 32):
+        super().__init__(n)
+        self.lock = threading.Lock()
+
+    def read_batch(self, indices, rng):
+        with self.lock:
+            time.sleep(0.02)
+        return super().read_batch(indices, rng)
+
+
+def test_the_child_is_never_forked_while_this_process_reads_ahead():
+    """The probe moves a waiting loop to threads of this process, a busy one back to the child:
+    the epoch before that move ends with the next epoch's batches being read in this process."""
+    loader = IsolatedLoader(Locked(), batch_size=4, threads=1, prefetch=4, seed=0, shuffle=True,
+                            generator=torch.Generator().manual_seed(0), adaptive=True, timeout=10)
+
+    def busy(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    try:
+        where = []
+        for step in (time.sleep, time.sleep, busy, busy):
+            count = 0
+            for _ in loader:
+                step(0.02)
+                count += 1
+            where.append((count, loader.in_process))
+        assert where == [(8, False), (8, True), (8, True), (8, False)]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_new_resolution_between_epochs_drops_what_was_made_ahead(path, parts, tmp_path):
+    from torch.utils.data import ConcatDataset
+
     from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast, build_image_cache
 
-    dataset = ImageFolderFast(make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=2), size=32,
-                              train=True)
-    build_image_cache(dataset, tmp_path / "cache", progress=False)
+    images = []
+    for part in range(parts):
+        image = ImageFolderFast(make_image_folder(tmp_path / f"images{part}", classes=2, per_class=8 // parts,
+                                                  seed=2 + part), size=32, train=True)
+        build_image_cache(image, tmp_path / f"cache{part}", progress=False)
+        images.append(image)
+    dataset = images[0] if parts == 1 else ConcatDataset(images)
     loader = LOADERS[path](dataset, batch_size=4, shuffle=True, threads=1, prefetch=2, seed=1,
                            generator=torch.Generator().manual_seed(0))
     reference = ThreadLoader(dataset, batch_size=4, shuffle=True, threads=1, prefetch=2, seed=1,
                              generator=torch.Generator().manual_seed(0))
     try:
         for epoch, size in enumerate([32, 32, 24, 24, 32]):
-            dataset.set_resolution(size)  # progressive resizing: in shared memory, in place
+            for image in images:
+                image.set_resolution(size)  # progressive resizing: in shared memory, in place
             got = list(loader)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
@@ -121,7 +233,6 @@ def test_a_new_resolution_between_epochs_drops_what_was_made_ahead(path, tmp_pat
             for (x, y), (xe, ye) in zip(got, want, strict=True):
                 assert torch.equal(x, xe) and torch.equal(y, ye)
     finally:
-        dataset.set_resolution(32)
         loader.close()
         reference.close()
 
