@@ -26,7 +26,9 @@ Copy with: nothing.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import deque
+from concurrent.futures import Future, wait
 
 import torch
 from torch.utils.data import BatchSampler, ConcatDataset, RandomSampler, SequentialSampler
@@ -35,6 +37,9 @@ from torch.utils.data import BatchSampler, ConcatDataset, RandomSampler, Sequent
 # rebind the copy's own attributes (exactly these classes: a subclass may do more in set_epoch)
 _DEALS = ("torch.utils.data.distributed.DistributedSampler",
           "recipes.common.sampling.elastic_sampler.ElasticDistributedSampler")
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every NextEpoch with batches asked for (settle_reads_ahead)
 
 
 class NextEpoch:
@@ -56,6 +61,7 @@ class NextEpoch:
             future = loader._pool.submit(loader._read, indices, self.epoch, self._position, self.seed)
             self.made.append((self._position, indices, future))
             self._position += 1
+            _LIVE.add(self)
 
     def take(self, loader, indices: list[int], epoch: int, position: int, key):
         """The batch made ahead for this draw (`key`: the dataset's `read_ahead_key` now), or None
@@ -63,7 +69,7 @@ class NextEpoch:
         if self.made:
             made_at, made_for, future = self.made[0]
             if (made_at, made_for, self.epoch, self.seed) == (position, indices, epoch, loader.seed) and \
-                    self.pool is loader._pool and self.key == key:
+                    self.pool is loader._pool and _same(self.key, key):
                 self.made.popleft()
                 return future
         self.cancel()
@@ -79,7 +85,7 @@ def forecast(loader, epoch: int):
     """The index lists of the pass after one at `epoch`, if it can be drawn without touching
     the loader's sampler or any random generator; else None."""
     passes = loader._passes
-    if passes.pending is not None or passes.iterable or read_ahead_key(loader.dataset) is None:
+    if passes.pending is not None or passes.iterable:
         return None
     batches = getattr(loader, "batch_sampler", None)
     if type(batches) is not BatchSampler:
@@ -101,12 +107,49 @@ def forecast(loader, epoch: int):
 
 
 def read_ahead_key(dataset):
-    """The dataset's `read_ahead_key()` (a `ConcatDataset`'s: its parts'), None when it has none."""
+    """The dataset's `read_ahead_key()` (a `ConcatDataset`'s: its parts and their keys); None
+    when it has none, when it raises, or when it holds a tensor or an array (compared by
+    identity inside a tuple, so a change in place would go unseen)."""
     if isinstance(dataset, ConcatDataset):
         keys = tuple(read_ahead_key(part) for part in dataset.datasets)
-        return None if any(key is None for key in keys) else (id(dataset.datasets), keys)
+        return None if any(key is None for key in keys) else (tuple(dataset.datasets), keys)
     keyed = getattr(dataset, "read_ahead_key", None)
-    return keyed() if callable(keyed) else None
+    if not callable(keyed):
+        return None
+    try:
+        key = keyed()
+    except Exception:  # noqa: BLE001 - no read-ahead; its batches are made in their epoch, as without a key
+        return None
+    return key if _plain(key) else None
+
+
+def settle_reads_ahead() -> None:
+    """Waits for the next epoch's batches that threads of this process are making, every
+    loader's: a fork (a child of `IsolatedLoader`, DataLoader's workers) must not copy a lock one
+    of them holds in a read (a file's, h5py's, OpenCV's). A read within an epoch is the loop's
+    own, as it was before reads ahead existed."""
+    running = {future for ahead in list(_LIVE) for _, _, future in list(ahead.made) if isinstance(future, Future)}
+    while running:  # a future cancelled in a pool shut down is never "done" for wait(): left out each round
+        running = {future for future in wait(running, timeout=0.1).not_done if not future.cancelled()}
+
+
+def _plain(key) -> bool:
+    import numpy as np
+
+    if isinstance(key, (torch.Tensor, np.ndarray)):
+        return False
+    if isinstance(key, (tuple, list, frozenset, set)):
+        return all(_plain(part) for part in key)
+    if isinstance(key, dict):
+        return all(_plain(part) for part in key.values())
+    return True
+
+
+def _same(saved, now) -> bool:
+    try:
+        return (saved == now) is True
+    except Exception:  # noqa: BLE001 - a comparison that raises is no match
+        return False
 
 
 def dataset_fingerprint(dataset, depth: int = 2) -> tuple:

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
-from recipes.common.loading.epoch_read_ahead import dataset_fingerprint
+from recipes.common.loading.epoch_read_ahead import dataset_fingerprint, settle_reads_ahead
 from recipes.common.loading.loader_path import isolated_available
 from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
 from recipes.common.loading.thread_loader import ThreadLoader, _pinned
@@ -180,6 +180,7 @@ class _Child:
         self._dropped: set[int] = set()
         self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn), daemon=True,
                                        name="IsolatedLoader")
+        settle_reads_ahead()  # no thread of this process inside a read (another loader's) at the fork
         self.process.start()
         self.process._args = ()  # forked: the loader's copy is the child's; no reference kept here
         child_end.close()

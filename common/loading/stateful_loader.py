@@ -25,9 +25,10 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 `"world_size"` (an iterable dataset's ranks) make a resume elastic, from N ranks to M;
 `"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
 state are computed in `loader_passes.py`.
-Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py.
+Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/resume/pass_sampler.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from recipes.common.loader_warning import LoaderWarning
+from recipes.common.loading.epoch_read_ahead import settle_reads_ahead
 from recipes.common.resume.batch_seeds import SeededFetcher
 from recipes.common.resume.dataset_state import (
     Carried,
@@ -110,6 +112,8 @@ class StatefulLoader(DataLoader):
             self.generator = _order_generator(self.generator)
 
     def _get_iterator(self):
+        if self.num_workers > 0:  # workers start: no thread of this process inside a read ahead at the fork
+            settle_reads_ahead()
         rotate, self._rotate_next = getattr(self, "_rotate_next", 0), 0
         if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
             return RotatedIter(self, rotate)

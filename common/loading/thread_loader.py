@@ -236,13 +236,13 @@ class _Batches:
             if loader._ahead is not None:
                 loader._ahead.cancel()
             # from the second pass on: a loader iterated once (an evaluation) makes nothing it does not use
-            batches = forecast(loader, self._pass.epoch) if loader._passes_read[1] >= 2 else None
+            key = read_ahead_key(loader.dataset) if loader._passes_read[1] >= 2 else None
+            batches = None if key is None else forecast(loader, self._pass.epoch)
             if batches is None:
                 loader._ahead = None
                 self._next = NextEpoch(None, self._pass.epoch, iter(()), loader.seed, None)
                 return
-            self._next = loader._ahead = NextEpoch(loader._pool, self._pass.epoch, batches, loader.seed,
-                                                    read_ahead_key(loader.dataset))
+            self._next = loader._ahead = NextEpoch(loader._pool, self._pass.epoch, batches, loader.seed, key)
         if loader._ahead is self._next and self._next.pool is loader._pool:
             self._next.extend(loader, loader.prefetch - len(self._pending) - len(self._next.made))
 

@@ -72,5 +72,5 @@ def read_ahead_key(dataset) -> tuple:
     attached (the object itself: a new one never compares equal), the error policy and the
     decoder. The thread paths make the next epoch's first batches ahead while it stays the same;
     a subclass whose batches depend on more adds it here."""
-    return (type(dataset), dataset.crop_settings(), dataset.cache, dataset.cache_dir, dataset.on_error,
+    return (type(dataset), dataset.root, dataset.crop_settings(), dataset.cache, dataset.cache_dir, dataset.on_error,
             dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode, dataset.transform is None)

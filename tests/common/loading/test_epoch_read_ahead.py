@@ -5,6 +5,7 @@
 import multiprocessing
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ class Locked(Counted):
 
     def read_batch(self, indices, rng):
         with self.lock:
-            time.sleep(0.02)
+            time.sleep(0.05)
         return super().read_batch(indices, rng)
 
 
@@ -279,3 +280,84 @@ def test_a_closed_loader_drops_what_was_made_ahead_and_starts_again_exactly(monk
         assert _epochs(loader, 2) == expected[2:]
     finally:
         loader.close()
+
+
+class Keyed(Counted):
+    """A key that raises, or that holds a tensor (compared by identity inside a tuple)."""
+
+    def __init__(self, n: int, key):
+        super().__init__(n)
+        self.key = key
+
+    def read_ahead_key(self):
+        if self.key == "raises":
+            raise RuntimeError("no key today")
+        return ("size", torch.tensor([32]))
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+@pytest.mark.parametrize("key", ["raises", "tensor"])
+def test_a_key_that_raises_or_holds_a_tensor_means_no_read_ahead_and_no_error(path, key):
+    dataset = Keyed(24, key)
+    loader = LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
+                           generator=torch.Generator().manual_seed(0))
+    try:
+        for epoch in range(4):
+            counts = Counter(torch.cat([i for i, _ in loader]).tolist())
+            assert sorted(counts) == list(range(24)) and set(counts.values()) == {1}
+            time.sleep(0.05)
+            assert dataset.reads.value == 6 * (epoch + 1)
+    finally:
+        loader.close()
+
+
+def test_a_fork_waits_for_another_loaders_reads_ahead():
+    """A validation ThreadLoader ends its second pass reading the third's first batches while the
+    training IsolatedLoader forks its child: a lock their datasets share is never copied held."""
+    lock = threading.Lock()
+    val, train = Locked(16), Locked(32)
+    val.lock = train.lock = lock
+    val.read_ahead_key = lambda: 16
+    validation = ThreadLoader(val, batch_size=4, threads=1, prefetch=2, seed=0)
+    training = IsolatedLoader(train, batch_size=4, threads=1, prefetch=2, seed=0, timeout=10, shuffle=True,
+                              generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(2):
+            assert len(list(validation)) == 4
+        assert len(list(training)) == 8  # forked now, beside the validation loader's reads ahead
+        assert len(list(validation)) == 4  # and those reads were the next pass's, used
+    finally:
+        validation.close()
+        training.close()
+
+
+class LockedItems(torch.utils.data.Dataset):
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        with self.lock:
+            return i
+
+
+def test_worker_processes_start_after_another_loaders_reads_ahead():
+    """The same for DataLoader's workers (`StatefulLoader`, forked): an evaluation with workers
+    after a ThreadLoader's pass never inherits a lock held by one of its reads."""
+    from recipes.common import StatefulLoader
+
+    lock = threading.Lock()
+    val = Locked(16)
+    val.lock = lock
+    val.read_ahead_key = lambda: 16
+    threads = ThreadLoader(val, batch_size=4, threads=1, prefetch=2, seed=0)
+    workers = StatefulLoader(LockedItems(lock), batch_size=4, num_workers=1, timeout=10,
+                             multiprocessing_context=multiprocessing.get_context("fork"))
+    try:
+        for _ in range(2):
+            assert len(list(threads)) == 4
+        assert torch.cat(list(workers)).tolist() == list(range(8))
+    finally:
+        threads.close()
