@@ -10,7 +10,7 @@ Cost: one fork, kept over the epochs while the dataset's attributes stay as they
 the next epoch); per batch a copy into a shared-memory slot in the child and a few hundred
 bytes of layout through a pipe (`batch_ring.py`). No pickling of the batch, no new segment per
 batch.
-Adapt here: `threads`, `prefetch` (as `ThreadLoader`'s), `timeout`.
+Adapt here: `threads`, `prefetch` (as `ThreadLoader`'s), `timeout`, `niceness` (the child below the loop).
 Trade-off: needs the `fork` start method (Linux; elsewhere `make_loader` keeps the in-process
 thread path). The batches are the same as `ThreadLoader`'s for the same seed, sampler and
 state (each batch's draws come from `(seed, epoch, position)`), so a state saved on either path
@@ -77,23 +77,32 @@ class IsolatedLoader(ThreadLoader):
             while the loop's thread spends under 10% of its time between batches on a CPU
             (a step that waits on the device, GIL released), the child again above 20%.
             `make_loader` sets it when it chose this path by itself.
+        niceness: how far below the loop's process the child is scheduled (`os.nice`): where the
+            step needs a core the child also wants, the step runs first and the child, whose
+            batches wait in the prefetch, takes the rest (`recipes bench step`, a step holding
+            the GIL 5 ms of 5.5 on 2 cores: 70-75% of the ideal at 0, 75-83% at 5). 0 schedules
+            both alike.
 
     Raises:
         TypeError: as `ThreadLoader`.
         RuntimeError: without the `fork` start method.
     """
 
-    def __init__(self, dataset, *, timeout: float | None = None, adaptive: bool = False, **kwargs: Any):
+    def __init__(self, dataset, *, timeout: float | None = None, adaptive: bool = False, niceness: int = 5,
+                 **kwargs: Any):
         if not isolated_available():
             raise RuntimeError("IsolatedLoader forks its child process, which this platform cannot; use "
                                "make_loader(..., path='threads') for the thread path in this process.")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"`timeout` must be positive, but is {timeout!r} instead.")
+        if not isinstance(niceness, int) or isinstance(niceness, bool) or not 0 <= niceness <= 19:
+            raise ValueError(f"`niceness` must be an int from 0 (the loop's own priority) to 19, but is "
+                             f"{niceness!r} instead.")
         super().__init__(dataset, **kwargs)
         self.timeout = timeout
         self._ring = Ring()
         self._child: _Child | None = None
-        self.adaptive = adaptive
+        self.adaptive, self.niceness = adaptive, niceness
         self._probe = LoopProbe()
 
     def _begin_pass(self):
@@ -310,6 +319,15 @@ def _rebuilt(error: BaseException | None, text: str) -> BaseException:
     return error
 
 
+def _lower_priority(niceness: int) -> None:
+    """The calling thread's, and the threads it starts from now on (Linux schedules threads)."""
+    if niceness:
+        try:
+            os.nice(niceness)
+        except OSError:  # a sandbox that refuses it: the child runs at the loop's priority
+            pass
+
+
 def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
     answers with its layout; ends on "stop", or when the loop's process is gone."""
@@ -326,6 +344,7 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     _single_threaded_libraries()  # OpenCV inline in each pool thread (its pool's locks were forked)
     loader.pin = False  # pinned in the loop's process, where CUDA is
+    _lower_priority(loader.niceness)  # before the pool: its threads inherit it
     send = threading.Lock()
     pool = ThreadPoolExecutor(loader.threads, thread_name_prefix="IsolatedLoader")
 

@@ -45,7 +45,7 @@ class StepRow:
     alone: float
     of_ideal: float
     held: bool = True  # the step's CPU time holds the GIL (False: the same CPU off the GIL)
-    ceiling: float = 1.0  # of ideal: what the cores allow, the loader's CPU and the step's together
+    ceiling: float = 1.0  # of ideal: the cores over the loader's CPU alone and the step's together (an estimate)
 
 
 class SimulatedStep:
@@ -142,6 +142,8 @@ def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
             for name, loader in made:
                 got[name] = max(got[name], rate(loader, step, batches, batch_size))
         # The cores bound any path: a batch costs the loader's CPU and the step's, whoever holds the GIL.
+        # An estimate: the loader's CPU is measured alone, where its threads sleep and wake more often
+        # than on saturated cores (a path that yields the cores to the step can pass it by a few points).
         ceiling = min(1.0, cores * batch_size / (cpu_per_batch + gil / 1000) / ideal)
         rows += [StepRow(name, gil, got[name], step_rate, got[name] / ideal, held, ceiling) for name, _ in made]
     for _, loader in made:
@@ -169,14 +171,16 @@ def run(args: argparse.Namespace) -> int:
     for name, value in alone.items():
         print(f"| {name} | {value:,.0f} |")
     print("\n| the step's CPU per step | path | beside the step (img/s) | step alone (img/s) | of ideal | "
-          "CPU ceiling |")
+          "CPU ceiling (est.) |")
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
         what = f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, GIL held" if r.held else \
             f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, off the GIL (the CPU alone)"
         print(f"| {what} | {r.path} | {r.rate:,.0f} | {r.alone:,.0f} | {r.of_ideal:.0%} | {r.ceiling:.0%} |")
     print("\nThe last rows spend the step's CPU with the GIL released: what is left between them and 100% is "
-          "the cores the step takes from the loader, not the GIL. The CPU ceiling is what the cores allow any "
-          "path, of ideal: cores x batch / (the thread path's CPU per batch alone + the step's CPU).")
+          "the cores the step takes from the loader, not the GIL. The CPU ceiling estimates what the cores "
+          "allow any path, of ideal: cores x batch / (the thread path's CPU per batch alone + the step's CPU); "
+          "measured alone, the loader's CPU per batch includes wake-ups that saturated cores spare it, so a "
+          "path can pass the estimate by a few points.")
     print(f"\nmake_loader's default: {reason}")
     return 0

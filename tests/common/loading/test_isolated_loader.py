@@ -430,3 +430,29 @@ def test_make_loaders_isolated_path_measures_the_loop_and_takes_this_process_for
     assert loader.child_pid is not None
     given = make_loader(Records(64), batch_size=4, path="isolated")
     assert not given.adaptive  # a path the user chose stays chosen
+
+
+class Priorities(Records):
+    """Each batch says the scheduling priority (nice value) of the thread that read it."""
+
+    def read_batch(self, indices, rng):
+        return {"ids": torch.tensor(indices), "nice": torch.tensor(os.getpriority(os.PRIO_PROCESS, 0))}
+
+
+@pytest.mark.parametrize("niceness", [5, 0])
+def test_the_child_reads_below_the_loops_priority_the_loop_keeps_its_own(niceness):
+    loop = os.getpriority(os.PRIO_PROCESS, 0)
+    loader = IsolatedLoader(Priorities(16), batch_size=4, niceness=niceness)
+    try:
+        for _ in range(2):  # the child is kept over epochs: its priority lowered once, not per epoch
+            nice = {int(b["nice"]) for b in loader}
+            assert nice == {min(19, loop + niceness)}
+    finally:
+        loader.close()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == loop
+
+
+@pytest.mark.parametrize("niceness", [-1, 20, 2.5, True])
+def test_a_niceness_the_scheduler_cannot_take_is_refused_by_name(niceness):
+    with pytest.raises(ValueError, match="niceness"):
+        IsolatedLoader(Records(4), batch_size=2, niceness=niceness)
