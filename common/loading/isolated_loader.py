@@ -38,7 +38,7 @@ from typing import Any
 
 from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
 from recipes.common.loading.epoch_read_ahead import dataset_fingerprint, settle_reads_ahead
-from recipes.common.loading.loader_path import isolated_available
+from recipes.common.loading.loader_path import check_niceness, isolated_available
 from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
 from recipes.common.loading.thread_loader import ThreadLoader, _pinned
 from recipes.common.resume.loader_counting import Counting, LoaderClosedError
@@ -95,9 +95,7 @@ class IsolatedLoader(ThreadLoader):
                                "make_loader(..., path='threads') for the thread path in this process.")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"`timeout` must be positive, but is {timeout!r} instead.")
-        if not isinstance(niceness, int) or isinstance(niceness, bool) or not 0 <= niceness <= 19:
-            raise ValueError(f"`niceness` must be an int from 0 (the loop's own priority) to 19, but is "
-                             f"{niceness!r} instead.")
+        check_niceness(niceness)
         super().__init__(dataset, **kwargs)
         self.timeout = timeout
         self._ring = Ring()

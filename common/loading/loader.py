@@ -91,8 +91,9 @@ def make_loader(
             this dataset, batch size and machine, when there are such (overrides still win).
         path: "auto": a `ThreadLoader` (threads of this process, no workers) when the dataset's
             batches are made by code that releases the GIL (`ThreadBatched.thread_batches()`: a
-            memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is given, else worker processes; "workers" or "threads" to choose
-            (`loader_path.py`). `loader.recipe.reasons["path"]` says which and why.
+            memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is given,
+            in a child process (`IsolatedLoader`) for epochs of 16 batches or more, else worker processes;
+            "isolated", "threads" or "workers" to choose. `loader.recipe.reasons["path"]` says why.
         distributed: split a map-style dataset over the ranks of the initialised process
             group with an `ElasticDistributedSampler` (`shuffle`, `drop_last`, seed 0 on every
             rank as `DistributedSampler`'s, never `generator`'s, which may differ per rank; a
@@ -101,7 +102,8 @@ def make_loader(
             every rank reads the whole dataset (an evaluation on rank 0). An iterable dataset
             splits itself (`ShardedIterableDataset` reads the ranks). `loader.recipe.reasons
             ["sampler"]` says which sampler and why.
-        **overrides: any DataLoader keyword argument; overrides win over the profile.
+        **overrides: any DataLoader keyword argument, winning over the profile; the thread paths'
+            `threads`, `prefetch`, `seed`; the isolated path's `niceness` (`loader_path.child_arguments`).
 
     Returns:
         A `StatefulLoader` (a `ThreadLoader` on the thread path: a `DataLoader` whose `state_dict()`/`load_state_dict()` resume at
@@ -141,10 +143,10 @@ def make_loader(
     if chosen == "threads" and path == "auto":
         from recipes.common.loading.loader_path import from_tuned
         chosen, why = (measured := from_tuned(record, extras)) or isolate(dataset, settings, res.cpus, why)
+    from recipes.common.loading.loader_path import child_arguments
+    child_arguments(path, chosen, why, overrides, settings, reasons, extras)  # the child's: timeout, niceness
     if chosen in ("threads", "isolated"):
-        if chosen == "isolated" and "timeout" in overrides:
-            extras["timeout"] = settings.pop("timeout")
-        unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY) - set(extras))
+        unknown = sorted(set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY) - set(extras) - {"niceness"})
         if unknown:
             raise TypeError(f"make_loader() got arguments neither a ThreadLoader nor a DataLoader takes: {unknown}.")
         return _thread_loader(dataset, recipe.profile, settings, reasons, res, why, extras, chosen,
@@ -227,7 +229,7 @@ def _thread_loader(dataset, profile: str, settings: dict[str, Any], reasons: dic
         loader = IsolatedLoader(dataset, threads=threads, adaptive=adaptive, **extras, **kwargs)
     else:
         loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
-    kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile") if key in reasons}
+    kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile", "niceness") if key in reasons}
     kept.update({key: "override" for key in extras})
     kept.update(path=why, threads=f"{threads}: " + ("override" if "threads" in reasons else "the CPUs of this rank"),
                 sampler=reasons.get(

@@ -158,3 +158,29 @@ def _local_ranks() -> int:
     from recipes.common.sizing.sizing import local_world_size_from_env
 
     return local_world_size_from_env()
+
+
+def check_niceness(niceness) -> None:
+    """Raises ValueError unless `niceness` is an int from 0 to 19 (os.nice's range)."""
+    if not isinstance(niceness, int) or isinstance(niceness, bool) or not 0 <= niceness <= 19:
+        raise ValueError(f"`niceness` must be an int from 0 (the loop's own priority) to 19, but is {niceness!r} "
+                         f"instead.")
+
+
+def child_arguments(path: str, chosen: str, why: str, overrides: dict[str, Any], settings: dict[str, Any],
+                    reasons: dict[str, str], extras: dict[str, Any]) -> None:
+    """The isolated path's own arguments (`timeout`, `niceness`: its child's) from `settings` into
+    `extras` when `chosen` is it. Elsewhere `timeout` stays DataLoader's; `niceness` is refused on a
+    path the user chose, and noted as unused where "auto" chose a path without a child."""
+    niceness = settings.pop("niceness", None) if "niceness" in overrides else None
+    if niceness is not None:
+        check_niceness(niceness)  # whichever path: a bad value is a mistake even where no child uses it
+    if chosen == "isolated":
+        extras.update({key: settings.pop(key) for key in ("timeout",) if key in overrides})
+        if niceness is not None:
+            extras["niceness"] = niceness
+    elif niceness is not None:
+        if path != "auto":  # the user's own path has no child to lower
+            raise TypeError(f"`niceness` sets the priority of IsolatedLoader's child process, but path={path!r} "
+                            f"has none; drop it, or pass path='isolated'.")
+        reasons["niceness"] = f"{niceness}: unused, no child process ({why})"

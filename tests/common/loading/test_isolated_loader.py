@@ -456,3 +456,25 @@ def test_the_child_reads_below_the_loops_priority_the_loop_keeps_its_own(nicenes
 def test_a_niceness_the_scheduler_cannot_take_is_refused_by_name(niceness):
     with pytest.raises(ValueError, match="niceness"):
         IsolatedLoader(Records(4), batch_size=2, niceness=niceness)
+
+
+def test_make_loader_passes_niceness_to_the_child_and_says_when_no_child_uses_it():
+    loop = os.getpriority(os.PRIO_PROCESS, 0)
+    loader = make_loader(Priorities(64), batch_size=4, niceness=2)
+    try:
+        assert isinstance(loader, IsolatedLoader) and loader.recipe.reasons["niceness"] == "override"
+        assert {int(b["nice"]) for b in loader} == {min(19, loop + 2)}
+    finally:
+        loader.close()
+    short = make_loader(Priorities(8), batch_size=4, niceness=2)  # 2 batches an epoch: threads of this process
+    assert not isinstance(short, IsolatedLoader)
+    assert short.recipe.reasons["niceness"].startswith("2: unused, no child process")
+    assert {int(b["nice"]) for b in short} == {loop}
+
+
+@pytest.mark.parametrize("path", ["threads", "workers"])
+def test_make_loader_refuses_niceness_on_a_path_the_user_chose_without_a_child(path):
+    with pytest.raises(TypeError, match="niceness.*path='isolated'"):
+        make_loader(Records(64), batch_size=4, path=path, niceness=3)
+    with pytest.raises(ValueError, match="niceness"):
+        make_loader(Records(8), batch_size=4, niceness=-3)  # refused before the path is known to need none
