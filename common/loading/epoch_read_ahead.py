@@ -18,17 +18,22 @@ loader's: torch's `BatchSampler` over a `SequentialSampler`, a `RandomSampler` w
 (exactly those classes: `set_epoch` on a copy), for epoch + 1 at position 0. A batch made
 ahead is used only when the real pass asks for the same indices at the same epoch and position,
 with the same seed, pool and dataset key; the first difference drops the rest (a `set_epoch` to
-another epoch, a loaded state, `set_resolution`, a closed loader). So a batch is always the one
-its pass would have made then, and the loader's state never sees the guess.
+another epoch, a loaded state, `set_resolution`, a closed loader). Each read checks the key as
+it starts and ends (`read_if_unchanged`, in the isolated child too), so a setting changed
+between epochs and set back is never served. So a batch is always the one its pass would have
+made then, and the loader's state never sees the guess.
 Copy with: nothing.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
+import os
 import weakref
 from collections import deque
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 from torch.utils.data import BatchSampler, ConcatDataset, RandomSampler, SequentialSampler
@@ -58,8 +63,12 @@ class NextEpoch:
             if indices is None:
                 return
             indices = [int(i) for i in indices]
-            future = loader._pool.submit(loader._read, indices, self.epoch, self._position, self.seed)
-            self.made.append((self._position, indices, future))
+            pool, at = loader._pool, (indices, self.epoch, self._position, self.seed)
+            # each read checks the dataset's key as it starts and ends: a change between epochs (one
+            # set back before the next epoch too) makes it CHANGED, never a batch of the other setting
+            future = pool.submit(read_if_unchanged, loader, self.key.token, *at) if isinstance(
+                pool, ThreadPoolExecutor) else pool.submit(loader._read, *at, token=self.key.token)
+            self.made.append((self._position, indices, _Ahead(future, loader, indices, self.epoch, self._position)))
             self._position += 1
             _LIVE.add(self)
 
@@ -79,6 +88,55 @@ class NextEpoch:
         while self.made:
             self.made.popleft()[2].cancel()
         self._batches = iter(())
+
+
+class _Changed:
+    """A read ahead's answer when the dataset's key changed under it: read anew in its epoch."""
+
+
+CHANGED = _Changed()
+
+
+def read_if_unchanged(loader, token, indices, epoch: int, position: int, seed: int):
+    """The batch, or CHANGED when the dataset's key (`token`: as the read was asked for; None: no
+    check) differs as the read starts or ends."""
+    if token is not None and getattr(read_ahead_key(loader.dataset), "token", None) != token:
+        return CHANGED
+    batch = loader._read(indices, epoch, position, seed)
+    if token is not None and getattr(read_ahead_key(loader.dataset), "token", None) != token:
+        return CHANGED
+    return batch
+
+
+class _Ahead:
+    """A batch asked for ahead, as `_Batches` holds it: read anew in its epoch if it came back CHANGED."""
+
+    def __init__(self, future, loader, indices, epoch: int, position: int):
+        self.future, self._again = future, (loader, indices, epoch, position)
+
+    def result(self):
+        batch = self.future.result()
+        if batch is CHANGED:
+            loader, indices, epoch, position = self._again
+            batch = loader._pool.submit(loader._read, indices, epoch, position).result()
+        return batch
+
+    def cancel(self) -> bool:
+        return self.future.cancel()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+def _forget_in_child() -> None:
+    """A forked process has none of the threads that were reading ahead: nothing to wait for."""
+    for ahead in list(_LIVE):
+        ahead.made.clear()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def forecast(loader, epoch: int):
@@ -112,7 +170,7 @@ def read_ahead_key(dataset):
     identity inside a tuple, so a change in place would go unseen)."""
     if isinstance(dataset, ConcatDataset):
         keys = tuple(read_ahead_key(part) for part in dataset.datasets)
-        return None if any(key is None for key in keys) else (tuple(dataset.datasets), keys)
+        return None if any(key is None for key in keys) else Key((tuple(dataset.datasets), keys))
     keyed = getattr(dataset, "read_ahead_key", None)
     if not callable(keyed):
         return None
@@ -120,7 +178,43 @@ def read_ahead_key(dataset):
         key = keyed()
     except Exception:  # noqa: BLE001 - no read-ahead; its batches are made in their epoch, as without a key
         return None
-    return key if _plain(key) else None
+    return Key(key) if _plain(key) else None
+
+
+class Key:
+    """A `read_ahead_key()` as values (`token`: numbers, strings, paths, tuples, dataclasses by
+    their fields; any other object by its identity, kept alive here so that no other takes its
+    id, and the same in a forked child), compared by them: a change in place of a dataclass is
+    seen, and NaN equals NaN."""
+
+    __slots__ = ("raw", "token")
+    __hash__ = None
+
+    def __init__(self, raw):
+        self.raw, self.token = raw, _token(raw)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Key) and self.token == other.token
+
+
+def _token(key):
+    if isinstance(key, Key):
+        return key.token
+    if isinstance(key, float) and math.isnan(key):
+        return ("nan",)
+    if isinstance(key, (int, float, complex, str, bytes, type(None))):
+        return key
+    if isinstance(key, os.PathLike):
+        return ("path", os.fspath(key))
+    if isinstance(key, tuple):
+        return tuple(_token(part) for part in key)
+    if isinstance(key, frozenset):
+        return ("frozenset", frozenset(_token(part) for part in key))
+    if isinstance(key, type):
+        return ("type", key.__module__, key.__qualname__)
+    if dataclasses.is_dataclass(key):
+        return (type(key).__qualname__, tuple(_token(getattr(key, f.name)) for f in dataclasses.fields(key)))
+    return ("id", id(key))
 
 
 def settle_reads_ahead() -> None:
@@ -128,20 +222,23 @@ def settle_reads_ahead() -> None:
     loader's: a fork (a child of `IsolatedLoader`, DataLoader's workers) must not copy a lock one
     of them holds in a read (a file's, h5py's, OpenCV's). A read within an epoch is the loop's
     own, as it was before reads ahead existed."""
-    running = {future for ahead in list(_LIVE) for _, _, future in list(ahead.made) if isinstance(future, Future)}
+    running = {made.future for ahead in list(_LIVE) for _, _, made in list(ahead.made)
+               if isinstance(made.future, Future)}
     while running:  # a future cancelled in a pool shut down is never "done" for wait(): left out each round
         running = {future for future in wait(running, timeout=0.1).not_done if not future.cancelled()}
 
 
 def _plain(key) -> bool:
+    """No tensor, array or container that changes in place (a list, dict, set, bytearray), at any
+    depth of tuples, frozensets and dataclasses: in place, such a change would go unseen."""
     import numpy as np
 
-    if isinstance(key, (torch.Tensor, np.ndarray)):
+    if isinstance(key, (torch.Tensor, np.ndarray, list, dict, set, bytearray, memoryview)):
         return False
-    if isinstance(key, (tuple, list, frozenset, set)):
+    if isinstance(key, (tuple, frozenset)):
         return all(_plain(part) for part in key)
-    if isinstance(key, dict):
-        return all(_plain(part) for part in key.values())
+    if dataclasses.is_dataclass(key) and not isinstance(key, type):
+        return all(_plain(getattr(key, f.name)) for f in dataclasses.fields(key))
     return True
 
 

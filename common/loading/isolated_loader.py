@@ -36,8 +36,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import recipes.common.loading.epoch_read_ahead as ahead
 from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
-from recipes.common.loading.epoch_read_ahead import dataset_fingerprint, settle_reads_ahead
 from recipes.common.loading.loader_path import check_niceness, isolated_available
 from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
 from recipes.common.loading.thread_loader import ThreadLoader, _pinned
@@ -114,7 +114,7 @@ class IsolatedLoader(ThreadLoader):
             # holds would be copied held): the batches asked of it (the last epoch's rest after a
             # break, the next epoch's made ahead) are cancelled, and a running one is waited for
             self._pool.shutdown(wait=True, cancel_futures=True)
-        seen = dataset_fingerprint(self.dataset)
+        seen = ahead.dataset_fingerprint(self.dataset)
         child = self._child
         if child is None or not child.process.is_alive() or child.fingerprint != seen:
             self._stop_child()  # the dataset changed since the fork (a resolution, a cache attached)
@@ -187,19 +187,20 @@ class _Child:
         self._dropped: set[int] = set()
         self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn), daemon=True,
                                        name="IsolatedLoader")
-        settle_reads_ahead()  # no thread of this process inside a read (another loader's) at the fork
+        ahead.settle_reads_ahead()  # no thread of this process inside a read (another loader's) at the fork
         self.process.start()
         self.process._args = ()  # forked: the loader's copy is the child's; no reference kept here
         child_end.close()
         self._finalizer = weakref.finalize(loader, _Child.stop, self, False)
 
-    def submit(self, fn, indices, epoch: int, position: int, seed: int | None = None) -> _Remote:
+    def submit(self, fn, indices, epoch: int, position: int, seed: int | None = None, token=None) -> _Remote:
+        """`token`: a read ahead's key (`epoch_read_ahead.read_if_unchanged`, in the child)."""
         request, slot = self._next_request, self.ring.take()
         self._next_request += 1
         self._slots[request] = slot
         try:
             self.conn.send(("read", request, slot, indices, epoch, position,
-                            self.loader.seed if seed is None else seed))
+                            self.loader.seed if seed is None else seed, token))
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass  # the child is gone: wait() says so
         return _Remote(self, request)
@@ -243,9 +244,13 @@ class _Child:
     def _take(self, message) -> None:
         kind, request = message[0], message[1]
         slot = self._slots.pop(request)
-        if kind in ("error", "failed") and request in self._dropped:  # a batch nobody waits for
+        if kind in ("error", "failed", "changed") and request in self._dropped:  # a batch nobody waits for
             self.ring.give_back(slot)
             self._dropped.discard(request)
+            return
+        if kind == "changed":  # a read ahead whose dataset changed under it: read anew in its epoch
+            self.ring.give_back(slot)
+            self._done[request] = ahead.CHANGED
             return
         if kind == "error":
             self.ring.give_back(slot)
@@ -317,19 +322,10 @@ def _rebuilt(error: BaseException | None, text: str) -> BaseException:
     return error
 
 
-def _lower_priority(niceness: int) -> None:
-    """The calling thread's, and the threads it starts from now on (Linux schedules threads)."""
-    if niceness:
-        try:
-            os.nice(niceness)
-        except OSError:  # a sandbox that refuses it: the child runs at the loop's priority
-            pass
-
-
 def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
     answers with its layout; ends on "stop", or when the loop's process is gone."""
-    from recipes.common.workers.process_lifetime import _exit_when_orphaned
+    from recipes.common.workers.process_lifetime import _exit_when_orphaned, lower_priority
     from recipes.common.workers.worker import (
         _single_threaded_libraries,
         keep_inherited_pages_shared,
@@ -342,20 +338,23 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     _single_threaded_libraries()  # OpenCV inline in each pool thread (its pool's locks were forked)
     loader.pin = False  # pinned in the loop's process, where CUDA is
-    _lower_priority(loader.niceness)  # before the pool: its threads inherit it
+    lower_priority(loader.niceness)  # before the pool: its threads inherit it
     send = threading.Lock()
     pool = ThreadPoolExecutor(loader.threads, thread_name_prefix="IsolatedLoader")
 
-    def work(request: int, slot: int, indices, epoch: int, position: int, seed: int) -> None:
+    def work(request: int, slot: int, indices, epoch: int, position: int, seed: int, token) -> None:
         from multiprocessing.reduction import ForkingPickler
 
-        fd = None
+        fd = reply = None
         _TARGET.slot = (loader._ring, slot, 0)  # read_batch may make its batch in the slot (slot_tensor)
         try:
-            batch = loader._read(indices, epoch, position, seed)
+            batch = ahead.read_if_unchanged(loader, token, indices, epoch, position, seed)
         except BaseException as caught:  # noqa: BLE001 - the dataset's error (SystemExit too) goes to the loop
             reply = ForkingPickler.dumps(("error", request, _picklable(caught), traceback.format_exc()))
         else:
+            if batch is ahead.CHANGED:
+                reply = ForkingPickler.dumps(("changed", request))
+        if reply is None:
             try:  # the hand-over's own failure (no memory for a slot, a leaf that does not pickle): not the dataset's
                 spec, tensors = flatten(batch)
                 layouts, fd = loader._ring.write(slot, tensors)

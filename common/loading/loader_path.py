@@ -172,14 +172,15 @@ def child_arguments(path: str, chosen: str, why: str, overrides: dict[str, Any],
     """The isolated path's own arguments (`timeout`, `niceness`: its child's) from `settings` into
     `extras` when `chosen` is it. Elsewhere `timeout` stays DataLoader's; `niceness` is refused on a
     path the user chose, and noted as unused where "auto" chose a path without a child."""
-    niceness = settings.pop("niceness", None) if "niceness" in overrides else None
-    if niceness is not None:
-        check_niceness(niceness)  # whichever path: a bad value is a mistake even where no child uses it
+    given = "niceness" in overrides
+    niceness = settings.pop("niceness", None)
+    if given:
+        check_niceness(niceness)  # whichever path (None too): a bad value is a mistake even where no child uses it
     if chosen == "isolated":
         extras.update({key: settings.pop(key) for key in ("timeout",) if key in overrides})
-        if niceness is not None:
+        if given:
             extras["niceness"] = niceness
-    elif niceness is not None:
+    elif given:
         if path != "auto":  # the user's own path has no child to lower
             raise TypeError(f"`niceness` sets the priority of IsolatedLoader's child process, but path={path!r} "
                             f"has none; drop it, or pass path='isolated'.")

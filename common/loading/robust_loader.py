@@ -82,6 +82,8 @@ class RobustLoader:
         from recipes.common.loading.loader_path import choose_path
 
         kwargs = {**self._kwargs, **changes}
+        if changes.get("path", "isolated") != "isolated":  # down from the child to threads: nothing to lower
+            kwargs.pop("niceness", None)
         if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs)[0] == "workers":
             kwargs["timeout"] = min(_POLL_SECONDS, self.timeout)
         loader = make_loader(self.dataset, batch_size=self.batch_size, **kwargs)

@@ -206,9 +206,10 @@ class ReadAheadKeyed(Protocol):
     resolution, the crops' settings, the cache attached). A `ThreadBatched` dataset that has it
     lets the thread paths make the next epoch's first batches at this epoch's end
     (`epoch_read_ahead.py`), served only while the key is unchanged; without it each batch is
-    made in its own epoch, and any change between epochs, in place or not, is seen. Plain values
-    (numbers, strings, tuples of them, frozen dataclasses; an object such as a cache compares by
-    identity): a key holding a tensor or an array, or one that raises, means no read-ahead."""
+    made in its own epoch, and any change between epochs, in place or not, is seen. Values
+    (numbers, strings, paths, tuples, dataclasses by their fields; any other object, such as a
+    cache, by its identity): a key holding a tensor, an array, a list, a dict or a set, or one
+    that raises, means no read-ahead."""
 
     def read_ahead_key(self) -> Hashable: ...
 

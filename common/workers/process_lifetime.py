@@ -53,3 +53,13 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     os._exit(1)
+
+
+def lower_priority(niceness: int) -> None:
+    """The calling thread's scheduling priority `niceness` levels down (`os.nice`), and that of the
+    threads it starts from now on (Linux schedules threads)."""
+    if niceness:
+        try:
+            os.nice(niceness)
+        except OSError:  # a sandbox that refuses it: the process runs at its parent's priority
+            pass

@@ -23,6 +23,8 @@ Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import torch
 
@@ -69,8 +71,9 @@ def read_items(dataset, indices: list[int], rng: np.random.Generator) -> list[tu
 def read_ahead_key(dataset) -> tuple:
     """What `ImageFolderFast`'s batches depend on besides their indices and generator
     (`loader_contract.ReadAheadKeyed`): the crops' settings (the resolution in them), the cache
-    attached (the object itself: a new one never compares equal), the error policy and the
-    decoder. The thread paths make the next epoch's first batches ahead while it stays the same;
+    attached (the object itself: a new one never compares equal), the error policy, the
+    decoder and a checksum of the targets (labels rewritten in place). The thread paths make the next epoch's first batches ahead while it stays the same;
     a subclass whose batches depend on more adds it here."""
     return (type(dataset), dataset.root, dataset.crop_settings(), dataset.cache, dataset.cache_dir, dataset.on_error,
-            dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode, dataset.transform is None)
+            dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode, dataset.transform is None,
+            zlib.crc32(dataset.targets))  # labels rewritten in place (pseudo-labelling)

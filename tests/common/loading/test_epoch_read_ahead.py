@@ -2,11 +2,13 @@
 (`epoch_read_ahead.py`): each batch made once, and always the one its epoch would have made
 (checked against a run that foresees nothing), whatever changes between epochs."""
 
+import dataclasses
 import multiprocessing
 import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, SequentialSampler
@@ -361,3 +363,163 @@ def test_worker_processes_start_after_another_loaders_reads_ahead():
         assert torch.cat(list(workers)).tolist() == list(range(8))
     finally:
         threads.close()
+
+
+class Sized(Counted):
+    """Each item is its index plus a size in shared memory (as `set_resolution`'s, which the
+    isolated child sees too), read as the read starts and as it ends: a read made under a
+    setting the loop set back shows it."""
+
+    def __init__(self, n: int = 24):
+        super().__init__(n)
+        self.size = multiprocessing.Value("q", 1, lock=False)
+
+    def read_ahead_key(self):
+        return ("size", int(self.size.value))
+
+    def read_batch(self, indices, rng):
+        first = int(self.size.value)
+        time.sleep(0.03)
+        ids, draws = super().read_batch(indices, rng)
+        return ids * 100 + first * 10 + int(self.size.value), draws
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+def test_a_setting_changed_between_epochs_and_set_back_is_never_served(monkeypatch, path):
+    """Between epochs the loop evaluates at another size, then sets its own back: the reads ahead
+    made meanwhile are read again in their epoch, under the setting the epoch has."""
+    def make():
+        return LOADERS[path](Sized(), batch_size=4, threads=1, prefetch=3, seed=2, shuffle=True,
+                             generator=torch.Generator().manual_seed(4))
+
+    def evaluate_between(loader):
+        def settle(epoch):
+            loader.dataset.size.value = 2
+            time.sleep(0.3)  # every read ahead made (or started) at size 2
+            loader.dataset.size.value = 1
+        return settle
+
+    with monkeypatch.context() as patch:
+        patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
+        reference = make()
+        try:
+            expected = _epochs(reference, 4, evaluate_between(reference))
+        finally:
+            reference.close()
+    assert all(value % 100 == 11 for epoch in expected for ids, _ in epoch for value in ids)
+    loader = make()
+    try:
+        assert _epochs(loader, 4, evaluate_between(loader)) == expected
+    finally:
+        loader.close()
+
+
+def test_a_process_forked_beside_reads_ahead_does_not_wait_for_them():
+    """A user's own fork (an evaluation job) right after an epoch: the forked process has none of
+    the pool's threads, so nothing of theirs to wait for before its own forks and workers."""
+    import os
+
+    from recipes.common.loading.epoch_read_ahead import settle_reads_ahead
+
+    loader = ThreadLoader(Locked(32), batch_size=4, threads=1, prefetch=4, seed=0)
+    loader.dataset.lock = threading.Lock()
+    try:
+        for _ in range(2):
+            assert len(list(loader)) == 8  # the second ends with the third's first batches asked for
+        pid = os.fork()
+        if pid == 0:
+            settle_reads_ahead()
+            os._exit(0)
+        deadline = time.monotonic() + 10
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        loader.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    values: object
+
+
+@pytest.mark.parametrize("key", [[1, 2], {"size": 1}, {1, 2}, Holding(np.zeros(2)), (1, Holding([3]))])
+def test_a_key_holding_what_changes_in_place_means_no_read_ahead(key):
+    from recipes.common.loading.epoch_read_ahead import read_ahead_key
+
+    dataset = Counted(8)
+    dataset.read_ahead_key = lambda: key
+    assert read_ahead_key(dataset) is None
+    dataset.read_ahead_key = lambda: (1, Holding((2, 3.0)), "a", None, float("nan"))
+    assert read_ahead_key(dataset) == read_ahead_key(dataset)  # values, NaN equal to NaN
+
+
+@dataclasses.dataclass
+class Settings:
+    offset: int = 0
+
+
+class Configured(Counted):
+    """Batches that depend on a (mutable) dataclass, changed in place between epochs."""
+
+    def __init__(self, n: int = 24):
+        super().__init__(n)
+        self.settings = Settings()
+
+    def read_ahead_key(self):
+        return self.settings
+
+    def read_batch(self, indices, rng):
+        ids, draws = super().read_batch(indices, rng)
+        return ids + self.settings.offset, draws
+
+
+def test_a_dataclass_in_the_key_changed_in_place_is_seen(monkeypatch):
+    def make():
+        return ThreadLoader(Configured(), batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
+                            generator=torch.Generator().manual_seed(0))
+
+    def bump(loader):
+        def settle(epoch):
+            time.sleep(0.1)  # the reads ahead made under the old offset
+            loader.dataset.settings.offset += 1000
+        return settle
+
+    expected, _ = _unforeseen_with(monkeypatch, make, 4, bump)
+    loader = make()
+    try:
+        assert _epochs(loader, 4, bump(loader)) == expected
+    finally:
+        loader.close()
+
+
+def _unforeseen_with(monkeypatch, make, epochs, between):
+    with monkeypatch.context() as patch:
+        patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
+        loader = make()
+        try:
+            return _epochs(loader, epochs, between(loader)), loader.dataset.reads.value
+        finally:
+            loader.close()
+
+
+def test_image_folder_targets_changed_in_place_between_epochs_are_served(tmp_path):
+    """Pseudo-labelling: the labels rewritten in place after each epoch reach the next one's
+    first batches (ImageFolderFast's key has a checksum of its targets)."""
+    from recipes.testing import make_image_folder
+    from recipes.vision import ImageFolderFast
+
+    dataset = ImageFolderFast(make_image_folder(tmp_path, classes=2, per_class=8, seed=3), size=24, train=True)
+    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+    try:
+        for epoch in range(4):
+            labels = torch.cat([y for _, y in loader])
+            assert set(labels.tolist()) <= {epoch * 10, epoch * 10 + 1}, epoch
+            time.sleep(0.1)  # the reads ahead made under the old labels
+            dataset.targets[:] = dataset.targets % 10 + (epoch + 1) * 10
+    finally:
+        loader.close()

@@ -478,3 +478,52 @@ def test_make_loader_refuses_niceness_on_a_path_the_user_chose_without_a_child(p
         make_loader(Records(64), batch_size=4, path=path, niceness=3)
     with pytest.raises(ValueError, match="niceness"):
         make_loader(Records(8), batch_size=4, niceness=-3)  # refused before the path is known to need none
+
+
+class DiesTwice:
+    """The child dies at its 3rd read, and the next child soon after: RobustLoader's ladder goes
+    from a new child to this process's threads."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self.parent = os.getpid()
+        self.reads, self.kills = multiprocessing.Value("q", 0), multiprocessing.Value("q", 0)
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return i
+
+    def thread_batches(self):
+        return True
+
+    def read_batch(self, indices, rng):
+        if os.getpid() != self.parent:
+            with self.reads.get_lock():
+                self.reads.value += 1
+                n = self.reads.value
+            if n in (3, 8) and self.kills.value < 2:
+                self.kills.value += 1
+                os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor(indices)
+
+
+@pytest.mark.parametrize("path", ["isolated", "auto"])
+def test_robust_loader_given_a_niceness_steps_down_to_threads_each_sample_once(path):
+    robust = RobustLoader(DiesTwice(), batch_size=4, path=path, niceness=3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            received = [i for b in robust for i in b.tolist()]
+    finally:
+        robust.close()
+    assert Counter(received) == Counter(range(64))
+    assert robust.restarts == [("death", {"path": "isolated"}), ("death", {"path": "threads"})]
+    assert not isinstance(robust.loader, IsolatedLoader)
+
+
+def test_make_loader_refuses_a_niceness_of_none():
+    with pytest.raises(ValueError, match="niceness"):
+        make_loader(Records(64), batch_size=4, niceness=None)
