@@ -21,11 +21,11 @@ objects for forked workers to copy on read. The decoded cache (`recipes.vision.c
 this dataset as a `CacheSource`; threads read batches through `batches/thread_batches.py`.
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
   common/caches/cache_files.py, common/caches/packed_strings.py, common/loading/batch_ring.py,
-  common/loading/build_loader.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  vision/batches/batch_buffers.py, vision/batches/device.py, vision/batches/thread_batches.py,
-  vision/cache/cache_source.py, vision/cache/cached_batches.py, vision/cache/eval_view.py,
-  vision/cache/image_cache.py, vision/cache/image_cache_build.py, vision/cache/stale_caches.py,
-  vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  common/loading/build_loader.py, common/loading/epoch_read_ahead.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, vision/batches/batch_buffers.py, vision/batches/device.py,
+  vision/batches/thread_batches.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
+  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/cache/image_cache_build.py,
+  vision/cache/stale_caches.py, vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py,
   vision/decoding/image_header.py, vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
 """
 

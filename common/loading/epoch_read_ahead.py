@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 import os
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import PurePath
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, ConcatDataset, RandomSampler, SequentialSampler
 
@@ -165,12 +168,12 @@ def forecast(loader, epoch: int):
 
 
 def read_ahead_key(dataset):
-    """The dataset's `read_ahead_key()` (a `ConcatDataset`'s: its parts and their keys); None
-    when it has none, when it raises, or when it holds a tensor or an array (compared by
-    identity inside a tuple, so a change in place would go unseen)."""
+    """The dataset's `read_ahead_key()` (a `ConcatDataset`'s: its parts, by identity, and their
+    keys) as a `Key`; None when it has none, when it raises, or when it holds anything but values
+    and `ByIdentity` objects (`_plain`)."""
     if isinstance(dataset, ConcatDataset):
         keys = tuple(read_ahead_key(part) for part in dataset.datasets)
-        return None if any(key is None for key in keys) else Key((tuple(dataset.datasets), keys))
+        return None if any(key is None for key in keys) else Key((tuple(map(ByIdentity, dataset.datasets)), keys))
     keyed = getattr(dataset, "read_ahead_key", None)
     if not callable(keyed):
         return None
@@ -181,11 +184,20 @@ def read_ahead_key(dataset):
     return Key(key) if _plain(key) else None
 
 
+class ByIdentity:
+    """An object a key names by identity (a cache attached: a new one never compares equal; one
+    changed in place is not seen). Kept alive by the key, so that no other object takes its id,
+    which a forked child shares."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 class Key:
-    """A `read_ahead_key()` as values (`token`: numbers, strings, paths, tuples, dataclasses by
-    their fields; any other object by its identity, kept alive here so that no other takes its
-    id, and the same in a forked child), compared by them: a change in place of a dataclass is
-    seen, and NaN equals NaN."""
+    """A `read_ahead_key()` as values (`token`), compared by them: dataclasses by their fields
+    (a change in place is seen), NaN equal to NaN, `ByIdentity` objects by their id."""
 
     __slots__ = ("raw", "token")
     __hash__ = None
@@ -197,24 +209,29 @@ class Key:
         return isinstance(other, Key) and self.token == other.token
 
 
+_VALUES = (bool, int, float, complex, str, bytes, type(None), enum.Enum, PurePath)
+
+
 def _token(key):
     if isinstance(key, Key):
         return key.token
+    if isinstance(key, ByIdentity):
+        return ("id", id(key.obj))
     if isinstance(key, float) and math.isnan(key):
         return ("nan",)
-    if isinstance(key, (int, float, complex, str, bytes, type(None))):
-        return key
-    if isinstance(key, os.PathLike):
+    if isinstance(key, PurePath):
         return ("path", os.fspath(key))
+    if isinstance(key, np.generic):
+        return _token(key.item())
+    if isinstance(key, _VALUES):
+        return key
     if isinstance(key, tuple):
         return tuple(_token(part) for part in key)
     if isinstance(key, frozenset):
         return ("frozenset", frozenset(_token(part) for part in key))
     if isinstance(key, type):
         return ("type", key.__module__, key.__qualname__)
-    if dataclasses.is_dataclass(key):
-        return (type(key).__qualname__, tuple(_token(getattr(key, f.name)) for f in dataclasses.fields(key)))
-    return ("id", id(key))
+    return (type(key).__qualname__, tuple(_token(getattr(key, f.name)) for f in dataclasses.fields(key)))
 
 
 def settle_reads_ahead() -> None:
@@ -229,17 +246,16 @@ def settle_reads_ahead() -> None:
 
 
 def _plain(key) -> bool:
-    """No tensor, array or container that changes in place (a list, dict, set, bytearray), at any
-    depth of tuples, frozensets and dataclasses: in place, such a change would go unseen."""
-    import numpy as np
-
-    if isinstance(key, (torch.Tensor, np.ndarray, list, dict, set, bytearray, memoryview)):
-        return False
+    """Values only, at any depth of tuples, frozensets and dataclasses: numbers, strings, bytes,
+    None, enums, paths, types, numpy scalars, `Key` and `ByIdentity` objects. Anything else (a
+    list, a dict, a deque, an array, a tensor, any other object) could change in place unseen."""
+    if isinstance(key, (Key, ByIdentity, type, np.generic, *_VALUES)):
+        return True
     if isinstance(key, (tuple, frozenset)):
         return all(_plain(part) for part in key)
-    if dataclasses.is_dataclass(key) and not isinstance(key, type):
+    if dataclasses.is_dataclass(key):
         return all(_plain(getattr(key, f.name)) for f in dataclasses.fields(key))
-    return True
+    return False
 
 
 def _same(saved, now) -> bool:

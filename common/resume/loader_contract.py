@@ -206,10 +206,11 @@ class ReadAheadKeyed(Protocol):
     resolution, the crops' settings, the cache attached). A `ThreadBatched` dataset that has it
     lets the thread paths make the next epoch's first batches at this epoch's end
     (`epoch_read_ahead.py`), served only while the key is unchanged; without it each batch is
-    made in its own epoch, and any change between epochs, in place or not, is seen. Values
-    (numbers, strings, paths, tuples, dataclasses by their fields; any other object, such as a
-    cache, by its identity): a key holding a tensor, an array, a list, a dict or a set, or one
-    that raises, means no read-ahead."""
+    made in its own epoch, and any change between epochs, in place or not, is seen. Values only
+    (numbers, strings, enums, paths, types, tuples, frozensets, dataclasses by their fields), and
+    an object named by identity wrapped in `epoch_read_ahead.ByIdentity` (a cache attached): a
+    key holding anything else (a list, a dict, an array, a tensor, another object), or one that
+    raises, means no read-ahead. Called from the pool's threads too: cheap, no side effects."""
 
     def read_ahead_key(self) -> Hashable: ...
 

@@ -14,7 +14,7 @@ It reads the dataset through its public side: `thread_batches()`, `len()`, `root
 `resolution`, `cache`, `eval_view`, `crop_settings()` and `read_item(i, rng, into=)`.
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
-  common/loading/batch_ring.py, common/loading/build_loader.py,
+  common/loading/batch_ring.py, common/loading/build_loader.py, common/loading/epoch_read_ahead.py,
   common/workers/held_descriptors.py, common/workers/process_lifetime.py,
   vision/batches/batch_buffers.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
   vision/cache/eval_view.py, vision/cache/image_cache.py, vision/decoding/crop.py,
@@ -30,6 +30,7 @@ import torch
 
 from recipes.common.caches.packed_strings import resolve_index
 from recipes.common.loading.batch_ring import slot_tensor
+from recipes.common.loading.epoch_read_ahead import ByIdentity
 from recipes.vision.batches.batch_buffers import trim_heap
 from recipes.vision.cache.cached_batches import fill_cached_batch
 
@@ -72,8 +73,11 @@ def read_ahead_key(dataset) -> tuple:
     """What `ImageFolderFast`'s batches depend on besides their indices and generator
     (`loader_contract.ReadAheadKeyed`): the crops' settings (the resolution in them), the cache
     attached (the object itself: a new one never compares equal), the error policy, the
-    decoder and a checksum of the targets (labels rewritten in place). The thread paths make the next epoch's first batches ahead while it stays the same;
-    a subclass whose batches depend on more adds it here."""
-    return (type(dataset), dataset.root, dataset.crop_settings(), dataset.cache, dataset.cache_dir, dataset.on_error,
-            dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode, dataset.transform is None,
-            zlib.crc32(dataset.targets))  # labels rewritten in place (pseudo-labelling)
+    decoder and checksums of the targets and the cache's labels (rewritten in place). The thread
+    paths make the next epoch's first batches ahead while it stays the same; called from the
+    pool's threads too (as each read ahead starts and ends): cheap, no side effects. A subclass
+    whose batches depend on more adds it here."""
+    cache = dataset.cache  # its labels are the cached path's: checked as the targets are (pseudo-labelling)
+    return (type(dataset), dataset.root, dataset.crop_settings(), ByIdentity(cache), dataset.cache_dir,
+            dataset.on_error, dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode,
+            dataset.transform is None, zlib.crc32(dataset.targets), None if cache is None else zlib.crc32(cache.labels))

@@ -2,10 +2,13 @@
 (`epoch_read_ahead.py`): each batch made once, and always the one its epoch would have made
 (checked against a run that foresees nothing), whatever changes between epochs."""
 
+import array
+import collections
 import dataclasses
 import multiprocessing
 import threading
 import time
+import types
 from collections import Counter
 
 import numpy as np
@@ -446,15 +449,21 @@ class Holding:
     values: object
 
 
-@pytest.mark.parametrize("key", [[1, 2], {"size": 1}, {1, 2}, Holding(np.zeros(2)), (1, Holding([3]))])
-def test_a_key_holding_what_changes_in_place_means_no_read_ahead(key):
-    from recipes.common.loading.epoch_read_ahead import read_ahead_key
+@pytest.mark.parametrize("key", [[1, 2], {"size": 1}, {1, 2}, Holding(np.zeros(2)), (1, Holding([3])),
+                                 collections.deque([1]), array.array("i", [1]), types.SimpleNamespace(size=1),
+                                 (1, object()), torch.tensor([1])], ids=repr)
+def test_a_key_holding_what_could_change_in_place_means_no_read_ahead(key):
+    from recipes.common.loading.epoch_read_ahead import ByIdentity, read_ahead_key
 
     dataset = Counted(8)
     dataset.read_ahead_key = lambda: key
     assert read_ahead_key(dataset) is None
-    dataset.read_ahead_key = lambda: (1, Holding((2, 3.0)), "a", None, float("nan"))
-    assert read_ahead_key(dataset) == read_ahead_key(dataset)  # values, NaN equal to NaN
+    cache = object()
+    dataset.read_ahead_key = lambda: (1, Holding((2, 3.0)), "a", None, float("nan"), np.int64(4), ByIdentity(cache))
+    assert read_ahead_key(dataset) == read_ahead_key(dataset)  # values, NaN equal to NaN, the same object
+    before = read_ahead_key(dataset)
+    cache = object()  # another object where the key names one by identity
+    assert read_ahead_key(dataset) != before
 
 
 @dataclasses.dataclass
@@ -521,5 +530,27 @@ def test_image_folder_targets_changed_in_place_between_epochs_are_served(tmp_pat
             assert set(labels.tolist()) <= {epoch * 10, epoch * 10 + 1}, epoch
             time.sleep(0.1)  # the reads ahead made under the old labels
             dataset.targets[:] = dataset.targets % 10 + (epoch + 1) * 10
+    finally:
+        loader.close()
+
+
+def test_image_folder_cache_labels_replaced_between_epochs_are_served(tmp_path):
+    """With a cache attached the labels come from it: a relabelled array set on the cache between
+    epochs reaches the next epoch's first batches (the key's checksum of the cache's labels). In
+    this process: an isolated child keeps the cache it was forked with, read-ahead or not."""
+    from recipes.testing import make_image_folder
+    from recipes.vision import ImageFolderFast, build_image_cache
+
+    dataset = ImageFolderFast(make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=3), size=24,
+                              train=True)
+    build_image_cache(dataset, tmp_path / "cache", progress=False)
+    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
+                          generator=torch.Generator().manual_seed(0))
+    try:
+        for epoch in range(4):
+            labels = torch.cat([y for _, y in loader])
+            assert set(labels.tolist()) <= {epoch * 10, epoch * 10 + 1}, epoch
+            time.sleep(0.1)  # the reads ahead made under the old labels
+            dataset.cache.labels = dataset.cache.labels % 10 + (epoch + 1) * 10
     finally:
         loader.close()
