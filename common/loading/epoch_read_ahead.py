@@ -81,7 +81,7 @@ class NextEpoch:
         if self.made:
             made_at, made_for, future = self.made[0]
             if (made_at, made_for, self.epoch, self.seed) == (position, indices, epoch, loader.seed) and \
-                    self.pool is loader._pool and _same(self.key, key):
+                    self.pool is loader._pool and self.key == key:
                 self.made.popleft()
                 return future
         self.cancel()
@@ -103,12 +103,13 @@ CHANGED = _Changed()
 def read_if_unchanged(loader, token, indices, epoch: int, position: int, seed: int):
     """The batch, or CHANGED when the dataset's key (`token`: as the read was asked for; None: no
     check) differs as the read starts or ends."""
-    if token is not None and getattr(read_ahead_key(loader.dataset), "token", None) != token:
+    def changed() -> bool:
+        return token is not None and getattr(read_ahead_key(loader.dataset), "token", None) != token
+
+    if changed():
         return CHANGED
     batch = loader._read(indices, epoch, position, seed)
-    if token is not None and getattr(read_ahead_key(loader.dataset), "token", None) != token:
-        return CHANGED
-    return batch
+    return CHANGED if changed() else batch
 
 
 class _Ahead:
@@ -126,9 +127,6 @@ class _Ahead:
 
     def cancel(self) -> bool:
         return self.future.cancel()
-
-    def done(self) -> bool:
-        return self.future.done()
 
 
 def _forget_in_child() -> None:
@@ -256,13 +254,6 @@ def _plain(key) -> bool:
     if dataclasses.is_dataclass(key):
         return all(_plain(getattr(key, f.name)) for f in dataclasses.fields(key))
     return False
-
-
-def _same(saved, now) -> bool:
-    try:
-        return (saved == now) is True
-    except Exception:  # noqa: BLE001 - a comparison that raises is no match
-        return False
 
 
 def dataset_fingerprint(dataset, depth: int = 2) -> tuple:

@@ -352,8 +352,7 @@ def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
         except BaseException as caught:  # noqa: BLE001 - the dataset's error (SystemExit too) goes to the loop
             reply = ForkingPickler.dumps(("error", request, _picklable(caught), traceback.format_exc()))
         else:
-            if batch is ahead.CHANGED:
-                reply = ForkingPickler.dumps(("changed", request))
+            reply = ForkingPickler.dumps(("changed", request)) if batch is ahead.CHANGED else None
         if reply is None:
             try:  # the hand-over's own failure (no memory for a slot, a leaf that does not pickle): not the dataset's
                 spec, tensors = flatten(batch)

@@ -71,12 +71,13 @@ def _epochs(loader, epochs, settle=None):
     return got
 
 
-def _unforeseen(monkeypatch, make, epochs):
+def _unforeseen(monkeypatch, make, epochs, between=None):
+    """The run that foresees nothing: (its epochs, its reads); `between(loader)` makes the settle of `_epochs`."""
     with monkeypatch.context() as patch:
         patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
         loader = make()
         try:
-            return _epochs(loader, epochs), loader.dataset.reads.value
+            return _epochs(loader, epochs, between and between(loader)), loader.dataset.reads.value
         finally:
             loader.close()
 
@@ -402,13 +403,7 @@ def test_a_setting_changed_between_epochs_and_set_back_is_never_served(monkeypat
             loader.dataset.size.value = 1
         return settle
 
-    with monkeypatch.context() as patch:
-        patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
-        reference = make()
-        try:
-            expected = _epochs(reference, 4, evaluate_between(reference))
-        finally:
-            reference.close()
+    expected, _ = _unforeseen(monkeypatch, make, 4, evaluate_between)
     assert all(value % 100 == 11 for epoch in expected for ids, _ in epoch for value in ids)
     loader = make()
     try:
@@ -497,22 +492,12 @@ def test_a_dataclass_in_the_key_changed_in_place_is_seen(monkeypatch):
             loader.dataset.settings.offset += 1000
         return settle
 
-    expected, _ = _unforeseen_with(monkeypatch, make, 4, bump)
+    expected, _ = _unforeseen(monkeypatch, make, 4, bump)
     loader = make()
     try:
         assert _epochs(loader, 4, bump(loader)) == expected
     finally:
         loader.close()
-
-
-def _unforeseen_with(monkeypatch, make, epochs, between):
-    with monkeypatch.context() as patch:
-        patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
-        loader = make()
-        try:
-            return _epochs(loader, epochs, between(loader)), loader.dataset.reads.value
-        finally:
-            loader.close()
 
 
 def test_image_folder_targets_changed_in_place_between_epochs_are_served(tmp_path):
@@ -554,3 +539,39 @@ def test_image_folder_cache_labels_replaced_between_epochs_are_served(tmp_path):
             dataset.cache.labels = dataset.cache.labels % 10 + (epoch + 1) * 10
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("path", ["threads", "isolated"])
+def test_image_folder_with_a_cache_is_served_its_reads_ahead_none_read_again(monkeypatch, path, tmp_path):
+    """The common case stays fast: nothing changes, so from the third epoch its first `prefetch`
+    batches are the ones made ahead, and no read ahead comes back CHANGED (in the isolated child,
+    its key equals the parent's: the cache by identity through the fork, the checksums)."""
+    import recipes.common.loading.epoch_read_ahead as ahead
+    from recipes.testing import make_image_folder
+    from recipes.vision import ImageFolderFast, build_image_cache
+
+    dataset = ImageFolderFast(make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=3), size=24,
+                              train=True)
+    build_image_cache(dataset, tmp_path / "cache", progress=False)
+    served, changed = [], multiprocessing.Value("q", 0, lock=False)  # shared with the isolated child
+    result, read = ahead._Ahead.result, ahead.read_if_unchanged
+
+    def counted(made):
+        served.append(made)
+        return result(made)
+
+    def checked(*args):
+        batch = read(*args)
+        changed.value += batch is ahead.CHANGED
+        return batch
+
+    monkeypatch.setattr(ahead._Ahead, "result", counted)
+    monkeypatch.setattr(ahead, "read_if_unchanged", checked)
+    loader = LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
+                           generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(4):
+            assert len(list(loader)) == 4
+    finally:
+        loader.close()
+    assert len(served) == 2 * 2 and changed.value == 0  # epochs 2 and 3: `prefetch` batches each
