@@ -14,30 +14,30 @@ Traps handled:
 - `prefetch_factor` / `persistent_workers` with 0 workers make DataLoader raise: never passed.
 - Pinning without CUDA only warns and wastes a thread: pinned only when CUDA is available.
 - The start method stays `fork`, also after CUDA is initialised: forking is safe while the
-  workers themselves never touch CUDA (PyTorch's own default relies on it), and `forkserver`
-  or `spawn` re-import torch in every worker (a 15-54 s first batch on a 16-core GPU node)
-  and crash scripts without an `if __name__ == "__main__":` guard. A dataset whose workers do
-  use CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and
-  the dataset's module preloaded into the fork server.
-- `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata",
-  pytorch#973) under a low `ulimit -n`: `file_system` instead.
+  workers themselves never touch CUDA (PyTorch's own default relies on it), and `forkserver` or
+  `spawn` re-import torch in every worker (a 15-54 s first batch on a 16-core GPU node) and
+  crash scripts without an `if __name__ == "__main__":` guard. A dataset whose workers do use
+  CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and the
+  dataset's module preloaded into the fork server.
+- `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata", pytorch#973)
+  under a low `ulimit -n`: `file_system` instead.
 - Copy-on-read growth: a dataset holding Python lists, dicts or tuples of more than 100k items
   gets a `LoaderWarning` naming the attribute (`PackedStrings` or numpy instead).
 - The OpenCV fork deadlock and identical NumPy draws across workers: `worker_init`, chained
   before the user's own `worker_init_fn`.
-- Under an initialised process group, a map-style dataset read whole by every rank (each rank
-  trains on everything, or the user's `DistributedSampler` refuses to resume on another world
-  size): an `ElasticDistributedSampler` of its own (`distributed=False` opts out; a sampler or
-  batch sampler of the user's wins).
+- A worker stuck in its fork (CPython gh-112275, Python < 3.12): replaced, no batch lost (`StartWatch`).
+- Under an initialised process group, a map-style dataset read whole by every rank (each rank trains
+  on everything, or the user's `DistributedSampler` refuses to resume on another world size): an
+  `ElasticDistributedSampler` of its own (`distributed=False` opts out; the user's sampler wins).
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
-  common/loading/epoch_read_ahead.py, common/loading/isolated_loader.py,
-  common/loading/loader_path.py, common/loading/loop_probe.py, common/loading/stateful_loader.py,
-  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
-  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/profiles.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py, common/workers/worker.py.
+  common/loading/epoch_read_ahead.py, common/loading/isolated_loader.py, common/loading/loader_path.py,
+  common/loading/loop_probe.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/resume/pass_sampler.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py, common/workers/start_watch.py,
+  common/workers/worker.py.
 """
 
 from __future__ import annotations

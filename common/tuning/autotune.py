@@ -28,7 +28,7 @@ Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/l
   common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
   common/sizing/tune_store.py, common/tuning/monitor.py, common/tuning/monitor_plot.py,
   common/tuning/probes.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  common/workers/worker.py.
+  common/workers/start_watch.py, common/workers/worker.py.
 """
 
 from __future__ import annotations

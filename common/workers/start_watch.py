@@ -1,0 +1,152 @@
+"""StartWatch: a forked DataLoader worker that never starts is replaced, with no batch lost.
+
+Use when: workers start by `fork` on Linux (`make_loader`'s default; `StatefulLoader` installs
+it for you).
+Cost: the iterator's creation waits until every worker has run its first line of Python
+(milliseconds, mostly overlapped with the wait for the first batch); one page of shared memory.
+Adapt here: `START_SECONDS` (how long a worker may take to start), `REPLACEMENTS`.
+Trade-off: the start of an epoch blocks on the slowest worker's start, not on the first batch.
+
+Why: on CPython before 3.12 (3.11.9, 3.10.14 and older) `os.fork()` can copy the interpreter's
+thread-state lock while another thread holds it, and the child waits on it forever before it
+runs any Python (CPython gh-112275). A thread that enters Python from C++ (torch.distributed's
+and Lightning's threads do) takes that lock without the GIL, so under DDP about one epoch start
+in a hundred left a worker stuck: the loop waited forever for its batches (DataLoader sees a
+live process), and `RobustLoader` only after its `timeout`. Measured here: 1 of 93 launches of
+a 2-rank Lightning run (`test_lightning_resume.py`), gdb showing the worker in
+`PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept`.
+
+How: each worker raises its flag in a shared page as the first act of its `worker_init_fn`.
+A worker silent after `START_SECONDS` is stopped (SIGSTOP), its flag read again (a slow worker
+is let go on), then killed and replaced by a new process with the same arguments: the same
+index queue (the indices already put in it), worker id and seed, so its batches are the ones
+the stuck worker would have made. It had not run any Python, so it held none of the queues'
+locks.
+Copy with: common/loader_warning.py.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import warnings
+
+from recipes.common.loader_warning import LoaderWarning
+
+START_SECONDS = 15.0
+REPLACEMENTS = 3  # per iterator; beyond them the workers are left as they are, with a warning
+
+
+class _Started:
+    """The loader's `worker_init_fn`, after raising worker `worker_id`'s flag."""
+
+    def __init__(self, flags: mmap.mmap, init_fn):
+        self.flags, self.init_fn = flags, init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        self.flags[worker_id] = 1
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
+
+
+class _KeptArgs(multiprocessing.context.ForkProcess):
+    """A fork process that keeps its target and arguments after `start()` (which drops them)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept = {"target": self._target, "args": self._args, "kwargs": self._kwargs}
+
+
+class _WatchedFork(multiprocessing.context.ForkContext):
+    Process = _KeptArgs
+
+
+class StartWatch:
+    """One iterator's start flags. `wrap` the loader's `worker_init_fn` while the iterator is
+    built, with `context()` as its `multiprocessing_context`, then `settle(iterator)`."""
+
+    def __init__(self, num_workers: int):
+        self.flags = mmap.mmap(-1, max(1, num_workers))  # anonymous, shared with forked children
+
+    @staticmethod
+    def applies(loader) -> bool:
+        """Workers by fork on Linux (where /proc shows a stopped process): the case that can stick."""
+        if loader.num_workers <= 0 or not sys.platform.startswith("linux"):
+            return False
+        context = loader.multiprocessing_context or multiprocessing.get_context()
+        return context.get_start_method() == "fork"
+
+    def wrap(self, init_fn) -> _Started:
+        return _Started(self.flags, init_fn)
+
+    @staticmethod
+    def context() -> multiprocessing.context.ForkContext:
+        """The fork context whose workers can be started again (`settle` needs their arguments)."""
+        return _WatchedFork()
+
+    def settle(self, iterator, seconds: float | None = None) -> int:
+        """Waits until each live worker of `iterator` has started, replacing the ones silent
+        for `seconds` (default `START_SECONDS`); the number replaced."""
+        workers = getattr(iterator, "_workers", None)
+        if not workers:
+            return 0
+        seconds = START_SECONDS if seconds is None else seconds
+        deadline, replaced = time.monotonic() + seconds, 0
+        while True:
+            silent = [i for i, w in enumerate(workers) if not self.flags[i] and w.exitcode is None]
+            if not silent:  # a worker that died is DataLoader's to report
+                return replaced
+            if time.monotonic() < deadline:
+                time.sleep(0.002)
+                continue
+            if replaced >= REPLACEMENTS:
+                warnings.warn(f"DataLoader workers {silent} have not started after {seconds:g} s and "
+                              f"{replaced} replacements; left as they are (a machine this loaded needs "
+                              "fewer workers).", LoaderWarning, stacklevel=4)
+                return replaced
+            for i in silent:
+                replaced += self._replace(iterator, i, seconds)
+            deadline = time.monotonic() + seconds
+
+    def _replace(self, iterator, i: int, seconds: float) -> int:
+        from torch.utils.data._utils import signal_handling
+
+        old = iterator._workers[i]
+        os.kill(old.pid, signal.SIGSTOP)
+        _until_stopped(old.pid)
+        if self.flags[i]:  # it started as the watch gave up on it: let it go on
+            os.kill(old.pid, signal.SIGCONT)
+            return 0
+        registered = getattr(iterator, "_worker_pids_set", False)
+        if registered:  # the killed pid must not reach PyTorch's SIGCHLD check as a failure
+            signal_handling._remove_worker_pids(id(iterator))
+        old.kill()
+        old.join()
+        new = _KeptArgs(**old.kept, daemon=True)
+        new.start()
+        iterator._workers[i] = new
+        if registered:
+            signal_handling._set_worker_pids(id(iterator), tuple(w.pid for w in iterator._workers))
+        warnings.warn(f"DataLoader worker {i} (pid {old.pid}) had not started {seconds:g} s after its fork "
+                      f"(CPython gh-112275: a fork while another thread held the interpreter's lock, Python "
+                      f"< 3.12); replaced by pid {new.pid} with the same indices and seed, no batch lost.",
+                      LoaderWarning, stacklevel=5)
+        return 1
+
+
+def _until_stopped(pid: int, seconds: float = 1.0) -> None:
+    """Waits (up to `seconds`) until /proc shows `pid` stopped, so its flag is read after its last write."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in (b"T", b"t", b"Z", b"X"):
+            return
+        time.sleep(0.001)
