@@ -42,6 +42,7 @@ from recipes.common.loading.loader_path import check_niceness, isolated_availabl
 from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
 from recipes.common.loading.thread_loader import ThreadLoader, _pinned
 from recipes.common.resume.loader_counting import Counting, LoaderClosedError
+from recipes.common.workers.start_watch import REPLACEMENTS, StartWatch
 
 _POLL_SECONDS = 0.5
 
@@ -179,18 +180,21 @@ class _Child:
     def __init__(self, loader: IsolatedLoader, fingerprint: tuple):
         # a weak reference: a loader dropped without close() is freed at once, and ends its child
         self._loader, self.ring, self.fingerprint = weakref.ref(loader), loader._ring, fingerprint
-        context = multiprocessing.get_context("fork")
-        self.conn, child_end = context.Pipe(duplex=True)
-        self._next_request = 0
+        context, watch = multiprocessing.get_context("fork"), StartWatch(1)
+        self._next_request, self._dropped = 0, set()
         self._done: dict[int, Any] = {}
         self._slots: dict[int, int] = {}  # request -> slot
-        self._dropped: set[int] = set()
-        self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn), daemon=True,
-                                       name="IsolatedLoader")
-        ahead.settle_reads_ahead()  # no thread of this process inside a read (another loader's) at the fork
-        self.process.start()
-        self.process._args = ()  # forked: the loader's copy is the child's; no reference kept here
-        child_end.close()
+        for _ in range(REPLACEMENTS + 1):  # a child stuck in its fork (start_watch.py) is forked again
+            self.conn, child_end = context.Pipe(duplex=True)
+            self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn, watch.flags),
+                                           daemon=True, name="IsolatedLoader")
+            ahead.settle_reads_ahead()  # no thread of this process inside a read (another loader's) at the fork
+            self.process.start()
+            self.process._args = ()  # forked: the loader's copy is the child's; no reference kept here
+            child_end.close()
+            if watch.started(self.process):
+                break
+            self.conn.close()
         self._finalizer = weakref.finalize(loader, _Child.stop, self, False)
 
     def submit(self, fn, indices, epoch: int, position: int, seed: int | None = None, token=None) -> _Remote:
@@ -322,9 +326,10 @@ def _rebuilt(error: BaseException | None, text: str) -> BaseException:
     return error
 
 
-def _child_main(loader: IsolatedLoader, conn, parent_end) -> None:
+def _child_main(loader: IsolatedLoader, conn, parent_end, started) -> None:
     """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
     answers with its layout; ends on "stop", or when the loop's process is gone."""
+    started[0] = 1  # its first act (start_watch.py)
     from recipes.common.workers.process_lifetime import _exit_when_orphaned, lower_priority
     from recipes.common.workers.worker import (
         _single_threaded_libraries,

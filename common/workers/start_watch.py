@@ -39,6 +39,7 @@ from recipes.common.loader_warning import LoaderWarning
 
 START_SECONDS = 15.0
 REPLACEMENTS = 3  # per iterator; beyond them the workers are left as they are, with a warning
+_WHY = "CPython gh-112275: a fork while another thread held the interpreter's lock, Python < 3.12"
 
 
 class _Started:
@@ -112,30 +113,50 @@ class StartWatch:
                 replaced += self._replace(iterator, i, seconds)
             deadline = time.monotonic() + seconds
 
+    def started(self, process, seconds: float | None = None) -> bool:
+        """Waits until `process` (flag 0: the isolated loader's child) has started or ended: True;
+        False when it stayed silent for `seconds` (default `START_SECONDS`) and was killed."""
+        seconds = START_SECONDS if seconds is None else seconds
+        deadline = time.monotonic() + seconds
+        while not self.flags[0] and process.exitcode is None:
+            if time.monotonic() >= deadline:
+                if not self._killed_if_silent(process, 0):
+                    return True
+                warnings.warn(f"The isolated loader's child (pid {process.pid}) had not started {seconds:g} s after "
+                              f"its fork ({_WHY}); started again.", LoaderWarning, stacklevel=4)
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _killed_if_silent(self, process, i: int) -> bool:
+        """Stops `process`, reads flag `i` again: killed (True) unless it started meanwhile."""
+        os.kill(process.pid, signal.SIGSTOP)
+        _until_stopped(process.pid)
+        if self.flags[i]:  # it started as the watch gave up on it: let it go on
+            os.kill(process.pid, signal.SIGCONT)
+            return False
+        process.kill()
+        process.join()
+        return True
+
     def _replace(self, iterator, i: int, seconds: float) -> int:
         from torch.utils.data._utils import signal_handling
 
         old = iterator._workers[i]
-        os.kill(old.pid, signal.SIGSTOP)
-        _until_stopped(old.pid)
-        if self.flags[i]:  # it started as the watch gave up on it: let it go on
-            os.kill(old.pid, signal.SIGCONT)
-            return 0
         registered = getattr(iterator, "_worker_pids_set", False)
         if registered:  # the killed pid must not reach PyTorch's SIGCHLD check as a failure
             signal_handling._remove_worker_pids(id(iterator))
-        old.kill()
-        old.join()
-        new = _KeptArgs(**old.kept, daemon=True)
-        new.start()
-        iterator._workers[i] = new
+        killed = self._killed_if_silent(old, i)
+        if killed:
+            iterator._workers[i] = new = _KeptArgs(**old.kept, daemon=True)
+            new.start()
         if registered:
             signal_handling._set_worker_pids(id(iterator), tuple(w.pid for w in iterator._workers))
-        warnings.warn(f"DataLoader worker {i} (pid {old.pid}) had not started {seconds:g} s after its fork "
-                      f"(CPython gh-112275: a fork while another thread held the interpreter's lock, Python "
-                      f"< 3.12); replaced by pid {new.pid} with the same indices and seed, no batch lost.",
-                      LoaderWarning, stacklevel=5)
-        return 1
+        if killed:
+            warnings.warn(f"DataLoader worker {i} (pid {old.pid}) had not started {seconds:g} s after its fork "
+                          f"({_WHY}); replaced by pid {new.pid} with the same indices and seed, no batch lost.",
+                          LoaderWarning, stacklevel=5)
+        return int(killed)
 
 
 def _until_stopped(pid: int, seconds: float = 1.0) -> None:
