@@ -9,24 +9,24 @@ resolution the output can use, a crop and one antialiased uint8 resize of the cr
 (the default) checks each file's first decode for libjpeg's corrupt-data warnings (an
 `ImageDecodeError`): ~5 us, or for a region decode the rows below the crop, once per file.
 With a decoded cache (`build_image_cache`): a crop from a memory map.
-Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RATIO`, or pass
-`transform=` for extra uint8 augmentation.
+Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RATIO`, or `transform=` (uint8).
 Trade-off: returns uint8 `[3, H, W]` (4x less memory and IPC than float32); normalisation
 belongs on the GPU. Pixels differ from Pillow's by 1-5 grey levels (crop before resize).
 
-OpenCV's thread pool is not fork-safe (a hang with no error: pytorch#1355, #45198):
-`decode_image` and `worker_init` make cv2 single-threaded in each worker before any decode.
-The index (paths, targets) is held in `PackedStrings` and numpy arrays: no per-sample Python
-objects for forked workers to copy on read. The decoded cache (`recipes.vision.cache`) reads
-this dataset as a `CacheSource`; threads read batches through `batches/thread_batches.py`.
+OpenCV's thread pool is not fork-safe (a hang with no error: pytorch#1355, #45198): `decode_image`
+and `worker_init` make cv2 single-threaded in each worker before any decode.
+The index (paths, targets) is held in `PackedStrings` and numpy arrays: no per-sample Python objects
+for forked workers to copy on read. The decoded cache (`recipes.vision.cache`) reads this dataset
+as a `CacheSource`; threads read batches through `batches/thread_batches.py`.
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/caches/packed_strings.py, common/loading/batch_ring.py,
-  common/loading/build_loader.py, common/loading/epoch_read_ahead.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, vision/batches/batch_buffers.py, vision/batches/device.py,
-  vision/batches/thread_batches.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
-  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/cache/image_cache_build.py,
-  vision/cache/stale_caches.py, vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
+  common/caches/cache_files.py, common/caches/packed_strings.py, common/loader_warning.py,
+  common/loading/batch_ring.py, common/loading/build_loader.py, common/loading/epoch_read_ahead.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py, common/workers/start_watch.py,
+  vision/batches/batch_buffers.py, vision/batches/device.py, vision/batches/thread_batches.py,
+  vision/cache/cache_source.py, vision/cache/cached_batches.py, vision/cache/eval_view.py,
+  vision/cache/image_cache.py, vision/cache/image_cache_build.py, vision/cache/stale_caches.py,
+  vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
 """
 
 from __future__ import annotations

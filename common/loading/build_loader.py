@@ -1,11 +1,12 @@
 """The DataLoader of a `build_*` pass: index order, and workers that die with their parent (a
-killed build leaves no orphan decoding on).
+killed build leaves no orphan decoding on) and are replaced when stuck in their fork.
 
 Use when: a cache build reads its dataset through DataLoader workers.
 Cost: none beyond DataLoader's.
 Adapt here: the worker count's fallback when this file is copied without the package.
 Trade-off: `num_workers=None` asks `smart_num_workers()` (cgroup quota, memory).
-Copy with: common/workers/process_lifetime.py.
+Copy with: common/loader_warning.py, common/workers/process_lifetime.py,
+  common/workers/start_watch.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 
 from recipes.common.workers.process_lifetime import die_with_parent
+from recipes.common.workers.start_watch import watched_iterator
 
 
 def build_loader(dataset, *, num_workers: int | None, batch_size: int, collate_fn):
@@ -30,8 +32,13 @@ def build_loader(dataset, *, num_workers: int | None, batch_size: int, collate_f
             num_workers = smart_num_workers()
     if num_workers < 0:
         raise ValueError(f"`num_workers` must be non-negative, but is {num_workers!r} instead.")
-    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-                      worker_init_fn=_build_worker_init if num_workers else None)
+
+    class BuildLoader(DataLoader):
+        def _get_iterator(self):  # a worker stuck in its fork is replaced (start_watch.py)
+            return watched_iterator(self, super()._get_iterator)
+
+    return BuildLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
+                       worker_init_fn=_build_worker_init if num_workers else None)
 
 
 def _build_worker_init(worker_id: int) -> None:

@@ -57,7 +57,7 @@ from recipes.common.resume.loader_counting import Counting
 from recipes.common.resume.loader_passes import STATE_VERSION, Pass, Passes
 from recipes.common.resume.loader_state import differences, find_generators, plan_settings
 from recipes.common.resume.pass_sampler import PassSampler
-from recipes.common.workers.start_watch import StartWatch
+from recipes.common.workers.start_watch import watched_iterator
 
 __all__ = ["STATE_VERSION", "StatefulLoader"]
 
@@ -118,16 +118,7 @@ class StatefulLoader(DataLoader):
         rotate, self._rotate_next = getattr(self, "_rotate_next", 0), 0
         if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
             return RotatedIter(self, rotate)
-        if not StartWatch.applies(self):
-            return super()._get_iterator()
-        watch, init_fn, context = StartWatch(self.num_workers), self.worker_init_fn, self.multiprocessing_context
-        self.worker_init_fn, self.multiprocessing_context = watch.wrap(init_fn), watch.context()  # read as the workers are built
-        try:
-            iterator = super()._get_iterator()
-        finally:
-            self.worker_init_fn, self.multiprocessing_context = init_fn, context
-        watch.settle(iterator)  # a worker stuck in its fork is replaced before any batch is awaited
-        return iterator
+        return watched_iterator(self, super()._get_iterator)  # a worker stuck in its fork is replaced
 
     # The one hook into DataLoader's internals (see the module doc). The wrapper holds the
     # pass tracker, never the loader (see `Passes`).

@@ -1,7 +1,8 @@
 """StartWatch: a forked DataLoader worker that never starts is replaced, with no batch lost.
 
-Use when: workers start by `fork` on Linux (`make_loader`'s default; `StatefulLoader` installs
-it for you).
+Use when: workers start by `fork` on Linux (`make_loader`'s default). `watched_iterator` is in
+`StatefulLoader` (so `make_loader`, `RobustLoader`) and the cache builds' loader; the isolated
+path's child uses `StartWatch.started`.
 Cost: the iterator's creation waits until every worker has run its first line of Python
 (milliseconds, mostly overlapped with the wait for the first batch); one page of shared memory.
 Adapt here: `START_SECONDS` (how long a worker may take to start), `REPLACEMENTS`.
@@ -64,6 +65,21 @@ class _KeptArgs(multiprocessing.context.ForkProcess):
 
 class _WatchedFork(multiprocessing.context.ForkContext):
     Process = _KeptArgs
+
+
+def watched_iterator(loader, build):
+    """`build()` (DataLoader's `_get_iterator`) with its workers watched: each one stuck in its
+    fork replaced before the iterator is returned. `loader`'s settings as they were after."""
+    if not StartWatch.applies(loader):
+        return build()
+    watch, init_fn, context = StartWatch(loader.num_workers), loader.worker_init_fn, loader.multiprocessing_context
+    loader.worker_init_fn, loader.multiprocessing_context = watch.wrap(init_fn), watch.context()  # read as workers start
+    try:
+        iterator = build()
+    finally:
+        loader.worker_init_fn, loader.multiprocessing_context = init_fn, context
+    watch.settle(iterator)
+    return iterator
 
 
 class StartWatch:

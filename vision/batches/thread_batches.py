@@ -14,8 +14,9 @@ It reads the dataset through its public side: `thread_batches()`, `len()`, `root
 `resolution`, `cache`, `eval_view`, `crop_settings()` and `read_item(i, rng, into=)`.
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
-  common/loading/batch_ring.py, common/loading/build_loader.py, common/loading/epoch_read_ahead.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  common/loader_warning.py, common/loading/batch_ring.py, common/loading/build_loader.py,
+  common/loading/epoch_read_ahead.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py,
   vision/batches/batch_buffers.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
   vision/cache/eval_view.py, vision/cache/image_cache.py, vision/decoding/crop.py,
   vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.

@@ -31,10 +31,12 @@ checksum, is not opened (`eval_view_of` warns, naming it, and the next `build_im
 rebuilds it); an image whose row differs from its checksum raises the cache's error when read
 and is recorded in the cache's `damaged.json`: the view is then not opened, and the next
 `build_image_cache` on an eval dataset rebuilds the view alone (not the whole images).
-Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/loading/build_loader.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, vision/cache/cache_source.py, vision/decoding/crop.py,
-  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/loader_warning.py,
+  common/loading/build_loader.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py, vision/cache/cache_source.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ The build reads the dataset through `CacheSource` (`recipes.vision.cache.cache_s
 `targets`, `root`, `max_side`, `train`, `len()`, `cache_record(i)`, `use_cache(cache)` and, for
 an eval dataset, what the eval view reads (`resolution`, `CROP_PCT`, `eval_record(i)`).
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
-  common/caches/cache_checks.py, common/caches/cache_files.py, common/loading/build_loader.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  vision/cache/cache_source.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
-  vision/cache/stale_caches.py, vision/decoding/crop.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/loader_warning.py,
+  common/loading/build_loader.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py, vision/cache/cache_source.py,
+  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/cache/stale_caches.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ class Draws(Dataset):
 def build():
     kw = dict(batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7), num_workers=2,
               path="workers", persistent_workers=persistent)
+    if kind == "build":  # a cache build's DataLoader, in index order
+        from recipes.common.loading.build_loader import build_loader
+        return build_loader(Draws(), num_workers=2, batch_size=4, collate_fn=None)
     if kind == "isolated":  # the child process of the thread path (one, kept for both epochs)
         return make_loader(Draws(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7),
                            path="isolated")
@@ -62,7 +65,7 @@ print(json.dumps({"want": want, "got": got, "forks": forks[1],
 
 @pytest.mark.parametrize("kind, count, persistent, started", [
     ("make_loader", 1, "fresh", 4), ("make_loader", 2, "persistent", 2), ("robust", 1, "fresh", 4),
-    ("isolated", 1, "fresh", 1)])  # started: the processes the two epochs fork, without the replacements
+    ("isolated", 1, "fresh", 1), ("build", 1, "fresh", 4)])  # started: the processes the two epochs fork, without the replacements
 def test_a_worker_stuck_in_its_fork_is_replaced_and_the_epochs_are_the_uninterrupted_ones(
         zygote, kind, count, persistent, started):
     child = zygote.python(SCRIPT, kind, str(count), persistent)
@@ -73,7 +76,7 @@ def test_a_worker_stuck_in_its_fork_is_replaced_and_the_epochs_are_the_uninterru
     for epoch in range(2):
         samples = [row[0] for batch in got[epoch] for row in batch]
         assert sorted(samples) == list(range(48)) and len(samples) == 48  # each sample exactly once
-        if kind == "isolated":  # the pool's threads share torch's generator: the draws are not per sample
+        if kind in ("isolated", "build"):  # draws from a generator shared by threads, or seeded per iterator
             assert samples == [row[0] for batch in want[epoch] for row in batch]  # same order
         else:
             assert got[epoch] == want[epoch]  # same order, same random draws (the same seed per worker)
