@@ -64,6 +64,8 @@ class _KeptArgs(multiprocessing.context.ForkProcess):
 
 
 class _WatchedFork(multiprocessing.context.ForkContext):
+    """The fork context whose workers can be started again (`settle` needs their arguments)."""
+
     Process = _KeptArgs
 
 
@@ -73,7 +75,7 @@ def watched_iterator(loader, build):
     if not StartWatch.applies(loader):
         return build()
     watch, init_fn, context = StartWatch(loader.num_workers), loader.worker_init_fn, loader.multiprocessing_context
-    loader.worker_init_fn, loader.multiprocessing_context = watch.wrap(init_fn), watch.context()  # read as workers start
+    loader.worker_init_fn, loader.multiprocessing_context = _Started(watch.flags, init_fn), _WatchedFork()  # as workers start
     try:
         iterator = build()
     finally:
@@ -83,8 +85,8 @@ def watched_iterator(loader, build):
 
 
 class StartWatch:
-    """One iterator's start flags. `wrap` the loader's `worker_init_fn` while the iterator is
-    built, with `context()` as its `multiprocessing_context`, then `settle(iterator)`."""
+    """One iterator's (or one isolated child's) start flags: `watched_iterator` raises them from
+    each worker's `worker_init_fn`, then `settle`s the iterator; the child raises its own."""
 
     def __init__(self, num_workers: int):
         self.flags = mmap.mmap(-1, max(1, num_workers))  # anonymous, shared with forked children
@@ -96,14 +98,6 @@ class StartWatch:
             return False
         context = loader.multiprocessing_context or multiprocessing.get_context()
         return context.get_start_method() == "fork"
-
-    def wrap(self, init_fn) -> _Started:
-        return _Started(self.flags, init_fn)
-
-    @staticmethod
-    def context() -> multiprocessing.context.ForkContext:
-        """The fork context whose workers can be started again (`settle` needs their arguments)."""
-        return _WatchedFork()
 
     def settle(self, iterator, seconds: float | None = None) -> int:
         """Waits until each live worker of `iterator` has started, replacing the ones silent
