@@ -77,21 +77,28 @@ class ChunkedAudioDataset(Dataset):
         mono: bool = True,
         last_chunk: Literal["pad", "keep", "drop"] = "pad",
     ):
-        for name, value in (("chunk_seconds", chunk_seconds), ("hop_seconds", hop_seconds),
-                            ("sample_rate", sample_rate)):
+        for name, value in (
+            ("chunk_seconds", chunk_seconds),
+            ("hop_seconds", hop_seconds),
+            ("sample_rate", sample_rate),
+        ):
             if value is not None and value <= 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
         if hop_seconds is not None and chunk_seconds is None:
             raise ValueError("`hop_seconds` needs `chunk_seconds`.")
         if last_chunk not in ("pad", "keep", "drop"):
-            raise ValueError(f"`last_chunk` must be 'pad', 'keep' or 'drop', but is {last_chunk!r} instead.")
+            raise ValueError(
+                f"`last_chunk` must be 'pad', 'keep' or 'drop', but is {last_chunk!r} instead."
+            )
         self.files = PackedStrings(_list_files(files))
         self.chunk_seconds = chunk_seconds
         self.hop_seconds = hop_seconds if hop_seconds is not None else chunk_seconds
         self.mono = mono
         self.last_chunk = last_chunk
         self.file_frames, self.file_rates, self.file_channels = _read_headers(self.files)
-        self.sample_rate = sample_rate if sample_rate is not None else _common_rate(self.files, self.file_rates)
+        self.sample_rate = (
+            sample_rate if sample_rate is not None else _common_rate(self.files, self.file_rates)
+        )
         for rate in np.unique(self.file_rates).tolist():
             if rate != self.sample_rate:
                 f = int(np.flatnonzero(self.file_rates == rate)[0])
@@ -106,9 +113,15 @@ class ChunkedAudioDataset(Dataset):
         """(file, start frame, valid frames) per item, in source frames, as numpy arrays."""
         if self.chunk_seconds is None:  # utterances: one item per non-empty file
             keep = np.flatnonzero(self.file_frames > 0)
-            return keep.astype(np.int32), np.zeros(len(keep), np.int64), self.file_frames[keep].copy()
+            return (
+                keep.astype(np.int32),
+                np.zeros(len(keep), np.int64),
+                self.file_frames[keep].copy(),
+            )
         files, starts, frames = [], [], []
-        for f, (total, rate) in enumerate(zip(self.file_frames.tolist(), self.file_rates.tolist(), strict=True)):
+        for f, (total, rate) in enumerate(
+            zip(self.file_frames.tolist(), self.file_rates.tolist(), strict=True)
+        ):
             if total == 0:
                 continue
             chunk = max(1, round(self.chunk_seconds * rate))
@@ -164,11 +177,15 @@ class ChunkedAudioDataset(Dataset):
             data = handle.read(frames, dtype="float32", always_2d=True)
         except (sf.LibsndfileError, RuntimeError, OSError) as error:
             self._forget(f)
-            raise AudioDecodeError(f"{where}: reading frames {start}-{start + frames} failed ({error}); the file "
-                                   "may have been removed, truncated or changed since indexing.") from None
+            raise AudioDecodeError(
+                f"{where}: reading frames {start}-{start + frames} failed ({error}); the file "
+                "may have been removed, truncated or changed since indexing."
+            ) from None
         if len(data) != frames:
-            raise AudioDecodeError(f"{where}: {len(data)} of {frames} frames at {start} could be read; the file "
-                                   "is truncated or changed since indexing.")
+            raise AudioDecodeError(
+                f"{where}: {len(data)} of {frames} frames at {start} could be read; the file "
+                "is truncated or changed since indexing."
+            )
         wave = torch.from_numpy(data.T.copy())  # [C, T]
         return wave.mean(dim=0, keepdim=True) if self.mono and wave.shape[0] > 1 else wave
 
@@ -208,17 +225,26 @@ class ChunkedAudioDataset(Dataset):
 
     def __repr__(self) -> str:
         mode = "utterances" if self.chunk_seconds is None else f"{self.chunk_seconds}s windows"
-        return f"ChunkedAudioDataset({len(self.files)} files, {len(self)} items, {mode}, {self.sample_rate} Hz)"
+        return (
+            f"ChunkedAudioDataset({len(self.files)} files, {len(self)} items, {mode}, "
+            f"{self.sample_rate} Hz)"
+        )
 
 
 def _list_files(files) -> list[str]:
     if isinstance(files, (str, os.PathLike)):
         root = Path(files)
         if not root.is_dir():
-            raise ValueError(f"{root} is not a folder; pass a folder of audio files or a list of paths.")
-        found = sorted(str(p) for p in root.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS and p.is_file())
+            raise ValueError(
+                f"{root} is not a folder; pass a folder of audio files or a list of paths."
+            )
+        found = sorted(
+            str(p) for p in root.rglob("*") if p.suffix.lower() in AUDIO_EXTENSIONS and p.is_file()
+        )
         if not found:
-            raise ValueError(f"No audio files under {root} (searched for {', '.join(AUDIO_EXTENSIONS)}).")
+            raise ValueError(
+                f"No audio files under {root} (searched for {', '.join(AUDIO_EXTENSIONS)})."
+            )
         return found
     found = [os.fspath(p) for p in files]
     if not found:
@@ -240,13 +266,16 @@ def _read_headers(files: PackedStrings) -> tuple[np.ndarray, np.ndarray, np.ndar
         try:
             info = sf.info(path)
         except (sf.LibsndfileError, RuntimeError) as error:
-            raise AudioDecodeError(f"audio file {path!r} cannot be read ({error}); is it audio "
-                                   "(WAV, FLAC, OGG)?") from None
+            raise AudioDecodeError(
+                f"audio file {path!r} cannot be read ({error}); is it audio (WAV, FLAC, OGG)?"
+            ) from None
         frames[i], rates[i], channels[i] = info.frames, info.samplerate, info.channels
         _check_header(path, info)
         _check_complete(path, info)
         if info.frames == 0:
-            warnings.warn(f"audio file {path!r} has no frames; it contributes no items.", stacklevel=3)
+            warnings.warn(
+                f"audio file {path!r} has no frames; it contributes no items.", stacklevel=3
+            )
     return frames, rates, channels
 
 
@@ -254,14 +283,21 @@ def _check_header(path: str, info) -> None:
     """Header fields a corrupt file can claim and a reader would trust: a sample rate of
     16 MHz once made the resampler ask for 519 GB (issue #10)."""
     if not MIN_RATE <= info.samplerate <= MAX_RATE:
-        raise AudioDecodeError(f"audio file {path!r} claims a sample rate of {info.samplerate:,} Hz, outside "
-                               f"{MIN_RATE:,}-{MAX_RATE:,} Hz: its header is corrupt.")
+        raise AudioDecodeError(
+            f"audio file {path!r} claims a sample rate of {info.samplerate:,} Hz, outside "
+            f"{MIN_RATE:,}-{MAX_RATE:,} Hz: its header is corrupt."
+        )
     if not 1 <= info.channels <= MAX_CHANNELS:
-        raise AudioDecodeError(f"audio file {path!r} claims {info.channels} channels (1-{MAX_CHANNELS} expected): "
-                               "its header is corrupt.")
+        raise AudioDecodeError(
+            f"audio file {path!r} claims {info.channels} channels (1-{MAX_CHANNELS} expected): "
+            "its header is corrupt."
+        )
     if info.frames < 0 or info.frames > MAX_SECONDS * info.samplerate:
-        raise AudioDecodeError(f"audio file {path!r} claims {info.frames:,} frames ({info.frames / info.samplerate:,.0f} "
-                               f"s, over {MAX_SECONDS // 3600} hours): its header is corrupt.")
+        raise AudioDecodeError(
+            f"audio file {path!r} claims {info.frames:,} frames "
+            f"({info.frames / info.samplerate:,.0f} s, over {MAX_SECONDS // 3600} hours): its "
+            "header is corrupt."
+        )
 
 
 def check_resampling(path: str, rate: int, target: int) -> None:
@@ -270,9 +306,11 @@ def check_resampling(path: str, rate: int, target: int) -> None:
     g = math.gcd(rate, target)
     taps = (rate // g) * (target // g)
     if taps > MAX_RESAMPLE_TAPS:
-        raise AudioDecodeError(f"audio file {path!r}: resampling {rate:,} Hz to {target:,} Hz needs a "
-                               f"{taps * 4 / 2**20:,.0f} MiB kernel; the rate is unusual or corrupt. Resample the "
-                               "file offline (e.g. with sox) or pass sample_rate=None.")
+        raise AudioDecodeError(
+            f"audio file {path!r}: resampling {rate:,} Hz to {target:,} Hz needs a "
+            f"{taps * 4 / 2**20:,.0f} MiB kernel; the rate is unusual or corrupt. Resample the "
+            "file offline (e.g. with sox) or pass sample_rate=None."
+        )
 
 
 def _check_complete(path: str, info) -> None:
@@ -283,8 +321,10 @@ def _check_complete(path: str, info) -> None:
     if info.format == "WAV":
         declared, available = _wav_data_sizes(path)
         if declared is not None and declared > available:
-            raise AudioDecodeError(f"audio file {path!r} is truncated: its header declares {declared} bytes of "
-                                   f"samples, the file holds {available}.")
+            raise AudioDecodeError(
+                f"audio file {path!r} is truncated: its header declares {declared} bytes of "
+                f"samples, the file holds {available}."
+            )
     if info.frames == 0:
         return
     try:
@@ -292,10 +332,14 @@ def _check_complete(path: str, info) -> None:
             tail = min(info.frames, 64)
             f.seek(info.frames - tail)
             if len(f.read(tail, dtype="float32")) != tail:
-                raise AudioDecodeError(f"audio file {path!r} is truncated: its last frames cannot be read.")
+                raise AudioDecodeError(
+                    f"audio file {path!r} is truncated: its last frames cannot be read."
+                )
     except (sf.LibsndfileError, RuntimeError) as error:
-        raise AudioDecodeError(f"audio file {path!r} is truncated or corrupt: reading its last frames "
-                               f"failed ({error}).") from None
+        raise AudioDecodeError(
+            f"audio file {path!r} is truncated or corrupt: reading its last frames "
+            f"failed ({error})."
+        ) from None
 
 
 def _wav_data_sizes(path: str) -> tuple[int | None, int]:
@@ -310,7 +354,9 @@ def _wav_data_sizes(path: str) -> tuple[int | None, int]:
                 return None, size
             chunk_id, chunk_size = head[:4], struct.unpack("<I", head[4:])[0]
             if chunk_id == b"data":
-                declared = None if chunk_size in (0, 0xFFFFFFFF) else chunk_size  # streaming writers
+                declared = (
+                    None if chunk_size in (0, 0xFFFFFFFF) else chunk_size
+                )  # streaming writers
                 return declared, size - f.tell()
             f.seek(chunk_size + (chunk_size & 1), os.SEEK_CUR)
 
@@ -318,7 +364,11 @@ def _wav_data_sizes(path: str) -> tuple[int | None, int]:
 def _common_rate(files: PackedStrings, rates: np.ndarray) -> int:
     distinct = np.unique(rates)
     if len(distinct) > 1:
-        examples = ", ".join(f"{files[int(np.flatnonzero(rates == r)[0])]!r} at {int(r)} Hz" for r in distinct[:3])
-        raise ValueError(f"The files have different sample rates ({examples}); pass sample_rate= to resample "
-                         "them all to one rate.")
+        examples = ", ".join(
+            f"{files[int(np.flatnonzero(rates == r)[0])]!r} at {int(r)} Hz" for r in distinct[:3]
+        )
+        raise ValueError(
+            f"The files have different sample rates ({examples}); pass sample_rate= to resample "
+            "them all to one rate."
+        )
     return int(distinct[0])

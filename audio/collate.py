@@ -30,25 +30,33 @@ class AudioPadCollate:
 
     def __init__(self, pad_value: float = 0.0, *, pad_to_multiple_of: int = 1):
         if pad_to_multiple_of <= 0:
-            raise ValueError(f"`pad_to_multiple_of` must be positive, but is {pad_to_multiple_of!r} instead.")
+            raise ValueError(
+                f"`pad_to_multiple_of` must be positive, but is {pad_to_multiple_of!r} instead."
+            )
         self.pad_value = pad_value
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, batch: Sequence) -> dict[str, torch.Tensor]:
         if not batch:
             raise ValueError("AudioPadCollate got an empty batch.")
-        tensors, infos = zip(*[_split(item, position) for position, item in enumerate(batch)], strict=True)
+        tensors, infos = zip(
+            *[_split(item, position) for position, item in enumerate(batch)], strict=True
+        )
         lead = tensors[0].shape[:-1]
         for position, t in enumerate(tensors):
             if t.shape[:-1] != lead:
-                raise TypeError(f"AudioPadCollate: item {position} has shape {tuple(t.shape)}, item 0 has "
-                                f"{tuple(tensors[0].shape)}; only the last (time) axis may differ.")
+                raise TypeError(
+                    f"AudioPadCollate: item {position} has shape {tuple(t.shape)}, item 0 has "
+                    f"{tuple(tensors[0].shape)}; only the last (time) axis may differ."
+                )
         m = self.pad_to_multiple_of
         width = -(-max(t.shape[-1] for t in tensors) // m) * m
         inputs = torch.full((len(tensors), *lead, width), self.pad_value, dtype=tensors[0].dtype)
         for i, t in enumerate(tensors):
             inputs[i, ..., : t.shape[-1]] = t
-        lengths = torch.tensor([info.get("frames", t.shape[-1]) for t, info in zip(tensors, infos, strict=True)])
+        lengths = torch.tensor(
+            [info.get("frames", t.shape[-1]) for t, info in zip(tensors, infos, strict=True)]
+        )
         out = {"inputs": inputs, "lengths": lengths}
         for key in ("file", "start"):
             if all(key in info for info in infos):
@@ -61,8 +69,10 @@ def _split(item, position: int) -> tuple[torch.Tensor, Mapping]:
         return item, {}
     if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor):
         return item[0], item[1] if isinstance(item[1], Mapping) else {}
-    raise TypeError(f"AudioPadCollate: item {position} is {type(item).__name__}; expected a tensor or "
-                    "(tensor, info).")
+    raise TypeError(
+        f"AudioPadCollate: item {position} is {type(item).__name__}; expected a tensor or "
+        "(tensor, info)."
+    )
 
 
 pad_collate = AudioPadCollate()

@@ -1,4 +1,5 @@
-"""ShardUtterances: the utterances of an audio `ShardSet` as a map-style dataset, for the spectrogram cache.
+"""ShardUtterances: the utterances of an audio `ShardSet` as a map-style dataset, for the
+spectrogram cache.
 
 Use when: audio lives in shards (`write_shards` samples with a "flac", "wav", ... field) and its
 features should be computed once: `build_spectrogram_cache(ShardSet.open(url), cache_dir)` wraps
@@ -53,8 +54,14 @@ class ShardUtterances(Dataset):
     # what the spectrogram cache's settings record of a ChunkedAudioDataset: utterances, no windows
     chunk_seconds = hop_seconds = last_chunk = None
 
-    def __init__(self, shards: ShardSet, *, sample_rate: int | None = None, mono: bool = True,
-                 field: str | None = None):
+    def __init__(
+        self,
+        shards: ShardSet,
+        *,
+        sample_rate: int | None = None,
+        mono: bool = True,
+        field: str | None = None,
+    ):
         if not isinstance(shards, ShardSet):
             raise TypeError(f"`shards` must be a ShardSet, but is {type(shards).__name__} instead.")
         self.shards, self.mono, self.field = shards, mono, field
@@ -91,9 +98,11 @@ class ShardUtterances(Dataset):
         i = resolve_index(index, len(self), f"the {len(self)} samples of {self.shards.url}")
         wave, info = self._decode(self._sample(i))
         if info["sample_rate"] != self.sample_rate:
-            raise ShardAudioError(f"sample {info['key']!r} is at {info['sample_rate']} Hz, the first at "
-                                  f"{self.sample_rate} Hz; pass ShardUtterances(shards, sample_rate=...) to "
-                                  "resample them all.")
+            raise ShardAudioError(
+                f"sample {info['key']!r} is at {info['sample_rate']} Hz, the first at "
+                f"{self.sample_rate} Hz; pass ShardUtterances(shards, sample_rate=...) to "
+                "resample them all."
+            )
         return wave, {"file": i, "start": 0.0, "frames": int(wave.shape[-1]), "key": info["key"]}
 
     def _sample(self, i: int) -> dict:

@@ -8,9 +8,9 @@ Adapt here: `_featurizer` (e.g. add deltas), the dtype.
 Trade-off: features are fixed at build time; waveform augmentations (speed, noise) must
 happen before the cache or be replaced by feature-space ones (SpecAugment).
 
-Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder, fsynced,
-renamed into place; split over the ranks of a process group when one is initialised, each node's
-folder ending with the whole cache):
+Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder,
+fsynced, renamed into place; split over the ranks of a process group when one is initialised, each
+node's folder ending with the whole cache):
   header.json    {"format": "recipes-spectrogram-cache", "version", "fingerprint", "count",
                   "n_mels", "layout": "fixed" | "ragged", "dtype", ...}
   features.bin   every item's [n_mels, F_i] block back to back (a fixed layout is [N, n_mels, F])
@@ -80,8 +80,15 @@ class SpectrogramCache(Dataset):
     replaced since `open` raises `SpectrogramCacheError` then (reopen the cache).
     """
 
-    def __init__(self, path: Path, header: dict, offsets: np.ndarray, info: np.ndarray, sums: np.ndarray,
-                 verify: VerifyMode = "first_read"):
+    def __init__(
+        self,
+        path: Path,
+        header: dict,
+        offsets: np.ndarray,
+        info: np.ndarray,
+        sums: np.ndarray,
+        verify: VerifyMode = "first_read",
+    ):
         self.path = Path(path)
         self.header = header
         self.n_mels = int(header["n_mels"])
@@ -89,14 +96,29 @@ class SpectrogramCache(Dataset):
         self.lengths = np.diff(offsets)
         self.info = info
         size = int(header["total_frames"]) * self.n_mels
-        self._features = LazyMap(self.path / "features.bin", np.dtype(header["dtype"]).newbyteorder("<"), (size,),
-                                 error=SpectrogramCacheError)
-        self.checks = ItemChecks(self.path / "features.bin", sums, header["checksum"], verify=verify,
-                                 error=SpectrogramCacheError, hint=_BUILD_HINT)
+        self._features = LazyMap(
+            self.path / "features.bin",
+            np.dtype(header["dtype"]).newbyteorder("<"),
+            (size,),
+            error=SpectrogramCacheError,
+        )
+        self.checks = ItemChecks(
+            self.path / "features.bin",
+            sums,
+            header["checksum"],
+            verify=verify,
+            error=SpectrogramCacheError,
+            hint=_BUILD_HINT,
+        )
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None,
-             verify: VerifyMode = "first_read") -> SpectrogramCache:
+    def open(
+        cls,
+        cache_dir: str | os.PathLike,
+        *,
+        fingerprint: str | None = None,
+        verify: VerifyMode = "first_read",
+    ) -> SpectrogramCache:
         """Opens and validates a cache folder.
 
         Raises:
@@ -104,25 +126,48 @@ class SpectrogramCache(Dataset):
                 when read is recorded in `damaged.json`), another version or other inputs.
         """
         path = Path(cache_dir)
-        header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
-                             error=SpectrogramCacheError,
-                             build_hint=_BUILD_HINT,
-                             fields=("count", "total_frames", "n_mels", "dtype", "layout", "checksum", "file_checksums"))
+        header = read_header(
+            path,
+            fmt=FORMAT,
+            version=FORMAT_VERSION,
+            fingerprint=fingerprint,
+            error=SpectrogramCacheError,
+            build_hint=_BUILD_HINT,
+            fields=(
+                "count",
+                "total_frames",
+                "n_mels",
+                "dtype",
+                "layout",
+                "checksum",
+                "file_checksums",
+            ),
+        )
         try:
             count, total = int(header["count"]), int(header["total_frames"])
             itemsize = np.dtype(header["dtype"]).itemsize
             features_bytes = total * int(header["n_mels"]) * itemsize
         except (TypeError, ValueError):
-            raise SpectrogramCacheError(f"{path}/header.json has invalid fields; rebuild the cache.") from None
+            raise SpectrogramCacheError(
+                f"{path}/header.json has invalid fields; rebuild the cache."
+            ) from None
         check_size(path / "features.bin", features_bytes, SpectrogramCacheError)
         check_size(path / "offsets.bin", (count + 1) * 8, SpectrogramCacheError)
         check_size(path / "info.bin", count * _INFO.itemsize, SpectrogramCacheError)
         check_size(path / "checksums.bin", count * 8, SpectrogramCacheError)
-        read = functools.partial(read_checked, path, header=header, error=SpectrogramCacheError, hint=_BUILD_HINT)
-        offsets, info, sums = read("offsets.bin", "<i8"), read("info.bin", _INFO), read("checksums.bin", "<u8")
+        read = functools.partial(
+            read_checked, path, header=header, error=SpectrogramCacheError, hint=_BUILD_HINT
+        )
+        offsets, info, sums = (
+            read("offsets.bin", "<i8"),
+            read("info.bin", _INFO),
+            read("checksums.bin", "<u8"),
+        )
         if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
             raise SpectrogramCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
-        check_damage(path, ("features.bin",), SpectrogramCacheError, _BUILD_HINT)  # a read found damage: rebuild
+        check_damage(
+            path, ("features.bin",), SpectrogramCacheError, _BUILD_HINT
+        )  # a read found damage: rebuild
         return cls(path, header, offsets, info, sums, verify)
 
     def __len__(self) -> int:
@@ -133,7 +178,8 @@ class SpectrogramCache(Dataset):
         return self.header["fingerprint"]
 
     def thread_batches(self) -> bool:
-        """Items are gathers from a memory map: `make_loader` reads batches in threads (`ThreadLoader`)."""
+        """Items are gathers from a memory map: `make_loader` reads batches in threads
+        (`ThreadLoader`)."""
         return True
 
     @property
@@ -149,7 +195,11 @@ class SpectrogramCache(Dataset):
 
     def _info(self, i: int) -> dict:
         row = self.info[i]
-        return {"file": int(row["file"]), "start": float(row["start"]), "frames": int(row["frames"])}
+        return {
+            "file": int(row["file"]),
+            "start": float(row["start"]),
+            "frames": int(row["frames"]),
+        }
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict]:
         i = resolve_index(index, len(self), f"the {len(self)} items in {self.path}")
@@ -164,7 +214,9 @@ class SpectrogramCache(Dataset):
         if self.header["layout"] != "fixed":
             return [self[i] for i in indices]
         idx = resolve_indices(indices, len(self), f"the {len(self)} items in {self.path}")
-        for i in self.checks.pending(idx).tolist():  # each item's first read in this process, by default
+        for i in self.checks.pending(
+            idx
+        ).tolist():  # each item's first read in this process, by default
             self.checks.check(i, self.features[i])
         order = np.argsort(idx, kind="stable")
         gathered = np.empty((len(idx), self.n_mels, int(self.lengths[0])), np.float32)
@@ -173,8 +225,10 @@ class SpectrogramCache(Dataset):
         return [(batch[k], self._info(int(i))) for k, i in enumerate(idx)]
 
     def __repr__(self) -> str:
-        return (f"SpectrogramCache({str(self.path)!r}, n={len(self)}, n_mels={self.n_mels}, "
-                f"layout={self.header['layout']}, dtype={self.header['dtype']})")
+        return (
+            f"SpectrogramCache({str(self.path)!r}, n={len(self)}, n_mels={self.n_mels}, "
+            f"layout={self.header['layout']}, dtype={self.header['dtype']})"
+        )
 
 
 def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, log: bool):
@@ -182,8 +236,9 @@ def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, lo
     then `log(mel + 1e-6)` when `log`."""
     import torchaudio
 
-    mel = torchaudio.transforms.MelSpectrogram(sample_rate=sample_rate, n_fft=n_fft, hop_length=hop_length,
-                                               n_mels=n_mels)
+    mel = torchaudio.transforms.MelSpectrogram(
+        sample_rate=sample_rate, n_fft=n_fft, hop_length=hop_length, n_mels=n_mels
+    )
 
     def features(wave: torch.Tensor) -> torch.Tensor:
         spec = mel(wave.mean(dim=0))
@@ -193,28 +248,43 @@ def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, lo
 
 
 def cache_fingerprint(dataset, settings: dict) -> str:
-    digest = hashlib.sha256(json.dumps({"format": FORMAT, "version": FORMAT_VERSION, **settings},
-                                       sort_keys=True).encode())
+    digest = hashlib.sha256(
+        json.dumps(
+            {"format": FORMAT, "version": FORMAT_VERSION, **settings}, sort_keys=True
+        ).encode()
+    )
     if isinstance(dataset, ShardUtterances):  # the shards' index: no shard is read
         digest.update(f"\nshards\0{dataset.content_hash()}".encode())
         return digest.hexdigest()
     for path in dataset.files:
         st = os.stat(path)
-        digest.update(f"\n{path}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogateescape"))
+        digest.update(
+            f"\n{path}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogateescape")
+        )
     return digest.hexdigest()
 
 
 def _settings(dataset, n_fft, hop_length, n_mels, log, dtype) -> dict:
     import torchaudio
 
-    return {"chunk_seconds": dataset.chunk_seconds, "hop_seconds": dataset.hop_seconds,
-            "last_chunk": dataset.last_chunk, "sample_rate": dataset.sample_rate, "mono": dataset.mono,
-            "n_fft": n_fft, "hop_length": hop_length, "n_mels": n_mels, "log": log, "dtype": dtype,
-            "torchaudio": torchaudio.__version__}
+    return {
+        "chunk_seconds": dataset.chunk_seconds,
+        "hop_seconds": dataset.hop_seconds,
+        "last_chunk": dataset.last_chunk,
+        "sample_rate": dataset.sample_rate,
+        "mono": dataset.mono,
+        "n_fft": n_fft,
+        "hop_length": hop_length,
+        "n_mels": n_mels,
+        "log": log,
+        "dtype": dtype,
+        "torchaudio": torchaudio.__version__,
+    }
 
 
 class _Features:
-    """Items `(index, [n_mels, F] features, valid feature frames, info)` of `block`, for the build."""
+    """Items `(index, [n_mels, F] features, valid feature frames, info)` of `block`, for the
+    build."""
 
     def __init__(self, dataset, settings, block: range):
         self.dataset, self.settings, self.block = dataset, settings, block
@@ -227,8 +297,13 @@ class _Features:
         index = self.block[position]
         if self._features is None:
             s = self.settings
-            self._features = featurizer(s["sample_rate"], n_fft=s["n_fft"], hop_length=s["hop_length"],
-                                        n_mels=s["n_mels"], log=s["log"])
+            self._features = featurizer(
+                s["sample_rate"],
+                n_fft=s["n_fft"],
+                hop_length=s["hop_length"],
+                n_mels=s["n_mels"],
+                log=s["log"],
+            )
         wave, info = self.dataset[index]
         feats = self._features(wave)
         valid = min(feats.shape[-1], 1 + info["frames"] // self.settings["hop_length"])
@@ -239,10 +314,19 @@ def _identity(batch):
     return batch
 
 
-def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | ShardSet,
-                            cache_dir: str | os.PathLike, *, n_fft: int = 400, hop_length: int = 160, n_mels: int = 80, log: bool = True, dtype: str = "float16",
-                            num_workers: int | None = None, progress: bool = True,
-                            distributed: bool | None = None) -> SpectrogramCache:
+def build_spectrogram_cache(
+    dataset: ChunkedAudioDataset | ShardUtterances | ShardSet,
+    cache_dir: str | os.PathLike,
+    *,
+    n_fft: int = 400,
+    hop_length: int = 160,
+    n_mels: int = 80,
+    log: bool = True,
+    dtype: str = "float16",
+    num_workers: int | None = None,
+    progress: bool = True,
+    distributed: bool | None = None,
+) -> SpectrogramCache:
     """Computes (log-)mel features of every item of a `ChunkedAudioDataset` once.
 
     Features are computed in DataLoader workers with a tqdm bar, into a temp folder renamed
@@ -281,9 +365,11 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | Sha
     if isinstance(dataset, ShardSet):
         dataset = ShardUtterances(dataset)
     if not isinstance(dataset, (ChunkedAudioDataset, ShardUtterances)):
-        raise TypeError(f"`dataset` must be a ChunkedAudioDataset, a ShardSet or ShardUtterances, but is "
-                        f"{type(dataset).__name__} instead (for a folder of files: ChunkedAudioDataset(folder); "
-                        "of shards: ShardSet.open(folder)).")
+        raise TypeError(
+            "`dataset` must be a ChunkedAudioDataset, a ShardSet or ShardUtterances, but is "
+            f"{type(dataset).__name__} instead (for a folder of files: "
+            "ChunkedAudioDataset(folder); of shards: ShardSet.open(folder))."
+        )
     if dtype not in ("float16", "float32"):
         raise ValueError(f"`dtype` must be 'float16' or 'float32', but is {dtype!r} instead.")
     for name, value in (("n_fft", n_fft), ("hop_length", hop_length), ("n_mels", n_mels)):
@@ -293,17 +379,34 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | Sha
     fingerprint = cache_fingerprint(dataset, settings)
     target = Path(cache_dir)
     build = FolderBuild(target, distributed=distributed, inputs=fingerprint)
-    if build.needed(lambda: SpectrogramCache.open(target, fingerprint=fingerprint), SpectrogramCacheError):
+    if build.needed(
+        lambda: SpectrogramCache.open(target, fingerprint=fingerprint), SpectrogramCacheError
+    ):
         block = build.block(len(dataset))
-        loader = build_loader(_Features(dataset, settings, block), num_workers=num_workers, batch_size=8,
-                              collate_fn=_identity)
+        loader = build_loader(
+            _Features(dataset, settings, block),
+            num_workers=num_workers,
+            batch_size=8,
+            collate_fn=_identity,
+        )
         lengths, info = np.zeros(len(block), np.int64), np.zeros(len(block), _INFO)
-        with build, open(build.part("features.bin"), "wb") as out, \
-                tqdm(total=len(dataset), disable=not progress or build.rank != 0, desc="computing features",
-                     unit="item") as bar:
+        with (
+            build,
+            open(build.part("features.bin"), "wb") as out,
+            tqdm(
+                total=len(dataset),
+                disable=not progress or build.rank != 0,
+                desc="computing features",
+                unit="item",
+            ) as bar,
+        ):
             for batch in loader:  # in index order
                 for index, feats, valid, item_info in batch:
-                    out.write(np.ascontiguousarray(feats, dtype=np.dtype(dtype).newbyteorder("<")).tobytes())
+                    out.write(
+                        np.ascontiguousarray(
+                            feats, dtype=np.dtype(dtype).newbyteorder("<")
+                        ).tobytes()
+                    )
                     lengths[index - block.start] = feats.shape[-1]
                     info[index - block.start] = (item_info["file"], item_info["start"], valid)
                 bar.update(len(batch) * build.world)
@@ -321,10 +424,24 @@ def build_spectrogram_cache(dataset: ChunkedAudioDataset | ShardUtterances | Sha
                 write_synced(build.path / "offsets.bin", offsets.tobytes())
                 layout = "fixed" if len(np.unique(all_lengths)) <= 1 else "ragged"
                 checksum = algorithm()
-                write_item_sums(build.path, "features.bin", offsets * n_mels * np.dtype(dtype).itemsize, checksum)
-                header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
-                          "count": len(dataset), "total_frames": int(offsets[-1]), "layout": layout, **settings,
-                          "checksum": checksum, "file_checksums": file_checksums(
-                              build.path, ("offsets.bin", "info.bin", "checksums.bin"), checksum)}
+                write_item_sums(
+                    build.path,
+                    "features.bin",
+                    offsets * n_mels * np.dtype(dtype).itemsize,
+                    checksum,
+                )
+                header = {
+                    "format": FORMAT,
+                    "version": FORMAT_VERSION,
+                    "fingerprint": fingerprint,
+                    "count": len(dataset),
+                    "total_frames": int(offsets[-1]),
+                    "layout": layout,
+                    **settings,
+                    "checksum": checksum,
+                    "file_checksums": file_checksums(
+                        build.path, ("offsets.bin", "info.bin", "checksums.bin"), checksum
+                    ),
+                }
             build.publish(header)
     return SpectrogramCache.open(target, fingerprint=fingerprint)

@@ -44,14 +44,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--audio", type=Path, help="a folder of audio files (searched recursively)")
     parser.add_argument("--cache", type=Path, help="the spectrogram cache's folder")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/audio"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/audio"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--max-frames", type=int, default=64 * 401, help="padded frames per batch per rank")
+    parser.add_argument(
+        "--max-frames", type=int, default=64 * 401, help="padded frames per batch per rank"
+    )
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
-    parser.add_argument("--log-samples", action="store_true", help="log the (file, start) of every window")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true", help="log the (file, start) of every window"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_frames, args.checkpoint_every = 2, 4 * 101, 1
@@ -87,10 +97,18 @@ def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
     widths = (4, 8) if smoke else (64, 128, 256)
     layers, channels = [], 1
     for width in widths:
-        layers += [torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+        layers += [
+            torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
+            torch.nn.BatchNorm2d(width),
+            torch.nn.ReLU(),
+        ]
         channels = width
-    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                               torch.nn.Linear(channels, CLASSES))
+    return torch.nn.Sequential(
+        *layers,
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(channels, CLASSES),
+    )
 
 
 def prepare_data(args, rank: int, world: int):
@@ -104,9 +122,13 @@ def prepare_data(args, rank: int, world: int):
             make_audio_files(args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0)
             (args.audio / ".complete").touch()
     barrier(world)
-    windows = ChunkedAudioDataset(args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep")
+    windows = ChunkedAudioDataset(
+        args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep"
+    )
     n_mels = 40 if args.smoke else 80
-    return build_spectrogram_cache(windows, args.cache, n_mels=n_mels, distributed=world > 1), n_mels
+    return build_spectrogram_cache(
+        windows, args.cache, n_mels=n_mels, distributed=world > 1
+    ), n_mels
 
 
 def save_checkpoint(path: Path, **state) -> None:
@@ -142,7 +164,9 @@ def main(argv=None) -> None:
             loader_state = None
         start, loss = time.perf_counter(), None
         for batch in loader:
-            mels = batch["inputs"].to(device, non_blocking=True).float().unsqueeze(1)  # [B, 1, n_mels, T]
+            mels = (
+                batch["inputs"].to(device, non_blocking=True).float().unsqueeze(1)
+            )  # [B, 1, n_mels, T]
             targets = label_of(batch).to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = torch.nn.functional.cross_entropy(ddp(mels), targets)
@@ -151,22 +175,46 @@ def main(argv=None) -> None:
             optimizer.step()
             step += 1
             if log is not None:
-                log.write(" ".join(f"{f}:{s:.3f}" for f, s in zip(batch["file"].tolist(), batch["start"].tolist(),
-                                                                  strict=True)) + "\n")
+                log.write(
+                    " ".join(
+                        f"{f}:{s:.3f}"
+                        for f, s in zip(
+                            batch["file"].tolist(), batch["start"].tolist(), strict=True
+                        )
+                    )
+                    + "\n"
+                )
                 log.flush()
             if step % args.checkpoint_every == 0 and rank == 0:
-                save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                                epoch=epoch, step=step, loader=loader.loader.state_dict())
+                save_checkpoint(
+                    checkpoint,
+                    model=model.state_dict(),
+                    optimizer=optimizer.state_dict(),
+                    epoch=epoch,
+                    step=step,
+                    loader=loader.loader.state_dict(),
+                )
             if args.stop_after is not None and step >= args.stop_after:
                 barrier(world)
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                  f"data wait {summary['wait_fraction']:.0%}", flush=True)
-            save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                            epoch=epoch + 1, step=step, loader=None)
+            loss_text = (
+                "-" if loss is None else f"{loss.item():.3f}"
+            )  # a resume at the epoch's end: no batch left
+            print(
+                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
+                f"data wait {summary['wait_fraction']:.0%}",
+                flush=True,
+            )
+            save_checkpoint(
+                checkpoint,
+                model=model.state_dict(),
+                optimizer=optimizer.state_dict(),
+                epoch=epoch + 1,
+                step=step,
+                loader=None,
+            )
     if rank == 0:
         print(loader.report())
     if world > 1:

@@ -1,4 +1,5 @@
-"""Audio classification training with the recipes under Hugging Face Accelerate: a script to copy and adapt.
+"""Audio classification training with the recipes under Hugging Face Accelerate: a script to copy
+and adapt.
 
     recipes template audio --framework accelerate > train.py
     accelerate launch train.py --audio /data/recordings --cache /nvme/mels
@@ -56,14 +57,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--audio", type=Path, help="a folder of audio files (searched recursively)")
     parser.add_argument("--cache", type=Path, help="the spectrogram cache's folder")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/audio"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/audio"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--max-frames", type=int, default=64 * 401, help="padded frames per batch per rank")
+    parser.add_argument(
+        "--max-frames", type=int, default=64 * 401, help="padded frames per batch per rank"
+    )
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
-    parser.add_argument("--log-samples", action="store_true", help="log the (file, start) of every window")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true", help="log the (file, start) of every window"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_frames, args.checkpoint_every = 2, 4 * 101, 1
@@ -82,10 +93,18 @@ def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
     widths = (4, 8) if smoke else (64, 128, 256)
     layers, channels = [], 1
     for width in widths:
-        layers += [torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+        layers += [
+            torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
+            torch.nn.BatchNorm2d(width),
+            torch.nn.ReLU(),
+        ]
         channels = width
-    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                               torch.nn.Linear(channels, CLASSES))
+    return torch.nn.Sequential(
+        *layers,
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(channels, CLASSES),
+    )
 
 
 def prepare_data(args, accelerator):
@@ -99,9 +118,13 @@ def prepare_data(args, accelerator):
             make_audio_files(args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0)
             (args.audio / ".complete").touch()
     accelerator.wait_for_everyone()
-    windows = ChunkedAudioDataset(args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep")
+    windows = ChunkedAudioDataset(
+        args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep"
+    )
     n_mels = 40 if args.smoke else 80
-    return build_spectrogram_cache(windows, args.cache, n_mels=n_mels, distributed=accelerator.num_processes > 1), n_mels
+    return build_spectrogram_cache(
+        windows, args.cache, n_mels=n_mels, distributed=accelerator.num_processes > 1
+    ), n_mels
 
 
 class Progress:
@@ -138,14 +161,18 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")  # cpu: gloo across processes
+    accelerator = Accelerator(
+        cpu=not cuda, mixed_precision="bf16" if cuda else "no"
+    )  # cpu: gloo across processes
     rank, world = accelerator.process_index, accelerator.num_processes
     args.workdir.mkdir(parents=True, exist_ok=True)
     cache, n_mels = prepare_data(args, accelerator)
     # built after the Accelerator: it reads the ranks from torch.distributed
     sampler = LengthBucketSampler(cache.lengths, max_tokens=args.max_frames, seed=0)
-    loader = prepare_loader(accelerator, LoaderMonitor(make_loader(cache, batch_sampler=sampler,
-                                                                   collate_fn=pad_collate)))  # batches on the device
+    loader = prepare_loader(
+        accelerator,
+        LoaderMonitor(make_loader(cache, batch_sampler=sampler, collate_fn=pad_collate)),
+    )  # batches on the device
     model = build_model(n_mels, args.smoke)
     if world > 1 and cuda:  # batch statistics over every rank's windows
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -157,7 +184,9 @@ def main(argv=None) -> None:
     if checkpoint is not None:  # resume: model, optimiser, random states, and the loader's place
         accelerator.load_state(str(checkpoint))
     log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
-    for epoch in range(loader.epoch, args.epochs):  # the loader's state says which epoch to continue
+    for epoch in range(
+        loader.epoch, args.epochs
+    ):  # the loader's state says which epoch to continue
         loader.set_epoch(epoch)
         start, loss = time.perf_counter(), None
         for batch in loader:
@@ -169,8 +198,15 @@ def main(argv=None) -> None:
             optimizer.step()
             progress.step += 1
             if log is not None:
-                log.write(" ".join(f"{f}:{s:.3f}" for f, s in zip(batch["file"].tolist(), batch["start"].tolist(),
-                                                                  strict=True)) + "\n")
+                log.write(
+                    " ".join(
+                        f"{f}:{s:.3f}"
+                        for f, s in zip(
+                            batch["file"].tolist(), batch["start"].tolist(), strict=True
+                        )
+                    )
+                    + "\n"
+                )
                 log.flush()
             if progress.step % args.checkpoint_every == 0:
                 save_checkpoint(accelerator, args.workdir, progress.step)
@@ -181,9 +217,14 @@ def main(argv=None) -> None:
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
             summary = loader.summary()
-            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                  f"data wait {summary['wait_fraction']:.0%}", flush=True)
+            loss_text = (
+                "-" if loss is None else f"{loss.item():.3f}"
+            )  # a resume at the epoch's end: no batch left
+            print(
+                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
+                f"data wait {summary['wait_fraction']:.0%}",
+                flush=True,
+            )
     if accelerator.is_main_process:
         print(loader.report())
     accelerator.wait_for_everyone()

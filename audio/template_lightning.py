@@ -1,4 +1,5 @@
-"""Audio classification training with Lightning and the recipes: a complete script to copy and adapt.
+"""Audio classification training with Lightning and the recipes: a complete script to copy and
+adapt.
 
     recipes template audio --framework lightning > train.py
     python train.py --audio /data/recordings --cache /nvme/mels
@@ -50,14 +51,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--audio", type=Path, help="a folder of audio files (searched recursively)")
     parser.add_argument("--cache", type=Path, help="the spectrogram cache's folder")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/audio"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/audio"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--max-frames", type=int, default=64 * 401, help="padded frames per batch per rank")
+    parser.add_argument(
+        "--max-frames", type=int, default=64 * 401, help="padded frames per batch per rank"
+    )
     parser.add_argument("--lr", type=float, default=0.01, help="OneCycleLR's peak")
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
-    parser.add_argument("--log-samples", action="store_true", help="log the (file, start) of every window")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true", help="log the (file, start) of every window"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_frames, args.checkpoint_every = 2, 4 * 101, 1
@@ -76,14 +87,23 @@ def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
     widths = (4, 8) if smoke else (64, 128, 256)
     layers, channels = [], 1
     for width in widths:
-        layers += [torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.BatchNorm2d(width), torch.nn.ReLU()]
+        layers += [
+            torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
+            torch.nn.BatchNorm2d(width),
+            torch.nn.ReLU(),
+        ]
         channels = width
-    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                               torch.nn.Linear(channels, CLASSES))
+    return torch.nn.Sequential(
+        *layers,
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(channels, CLASSES),
+    )
 
 
 class Recordings(LoaderDataModule):
-    """The spectrogram cache of chunked windows (features computed by every rank's share) and the loader."""
+    """The spectrogram cache of chunked windows (features computed by every rank's share) and the
+    loader."""
 
     def __init__(self, args):
         super().__init__()
@@ -93,15 +113,20 @@ class Recordings(LoaderDataModule):
         if self.args.smoke and not (self.args.audio / ".complete").exists():
             from recipes.testing import make_audio_files
 
-            make_audio_files(self.args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0)
+            make_audio_files(
+                self.args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0
+            )
             (self.args.audio / ".complete").touch()
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         chunk = 1.0 if self.args.smoke else CHUNK_SECONDS
-        windows = ChunkedAudioDataset(self.args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep")
-        self.dataset = build_spectrogram_cache(windows, self.args.cache, n_mels=self.n_mels,
-                                               distributed=self.trainer.world_size > 1)
+        windows = ChunkedAudioDataset(
+            self.args.audio, chunk_seconds=chunk, sample_rate=SAMPLE_RATE, last_chunk="keep"
+        )
+        self.dataset = build_spectrogram_cache(
+            windows, self.args.cache, n_mels=self.n_mels, distributed=self.trainer.world_size > 1
+        )
 
     def train_loader(self):
         # the ranks come from torch.distributed: each rank gets its share of the bucketed batches
@@ -116,7 +141,9 @@ class Classifier(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.model = build_model(self.trainer.datamodule.n_mels, self.args.smoke)
-        if self.trainer.world_size > 1 and self.device.type == "cuda":  # batch statistics over every rank's windows
+        if (
+            self.trainer.world_size > 1 and self.device.type == "cuda"
+        ):  # batch statistics over every rank's windows
             self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
         if self.args.log_samples:
             self.log_file = open(self.args.workdir / f"samples-rank{self.global_rank}.txt", "a")  # noqa: SIM115
@@ -132,12 +159,19 @@ class Classifier(pl.LightningModule):
         loss = torch.nn.functional.cross_entropy(self.model(mels), label_of(batch))
         self.loss = loss.detach()
         if self.log_file is not None:
-            self.log_file.write(" ".join(f"{f}:{s:.3f}" for f, s in zip(batch["file"].tolist(), batch["start"].tolist(),
-                                                                       strict=True)) + "\n")
+            self.log_file.write(
+                " ".join(
+                    f"{f}:{s:.3f}"
+                    for f, s in zip(batch["file"].tolist(), batch["start"].tolist(), strict=True)
+                )
+                + "\n"
+            )
             self.log_file.flush()
         return loss
 
-    def on_train_batch_end(self, outputs, batch, index) -> None:  # after the checkpoint callback saved
+    def on_train_batch_end(
+        self, outputs, batch, index
+    ) -> None:  # after the checkpoint callback saved
         if self.args.stop_after is not None and self.trainer.global_step >= self.args.stop_after:
             self.trainer.strategy.barrier("stop")
             os._exit(0)  # a simulated crash: no clean-up, as a killed job
@@ -145,13 +179,19 @@ class Classifier(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         if self.global_rank == 0:  # a resume at an epoch's end has no batch left: no loss
             loss = "-" if self.loss is None else f"{self.loss.item():.3f}"
-            print(f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss {loss}", flush=True)
+            print(
+                f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss "
+                f"{loss}",
+                flush=True,
+            )
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.args.lr, momentum=0.9)
         # ADAPT: the schedule; reading estimated_stepping_batches sets the training loader up now
         steps = self.trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.args.lr, total_steps=int(steps))
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.args.lr, total_steps=int(steps)
+        )
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
@@ -161,20 +201,39 @@ def main(argv=None) -> None:
         args.audio, args.cache = args.workdir / "audio", args.workdir / "mels"
     args.workdir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this node (Lightning joins them)
+    devices = int(
+        os.environ.get("LOCAL_WORLD_SIZE", 1)
+    )  # torchrun's processes on this node (Lightning joins them)
     nodes = int(os.environ.get("WORLD_SIZE", 1)) // devices
-    checkpoints = ModelCheckpoint(dirpath=args.workdir / "checkpoints", filename="checkpoint",
-                                  every_n_train_steps=args.checkpoint_every, enable_version_counter=False)
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="auto", devices=devices, num_nodes=nodes,
-                         strategy="ddp" if devices * nodes > 1 else "auto", callbacks=[checkpoints],
-                         use_distributed_sampler=False,  # LengthBucketSampler splits the batches over the ranks
-                         precision="bf16-mixed" if torch.cuda.is_available() else "32-true",
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=args.workdir / "checkpoints",
+        filename="checkpoint",
+        every_n_train_steps=args.checkpoint_every,
+        enable_version_counter=False,
+    )
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="auto",
+        devices=devices,
+        num_nodes=nodes,
+        strategy="ddp" if devices * nodes > 1 else "auto",
+        callbacks=[checkpoints],
+        use_distributed_sampler=False,  # LengthBucketSampler splits the batches over the ranks
+        precision="bf16-mixed" if torch.cuda.is_available() else "32-true",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     resume = args.workdir / "checkpoints" / "checkpoint.ckpt"
     started = time.perf_counter()
-    trainer.fit(Classifier(args), datamodule=Recordings(args), ckpt_path=resume if resume.exists() else None)
+    trainer.fit(
+        Classifier(args), datamodule=Recordings(args), ckpt_path=resume if resume.exists() else None
+    )
     if trainer.global_rank == 0:
-        print(f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s", flush=True)
+        print(
+            f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

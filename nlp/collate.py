@@ -32,12 +32,23 @@ class PadCollate:
         label_pad_id: the label on padding (-100 is ignored by `cross_entropy`).
     """
 
-    def __init__(self, pad_id: int, *, pad_to_multiple_of: int = 8, padding_side: str = "right",
-                 return_labels: bool = False, label_pad_id: int = -100):
+    def __init__(
+        self,
+        pad_id: int,
+        *,
+        pad_to_multiple_of: int = 8,
+        padding_side: str = "right",
+        return_labels: bool = False,
+        label_pad_id: int = -100,
+    ):
         if pad_to_multiple_of <= 0:
-            raise ValueError(f"`pad_to_multiple_of` must be positive, but is {pad_to_multiple_of!r} instead.")
+            raise ValueError(
+                f"`pad_to_multiple_of` must be positive, but is {pad_to_multiple_of!r} instead."
+            )
         if padding_side not in ("right", "left"):
-            raise ValueError(f"`padding_side` must be 'right' or 'left', but is {padding_side!r} instead.")
+            raise ValueError(
+                f"`padding_side` must be 'right' or 'left', but is {padding_side!r} instead."
+            )
         self.pad_id = int(pad_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.padding_side = padding_side
@@ -82,10 +93,15 @@ class PadCollate:
             try:
                 ids = torch.as_tensor(ids, dtype=torch.int64)
             except (TypeError, ValueError):
-                raise TypeError(f"PadCollate: item {position} has input_ids of type "
-                                f"{type(ids).__name__}; expected a 1-D sequence of ints.") from None
+                raise TypeError(
+                    f"PadCollate: item {position} has input_ids of type "
+                    f"{type(ids).__name__}; expected a 1-D sequence of ints."
+                ) from None
         if ids.dim() != 1:
-            raise TypeError(f"PadCollate: item {position} has input_ids of shape {tuple(ids.shape)}; expected 1-D.")
+            raise TypeError(
+                f"PadCollate: item {position} has input_ids of shape {tuple(ids.shape)}; expected "
+                "1-D."
+            )
         return ids.long()
 
 

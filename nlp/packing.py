@@ -104,9 +104,20 @@ class PackedBatchSampler(LengthBucketSampler):
         drop_last: bool = False,
         max_docs_per_row: int | None = None,
     ):
-        super().__init__(lengths, batch_size=batch_size, shuffle=shuffle, seed=seed, num_replicas=num_replicas,
-                         rank=rank, drop_last=drop_last)
-        for name, value in (("seq_len", seq_len), ("window", window), ("max_docs_per_row", max_docs_per_row)):
+        super().__init__(
+            lengths,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            num_replicas=num_replicas,
+            rank=rank,
+            drop_last=drop_last,
+        )
+        for name, value in (
+            ("seq_len", seq_len),
+            ("window", window),
+            ("max_docs_per_row", max_docs_per_row),
+        ):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive int, but is {value!r} instead.")
         self.seq_len = seq_len
@@ -116,9 +127,10 @@ class PackedBatchSampler(LengthBucketSampler):
         long = np.flatnonzero(self.lengths > seq_len)
         if len(long) and not split_long:
             raise ValueError(
-                f"{len(long)} documents are longer than seq_len={seq_len} (document {int(long[0])} has "
-                f"{int(self.lengths[long[0]])} tokens); pass split_long=True to cut them into seq_len-sized pieces, "
-                "raise seq_len, or truncate at tokenization (max_length).")
+                f"{len(long)} documents are longer than seq_len={seq_len} (document {int(long[0])} "
+                f"has {int(self.lengths[long[0]])} tokens); pass split_long=True to cut them into "
+                "seq_len-sized pieces, raise seq_len, or truncate at tokenization (max_length)."
+            )
         empty = np.flatnonzero(self.lengths == 0)
         docs = np.flatnonzero(self.lengths > 0)
         # pieces: (document, first token, length); a document of L tokens gives ceil(L / T) pieces
@@ -152,25 +164,43 @@ class PackedBatchSampler(LengthBucketSampler):
         if not self.num_pieces:
             return []
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(self.num_pieces, generator=g).numpy() if self.shuffle else np.arange(self.num_pieces)
+        order = (
+            torch.randperm(self.num_pieces, generator=g).numpy()
+            if self.shuffle
+            else np.arange(self.num_pieces)
+        )
         tokens = np.cumsum(self.piece_len[order])
-        cuts = np.searchsorted(tokens, np.arange(1, tokens[-1] // (self.window * self.seq_len) + 1)
-                               * self.window * self.seq_len, side="right")
+        cuts = np.searchsorted(
+            tokens,
+            np.arange(1, tokens[-1] // (self.window * self.seq_len) + 1)
+            * self.window
+            * self.seq_len,
+            side="right",
+        )
         rows: list[np.ndarray] = []
         for chunk in np.split(order, cuts):
             if len(chunk):
-                rows.extend(_best_fit_decreasing(chunk, self.piece_len, self.seq_len, self.max_docs_per_row))
+                rows.extend(
+                    _best_fit_decreasing(chunk, self.piece_len, self.seq_len, self.max_docs_per_row)
+                )
         if self.shuffle and rows:
             rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]
         return rows
 
     def plan_settings(self) -> dict:
         """Every setting that shapes the epoch's rows and batches (checked on resume)."""
-        return {**super().plan_settings(), "seq_len": self.seq_len, "window": self.window,
-                "split_long": self.split_long, "max_docs_per_row": self.max_docs_per_row}
+        return {
+            **super().plan_settings(),
+            "seq_len": self.seq_len,
+            "window": self.window,
+            "split_long": self.split_long,
+            "max_docs_per_row": self.max_docs_per_row,
+        }
 
 
-def _best_fit_decreasing(pieces: np.ndarray, lengths: np.ndarray, capacity: int, max_docs: int) -> list[np.ndarray]:
+def _best_fit_decreasing(
+    pieces: np.ndarray, lengths: np.ndarray, capacity: int, max_docs: int
+) -> list[np.ndarray]:
     """Rows of `pieces`: longest first, each into the fullest row it still fits (free space
     kept sorted, so each placement is a bisection)."""
     pieces = pieces[np.argsort(-lengths[pieces], kind="stable")]
@@ -200,11 +230,19 @@ class PackedTokens(Dataset):
     recommended_profile = "text"  # make_loader: no pinned memory for small int batches
 
     def __init__(self, cache, sampler: PackedBatchSampler):
-        if len(sampler.lengths) != len(cache) or not np.array_equal(sampler.lengths, np.asarray(cache.lengths)):
-            raise ValueError("PackedTokens: the sampler was built from other lengths than this cache's "
-                             "(pass cache.lengths to PackedBatchSampler).")
+        if len(sampler.lengths) != len(cache) or not np.array_equal(
+            sampler.lengths, np.asarray(cache.lengths)
+        ):
+            raise ValueError(
+                "PackedTokens: the sampler was built from other lengths than this cache's "
+                "(pass cache.lengths to PackedBatchSampler)."
+            )
         self.cache = cache
-        self.piece_doc, self.piece_start, self.piece_len = sampler.piece_doc, sampler.piece_start, sampler.piece_len
+        self.piece_doc, self.piece_start, self.piece_len = (
+            sampler.piece_doc,
+            sampler.piece_start,
+            sampler.piece_len,
+        )
         self.offsets = np.asarray(cache.offsets)
 
     def __len__(self) -> int:
@@ -217,15 +255,19 @@ class PackedTokens(Dataset):
         keys = np.asarray(keys, dtype=np.int64)
         p = len(self.piece_len)
         if keys.size and keys.min() < 0:
-            raise IndexError(f"PackedTokens: negative key {int(keys.min())}; use the PackedBatchSampler's batches "
-                             "(keys are row * num_pieces + piece).")
+            raise IndexError(
+                f"PackedTokens: negative key {int(keys.min())}; use the PackedBatchSampler's "
+                "batches (keys are row * num_pieces + piece)."
+            )
         rows, pieces = np.divmod(keys, p)
         starts = self.offsets[self.piece_doc[pieces]] + self.piece_start[pieces]
         lengths = self.piece_len[pieces]
         shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
         flat = self.cache._map()[shift + np.arange(int(lengths.sum()))].astype(np.int64)
         parts = torch.from_numpy(flat).split(lengths.tolist())
-        return [{"input_ids": ids, "row": int(r)} for ids, r in zip(parts, rows.tolist(), strict=True)]
+        return [
+            {"input_ids": ids, "row": int(r)} for ids, r in zip(parts, rows.tolist(), strict=True)
+        ]
 
 
 class PackCollate:
@@ -242,8 +284,14 @@ class PackCollate:
         ValueError: a row over T tokens or D documents, or a row index over B.
     """
 
-    def __init__(self, seq_len: int, batch_size: int, *, pad_id: int = 0, max_docs_per_row: int | None = None):
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_docs_per_row", max_docs_per_row)):
+    def __init__(
+        self, seq_len: int, batch_size: int, *, pad_id: int = 0, max_docs_per_row: int | None = None
+    ):
+        for name, value in (
+            ("seq_len", seq_len),
+            ("batch_size", batch_size),
+            ("max_docs_per_row", max_docs_per_row),
+        ):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive int, but is {value!r} instead.")
         self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, int(pad_id)
@@ -254,19 +302,30 @@ class PackCollate:
         rows = np.fromiter((item["row"] for item in items), np.int64, len(items))
         lengths = np.fromiter((len(item["input_ids"]) for item in items), np.int64, len(items))
         if len(rows) and (np.diff(rows) < 0).any():
-            raise ValueError("PackCollate: items must come grouped by row, in row order (PackedBatchSampler's order).")
+            raise ValueError(
+                "PackCollate: items must come grouped by row, in row order (PackedBatchSampler's "
+                "order)."
+            )
         if len(rows) and rows[-1] >= b:
-            raise ValueError(f"PackCollate: row {int(rows[-1])} in a batch of {b} rows; batch_size must match the sampler's.")
+            raise ValueError(
+                f"PackCollate: row {int(rows[-1])} in a batch of {b} rows; batch_size must match "
+                "the sampler's."
+            )
         used = np.bincount(rows, weights=lengths, minlength=b).astype(np.int64)
         docs = np.bincount(rows, minlength=b)
         if (used > t).any() or (docs > d).any():
             row = int(np.flatnonzero((used > t) | (docs > d))[0])
-            raise ValueError(f"PackCollate: row {row} holds {int(used[row])} tokens in {int(docs[row])} documents, over "
-                             f"seq_len={t} or max_docs_per_row={d}; use the sampler's seq_len and max_docs_per_row.")
+            raise ValueError(
+                f"PackCollate: row {row} holds {int(used[row])} tokens in {int(docs[row])} "
+                f"documents, over seq_len={t} or max_docs_per_row={d}; use the sampler's seq_len "
+                "and max_docs_per_row."
+            )
         # where each item starts: its row, plus the tokens of the items before it in that row
         ends_in_row = np.cumsum(lengths) - np.repeat(np.cumsum(used) - used, docs)
         starts = rows * t + ends_in_row - lengths
-        rank = np.arange(len(rows)) - np.repeat(np.cumsum(docs) - docs, docs)  # item's place in its row
+        rank = np.arange(len(rows)) - np.repeat(
+            np.cumsum(docs) - docs, docs
+        )  # item's place in its row
 
         n_int32 = b * d + b * (d + 1) + 1
         buffer = _new_int64(3 * b * t + (n_int32 + 1) // 2 + 1)
@@ -284,7 +343,8 @@ class PackCollate:
         input_ids.fill_(self.pad_id)
         if len(items):
             flat_ids[dest] = torch.cat([item["input_ids"] for item in items])
-        # padding: one more "document" per row, positions 0, 1, ... (keeps every query attending to something)
+        # padding: one more "document" per row, positions 0, 1, ... (keeps every query attending to
+        # something)
         columns = torch.arange(t)
         position_ids.copy_(columns - torch.from_numpy(used)[:, None])
         flat_pos[dest] = torch.from_numpy(within)
@@ -299,15 +359,23 @@ class PackCollate:
         cu_seqlens[0] = 0
         cu_seqlens[1:].copy_(torch.from_numpy(np.cumsum(table.reshape(-1))))
         num_tokens[0] = int(used.sum())
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "seq_lens": seq_lens,
-                "cu_seqlens": cu_seqlens, "num_tokens": num_tokens}
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            "seq_lens": seq_lens,
+            "cu_seqlens": cu_seqlens,
+            "num_tokens": num_tokens,
+        }
 
 
 def document_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """bool `[B, 1, T, T]`, True where a query may attend a key: causal, and only within its
     document (documents start where `position_ids` is 0). For SDPA's `attn_mask`."""
     if position_ids.dim() != 2:
-        raise ValueError(f"`position_ids` must be [B, T], but has shape {tuple(position_ids.shape)}.")
+        raise ValueError(
+            f"`position_ids` must be [B, T], but has shape {tuple(position_ids.shape)}."
+        )
     doc = (position_ids == 0).cumsum(dim=1)
     t = position_ids.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
@@ -325,7 +393,9 @@ def document_block_mask(position_ids: torch.Tensor):
     try:
         from torch.nn.attention.flex_attention import create_block_mask
     except ImportError:
-        raise RuntimeError("FlexAttention needs torch >= 2.5; use document_attention_mask with SDPA.") from None
+        raise RuntimeError(
+            "FlexAttention needs torch >= 2.5; use document_attention_mask with SDPA."
+        ) from None
     doc = (position_ids == 0).cumsum(dim=1)
     b, t = position_ids.shape
 
@@ -335,10 +405,22 @@ def document_block_mask(position_ids: torch.Tensor):
     return create_block_mask(same_document_causal, b, None, t, t, device=position_ids.device)
 
 
-def packed_loader(cache, *, seq_len: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                  num_replicas: int | None = None, rank: int | None = None, split_long: bool = True,
-                  drop_last: bool = False, pad_id: int = 0, window: int = 256, max_docs_per_row: int | None = None,
-                  **make_loader_overrides):
+def packed_loader(
+    cache,
+    *,
+    seq_len: int,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    split_long: bool = True,
+    drop_last: bool = False,
+    pad_id: int = 0,
+    window: int = 256,
+    max_docs_per_row: int | None = None,
+    **make_loader_overrides,
+):
     """A DataLoader of packed `[batch_size, seq_len]` batches (this module's layout) over a
     `TokenCache`, through `make_loader` (the `text` profile: no pinned memory).
 
@@ -354,10 +436,25 @@ def packed_loader(cache, *, seq_len: int, batch_size: int, shuffle: bool = True,
     """
     from recipes.common.loading.loader import make_loader
 
-    sampler = PackedBatchSampler(cache.lengths, seq_len=seq_len, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                 window=window, num_replicas=num_replicas, rank=rank, split_long=split_long,
-                                 drop_last=drop_last, max_docs_per_row=max_docs_per_row)
-    collate = PackCollate(seq_len, batch_size, pad_id=pad_id, max_docs_per_row=sampler.max_docs_per_row)
-    return make_loader(PackedTokens(cache, sampler), batch_sampler=sampler, collate_fn=collate,
-                       **make_loader_overrides)
-
+    sampler = PackedBatchSampler(
+        cache.lengths,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        window=window,
+        num_replicas=num_replicas,
+        rank=rank,
+        split_long=split_long,
+        drop_last=drop_last,
+        max_docs_per_row=max_docs_per_row,
+    )
+    collate = PackCollate(
+        seq_len, batch_size, pad_id=pad_id, max_docs_per_row=sampler.max_docs_per_row
+    )
+    return make_loader(
+        PackedTokens(cache, sampler),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        **make_loader_overrides,
+    )

@@ -2,9 +2,10 @@
 
     recipes template nlp > train.py
     python train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache /nvme/tokens
-    torchrun --nproc_per_node=8 train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache /nvme/tokens
-    python train.py --smoke            # a generated corpus, a tokenizer trained on the fly, a tiny BERT
-    python train.py ... --mix code.jsonl --mix-weight 0.3   # two corpora at 0.7 / 0.3 (MixtureSampler)
+    torchrun --nproc_per_node=8 train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache
+    /nvme/tokens python train.py --smoke            # a generated corpus, a tokenizer trained on the
+    fly, a tiny BERT python train.py ... --mix code.jsonl --mix-weight 0.3   # two corpora at 0.7 /
+    0.3 (MixtureSampler)
 
 What to change for your data (lines marked ADAPT):
   - `build_model`: your network (a BERT masked LM from a `BertConfig`, no downloaded weights).
@@ -57,17 +58,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer folder")
     parser.add_argument("--cache", type=Path, help="the token cache's folder")
     parser.add_argument("--text-field", default="text")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/nlp"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/nlp"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32768, help="padded tokens per batch per rank")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32768, help="padded tokens per batch per rank"
+    )
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints")
-    parser.add_argument("--mix", nargs="?", const="", help="a second corpus, mixed in at --mix-weight (with --smoke: "
-                                                           "a generated one)")
-    parser.add_argument("--mix-weight", type=float, default=0.3, help="the second corpus's share (0-1)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=1000, help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--mix",
+        nargs="?",
+        const="",
+        help="a second corpus, mixed in at --mix-weight (with --smoke: a generated one)",
+    )
+    parser.add_argument(
+        "--mix-weight", type=float, default=0.3, help="the second corpus's share (0-1)"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
-    parser.add_argument("--log-samples", action="store_true", help="log a hash of every sample trained on")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true", help="log a hash of every sample trained on"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_tokens, args.checkpoint_every = 2, 1024, 1
@@ -101,9 +118,16 @@ def build_model(vocab_size: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     from transformers import BertConfig, BertForMaskedLM
 
-    size = (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64) if smoke else
-            dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048))
-    return BertForMaskedLM(BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size))
+    size = (
+        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        if smoke
+        else dict(
+            hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048
+        )
+    )
+    return BertForMaskedLM(
+        BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size)
+    )
 
 
 def prepare_data(args, rank: int, world: int):
@@ -111,8 +135,11 @@ def prepare_data(args, rank: int, world: int):
     from transformers import AutoTokenizer
 
     if args.smoke:
-        args.texts, args.tokenizer, args.cache = (str(args.workdir / "corpus.txt"), args.workdir / "tokenizer",
-                                                  args.workdir / "tokens")
+        args.texts, args.tokenizer, args.cache = (
+            str(args.workdir / "corpus.txt"),
+            args.workdir / "tokenizer",
+            args.workdir / "tokens",
+        )
         if rank == 0 and not args.tokenizer.exists():
             from recipes.testing import make_text_corpus, train_tokenizer
 
@@ -121,29 +148,52 @@ def prepare_data(args, rank: int, world: int):
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
             if args.mix is not None:  # a second, smaller corpus
                 second = make_text_corpus(60, seed=1)
-                (args.workdir / "mix.txt").write_text("\n".join(t.replace("\n", " ") for t in second) + "\n")
+                (args.workdir / "mix.txt").write_text(
+                    "\n".join(t.replace("\n", " ") for t in second) + "\n"
+                )
         if args.mix is not None:
             args.mix = str(args.workdir / "mix.txt")
     barrier(world)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
     # Every rank tokenizes its share of the batches; rank 0 joins them and publishes the cache.
-    cache = build_token_cache(args.texts, tokenizer, args.cache, max_length=MAX_LENGTH, text_field=args.text_field,
-                              distributed=world > 1)
+    cache = build_token_cache(
+        args.texts,
+        tokenizer,
+        args.cache,
+        max_length=MAX_LENGTH,
+        text_field=args.text_field,
+        distributed=world > 1,
+    )
     if args.mix is None:
         return tokenizer, cache, None
-    second = build_token_cache(args.mix, tokenizer, args.cache.with_name(args.cache.name + "-mix"),
-                               max_length=MAX_LENGTH, text_field=args.text_field, distributed=world > 1)
-    # one rank's view of the plan: LengthBucketSampler deals the mixed, bucketed batches over the ranks
-    mixture = MixtureSampler({"texts": len(cache), "mix": len(second)},
-                             {"texts": 1 - args.mix_weight, "mix": args.mix_weight},
-                             num_samples=len(cache) + len(second), stop="never", seed=0, num_replicas=1, rank=0)
+    second = build_token_cache(
+        args.mix,
+        tokenizer,
+        args.cache.with_name(args.cache.name + "-mix"),
+        max_length=MAX_LENGTH,
+        text_field=args.text_field,
+        distributed=world > 1,
+    )
+    # one rank's view of the plan: LengthBucketSampler deals the mixed, bucketed batches over the
+    # ranks
+    mixture = MixtureSampler(
+        {"texts": len(cache), "mix": len(second)},
+        {"texts": 1 - args.mix_weight, "mix": args.mix_weight},
+        num_samples=len(cache) + len(second),
+        stop="never",
+        seed=0,
+        num_replicas=1,
+        rank=0,
+    )
     return tokenizer, MixtureSources([cache, second]), mixture
 
 
 def mask_tokens(batch, mask_id: int, generator: torch.Generator):
     """BERT's masking: 15% of the real tokens become [MASK]; only those are predicted."""
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    chosen = (torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15) & attention.bool()
+    chosen = (
+        torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15
+    ) & attention.bool()
     labels = torch.where(chosen, ids, torch.full_like(ids, -100))
     return torch.where(chosen, torch.full_like(ids, mask_id), ids), attention, labels
 
@@ -159,9 +209,15 @@ def main(argv=None) -> None:
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, rank, world)
-    lengths = cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
-    sampler = LengthBucketSampler(lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture)
-    loader = LoaderMonitor(make_loader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id)))
+    lengths = (
+        cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
+    )
+    sampler = LengthBucketSampler(
+        lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture
+    )
+    loader = LoaderMonitor(
+        make_loader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id))
+    )
     model = build_model(len(tokenizer), args.smoke).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     checkpoint = args.workdir / "checkpoint.pt"
@@ -190,24 +246,52 @@ def main(argv=None) -> None:
             optimizer.step()
             step += 1
             if log is not None:  # one line per step: a hash of each sample's tokens
-                log.write(" ".join(hashlib.sha1(row[:n].cpu().numpy().tobytes()).hexdigest()[:16]
-                                   for row, n in zip(batch["input_ids"], batch["lengths"].tolist(), strict=True)) + "\n")
+                log.write(
+                    " ".join(
+                        hashlib.sha1(row[:n].cpu().numpy().tobytes()).hexdigest()[:16]
+                        for row, n in zip(
+                            batch["input_ids"], batch["lengths"].tolist(), strict=True
+                        )
+                    )
+                    + "\n"
+                )
                 log.flush()
             if step % args.checkpoint_every == 0 and rank == 0:
-                save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                                epoch=epoch, step=step, loader=loader.loader.state_dict())
+                save_checkpoint(
+                    checkpoint,
+                    model=model.state_dict(),
+                    optimizer=optimizer.state_dict(),
+                    epoch=epoch,
+                    step=step,
+                    loader=loader.loader.state_dict(),
+                )
             if args.stop_after is not None and step >= args.stop_after:
                 barrier(world)
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            shares = "" if not summary.get("sources") else ", " + ", ".join(
-                f"{name} {share:.0%}" for name, share in summary["sources"].items())
-            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                  f"data wait {summary['wait_fraction']:.0%}{shares}", flush=True)
-            save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                            epoch=epoch + 1, step=step, loader=None)
+            shares = (
+                ""
+                if not summary.get("sources")
+                else ", "
+                + ", ".join(f"{name} {share:.0%}" for name, share in summary["sources"].items())
+            )
+            loss_text = (
+                "-" if loss is None else f"{loss.item():.3f}"
+            )  # a resume at the epoch's end: no batch left
+            print(
+                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
+                f"data wait {summary['wait_fraction']:.0%}{shares}",
+                flush=True,
+            )
+            save_checkpoint(
+                checkpoint,
+                model=model.state_dict(),
+                optimizer=optimizer.state_dict(),
+                epoch=epoch + 1,
+                step=step,
+                loader=None,
+            )
     if rank == 0:
         print(loader.report())
     if world > 1:

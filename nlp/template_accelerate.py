@@ -1,11 +1,13 @@
-"""Masked-language-model training with the recipes under Hugging Face Accelerate: a script to copy and adapt.
+"""Masked-language-model training with the recipes under Hugging Face Accelerate: a script to copy
+and adapt.
 
     recipes template nlp --framework accelerate > train.py
     accelerate launch train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache /nvme/tokens
-    torchrun --nproc_per_node=8 train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache /nvme/tokens
-    python train.py --smoke            # a generated corpus, a tokenizer trained on the fly, a tiny BERT
-    torchrun --nproc_per_node=2 train.py --smoke     # 2 processes on CPU (gloo)
-    python train.py ... --mix code.jsonl --mix-weight 0.3   # two corpora at 0.7 / 0.3 (MixtureSampler)
+    torchrun --nproc_per_node=8 train.py --texts corpus.jsonl --tokenizer ./my_tokenizer --cache
+    /nvme/tokens python train.py --smoke            # a generated corpus, a tokenizer trained on the
+    fly, a tiny BERT torchrun --nproc_per_node=2 train.py --smoke     # 2 processes on CPU (gloo)
+    python train.py ... --mix code.jsonl --mix-weight 0.3   # two corpora at 0.7 / 0.3
+    (MixtureSampler)
 
 The plain template (`recipes template nlp`) with an `Accelerator` doing the distributed parts:
 the process group, DDP, mixed precision, `accelerator.backward`, batches moved to the device,
@@ -24,7 +26,8 @@ What to change for your data (lines marked ADAPT):
   - `--mix CORPUS --mix-weight W`: a second corpus drawn at weight W, mixed by
     `MixtureSampler` and then bucketed (see the plain template).
 What each setting buys (measured; README "Benchmarks"): as in the plain template:
-  - `build_token_cache`: tokenized once, read from a memory map (19-21x tokenizing in `__getitem__`).
+  - `build_token_cache`: tokenized once, read from a memory map (19-21x tokenizing in
+    `__getitem__`).
   - `LengthBucketSampler(max_tokens=...)`, built after the `Accelerator` so that it reads the
     ranks: 6.5% padding, the same number of batches on every rank; `set_epoch` reshuffles.
   - `PadCollate`, the `text` profile, `LoaderMonitor`.
@@ -64,17 +67,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", type=Path, help="a saved tokenizer folder")
     parser.add_argument("--cache", type=Path, help="the token cache's folder")
     parser.add_argument("--text-field", default="text")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/nlp"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/nlp"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32768, help="padded tokens per batch per rank")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32768, help="padded tokens per batch per rank"
+    )
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--checkpoint-every", type=int, default=1000, help="steps between checkpoints")
-    parser.add_argument("--mix", nargs="?", const="", help="a second corpus, mixed in at --mix-weight (with --smoke: "
-                                                           "a generated one)")
-    parser.add_argument("--mix-weight", type=float, default=0.3, help="the second corpus's share (0-1)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=1000, help="steps between checkpoints"
+    )
+    parser.add_argument(
+        "--mix",
+        nargs="?",
+        const="",
+        help="a second corpus, mixed in at --mix-weight (with --smoke: a generated one)",
+    )
+    parser.add_argument(
+        "--mix-weight", type=float, default=0.3, help="the second corpus's share (0-1)"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
-    parser.add_argument("--log-samples", action="store_true", help="log a hash of every sample trained on")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true", help="log a hash of every sample trained on"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_tokens, args.checkpoint_every = 2, 1024, 1
@@ -91,9 +110,16 @@ def build_model(vocab_size: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     from transformers import BertConfig, BertForMaskedLM
 
-    size = (dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64) if smoke else
-            dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048))
-    return BertForMaskedLM(BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size))
+    size = (
+        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        if smoke
+        else dict(
+            hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048
+        )
+    )
+    return BertForMaskedLM(
+        BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size)
+    )
 
 
 def prepare_data(args, accelerator):
@@ -101,8 +127,11 @@ def prepare_data(args, accelerator):
     from transformers import AutoTokenizer
 
     if args.smoke:
-        args.texts, args.tokenizer, args.cache = (str(args.workdir / "corpus.txt"), args.workdir / "tokenizer",
-                                                  args.workdir / "tokens")
+        args.texts, args.tokenizer, args.cache = (
+            str(args.workdir / "corpus.txt"),
+            args.workdir / "tokenizer",
+            args.workdir / "tokens",
+        )
         if accelerator.is_main_process and not args.tokenizer.exists():
             from recipes.testing import make_text_corpus, train_tokenizer
 
@@ -111,29 +140,52 @@ def prepare_data(args, accelerator):
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
             if args.mix is not None:  # a second, smaller corpus
                 second = make_text_corpus(60, seed=1)
-                (args.workdir / "mix.txt").write_text("\n".join(t.replace("\n", " ") for t in second) + "\n")
+                (args.workdir / "mix.txt").write_text(
+                    "\n".join(t.replace("\n", " ") for t in second) + "\n"
+                )
         if args.mix is not None:
             args.mix = str(args.workdir / "mix.txt")
     accelerator.wait_for_everyone()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
     # Every rank tokenizes its share of the batches; rank 0 joins them and publishes the cache.
-    cache = build_token_cache(args.texts, tokenizer, args.cache, max_length=MAX_LENGTH, text_field=args.text_field,
-                              distributed=accelerator.num_processes > 1)
+    cache = build_token_cache(
+        args.texts,
+        tokenizer,
+        args.cache,
+        max_length=MAX_LENGTH,
+        text_field=args.text_field,
+        distributed=accelerator.num_processes > 1,
+    )
     if args.mix is None:
         return tokenizer, cache, None
-    second = build_token_cache(args.mix, tokenizer, args.cache.with_name(args.cache.name + "-mix"),
-                               max_length=MAX_LENGTH, text_field=args.text_field, distributed=accelerator.num_processes > 1)
-    # one rank's view of the plan: LengthBucketSampler deals the mixed, bucketed batches over the ranks
-    mixture = MixtureSampler({"texts": len(cache), "mix": len(second)},
-                             {"texts": 1 - args.mix_weight, "mix": args.mix_weight},
-                             num_samples=len(cache) + len(second), stop="never", seed=0, num_replicas=1, rank=0)
+    second = build_token_cache(
+        args.mix,
+        tokenizer,
+        args.cache.with_name(args.cache.name + "-mix"),
+        max_length=MAX_LENGTH,
+        text_field=args.text_field,
+        distributed=accelerator.num_processes > 1,
+    )
+    # one rank's view of the plan: LengthBucketSampler deals the mixed, bucketed batches over the
+    # ranks
+    mixture = MixtureSampler(
+        {"texts": len(cache), "mix": len(second)},
+        {"texts": 1 - args.mix_weight, "mix": args.mix_weight},
+        num_samples=len(cache) + len(second),
+        stop="never",
+        seed=0,
+        num_replicas=1,
+        rank=0,
+    )
     return tokenizer, MixtureSources([cache, second]), mixture
 
 
 def mask_tokens(batch, mask_id: int, generator: torch.Generator):
     """BERT's masking: 15% of the real tokens become [MASK]; only those are predicted."""
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    chosen = (torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15) & attention.bool()
+    chosen = (
+        torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15
+    ) & attention.bool()
     labels = torch.where(chosen, ids, torch.full_like(ids, -100))
     return torch.where(chosen, torch.full_like(ids, mask_id), ids), attention, labels
 
@@ -172,15 +224,25 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")  # cpu: gloo across processes
+    accelerator = Accelerator(
+        cpu=not cuda, mixed_precision="bf16" if cuda else "no"
+    )  # cpu: gloo across processes
     rank, device = accelerator.process_index, accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, accelerator)
-    lengths = cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
+    lengths = (
+        cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
+    )
     # built after the Accelerator: it reads the ranks from torch.distributed
-    sampler = LengthBucketSampler(lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture)
-    loader = prepare_loader(accelerator, LoaderMonitor(make_loader(
-        cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id))))  # batches on the device
+    sampler = LengthBucketSampler(
+        lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture
+    )
+    loader = prepare_loader(
+        accelerator,
+        LoaderMonitor(
+            make_loader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id))
+        ),
+    )  # batches on the device
     model = build_model(len(tokenizer), args.smoke)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -191,7 +253,9 @@ def main(argv=None) -> None:
         accelerator.load_state(str(checkpoint))
     generator = torch.Generator(device).manual_seed(rank)
     log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
-    for epoch in range(loader.epoch, args.epochs):  # the loader's state says which epoch to continue
+    for epoch in range(
+        loader.epoch, args.epochs
+    ):  # the loader's state says which epoch to continue
         loader.set_epoch(epoch)
         start, loss = time.perf_counter(), None
         for batch in loader:
@@ -203,8 +267,15 @@ def main(argv=None) -> None:
             optimizer.step()
             progress.step += 1
             if log is not None:  # one line per step: a hash of each sample's tokens
-                log.write(" ".join(hashlib.sha1(row[:n].cpu().numpy().tobytes()).hexdigest()[:16]
-                                   for row, n in zip(batch["input_ids"], batch["lengths"].tolist(), strict=True)) + "\n")
+                log.write(
+                    " ".join(
+                        hashlib.sha1(row[:n].cpu().numpy().tobytes()).hexdigest()[:16]
+                        for row, n in zip(
+                            batch["input_ids"], batch["lengths"].tolist(), strict=True
+                        )
+                    )
+                    + "\n"
+                )
                 log.flush()
             if progress.step % args.checkpoint_every == 0:
                 save_checkpoint(accelerator, args.workdir, progress.step)
@@ -215,11 +286,20 @@ def main(argv=None) -> None:
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
             summary = loader.summary()
-            shares = "" if not summary.get("sources") else ", " + ", ".join(
-                f"{name} {share:.0%}" for name, share in summary["sources"].items())
-            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                  f"data wait {summary['wait_fraction']:.0%}{shares}", flush=True)
+            shares = (
+                ""
+                if not summary.get("sources")
+                else ", "
+                + ", ".join(f"{name} {share:.0%}" for name, share in summary["sources"].items())
+            )
+            loss_text = (
+                "-" if loss is None else f"{loss.item():.3f}"
+            )  # a resume at the epoch's end: no batch left
+            print(
+                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
+                f"data wait {summary['wait_fraction']:.0%}{shares}",
+                flush=True,
+            )
     if accelerator.is_main_process:
         print(loader.report())
     accelerator.wait_for_everyone()

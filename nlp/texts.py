@@ -47,25 +47,38 @@ class TextSource:
             self._take_url()
         elif _is_hf_dataset(texts):
             if text_field not in texts.column_names:
-                raise ValueError(f"the dataset has no column {text_field!r} (its columns: {texts.column_names}); "
-                                 "pass text_field= with the right name.")
+                raise ValueError(
+                    f"the dataset has no column {text_field!r} (its columns: "
+                    f"{texts.column_names}); pass text_field= with the right name."
+                )
             self.kind, self.strings = "datasets", texts
-        elif isinstance(texts, Sequence) and len(texts) and all(isinstance(t, os.PathLike) for t in texts):
+        elif (
+            isinstance(texts, Sequence)
+            and len(texts)
+            and all(isinstance(t, os.PathLike) for t in texts)
+        ):
             sets: dict = {}
-            self.kind, self.files = "files", [_source(os.fspath(t), text_field, sets) for t in texts]
+            self.kind, self.files = (
+                "files",
+                [_source(os.fspath(t), text_field, sets) for t in texts],
+            )
         elif isinstance(texts, Sequence):
             _refuse_paths(texts)
             self.kind, self.strings = "strings", texts
         else:
-            raise ValueError(f"`texts` must be a sequence of strings, a path, a URL or a ShardSet, but is "
-                             f"{type(texts).__name__} instead.")
+            raise ValueError(
+                f"`texts` must be a sequence of strings, a path, a URL or a ShardSet, but is "
+                f"{type(texts).__name__} instead."
+            )
 
     def _take_url(self) -> None:
         """A file (by its suffix), else a glob, a shard set's folder or a folder of text files."""
         # "?" starts a URL's query, a glob pattern only in a local path
         magic = any(c in self.url for c in "*[") or ("?" in self.url and "://" not in self.url)
         shard = None if magic else _listed_shard(self.url, {})
-        if shard is not None:  # a shard file alone: read through its set's index, every sample checked
+        if (
+            shard is not None
+        ):  # a shard file alone: read through its set's index, every sample checked
             self._take_shards(shard)
             return
         if not magic and _known(self.url):
@@ -85,28 +98,48 @@ class TextSource:
         local, sets = "://" not in self.url, {}
         found = [p if local else fs.unstrip_protocol(p) for p in found]
         shards = {p: _listed_shard(p, sets) for p in found if p.endswith((".tar", ".parquet"))}
-        names = [p for p in found if (_known(p) or shards.get(p)) and not p.rstrip("/").rsplit("/", 1)[-1].startswith(
-            (".", "_"))]
+        names = [
+            p
+            for p in found
+            if (_known(p) or shards.get(p))
+            and not p.rstrip("/").rsplit("/", 1)[-1].startswith((".", "_"))
+        ]
         if not names:
-            raise ValueError(f"{self.url}: no .txt, .jsonl or .parquet files {'match' if magic else 'in it'} "
-                             f"({len(found)} other entries); pass a file, a folder or a glob of text files, "
-                             "or ShardSet.open(url) for shards.")
-        if not magic and any(re.fullmatch(r"shard-\d{6}\.\w+", n.rsplit("/", 1)[-1]) for n in names):
-            raise ValueError(f"{self.url} holds shards but no index.json (a write_shards() in progress, or "
-                             "killed midway): rerun write_shards(), or index_shards() for other tools' shards.")
+            raise ValueError(
+                f"{self.url}: no .txt, .jsonl or .parquet files {'match' if magic else 'in it'} "
+                f"({len(found)} other entries); pass a file, a folder or a glob of text files, "
+                "or ShardSet.open(url) for shards."
+            )
+        if not magic and any(
+            re.fullmatch(r"shard-\d{6}\.\w+", n.rsplit("/", 1)[-1]) for n in names
+        ):
+            raise ValueError(
+                f"{self.url} holds shards but no index.json (a write_shards() in progress, or "
+                "killed midway): rerun write_shards(), or index_shards() for other tools' shards."
+            )
         self.kind = "files"  # a shard of a set (beside its index, listed in it): through the set
         self.files = [TextSource(shards.get(p) or p, text_field=self.text_field) for p in names]
 
     def _take_shards(self, shards) -> None:
-        if shards.format == "parquet" and shards.columns and self.text_field not in [c for c, _ in shards.columns]:
-            raise ValueError(f"{shards.url}: its shards have no column {self.text_field!r} (their columns: "
-                             f"{[c for c, _ in shards.columns]}); pass text_field= with the right name.")
+        if (
+            shards.format == "parquet"
+            and shards.columns
+            and self.text_field not in [c for c, _ in shards.columns]
+        ):
+            raise ValueError(
+                f"{shards.url}: its shards have no column {self.text_field!r} (their columns: "
+                f"{[c for c, _ in shards.columns]}); pass text_field= with the right name."
+            )
         self.kind, self.shards, self.url = "shards", shards, shards.url
 
     def describe(self) -> str:
         if self.url is not None:
             return self.url
-        return f"<{len(self.files)} files>" if self.files is not None else f"<{len(self.strings)} {self.kind}>"
+        return (
+            f"<{len(self.files)} files>"
+            if self.files is not None
+            else f"<{len(self.strings)} {self.kind}>"
+        )
 
     def content_hash(self) -> str:
         field = self.text_field if self.kind in (".jsonl", ".parquet", "datasets", "shards") else ""
@@ -182,42 +215,56 @@ class TextSource:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise ValueError(f"{self.url}, line {number}: invalid UTF-8 at byte {error.start} "
-                             f"({line[max(0, error.start - 10):error.start + 10]!r}); re-encode the file "
-                             "as UTF-8.") from None
+            raise ValueError(
+                f"{self.url}, line {number}: invalid UTF-8 at byte {error.start} "
+                f"({line[max(0, error.start - 10) : error.start + 10]!r}); re-encode the file "
+                "as UTF-8."
+            ) from None
         if self.kind == ".txt":
             return text
         try:
             record = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{self.url}, line {number}: not JSON ({error.msg}); each line of a .jsonl "
-                             "file must be one JSON object.") from None
+            raise ValueError(
+                f"{self.url}, line {number}: not JSON ({error.msg}); each line of a .jsonl "
+                "file must be one JSON object."
+            ) from None
         if not isinstance(record, dict) or self.text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{self.url}, line {number}: no field {self.text_field!r} (found {keys}); "
-                             "pass text_field= with the right name.")
+            raise ValueError(
+                f"{self.url}, line {number}: no field {self.text_field!r} (found {keys}); "
+                "pass text_field= with the right name."
+            )
         value = record[self.text_field]
         if not isinstance(value, str):
-            raise ValueError(f"{self.url}, line {number}: field {self.text_field!r} is "
-                             f"{type(value).__name__}, not a string.")
+            raise ValueError(
+                f"{self.url}, line {number}: field {self.text_field!r} is "
+                f"{type(value).__name__}, not a string."
+            )
         return value
 
     def _parquet_rows(self) -> Iterator[str]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError('Parquet texts need pyarrow: pip install "loader-recipes[parquet]" (or pyarrow).') from None
+            raise ImportError(
+                'Parquet texts need pyarrow: pip install "loader-recipes[parquet]" (or pyarrow).'
+            ) from None
         with self._open() as raw:
             try:
                 file = pq.ParquetFile(raw)
             except Exception as error:  # pyarrow.ArrowInvalid and friends
                 raise ValueError(f"{self.url} is not a Parquet file ({error}).") from None
             if self.text_field not in file.schema_arrow.names:
-                raise ValueError(f"{self.url}: no column {self.text_field!r} (its columns: "
-                                 f"{file.schema_arrow.names}); pass text_field= with the right name.")
+                raise ValueError(
+                    f"{self.url}: no column {self.text_field!r} (its columns: "
+                    f"{file.schema_arrow.names}); pass text_field= with the right name."
+                )
             row = 0
             for group in range(file.num_row_groups):
-                for text in file.read_row_group(group, columns=[self.text_field]).column(0).to_pylist():
+                for text in (
+                    file.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+                ):
                     yield self._checked(text, f"row {row}")
                     row += 1
 
@@ -229,15 +276,19 @@ class TextSource:
             for sample in read_checked(self.shards, shard, columns=columns):
                 where = f"shard {url.rsplit('/', 1)[-1]}, sample {sample.get('__key__')!r}"
                 if self.text_field not in sample:
-                    raise ValueError(f"{self.url}, {where}: no field {self.text_field!r} (found "
-                                     f"{sorted(k for k in sample if k != '__key__')}); pass text_field= with the "
-                                     "right name.")
+                    raise ValueError(
+                        f"{self.url}, {where}: no field {self.text_field!r} (found "
+                        f"{sorted(k for k in sample if k != '__key__')}); pass text_field= with "
+                        "the right name."
+                    )
                 yield self._checked(sample[self.text_field], where)
 
     def _checked(self, value, where: str) -> str:
         if not isinstance(value, str):
-            raise ValueError(f"{self.describe()}, {where}: field {self.text_field!r} is {type(value).__name__}, "
-                             "not a string.")
+            raise ValueError(
+                f"{self.describe()}, {where}: field {self.text_field!r} is {type(value).__name__}, "
+                "not a string."
+            )
         return value
 
     def _open(self):
@@ -259,7 +310,8 @@ def _source(path: str, text_field: str, sets: dict) -> TextSource:
 
 
 def _is_hf_dataset(texts) -> bool:
-    """A Hugging Face `datasets.Dataset` (not a dependency: recognised by its module and columns)."""
+    """A Hugging Face `datasets.Dataset` (not a dependency: recognised by its module and
+    columns)."""
     return type(texts).__module__.startswith("datasets.") and hasattr(texts, "column_names")
 
 
@@ -270,9 +322,12 @@ def _refuse_paths(texts: Sequence) -> None:
         return
     shown = ", ".join(repr(t) for t in list(texts[:2]))
     more = ", ..." if len(texts) > 2 else ""
-    raise ValueError(f"`texts` is {len(texts)} strings that are all existing paths ({shown}{more}): a list of strings is tokenized as texts, so this would tokenize the paths. To read the "
-                     "files, pass them as `pathlib.Path`s ([Path(p) for p in paths]), their folder, or a glob such "
-                     "as 'data/*.parquet'; pass shards as ShardSet.open(url) or their folder.")
+    raise ValueError(
+        f"`texts` is {len(texts)} strings that are all existing paths ({shown}{more}): a list of "
+        "strings is tokenized as texts, so this would tokenize the paths. To read the files, pass "
+        "them as `pathlib.Path`s ([Path(p) for p in paths]), their folder, or a glob such as "
+        "'data/*.parquet'; pass shards as ShardSet.open(url) or their folder."
+    )
 
 
 def _known(url: str) -> bool:
@@ -291,6 +346,8 @@ def _kind(url: str) -> str:
     for kind in _KINDS:
         if name.endswith(kind):
             return kind
-    raise ValueError(f"{url}: unknown text file type; use .txt (one sample per line), .jsonl "
-                     "(one JSON object per line) or .parquet (`text_field` column), a folder or glob of them, a shard set's "
-                     "folder, or a list of strings.")
+    raise ValueError(
+        f"{url}: unknown text file type; use .txt (one sample per line), .jsonl (one JSON object "
+        "per line) or .parquet (`text_field` column), a folder or glob of them, a shard set's "
+        "folder, or a list of strings."
+    )

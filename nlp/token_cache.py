@@ -11,9 +11,9 @@ Trade-off: the cache is tied to one tokenizer configuration and one corpus; chan
 and it is rebuilt (never silently reused: the key hashes the tokenizer's full serialized
 content, its special tokens and the data, unlike a random fingerprint).
 
-Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder, fsynced,
-renamed into place; split over the ranks of a process group when one is initialised, each node's
-folder ending with the whole cache):
+Layout of `cache_dir` (the `recipes.common.caches.cache_files` protocol: built in a temp folder,
+fsynced, renamed into place; split over the ranks of a process group when one is initialised, each
+node's folder ending with the whole cache):
   header.json   {"format": "recipes-token-cache", "version", "fingerprint", "count",
                  "num_tokens", "dtype", ...}
   tokens.bin    uint16/uint32 x num_tokens, all samples back to back
@@ -90,21 +90,44 @@ class TokenCache(Dataset):
 
     recommended_profile = "text"
 
-    def __init__(self, path: Path, header: dict, offsets: np.ndarray, sums: np.ndarray,
-                 verify: VerifyMode = "first_read"):
+    def __init__(
+        self,
+        path: Path,
+        header: dict,
+        offsets: np.ndarray,
+        sums: np.ndarray,
+        verify: VerifyMode = "first_read",
+    ):
         self.path = Path(path)
         self.header = header
         self.offsets = offsets
         self.lengths = np.diff(offsets)
         # copy-on-write: writable views for torch, the file is never written
-        self._tokens = LazyMap(self.path / "tokens.bin", np.dtype(header["dtype"]).newbyteorder("<"),
-                               (int(header["num_tokens"]),), mode="c", error=TokenCacheError)
-        self.checks = ItemChecks(self.path / "tokens.bin", sums, header["checksum"], verify=verify, error=TokenCacheError,
-                                 hint=_BUILD_HINT, label="sample")
+        self._tokens = LazyMap(
+            self.path / "tokens.bin",
+            np.dtype(header["dtype"]).newbyteorder("<"),
+            (int(header["num_tokens"]),),
+            mode="c",
+            error=TokenCacheError,
+        )
+        self.checks = ItemChecks(
+            self.path / "tokens.bin",
+            sums,
+            header["checksum"],
+            verify=verify,
+            error=TokenCacheError,
+            hint=_BUILD_HINT,
+            label="sample",
+        )
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike, *, fingerprint: str | None = None,
-             verify: VerifyMode = "first_read") -> TokenCache:
+    def open(
+        cls,
+        cache_dir: str | os.PathLike,
+        *,
+        fingerprint: str | None = None,
+        verify: VerifyMode = "first_read",
+    ) -> TokenCache:
         """Opens and validates a cache folder (header, sizes, checksums of the small files,
         offsets); `verify` says when a sample is checked as it is read.
 
@@ -114,14 +137,22 @@ class TokenCache(Dataset):
                 built from other inputs; the message says to rebuild.
         """
         path = Path(cache_dir)
-        header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
-                             error=TokenCacheError, build_hint=_BUILD_HINT,
-                             fields=("count", "num_tokens", "dtype", "checksum", "file_checksums"))
+        header = read_header(
+            path,
+            fmt=FORMAT,
+            version=FORMAT_VERSION,
+            fingerprint=fingerprint,
+            error=TokenCacheError,
+            build_hint=_BUILD_HINT,
+            fields=("count", "num_tokens", "dtype", "checksum", "file_checksums"),
+        )
         try:
             count, num_tokens = int(header["count"]), int(header["num_tokens"])
             itemsize = np.dtype(header["dtype"]).itemsize
         except (TypeError, ValueError):
-            raise TokenCacheError(f"{path}/header.json has invalid fields; rebuild the cache.") from None
+            raise TokenCacheError(
+                f"{path}/header.json has invalid fields; rebuild the cache."
+            ) from None
         check_size(path / "tokens.bin", num_tokens * itemsize, TokenCacheError)
         check_size(path / "offsets.bin", (count + 1) * 8, TokenCacheError)
         check_size(path / "checksums.bin", count * 8, TokenCacheError)
@@ -129,7 +160,9 @@ class TokenCache(Dataset):
         sums = read_checked(path, "checksums.bin", "<u8", header, TokenCacheError, _BUILD_HINT)
         if offsets[0] != 0 or offsets[-1] != num_tokens or (count and (np.diff(offsets) < 0).any()):
             raise TokenCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
-        check_damage(path, ("tokens.bin",), TokenCacheError, _BUILD_HINT)  # a read found damage: rebuild
+        check_damage(
+            path, ("tokens.bin",), TokenCacheError, _BUILD_HINT
+        )  # a read found damage: rebuild
         return cls(path, header, offsets, sums, verify)
 
     @property
@@ -143,7 +176,8 @@ class TokenCache(Dataset):
         return self._tokens.array
 
     def thread_batches(self) -> bool:
-        """Items are gathers from a memory map: `make_loader` reads batches in threads (`ThreadLoader`)."""
+        """Items are gathers from a memory map: `make_loader` reads batches in threads
+        (`ThreadLoader`)."""
         return True
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
@@ -156,7 +190,9 @@ class TokenCache(Dataset):
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """A whole batch with one gather from the memory map; items are views of one tensor."""
         idx = resolve_indices(indices, len(self), f"the {len(self)} samples in {self.path}")
-        for i in self.checks.pending(idx).tolist():  # each sample's first read in this process, by default
+        for i in self.checks.pending(
+            idx
+        ).tolist():  # each sample's first read in this process, by default
             self.checks.check(i, self._map()[self.offsets[i] : self.offsets[i + 1]])
         starts, lengths = self.offsets[idx], self.lengths[idx]
         # positions of every token of the batch: each start, then +1 within its sample
@@ -166,17 +202,22 @@ class TokenCache(Dataset):
         return [{"input_ids": row} for row in rows]
 
     def __repr__(self) -> str:
-        return (f"TokenCache({str(self.path)!r}, n={len(self)}, tokens={self.header['num_tokens']:,}, "
-                f"dtype={self.header['dtype']})")
+        return (
+            f"TokenCache({str(self.path)!r}, n={len(self)}, tokens={self.header['num_tokens']:,}, "
+            f"dtype={self.header['dtype']})"
+        )
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
     """Everything that decides a tokenizer's output, as JSON-able data (never random)."""
     special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    info = {"class": type(tokenizer).__name__, "special_tokens": special,
-            "added_tokens": sorted((str(t), int(i)) for t, i in tokenizer.get_added_vocab().items()),
-            "truncation_side": getattr(tokenizer, "truncation_side", None),
-            "padding_side": getattr(tokenizer, "padding_side", None)}
+    info = {
+        "class": type(tokenizer).__name__,
+        "special_tokens": special,
+        "added_tokens": sorted((str(t), int(i)) for t, i in tokenizer.get_added_vocab().items()),
+        "truncation_side": getattr(tokenizer, "truncation_side", None),
+        "padding_side": getattr(tokenizer, "padding_side", None),
+    }
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # fast tokenizer: its tokenizer.json (model, normalizer, ...)
         config = json.loads(backend.to_str())
@@ -184,19 +225,29 @@ def tokenizer_fingerprint(tokenizer) -> dict:
         # backend; the build sets its own, so it must not change the key (issue #10).
         config.pop("truncation", None)
         config.pop("padding", None)
-        info["tokenizer_json"] = hashlib.sha256(json.dumps(config, sort_keys=True).encode("utf-8")).hexdigest()
+        info["tokenizer_json"] = hashlib.sha256(
+            json.dumps(config, sort_keys=True).encode("utf-8")
+        ).hexdigest()
     else:
         vocab = sorted(tokenizer.get_vocab().items())
         info["vocab"] = hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest()
-        info["init_kwargs"] = {k: v for k, v in sorted(tokenizer.init_kwargs.items())
-                               if isinstance(v, (str, int, float, bool, type(None)))}
+        info["init_kwargs"] = {
+            k: v
+            for k, v in sorted(tokenizer.init_kwargs.items())
+            if isinstance(v, (str, int, float, bool, type(None)))
+        }
     return info
 
 
 def cache_fingerprint(source: TextSource, tokenizer, *, max_length, add_special_tokens) -> str:
-    key = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer_fingerprint(tokenizer),
-           "max_length": max_length, "add_special_tokens": add_special_tokens,
-           "data": source.content_hash()}
+    key = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": max_length,
+        "add_special_tokens": add_special_tokens,
+        "data": source.content_hash(),
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -256,17 +307,26 @@ def build_token_cache(
     if max_length is not None and max_length <= 0:
         raise ValueError(f"`max_length` must be positive, but is {max_length!r} instead.")
     if not getattr(tokenizer, "is_fast", False):
-        warnings.warn(f"{type(tokenizer).__name__} is a slow (Python) tokenizer; building the cache will be "
-                      "much slower than with its fast (Rust) version.", stacklevel=2)
+        warnings.warn(
+            f"{type(tokenizer).__name__} is a slow (Python) tokenizer; building the cache will be "
+            "much slower than with its fast (Rust) version.",
+            stacklevel=2,
+        )
     source = TextSource(texts, text_field=text_field)
-    fingerprint = cache_fingerprint(source, tokenizer, max_length=max_length,
-                                    add_special_tokens=add_special_tokens)
+    fingerprint = cache_fingerprint(
+        source, tokenizer, max_length=max_length, add_special_tokens=add_special_tokens
+    )
     target = Path(cache_dir)
     build = FolderBuild(target, distributed=distributed, inputs=fingerprint)
     if build.needed(lambda: TokenCache.open(target, fingerprint=fingerprint), TokenCacheError):
         dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32).newbyteorder("<")
-        with build, tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar:
-            _write_part(source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar)
+        with (
+            build,
+            tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar,
+        ):
+            _write_part(
+                source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar
+            )
             count, num_tokens = map(sum, zip(*build.gather(_part_totals(build)), strict=True))
             build.collect("tokens.bin", "lengths.bin")  # every part complete, in every folder
             checksum, files = build.gather(algorithm())[0], None
@@ -275,12 +335,23 @@ def build_token_cache(
                 offsets = np.fromfile(build.path / "offsets.bin", "<i8")
                 write_item_sums(build.path, "tokens.bin", offsets * dtype.itemsize, checksum)
                 files = file_checksums(build.path, ("offsets.bin", "checksums.bin"), checksum)
-            build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
-                           "checksum": checksum, "file_checksums": files,
-                           "count": int(count), "num_tokens": int(num_tokens), "dtype": dtype.name,
-                           "max_length": max_length, "add_special_tokens": add_special_tokens,
-                           "vocab_size": len(tokenizer), "tokenizer": type(tokenizer).__name__,
-                           "source": source.describe()})
+            build.publish(
+                {
+                    "format": FORMAT,
+                    "version": FORMAT_VERSION,
+                    "fingerprint": fingerprint,
+                    "checksum": checksum,
+                    "file_checksums": files,
+                    "count": int(count),
+                    "num_tokens": int(num_tokens),
+                    "dtype": dtype.name,
+                    "max_length": max_length,
+                    "add_special_tokens": add_special_tokens,
+                    "vocab_size": len(tokenizer),
+                    "tokenizer": type(tokenizer).__name__,
+                    "source": source.describe(),
+                }
+            )
     return TokenCache.open(target, fingerprint=fingerprint)
 
 
@@ -290,10 +361,17 @@ def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool
     copy configured for truncation (what `transformers` does inside, minus its conversions)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
+
         def encode_slow(texts):
-            return tokenizer(texts, add_special_tokens=add_special_tokens, truncation=max_length is not None,
-                             max_length=max_length, return_attention_mask=False,
-                             return_token_type_ids=False)["input_ids"]
+            return tokenizer(
+                texts,
+                add_special_tokens=add_special_tokens,
+                truncation=max_length is not None,
+                max_length=max_length,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+            )["input_ids"]
+
         return encode_slow
     from tokenizers import Tokenizer
 
@@ -309,17 +387,25 @@ def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool
 
     def encode_fast(texts):
         return [e.ids for e in encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     return encode_fast
 
 
-def _write_part(source, tokenizer, build: FolderBuild, dtype, max_length, add_special_tokens, batch_size, bar):
+def _write_part(
+    source, tokenizer, build: FolderBuild, dtype, max_length, add_special_tokens, batch_size, bar
+):
     """This rank's batches (`k % world == rank`): tokens and per-sample lengths, in order."""
     encode = batch_encoder(tokenizer, max_length=max_length, add_special_tokens=add_special_tokens)
-    with open(build.part("tokens.bin"), "wb") as tokens_file, open(build.part("lengths.bin"), "wb") as lengths_file:
+    with (
+        open(build.part("tokens.bin"), "wb") as tokens_file,
+        open(build.part("lengths.bin"), "wb") as lengths_file,
+    ):
         for batch in source.batches(batch_size, part=build.rank, parts=build.world):
             ids = encode(batch)
             lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-            tokens_file.write(np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())).tobytes())
+            tokens_file.write(
+                np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())).tobytes()
+            )
             lengths_file.write(lengths.astype("<i8").tobytes())
             bar.update(len(batch) * build.world)
         for f in (tokens_file, lengths_file):
@@ -342,10 +428,12 @@ def _join_parts(build: FolderBuild, batch_size: int, dtype) -> None:
         with open(build.path / "tokens.bin", "wb") as out:
             for k in itertools.count():
                 rank, j = k % build.world, k // build.world
-                seg = lengths[rank][j * batch_size:(j + 1) * batch_size]
+                seg = lengths[rank][j * batch_size : (j + 1) * batch_size]
                 if not len(seg):
                     break
-                shutil.copyfileobj(_Limited(parts[rank], int(seg.sum()) * dtype.itemsize), out, 1 << 24)
+                shutil.copyfileobj(
+                    _Limited(parts[rank], int(seg.sum()) * dtype.itemsize), out, 1 << 24
+                )
                 order.append(seg)
             out.flush()
             os.fsync(out.fileno())

@@ -4,10 +4,10 @@ Opening a cache checks its header and small files; this reads every item of its 
 (and, for an image cache, of each eval view) and lists the damaged ones, so damage that
 `verify="first_read"` would meet only when an item is first read is found before training.
 Exit status 0 when everything matches, 1 otherwise (each damaged file and item named). Damage
-found is recorded in the folder's `damaged.json` (`recipes.common.caches.cache_checks.record_damage`),
-as a read that finds it does: the cache then fails to open, and its `build_*` function rebuilds
-it (an eval view's damage: that view alone) instead of reusing it.
-"""
+found is recorded in the folder's `damaged.json`
+(`recipes.common.caches.cache_checks.record_damage`), as a read that finds it does: the cache then
+fails to open, and its `build_*` function rebuilds it (an eval view's damage: that view alone)
+instead of reusing it."""
 
 from __future__ import annotations
 
@@ -50,11 +50,19 @@ def check_folder(folder: Path) -> tuple[int, list[str]]:
         bad = verify_items(_flat(path), bounds, checks)
         checked += len(checks.sums)
         shown = ", ".join(map(str, bad[:20])) + (", ..." if len(bad) > 20 else "")
-        if bad:  # recorded, so that the build function rebuilds the cache (or view) instead of reusing it
+        # recorded, so that the build function rebuilds the cache (or view) instead of reusing it
+        if bad:
             unrecorded = record_damage(path, bad, checks.label)
-            fix = (f"recorded in damaged.json; rebuild with {checks.hint}" if unrecorded is None else
-                   f"not recorded ({unrecorded}): remove {folder}, then rebuild with {checks.hint}")
-            problems.append(f"{path}: {len(bad)} of {len(checks.sums)} {checks.label}s damaged: {shown}; {fix}")
+            fix = (
+                f"recorded in damaged.json; rebuild with {checks.hint}"
+                if unrecorded is None
+                else (
+                    f"not recorded ({unrecorded}): remove {folder}, then rebuild with {checks.hint}"
+                )
+            )
+            problems.append(
+                f"{path}: {len(bad)} of {len(checks.sums)} {checks.label}s damaged: {shown}; {fix}"
+            )
     return checked, problems
 
 
@@ -64,7 +72,13 @@ def _data_files(folder: Path, fmt) -> list:
         from recipes.nlp.token_cache import TokenCache
 
         cache = TokenCache.open(folder)
-        return [(folder / "tokens.bin", cache.offsets * np.dtype(cache.header["dtype"]).itemsize, cache.checks)]
+        return [
+            (
+                folder / "tokens.bin",
+                cache.offsets * np.dtype(cache.header["dtype"]).itemsize,
+                cache.checks,
+            )
+        ]
     if fmt == "recipes-spectrogram-cache":
         from recipes.audio.spectrogram_cache import SpectrogramCache
 
@@ -83,9 +97,14 @@ def _data_files(folder: Path, fmt) -> list:
                 parts.append(f"{header}: not an eval view name")
                 continue
             h, w = int(match[1]), int(match[2])
-            view, why = find_eval_view(folder, cache.fingerprint, cache.count, (h, w), float(match[3]), ImageCacheError)
+            view, why = find_eval_view(
+                folder, cache.fingerprint, cache.count, (h, w), float(match[3]), ImageCacheError
+            )
             if view is None:
-                parts.append(f"{header}: {why}; rebuild it with build_image_cache() on an eval dataset of size {(h, w)}.")
+                parts.append(
+                    f"{header}: {why}; rebuild it with build_image_cache() on an eval dataset of "
+                    f"size {(h, w)}."
+                )
             else:
                 parts.append((view.path, np.arange(cache.count + 1) * (h * w * 3), view.checks))
         return parts
@@ -95,8 +114,10 @@ def _data_files(folder: Path, fmt) -> list:
 def run(args) -> int:
     folders = cache_folders(args.cache_dir)
     if not folders:
-        raise ValueError(f"No cache at {args.cache_dir}: expected a cache folder (with header.json) or a folder "
-                         "of image caches (images-*/).")
+        raise ValueError(
+            f"No cache at {args.cache_dir}: expected a cache folder (with header.json) or a folder "
+            "of image caches (images-*/)."
+        )
     total, failed = 0, False
     for folder in folders:
         checked, problems = check_folder(folder)

@@ -1,4 +1,5 @@
-"""The `recipes` command line: `doctor`, `cache`, `shards`, `template`, `tune`, `bench` (and `python -m recipes`)."""
+"""The `recipes` command line: `doctor`, `cache`, `shards`, `template`, `tune`, `bench` (and `python
+-m recipes`)."""
 
 from __future__ import annotations
 
@@ -53,17 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache_cmd.add_arguments(cache)
 
-    shards = commands.add_parser("shards", help="write a folder or corpus as WebDataset tar or Parquet shards")
+    shards = commands.add_parser(
+        "shards", help="write a folder or corpus as WebDataset tar or Parquet shards"
+    )
     from recipes import shards_cmd
 
     shards_cmd.add_arguments(shards)
 
-    template = commands.add_parser("template", help="print a training template to copy (recipes template vision > train.py)")
+    template = commands.add_parser(
+        "template", help="print a training template to copy (recipes template vision > train.py)"
+    )
     from recipes import template_cmd
 
     template_cmd.add_arguments(template)
 
-    tune = commands.add_parser("tune", help="measure num_workers and prefetch_factor for your dataset")
+    tune = commands.add_parser(
+        "tune", help="measure num_workers and prefetch_factor for your dataset"
+    )
     from recipes import tune_cmd
 
     tune_cmd.add_arguments(tune)
@@ -71,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="measure the recipes against plain torch baselines, in one run"
     )
-    plot_help = ('write each table as a bar chart, DIR/<table>.png and .svg (train: also each run\'s '
-                 'timeline); needs matplotlib: pip install "loader-recipes[plot]"')
+    plot_help = (
+        "write each table as a bar chart, DIR/<table>.png and .svg (train: also each run's "
+        'timeline); needs matplotlib: pip install "loader-recipes[plot]"'
+    )
     bench.add_argument("--plot", type=Path, default=None, metavar="DIR", help=plot_help)
     domains = bench.add_subparsers(dest="domain", metavar="DOMAIN")
     for name, module_name in BENCHES.items():
@@ -80,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub = domains.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
         module.add_arguments(sub)
         # SUPPRESS: `recipes bench --plot DIR vision` keeps the DIR given before the domain
-        sub.add_argument("--plot", type=Path, default=argparse.SUPPRESS, metavar="DIR", help=plot_help)
+        sub.add_argument(
+            "--plot", type=Path, default=argparse.SUPPRESS, metavar="DIR", help=plot_help
+        )
         sub.set_defaults(handler=_checked(module.run))
     bench.set_defaults(handler=_checked(_bench_all))
     return parser
@@ -113,7 +124,11 @@ def bench_commands(plot: Path | None = None) -> list[list[str]]:
     """The commands a bare `recipes bench` runs: every domain but those run on their own
     (`recipes bench train`, `lightning`, `hf`), each passed `--plot` when given."""
     extra = [] if plot is None else ["--plot", str(plot)]
-    return [[sys.executable, "-m", "recipes", "bench", name, *extra] for name in BENCHES if name not in _ON_THEIR_OWN]
+    return [
+        [sys.executable, "-m", "recipes", "bench", name, *extra]
+        for name in BENCHES
+        if name not in _ON_THEIR_OWN
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

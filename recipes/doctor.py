@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=REFERENCE_SAMPLE_BYTES,
         help="bytes of one collated sample for memory estimates (default: float32 3x224x224)",
     )
-    parser.add_argument("--workers", type=_non_negative_int, default=None, help="check a planned num_workers")
+    parser.add_argument(
+        "--workers", type=_non_negative_int, default=None, help="check a planned num_workers"
+    )
     parser.add_argument("--cgroup-root", default="/sys/fs/cgroup", help=argparse.SUPPRESS)
     parser.add_argument("--shm-path", default="/dev/shm", help=argparse.SUPPRESS)
 
@@ -62,8 +64,11 @@ def build_report(
         recipe = profile_settings(
             name, resources, local_world_size=ranks, cuda_available=cuda_available
         )
-        profiles[name] = {"settings": recipe.settings, "reasons": recipe.reasons,
-                          "memory_estimate_bytes": recipe.memory_estimate(sample_bytes)}
+        profiles[name] = {
+            "settings": recipe.settings,
+            "reasons": recipe.reasons,
+            "memory_estimate_bytes": recipe.memory_estimate(sample_bytes),
+        }
     report = {
         "cpus": {
             "logical": resources.cpus_logical,
@@ -80,7 +85,10 @@ def build_report(
         },
         "shm": {"bytes": resources.shm_bytes, "free_bytes": resources.shm_free},
         "nofile_limit": resources.nofile_limit,
-        "gpus": {"count": resources.gpus, "names": _gpu_names(resources.gpus if cuda_available else 0)},
+        "gpus": {
+            "count": resources.gpus,
+            "names": _gpu_names(resources.gpus if cuda_available else 0),
+        },
         "local_world_size": ranks,
         "versions": _versions(),
         "multiprocessing": {
@@ -103,43 +111,77 @@ def _warnings(report: dict, res: Resources, planned: int | None) -> list[dict[st
     production_workers = report["profiles"]["production"]["settings"]["num_workers"]
     workers = planned if planned is not None else production_workers
     if workers > 0 and res.shm_bytes < GiB:
-        out.append({
-            "problem": f"/dev/shm is {res.shm_bytes / 2**20:.0f} MiB and workers send every batch through it; "
-            "it fills and workers die with 'Bus error' (Docker's default is 64 MB)",
-            "fix": "run the container with --shm-size=8g or --ipc=host",
-        })
+        out.append(
+            {
+                "problem": (
+                    f"/dev/shm is {res.shm_bytes / 2**20:.0f} MiB and workers send every batch "
+                    "through it; it fills and workers die with 'Bus error' (Docker's default is "
+                    "64 MB)"
+                ),
+                "fix": "run the container with --shm-size=8g or --ipc=host",
+            }
+        )
     budget = report["memory"]["loader_budget_bytes"]
     for name, profile in report["profiles"].items():
         if profile["memory_estimate_bytes"] > budget:
-            out.append({
-                "problem": f"profile {name}: batches in flight need about "
-                f"{profile['memory_estimate_bytes'] / 2**20:,.0f} MiB, over the loader budget "
-                f"of {budget / 2**20:,.0f} MiB (half of the effective available memory)",
-                "fix": "use profile='memory' or a smaller batch_size / prefetch_factor",
-            })
+            out.append(
+                {
+                    "problem": (
+                        f"profile {name}: batches in flight need about "
+                        f"{profile['memory_estimate_bytes'] / 2**20:,.0f} MiB, over the loader "
+                        f"budget of {budget / 2**20:,.0f} MiB (half of the effective available "
+                        "memory)"
+                    ),
+                    "fix": "use profile='memory' or a smaller batch_size / prefetch_factor",
+                }
+            )
     if planned is not None:
         s = report["profiles"]["production"]["settings"]
         estimate = estimate_loader_memory(
-            num_workers=planned, batch_size=s["batch_size"], sample_bytes=report["sample_bytes"],
+            num_workers=planned,
+            batch_size=s["batch_size"],
+            sample_bytes=report["sample_bytes"],
             prefetch_factor=2,
         )
         if estimate > budget:
-            out.append({
-                "problem": f"{planned} workers hold about {estimate / 2**20:,.0f} MiB of batches in flight, "
-                f"over the loader budget of {budget / 2**20:,.0f} MiB",
-                "fix": f"use at most {report['profiles']['memory']['settings']['num_workers']} workers or prefetch_factor=1",
-            })
+            out.append(
+                {
+                    "problem": (
+                        f"{planned} workers hold about {estimate / 2**20:,.0f} MiB of batches in "
+                        f"flight, over the loader budget of {budget / 2**20:,.0f} MiB"
+                    ),
+                    "fix": (
+                        f"use at most {report['profiles']['memory']['settings']['num_workers']} "
+                        "workers or prefetch_factor=1"
+                    ),
+                }
+            )
     if res.nofile_limit < LOW_NOFILE:
-        out.append({
-            "problem": f"ulimit -n is {res.nofile_limit}; shared tensors each hold a file descriptor "
-            "('received 0 items of ancdata', 'Too many open files')",
-            "fix": "ulimit -n 65536 (make_loader switches to the file_system sharing strategy meanwhile)",
-        })
+        out.append(
+            {
+                "problem": (
+                    f"ulimit -n is {res.nofile_limit}; shared tensors each hold a file descriptor "
+                    "('received 0 items of ancdata', 'Too many open files')"
+                ),
+                "fix": (
+                    "ulimit -n 65536 (make_loader switches to the file_system sharing strategy "
+                    "meanwhile)"
+                ),
+            }
+        )
     if workers > MANY_WORKERS:
-        out.append({
-            "problem": f"{workers} workers: past {MANY_WORKERS} returns vanish while memory and start-up time grow",
-            "fix": f"use at most {MANY_WORKERS} workers per rank, or cache decoded data (recipes cache)",
-        })
+        out.append(
+            {
+                "problem": (
+                    f"{workers} workers: past {MANY_WORKERS} returns vanish while memory and "
+                    "start-up time grow"
+                ),
+                "fix": (
+                    f"use at most {MANY_WORKERS} workers per rank, or cache decoded data (recipes "
+                    "cache)"
+                ),
+            }
+        )
     return out
 
 
@@ -179,9 +221,11 @@ def format_report(report: dict) -> str:
     quota = "none" if cpus["cgroup_quota"] is None else f"{cpus['cgroup_quota']:g}"
     lines = [
         "recipes doctor: data-loading report",
-        f"  CPUs        logical {cpus['logical']}, affinity {cpus['affinity']}, cgroup quota {quota} -> effective {cpus['effective']}",
-        f"  memory      total {size(mem['total_bytes'])}, cgroup limit {size(mem['cgroup_limit_bytes'])}, "
-        f"cgroup usage {size(mem['cgroup_usage_bytes'])} -> effective available {size(mem['effective_available_bytes'])}",
+        f"  CPUs        logical {cpus['logical']}, affinity {cpus['affinity']}, cgroup quota "
+        f"{quota} -> effective {cpus['effective']}",
+        f"  memory      total {size(mem['total_bytes'])}, cgroup limit "
+        f"{size(mem['cgroup_limit_bytes'])}, cgroup usage {size(mem['cgroup_usage_bytes'])} -> "
+        f"effective available {size(mem['effective_available_bytes'])}",
         f"  /dev/shm    {size(shm['bytes'])} ({size(shm['free_bytes'])} free)",
         f"  ulimit -n   {report['nofile_limit']}",
         f"  GPUs        {report['gpus']['count']} {', '.join(report['gpus']['names'])}".rstrip(),
@@ -190,11 +234,15 @@ def format_report(report: dict) -> str:
         f"  processes   start method {report['multiprocessing']['start_method']}, "
         f"sharing strategy {report['multiprocessing']['sharing_strategy']}",
         "",
-        f"Recommended DataLoader settings (memory estimates for {report['sample_bytes']:,}-byte samples):",
+        f"Recommended DataLoader settings (memory estimates for {report['sample_bytes']:,}-byte "
+        "samples):",
     ]
     for name, profile in report["profiles"].items():
         settings = ", ".join(f"{k}={v}" for k, v in profile["settings"].items())
-        lines.append(f"  {name:<11} {settings}  (~{profile['memory_estimate_bytes'] / mib:,.0f} MiB in flight)")
+        lines.append(
+            f"  {name:<11} {settings}  (~{profile['memory_estimate_bytes'] / mib:,.0f} MiB in "
+            "flight)"
+        )
     lines.append("")
     if report["warnings"]:
         lines.append("Warnings:")

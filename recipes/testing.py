@@ -44,7 +44,9 @@ def natural_image(height: int, width: int, rng: np.random.Generator) -> np.ndarr
         color = tuple(float(c) for c in rng.integers(0, 256, 3))
         radius = int(rng.integers(min(height, width) // 12, min(height, width) // 3))
         cv2.circle(image, center, radius, color, thickness=-1, lineType=cv2.LINE_AA)
-    mask = cv2.resize(rng.random((4, 5)).astype(np.float32), (width, height), interpolation=cv2.INTER_CUBIC)
+    mask = cv2.resize(
+        rng.random((4, 5)).astype(np.float32), (width, height), interpolation=cv2.INTER_CUBIC
+    )
     mask = np.clip((mask - 0.4) * 3.0, 0.0, 1.0)[..., None]
     texture = rng.normal(0.0, 18.0, (height // 2 + 1, width // 2 + 1)).astype(np.float32)
     image += mask * cv2.resize(texture, (width, height), interpolation=cv2.INTER_LINEAR)[..., None]
@@ -173,9 +175,7 @@ def make_text_corpus(count: int = 1000, *, median_words: int = 40, seed: int = 0
     which is what makes random batching waste padding.
     """
     rng = np.random.default_rng(seed)
-    vocab = [
-        "".join(rng.choice(_SYLLABLES, size=rng.integers(1, 4))) for _ in range(3000)
-    ]
+    vocab = ["".join(rng.choice(_SYLLABLES, size=rng.integers(1, 4))) for _ in range(3000)]
     ranks = np.arange(1, len(vocab) + 1)
     probs = (1.0 / ranks) / np.sum(1.0 / ranks)
     lengths = np.clip(rng.lognormal(np.log(median_words), 0.9, count), 1, 50 * median_words)
@@ -211,7 +211,9 @@ def train_tokenizer(texts: list[str], *, vocab_size: int = 2000, special_tokens=
     tokenizer = Tokenizer(models.BPE(unk_token=special["unk_token"]))
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special.values()), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special.values()), show_progress=False
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     cls, sep = special["cls_token"], special["sep_token"]
     tokenizer.post_processor = processors.TemplateProcessing(

@@ -42,21 +42,53 @@ class Node:
         return self.process.returncode
 
 
-def start_nodes(folders: list[Path], script: Path, *args: str, per_node: int = 2, env: dict | None = None,
-                port: int | None = None) -> list[Node]:
+def start_nodes(
+    folders: list[Path],
+    script: Path,
+    *args: str,
+    per_node: int = 2,
+    env: dict | None = None,
+    port: int | None = None,
+) -> list[Node]:
     """Starts one torchrun launch per folder (node K in folders[K]), `per_node` ranks each."""
     port = port or free_port()
     nodes = []
     for k, folder in enumerate(folders):
         (folder / "tmp").mkdir(parents=True, exist_ok=True)
-        node_env = {**os.environ, **(env or {}), "TMPDIR": str(folder / "tmp"), "OMP_NUM_THREADS": "1",
-                    "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(folders)}", f"--node-rank={k}",
-                   f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                   "--max-restarts=0", str(script), *args]
+        node_env = {
+            **os.environ,
+            **(env or {}),
+            "TMPDIR": str(folder / "tmp"),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={len(folders)}",
+            f"--node-rank={k}",
+            f"--nproc-per-node={per_node}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--max-restarts=0",
+            str(script),
+            *args,
+        ]
         out, err = open(folder / "stdout.log", "w"), open(folder / "stderr.log", "w")  # noqa: SIM115
-        nodes.append(Node(folder, subprocess.Popen(command, cwd=folder, env=node_env, stdout=out, stderr=err,
-                                                   start_new_session=True)))
+        nodes.append(
+            Node(
+                folder,
+                subprocess.Popen(
+                    command,
+                    cwd=folder,
+                    env=node_env,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                ),
+            )
+        )
     return nodes
 
 
@@ -107,11 +139,19 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def run_nodes(folders: list[Path], script: Path, *args: str, per_node: int = 2, timeout: float = 240,
-              env: dict | None = None) -> list[Node]:
+def run_nodes(
+    folders: list[Path],
+    script: Path,
+    *args: str,
+    per_node: int = 2,
+    timeout: float = 240,
+    env: dict | None = None,
+) -> list[Node]:
     return wait_nodes(start_nodes(folders, script, *args, per_node=per_node, env=env), timeout)
 
 
 def report(nodes: list[Node]) -> str:
-    return "\n".join(f"--- node {k} (rc {n.returncode})\n{n.stdout[-2000:]}\n{n.stderr[-4000:]}"
-                     for k, n in enumerate(nodes))
+    return "\n".join(
+        f"--- node {k} (rc {n.returncode})\n{n.stdout[-2000:]}\n{n.stderr[-4000:]}"
+        for k, n in enumerate(nodes)
+    )

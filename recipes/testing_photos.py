@@ -58,7 +58,9 @@ def plan_photos(images: int, *, classes: int = 10, seed: int = 0) -> list[PhotoS
         seed: the generator seed.
     """
     if images < 1 or classes < 1:
-        raise ValueError(f"`images` and `classes` must be positive, but are {images} and {classes} instead.")
+        raise ValueError(
+            f"`images` and `classes` must be positive, but are {images} and {classes} instead."
+        )
     rng = np.random.default_rng([seed, 30])
     kind = rng.random(images)
     long = np.where(kind < 0.62, 500, np.exp(rng.normal(np.log(400), 0.45, images)))
@@ -73,12 +75,19 @@ def plan_photos(images: int, *, classes: int = 10, seed: int = 0) -> list[PhotoS
     flags["cmyk"] &= ~flags["gray"]
     quality = rng.integers(75, 96, images)
     orientation = rng.integers(2, 9, images)
-    return [PhotoSpec(f"class_{i % classes:02d}/img_{i:04d}.jpg",
-                      int(short[i] if portrait[i] else long[i]), int(long[i] if portrait[i] else short[i]),
-                      "L" if flags["gray"][i] else "CMYK" if flags["cmyk"][i] else "RGB", int(quality[i]),
-                      0 if flags["chroma444"][i] else 2, bool(flags["progressive"][i]),
-                      int(orientation[i]) if flags["exif"][i] else 1)
-            for i in range(images)]
+    return [
+        PhotoSpec(
+            f"class_{i % classes:02d}/img_{i:04d}.jpg",
+            int(short[i] if portrait[i] else long[i]),
+            int(long[i] if portrait[i] else short[i]),
+            "L" if flags["gray"][i] else "CMYK" if flags["cmyk"][i] else "RGB",
+            int(quality[i]),
+            0 if flags["chroma444"][i] else 2,
+            bool(flags["progressive"][i]),
+            int(orientation[i]) if flags["exif"][i] else 1,
+        )
+        for i in range(images)
+    ]
 
 
 def _marked(rng: np.random.Generator, n: int, share: float) -> np.ndarray:
@@ -89,8 +98,14 @@ def _marked(rng: np.random.Generator, n: int, share: float) -> np.ndarray:
     return mask
 
 
-def make_photo_folder(root: str | Path, *, images: int = 720, classes: int = 10, seed: int = 0,
-                      processes: int | None = None) -> Path:
+def make_photo_folder(
+    root: str | Path,
+    *,
+    images: int = 720,
+    classes: int = 10,
+    seed: int = 0,
+    processes: int | None = None,
+) -> Path:
     """Writes the photographic set `plan_photos(images, classes=classes, seed=seed)` as an
     ImageFolder tree, `root/class_XX/img_YYYY.jpg`; the same bytes for the same seed.
 
@@ -114,8 +129,15 @@ def make_photo_folder(root: str | Path, *, images: int = 720, classes: int = 10,
     for folder in sorted({s.path.split("/")[0] for s in specs}):
         (root / folder).mkdir(parents=True, exist_ok=True)
     if processes is None:
-        processes = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) \
-            if images >= 64 else 0
+        processes = (
+            (
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1
+            )
+            if images >= 64
+            else 0
+        )
     jobs = [(root, spec, seed, i) for i, spec in enumerate(specs)]
     if processes <= 1:
         for job in jobs:
@@ -164,7 +186,9 @@ def photo_image(height: int, width: int, rng: np.random.Generator) -> np.ndarray
     scale = min(1.0, _WORK_SIDE / max(height, width))
     h, w = max(8, round(height * scale)), max(8, round(width * scale))
     mean = (rng.uniform(70, 170) + rng.normal(0, 20, 3)).astype(np.float32)
-    tint = (1 + rng.normal(0, 0.15, 3)).astype(np.float32)  # luminance moves all channels: correlated colour
+    tint = (1 + rng.normal(0, 0.15, 3)).astype(
+        np.float32
+    )  # luminance moves all channels: correlated colour
     image = mean + 30 * _pink((h, w), 2.2, rng)[..., None] * tint
     # chroma varies smoothly (opponent red-green and blue-yellow fields): made at 1/4 size
     ch, cw = max(8, h // 4), max(8, w // 4)
@@ -186,11 +210,15 @@ def photo_image(height: int, width: int, rng: np.random.Generator) -> np.ndarray
         tile = _pink((512, 512), 2.0, rng, low_cut=0.5 * scale)
         ty, tx = -(-height // 512), -(-width // 512)
         image += detail * np.tile(tile, (ty, tx))[:height, :width, None]
-    image += np.float32(rng.uniform(1, 4)) * rng.standard_normal((height, width, 1), np.float32)  # grain
+    image += np.float32(rng.uniform(1, 4)) * rng.standard_normal(
+        (height, width, 1), np.float32
+    )  # grain
     return np.clip(image, 0, 255).astype(np.uint8)
 
 
-def _pink(shape: tuple[int, int], exponent: float, rng: np.random.Generator, low_cut: float = 0.0) -> np.ndarray:
+def _pink(
+    shape: tuple[int, int], exponent: float, rng: np.random.Generator, low_cut: float = 0.0
+) -> np.ndarray:
     """A periodic float32 field of unit variance whose power falls as 1/f^`exponent` (zero
     below `low_cut` cycles per pixel)."""
     h, w = shape
@@ -199,7 +227,9 @@ def _pink(shape: tuple[int, int], exponent: float, rng: np.random.Generator, low
     amplitude[0, 0] = 0.0
     if low_cut:
         amplitude[f < low_cut] = 0.0
-    spectrum = rng.standard_normal((h, w // 2 + 1, 2), np.float32).view(np.complex64)[..., 0] * amplitude
+    spectrum = (
+        rng.standard_normal((h, w // 2 + 1, 2), np.float32).view(np.complex64)[..., 0] * amplitude
+    )
     field = np.fft.irfft2(spectrum, s=shape).astype(np.float32)
     return field / max(float(field.std()), 1e-6)
 
@@ -216,7 +246,9 @@ def _texture_pool() -> tuple[np.ndarray, ...]:
 @functools.lru_cache(maxsize=8)
 def _frequencies(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
     """The radial frequency (cycles per pixel) of each rfft2 coefficient, and its log (0 at DC)."""
-    f = np.hypot(np.fft.fftfreq(h).astype(np.float32)[:, None], np.fft.rfftfreq(w).astype(np.float32)[None])
+    f = np.hypot(
+        np.fft.fftfreq(h).astype(np.float32)[:, None], np.fft.rfftfreq(w).astype(np.float32)[None]
+    )
     f[0, 0] = 1.0
     return f, np.log(f)
 
@@ -230,12 +262,16 @@ def _stripes(rng: np.random.Generator) -> np.ndarray:
     across = np.abs(-fx * np.sin(angle) + fy * np.cos(angle))
     amplitude = np.exp(-((across / 0.01) ** 2)) / np.maximum(along, 1 / h)
     amplitude[0, 0] = 0.0
-    spectrum = (rng.standard_normal(amplitude.shape) + 1j * rng.standard_normal(amplitude.shape)) * amplitude
+    spectrum = (
+        rng.standard_normal(amplitude.shape) + 1j * rng.standard_normal(amplitude.shape)
+    ) * amplitude
     field = np.fft.irfft2(spectrum, s=(h, w)).astype(np.float32)
     return field / max(float(field.std()), 1e-6)
 
 
-def _add_shape(image: np.ndarray, textures: list[np.ndarray], mean: np.ndarray, rng: np.random.Generator) -> None:
+def _add_shape(
+    image: np.ndarray, textures: list[np.ndarray], mean: np.ndarray, rng: np.random.Generator
+) -> None:
     """Paints one occluding shape (ellipse, polygon or rectangle) in place: radius from a power
     law (the dead-leaves model of natural images), a flat colour near the scene's, a texture,
     a shading ramp, and a sharp or (30%) soft edge."""
@@ -246,7 +282,12 @@ def _add_shape(image: np.ndarray, textures: list[np.ndarray], mean: np.ndarray, 
     small, large = side / 40, side / 1.5  # radius density r^-2: many small leaves, a few large
     radius = max(2, int(1 / (1 / small - rng.random() * (1 / small - 1 / large))))
     cy, cx = int(rng.integers(0, h)), int(rng.integers(0, w))
-    y0, y1, x0, x1 = max(0, cy - radius), min(h, cy + radius + 1), max(0, cx - radius), min(w, cx + radius + 1)
+    y0, y1, x0, x1 = (
+        max(0, cy - radius),
+        min(h, cy + radius + 1),
+        max(0, cx - radius),
+        min(w, cx + radius + 1),
+    )
     mask = np.zeros((y1 - y0, x1 - x0), np.uint8)
     center = (cx - x0, cy - y0)
     form = rng.integers(0, 3)
@@ -255,9 +296,14 @@ def _add_shape(image: np.ndarray, textures: list[np.ndarray], mean: np.ndarray, 
         cv2.ellipse(mask, center, axes, float(rng.uniform(0, 180)), 0, 360, 255, -1, cv2.LINE_AA)
     else:
         corners = 4 if form == 1 else int(rng.integers(3, 8))
-        angles = np.sort(rng.uniform(0, 2 * np.pi, corners)) if form == 2 else \
-            rng.uniform(0, np.pi / 2) + np.arange(4) * np.pi / 2 + rng.uniform(-0.4, 0.4, 4)
-        points = np.stack([center[0] + radius * np.cos(angles), center[1] + radius * np.sin(angles)], 1)
+        angles = (
+            np.sort(rng.uniform(0, 2 * np.pi, corners))
+            if form == 2
+            else rng.uniform(0, np.pi / 2) + np.arange(4) * np.pi / 2 + rng.uniform(-0.4, 0.4, 4)
+        )
+        points = np.stack(
+            [center[0] + radius * np.cos(angles), center[1] + radius * np.sin(angles)], 1
+        )
         cv2.fillPoly(mask, [points.round().astype(np.int32)], 255, cv2.LINE_AA)
     alpha = mask.astype(np.float32) / 255
     if rng.random() < 0.3:
@@ -265,9 +311,13 @@ def _add_shape(image: np.ndarray, textures: list[np.ndarray], mean: np.ndarray, 
     texture = textures[int(rng.integers(0, len(textures)))]
     rows = (np.arange(y0, y1) + int(rng.integers(0, 256))) % 256
     cols = (np.arange(x0, x1) + int(rng.integers(0, 256))) % 256
-    colour = np.clip(mean * rng.uniform(0.4, 1.6) + rng.normal(0, 30, 3), 10, 245).astype(np.float32)
+    colour = np.clip(mean * rng.uniform(0.4, 1.6) + rng.normal(0, 30, 3), 10, 245).astype(
+        np.float32
+    )
     ramp = np.linspace(-1, 1, x1 - x0, dtype=np.float32)[None] * np.float32(rng.normal(0, 0.15))
-    paint = colour * (1 + np.float32(rng.uniform(0.1, 0.4)) * texture[rows][:, cols] + ramp)[..., None]
+    paint = (
+        colour * (1 + np.float32(rng.uniform(0.1, 0.4)) * texture[rows][:, cols] + ramp)[..., None]
+    )
     region = image[y0:y1, x0:x1]
     region += alpha[..., None] * (paint - region)
 

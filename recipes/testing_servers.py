@@ -49,8 +49,15 @@ class LocalHTTPServer:
         ...     fsspec.open(server.url("shard-0.bin")).open().read()
     """
 
-    def __init__(self, root: str | Path, *, latency: float = 0.0, bandwidth: float | None = None,
-                 fail_first: int = 0, truncate_first: int = 0):
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        latency: float = 0.0,
+        bandwidth: float | None = None,
+        fail_first: int = 0,
+        truncate_first: int = 0,
+    ):
         self.root = Path(root)
         self.latency, self.bandwidth = latency, bandwidth
         self.fail_first, self.truncate_first = fail_first, truncate_first
@@ -152,7 +159,9 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
             body = body[: len(body) // 2]  # announce all, send half, hang up
         self._send(body)
 
-    def _start_range(self, rel: str, data: bytes, start: int, end: str) -> tuple[bytes, bool] | None:
+    def _start_range(
+        self, rel: str, data: bytes, start: int, end: str
+    ) -> tuple[bytes, bool] | None:
         """Counts and delays a GET of `bytes=start-end`, then answers 503 (returns None) or
         sends the 206 status line and returns the range's bytes and whether to cut them short."""
         fixture = self.server.fixture
@@ -191,12 +200,19 @@ class ThrottlingProxy:
     For benchmarks of S3 clients against moto's server, which answers at memory speed.
 
     Example:
-        >>> with MotoS3Server() as s3, ThrottlingProxy(s3.port, latency=0.02, bandwidth=16 * 2**20) as proxy:
-        ...     options = s3.storage_options(port=proxy.port)
+        >>> with MotoS3Server() as s3:
+        ...     with ThrottlingProxy(s3.port, latency=0.02, bandwidth=16 * 2**20) as proxy:
+        ...         options = s3.storage_options(port=proxy.port)
     """
 
-    def __init__(self, target_port: int, *, latency: float = 0.0, bandwidth: float | None = None,
-                 target_host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        latency: float = 0.0,
+        bandwidth: float | None = None,
+        target_host: str = "127.0.0.1",
+    ):
         self.target = (target_host, target_port)
         self.latency, self.bandwidth = latency, bandwidth
         self._listener = None
@@ -228,8 +244,12 @@ class ThrottlingProxy:
                 continue
             for sock in (client, upstream):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._pump, args=(client, upstream, self.latency, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, 0.0, self.bandwidth), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(client, upstream, self.latency, None), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(upstream, client, 0.0, self.bandwidth), daemon=True
+            ).start()
 
     @staticmethod
     def _pump(source, sink, latency: float, bandwidth: float | None) -> None:
@@ -280,30 +300,64 @@ class MotoS3Server:
 
     def storage_options(self, port: int | None = None) -> dict:
         """s3fs options for this server, or for a proxy in front of it on `port`."""
-        return {**self.KEYS, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port or self.port}",
-                                               "region_name": "us-east-1"}}
+        return {
+            **self.KEYS,
+            "client_kwargs": {
+                "endpoint_url": f"http://127.0.0.1:{port or self.port}",
+                "region_name": "us-east-1",
+            },
+        }
 
     def client(self):
         import boto3
 
-        return boto3.client("s3", aws_access_key_id="testing", aws_secret_access_key="testing",
-                            endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            endpoint_url=f"http://127.0.0.1:{self.port}",
+            region_name="us-east-1",
+        )
 
 
 @contextlib.contextmanager
-def s3_store_process(folder: str | Path, names: list[str], *, bucket: str, latency: float = 0.0,
-                     bandwidth: float | None = None):
+def s3_store_process(
+    folder: str | Path,
+    names: list[str],
+    *,
+    bucket: str,
+    latency: float = 0.0,
+    bandwidth: float | None = None,
+):
     """moto's S3 server holding `folder`'s `names` in `bucket`, behind a `ThrottlingProxy`,
     in a process of its own (so that serving does not take the reader's GIL or CPU time in
     its own process). Yields the s3fs storage options that reach it through the proxy."""
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.testing_servers", str(folder), bucket, str(latency),
-                             str(bandwidth or 0), *names], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "recipes.testing_servers",
+            str(folder),
+            bucket,
+            str(latency),
+            str(bandwidth or 0),
+            *names,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline().split()
         if len(line) != 2:
             raise RuntimeError(f"the S3 store process failed to start (exit code {proc.poll()})")
-        yield {**MotoS3Server.KEYS, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{line[1]}",
-                                                      "region_name": "us-east-1"}}
+        yield {
+            **MotoS3Server.KEYS,
+            "client_kwargs": {
+                "endpoint_url": f"http://127.0.0.1:{line[1]}",
+                "region_name": "us-east-1",
+            },
+        }
     finally:
         proc.stdin.close()
         try:
@@ -313,8 +367,14 @@ def s3_store_process(folder: str | Path, names: list[str], *, bucket: str, laten
             proc.wait()
 
 
-def serve_s3_store(folder: str | Path, names: list[str], *, bucket: str, latency: float = 0.0,
-                   bandwidth: float | None = None) -> None:
+def serve_s3_store(
+    folder: str | Path,
+    names: list[str],
+    *,
+    bucket: str,
+    latency: float = 0.0,
+    bandwidth: float | None = None,
+) -> None:
     """The body of `s3_store_process`'s process: uploads `folder`'s `names` to `bucket` on a
     `MotoS3Server`, starts a `ThrottlingProxy` in front of it, prints "<store port> <proxy
     port>" and serves until stdin closes."""
@@ -329,6 +389,14 @@ def serve_s3_store(folder: str | Path, names: list[str], *, bucket: str, latency
             sys.stdin.read()  # until the parent closes it
 
 
-if __name__ == "__main__":  # python -m recipes.testing_servers FOLDER BUCKET LATENCY BANDWIDTH NAME...
+if (
+    __name__ == "__main__"
+):  # python -m recipes.testing_servers FOLDER BUCKET LATENCY BANDWIDTH NAME...
     _folder, _bucket, _latency, _bandwidth, *_names = sys.argv[1:]
-    serve_s3_store(_folder, _names, bucket=_bucket, latency=float(_latency), bandwidth=float(_bandwidth) or None)
+    serve_s3_store(
+        _folder,
+        _names,
+        bucket=_bucket,
+        latency=float(_latency),
+        bandwidth=float(_bandwidth) or None,
+    )

@@ -31,7 +31,9 @@ def _loaders_closed_in_teardown(monkeypatch):
     yield
     live = [iterator for iterator in created if not getattr(iterator, "_shutdown", True)]
     for iterator in live:
-        if getattr(iterator, "_worker_pids_set", False):  # a killed worker is expected now: no SIGCHLD error
+        if getattr(
+            iterator, "_worker_pids_set", False
+        ):  # a killed worker is expected now: no SIGCHLD error
             signal_handling._remove_worker_pids(id(iterator))
             iterator._worker_pids_set = False
         for worker in getattr(iterator, "_workers", []):

@@ -29,7 +29,9 @@ def dies_on_rank_1(make):
             if dist.get_rank() == 1 and calls[0] == 2:
                 os._exit(3)
             return inner(*a, **k)
+
         return call
+
     return wrapped
 
 
@@ -41,17 +43,32 @@ def main(work: str, mode: str) -> None:
     if mode == "die-audio":
         spectrogram_cache.featurizer = dies_on_rank_1(spectrogram_cache.featurizer)
     tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer", local_files_only=True)
-    tokens = build_token_cache(work / "texts.txt", tokenizer, work / "split" / "tokens", batch_size=7,
-                               progress=False, distributed=True)
+    tokens = build_token_cache(
+        work / "texts.txt",
+        tokenizer,
+        work / "split" / "tokens",
+        batch_size=7,
+        progress=False,
+        distributed=True,
+    )
     assert len(tokens) == len((work / "texts.txt").read_text().splitlines())
-    audio = ChunkedAudioDataset(sorted(map(str, (work / "audio").iterdir())), chunk_seconds=1.0,
-                                last_chunk="keep")
-    features = build_spectrogram_cache(audio, work / "split" / "features", n_mels=32, num_workers=1,
-                                       progress=False, distributed=True)
+    audio = ChunkedAudioDataset(
+        sorted(map(str, (work / "audio").iterdir())), chunk_seconds=1.0, last_chunk="keep"
+    )
+    features = build_spectrogram_cache(
+        audio,
+        work / "split" / "features",
+        n_mels=32,
+        num_workers=1,
+        progress=False,
+        distributed=True,
+    )
     assert len(features) == len(audio)
     if mode == "ok":
         images = ImageFolderFast(work / "tree", size=64)
-        build_image_cache(images, work / "split" / "images", num_workers=0, progress=False, distributed=True)
+        build_image_cache(
+            images, work / "split" / "images", num_workers=0, progress=False, distributed=True
+        )
         assert images[0][0].shape == (3, 64, 64)
     dist.barrier()
     dist.destroy_process_group()

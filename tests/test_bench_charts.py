@@ -46,26 +46,39 @@ def valid_files(folder: Path, name: str) -> Chart:
     return read_chart(png)
 
 
-def assert_chart_is_table(chart: Chart, heading: str, cells: list[list[str]], value_format: str, value_col: int,
-                          ratio_col: int) -> None:
+def assert_chart_is_table(
+    chart: Chart,
+    heading: str,
+    cells: list[list[str]],
+    value_format: str,
+    value_col: int,
+    ratio_col: int,
+) -> None:
     assert chart.title == heading
     assert list(chart.names) == [row[0] for row in cells]
     assert [value_format.format(v) for v in chart.values] == [row[value_col] for row in cells]
-    assert [chart.ratio_format.format(r) for r in chart.ratios()] == [row[ratio_col] for row in cells]
+    assert [chart.ratio_format.format(r) for r in chart.ratios()] == [
+        row[ratio_col] for row in cells
+    ]
 
 
 def test_a_measured_tables_chart_is_the_printed_table(tmp_path, capsys):
     data = TensorDataset(torch.arange(512.0))
-    rows = [measure(f"batches of {size}", DataLoader(data, batch_size=size)) for size in (4, 32, 128)]
+    rows = [
+        measure(f"batches of {size}", DataLoader(data, batch_size=size)) for size in (4, 32, 128)
+    ]
     heading = "toy: one epoch of 512 numbers, three batch sizes"
     show_table(heading, rows, unit="numbers/s", baseline=1, plot=tmp_path, name="toy")
     chart = valid_files(tmp_path, "toy")
     assert chart.baseline == 1 and chart.unit == "numbers/s"
     # format_table prints the rate as {:,.1f} in column 1 and the ratio in column 2
-    assert_chart_is_table(chart, heading, printed_tables(capsys.readouterr().out)[heading], "{:,.1f}", 1, 2)
+    assert_chart_is_table(
+        chart, heading, printed_tables(capsys.readouterr().out)[heading], "{:,.1f}", 1, 2
+    )
 
 
-@pytest.mark.slow  # 2 s: the chart-equals-table check runs in the fast tier above; this is the CLI's path
+# 2 s: the chart-equals-table check runs in the fast tier above; this is the CLI's path
+@pytest.mark.slow
 def test_bench_common_plot_writes_its_table_as_a_chart(tmp_path, capsys):
     assert main(["bench", "common", "--paths", "20000", "--plot", str(tmp_path / "charts")]) == 0
     [(heading, cells)] = printed_tables(capsys.readouterr().out).items()
@@ -85,7 +98,9 @@ def test_plot_goes_before_or_after_the_domain_and_through_a_bare_bench(tmp_path)
 
 def test_without_matplotlib_plot_fails_at_once_saying_how_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert main(["bench", "common", "--paths", "1000000", "--plot", str(tmp_path)]) == 1  # before measuring
+    assert (
+        main(["bench", "common", "--paths", "1000000", "--plot", str(tmp_path)]) == 1
+    )  # before measuring
     assert 'pip install "loader-recipes[plot]"' in capsys.readouterr().err
     with pytest.raises(ImportError, match=r'pip install "loader-recipes\[plot\]"'):
         write_chart(Chart("c", "t", "u", ("a",), (1.0,)), tmp_path)
@@ -96,7 +111,9 @@ def test_a_folder_that_takes_no_file_fails_before_measuring(tmp_path, capsys):
     would be) stops the benchmark before its minutes of measuring, naming the folder."""
     (tmp_path / "file").write_text("")
     folder = tmp_path / "file" / "charts"
-    assert main(["bench", "common", "--paths", "1000000", "--plot", str(folder)]) == 1  # before measuring
+    assert (
+        main(["bench", "common", "--paths", "1000000", "--plot", str(folder)]) == 1
+    )  # before measuring
     err = capsys.readouterr().err
     assert str(folder) in err and "cannot be written" in err
 
@@ -115,13 +132,35 @@ def test_a_chart_names_what_is_wrong_with_it(tmp_path):
 def test_bench_train_plot_writes_the_tables_chart_and_each_runs_timeline(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     out = subprocess.run(
-        [sys.executable, "-m", "recipes", "bench", "train", "--domain", "nlp", "--steps", "4", "--samples", "400",
-         "--batch-size", "8", "--plot", str(tmp_path / "charts")],
-        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "recipes",
+            "bench",
+            "train",
+            "--domain",
+            "nlp",
+            "--steps",
+            "4",
+            "--samples",
+            "400",
+            "--batch-size",
+            "8",
+            "--plot",
+            str(tmp_path / "charts"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     [(heading, cells)] = printed_tables(out.stdout).items()
     chart = valid_files(tmp_path / "charts", "train-nlp")
-    alone = re.search(r"model alone \(batch resident on the device\): ([\d,.]+) tokens/s", out.stdout).group(1)
+    alone = re.search(
+        r"model alone \(batch resident on the device\): ([\d,.]+) tokens/s", out.stdout
+    ).group(1)
     assert f"{chart.values[0]:,.1f}" == alone and chart.ratio_format == "{:.0%}"
     # the table's rows follow the model alone: rate in column 2, "of model alone" in column 3
     assert chart.title == heading and list(chart.names[1:]) == [row[0] for row in cells]

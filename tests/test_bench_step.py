@@ -7,15 +7,39 @@ import pytest
 def test_recipes_bench_step_prints_every_path_beside_every_step(capsys):
     from recipes.cli import main
 
-    assert main(["bench", "step", "--images", "96", "--size", "96", "--batch-size", "16", "--batches", "24",
-                 "--gil", "0,3"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "step",
+                "--images",
+                "96",
+                "--size",
+                "96",
+                "--batch-size",
+                "16",
+                "--batches",
+                "24",
+                "--gil",
+                "0,3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and " ms of " in line]
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.splitlines()
+        if line.startswith("| ") and " ms of " in line
+    ]
     assert len(rows) == 12  # 2 steps holding the GIL and the longest off it, x 4 paths
     assert sum("off the GIL" in r[0] for r in rows) == 4
-    assert {r[1].strip() for r in rows} == {"make_loader default", "isolated threads (path='isolated')",
-                                            "in-process threads (path='threads')",
-                                            "2 worker processes (path='workers')"}
+    assert {r[1].strip() for r in rows} == {
+        "make_loader default",
+        "isolated threads (path='isolated')",
+        "in-process threads (path='threads')",
+        "2 worker processes (path='workers')",
+    }
     for r in rows:
         assert float(r[2].replace(",", "")) > 0 and 0 < float(r[4].strip().rstrip("%")) <= 200
         assert 0 < float(r[5].strip().rstrip("%")) <= 100  # the CPU ceiling, of ideal
@@ -38,6 +62,7 @@ def test_the_simulated_step_holds_the_gil_for_its_share_and_sleeps_the_rest():
     thread = threading.Thread(target=spin)
     thread.start()
     try:
+
         def share(step):
             counts[0] = 0
             start, cpu = time.perf_counter(), time.thread_time()
@@ -57,4 +82,6 @@ def test_the_simulated_step_holds_the_gil_for_its_share_and_sleeps_the_rest():
     # The held steps are a fixed amount of work: 4 ms of the loop thread's CPU each, however
     # often the other thread takes the GIL meanwhile (the step then lasts longer, as a real one).
     assert cpus[1] >= 0.08 and cpus[2] >= 0.08 and cpus[0] < 0.04
-    assert held < free and held < off  # the GIL held for the whole step leaves the other thread less
+    assert (
+        held < free and held < off
+    )  # the GIL held for the whole step leaves the other thread less

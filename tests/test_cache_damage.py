@@ -40,7 +40,9 @@ def tokenizer(texts):
 
 @pytest.fixture(scope="module")
 def audio(tmp_path_factory):
-    return make_audio_files(tmp_path_factory.mktemp("audio"), seconds=[1.2, 0.5], sample_rate=16000, seed=2)
+    return make_audio_files(
+        tmp_path_factory.mktemp("audio"), seconds=[1.2, 0.5], sample_rate=16000, seed=2
+    )
 
 
 def _flip(path, offset, mask=1):
@@ -65,9 +67,15 @@ def test_a_flipped_byte_in_the_eval_view_raises_naming_it(tree, tmp_path):
     fresh = ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)
     assert torch.equal(fresh[2][0], fresh.eval_record(2))
     rows = np.zeros((48, 48, 3), np.uint8)
-    for read in (lambda: fresh[3], lambda: fresh.read_batch([2, 3], np.random.default_rng(0)),
-                 lambda: fresh.__getitems__([3]), lambda: fresh.eval_view.read_into([rows[r] for r in range(48)], 3)):
-        with pytest.raises(ImageCacheError, match=r"eval-48x48-crop0.875.bin is damaged: image 3 has checksum"):
+    for read in (
+        lambda: fresh[3],
+        lambda: fresh.read_batch([2, 3], np.random.default_rng(0)),
+        lambda: fresh.__getitems__([3]),
+        lambda: fresh.eval_view.read_into([rows[r] for r in range(48)], 3),
+    ):
+        with pytest.raises(
+            ImageCacheError, match=r"eval-48x48-crop0.875.bin is damaged: image 3 has checksum"
+        ):
             read()
 
 
@@ -95,7 +103,11 @@ def test_first_read_is_per_process_and_always_sees_later_damage(tree, tmp_path):
         ImageCache.open(ds.cache.path, verify="sometimes")
     cache.read(0)
     flags = cache.checks._flags()
-    assert isinstance(flags, np.ndarray) and flags.dtype == bool and flags.tolist() == [True] + [False] * 5
+    assert (
+        isinstance(flags, np.ndarray)
+        and flags.dtype == bool
+        and flags.tolist() == [True] + [False] * 5
+    )
     _flip(cache.path / "images.bin", 10)  # after image 0's first read in this process
     cache.read(0)  # first_read: verified once per process, not again
     pid = os.fork()
@@ -135,19 +147,42 @@ def test_a_flipped_feature_raises_naming_features_bin(audio, tmp_path):
 
 # ---- item 8: a damaged header is "damaged", not "built from other inputs" -------------------
 @pytest.mark.parametrize("kind", ["image", "token", "spectrogram"])
-def test_a_bit_flip_in_the_header_is_reported_as_damaged(kind, tree, texts, tokenizer, audio, tmp_path):
+def test_a_bit_flip_in_the_header_is_reported_as_damaged(
+    kind, tree, texts, tokenizer, audio, tmp_path
+):
     if kind == "image":
-        folder, opener, error = _eval_cache(tree, tmp_path).cache.path, ImageCache.open, ImageCacheError
+        folder, opener, error = (
+            _eval_cache(tree, tmp_path).cache.path,
+            ImageCache.open,
+            ImageCacheError,
+        )
         fingerprint = json.loads((folder / "header.json").read_text())["fingerprint"]
     elif kind == "token":
         cache = build_token_cache(texts, tokenizer, tmp_path / "c", progress=False)
-        folder, opener, error, fingerprint = cache.path, TokenCache.open, TokenCacheError, cache.fingerprint
+        folder, opener, error, fingerprint = (
+            cache.path,
+            TokenCache.open,
+            TokenCacheError,
+            cache.fingerprint,
+        )
     else:
-        cache = build_spectrogram_cache(ChunkedAudioDataset(audio, chunk_seconds=0.25), tmp_path / "c", n_mels=16,
-                                        num_workers=0, progress=False)
-        folder, opener, error, fingerprint = cache.path, SpectrogramCache.open, SpectrogramCacheError, cache.fingerprint
+        cache = build_spectrogram_cache(
+            ChunkedAudioDataset(audio, chunk_seconds=0.25),
+            tmp_path / "c",
+            n_mels=16,
+            num_workers=0,
+            progress=False,
+        )
+        folder, opener, error, fingerprint = (
+            cache.path,
+            SpectrogramCache.open,
+            SpectrogramCacheError,
+            cache.fingerprint,
+        )
     text = (folder / "header.json").read_text()
-    at = text.index(fingerprint) + 3  # a bit of the fingerprint: used to read "built from other inputs"
+    at = (
+        text.index(fingerprint) + 3
+    )  # a bit of the fingerprint: used to read "built from other inputs"
     _flip(folder / "header.json", at)
     with pytest.raises(error, match="header.json is damaged") as caught:
         opener(folder, fingerprint=fingerprint)
@@ -156,7 +191,9 @@ def test_a_bit_flip_in_the_header_is_reported_as_damaged(kind, tree, texts, toke
     with pytest.raises(error, match="header.json is damaged"):
         opener(folder, fingerprint=fingerprint)
     old = {k: v for k, v in json.loads(text).items() if k != "header_sha256"}
-    (folder / "header.json").write_text(json.dumps({**old, "version": old["version"] - 1}))  # an older format
+    (folder / "header.json").write_text(
+        json.dumps({**old, "version": old["version"] - 1})
+    )  # an older format
     with pytest.raises(error, match=r"holds format .* v\d+, expected"):
         opener(folder, fingerprint=fingerprint)
 
@@ -167,25 +204,35 @@ def test_a_missing_or_damaged_eval_view_warns_naming_it(tree, tmp_path):
     header = ds.cache.path / "eval-48x48-crop0.875.json"
     _flip(header, 20)
     fresh = ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)
-    with pytest.warns(UserWarning, match=r"No usable eval view eval-48x48-crop0.875 in .*: eval-48x48-crop0.875.json "
-                                         r"is damaged.*5x slower.*build_image_cache\(dataset\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"No usable eval view eval-48x48-crop0.875 in .*: eval-48x48-crop0.875.json "
+        r"is damaged.*5x slower.*build_image_cache\(dataset\)",
+    ):
         assert fresh[0][0].shape == (3, 48, 48)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh[1]  # once
     fresh.set_resolution(32)
-    with pytest.warns(UserWarning, match=r"No usable eval view eval-32x32-crop0.875 .*there is no "
-                                         r"eval-32x32-crop0.875.json.*recipes cache vision ROOT CACHE_DIR --size 32"):
+    with pytest.warns(
+        UserWarning,
+        match=r"No usable eval view eval-32x32-crop0.875 .*there is no "
+        r"eval-32x32-crop0.875.json.*recipes cache vision ROOT CACHE_DIR --size 32",
+    ):
         fresh[0]
     sums = ds.cache.path / "eval-48x48-crop0.875.sums"
     build_image_cache(fresh, tmp_path, num_workers=0, progress=False)  # rebuilds the view at 32
     _flip(sums, 3)
-    view, why = find_eval_view(ds.cache.path, ds.cache.fingerprint, 6, (48, 48), 0.875, ImageCacheError)
+    view, why = find_eval_view(
+        ds.cache.path, ds.cache.fingerprint, 6, (48, 48), 0.875, ImageCacheError
+    )
     assert view is None and "damaged" in why
 
 
 # ---- recipes cache verify DIR ----------------------------------------------------------------
-def test_cache_verify_names_damaged_items_and_exits_non_zero(tree, texts, tokenizer, tmp_path, capsys):
+def test_cache_verify_names_damaged_items_and_exits_non_zero(
+    tree, texts, tokenizer, tmp_path, capsys
+):
     ds = _eval_cache(tree, tmp_path / "images")
     tokens = build_token_cache(texts, tokenizer, tmp_path / "tokens", progress=False)
     assert main(["cache", "verify", str(tmp_path / "images")]) == 0
@@ -196,7 +243,10 @@ def test_cache_verify_names_damaged_items_and_exits_non_zero(tree, texts, tokeni
     _flip(tmp_path / "tokens" / "tokens.bin", int(tokens.offsets[7]) * 2)
     assert main(["cache", "verify", str(tmp_path / "images")]) == 1
     out = capsys.readouterr().out
-    assert "images.bin: 1 of 6 images damaged: 2" in out and "eval-48x48-crop0.875.bin: 1 of 6 images damaged: 5" in out
+    assert (
+        "images.bin: 1 of 6 images damaged: 2" in out
+        and "eval-48x48-crop0.875.bin: 1 of 6 images damaged: 5" in out
+    )
     assert main(["cache", "verify", str(tmp_path / "tokens")]) == 1
     assert "tokens.bin: 1 of 41 samples damaged: 7" in capsys.readouterr().out
     _flip(tmp_path / "tokens" / "offsets.bin", 9)
@@ -211,40 +261,69 @@ def _kind(kind, tree, texts, tokenizer, audio, folder):
     flips a byte of item `at` of the built cache's data file; `read` reads that item freshly."""
     if kind == "image":
         files = ImageFolderFast(tree, size=48, max_side=96, train=True)  # the uncached decode
-        return (lambda: build_image_cache(ImageFolderFast(tree, size=48, max_side=96, train=True), folder,
-                                          num_workers=0, progress=False),
-                lambda c: [c.read(i) for i in range(c.count)], [files.cache_record(i)[0] for i in range(6)],
-                lambda c: _flip(c.path / "images.bin", int(c.offsets[4]) + 7), lambda c: ImageCache.open(c.path).read(4),
-                ImageCache.open, ImageCacheError, r"images.bin image 4 .*build_image_cache\(\)")
+        return (
+            lambda: build_image_cache(
+                ImageFolderFast(tree, size=48, max_side=96, train=True),
+                folder,
+                num_workers=0,
+                progress=False,
+            ),
+            lambda c: [c.read(i) for i in range(c.count)],
+            [files.cache_record(i)[0] for i in range(6)],
+            lambda c: _flip(c.path / "images.bin", int(c.offsets[4]) + 7),
+            lambda c: ImageCache.open(c.path).read(4),
+            ImageCache.open,
+            ImageCacheError,
+            r"images.bin image 4 .*build_image_cache\(\)",
+        )
     if kind == "token":
-        return (lambda: build_token_cache(texts, tokenizer, folder, progress=False),
-                lambda c: [c[i]["input_ids"].tolist() for i in range(len(c))], tokenizer(texts)["input_ids"],
-                lambda c: _flip(c.path / "tokens.bin", int(c.offsets[5]) * 2), lambda c: TokenCache.open(c.path)[5],
-                TokenCache.open, TokenCacheError, r"tokens.bin sample 5 .*build_token_cache\(\)")
+        return (
+            lambda: build_token_cache(texts, tokenizer, folder, progress=False),
+            lambda c: [c[i]["input_ids"].tolist() for i in range(len(c))],
+            tokenizer(texts)["input_ids"],
+            lambda c: _flip(c.path / "tokens.bin", int(c.offsets[5]) * 2),
+            lambda c: TokenCache.open(c.path)[5],
+            TokenCache.open,
+            TokenCacheError,
+            r"tokens.bin sample 5 .*build_token_cache\(\)",
+        )
     ds = ChunkedAudioDataset(audio, chunk_seconds=0.25)
     mel = featurizer(ds.sample_rate, n_fft=400, hop_length=160, n_mels=16, log=True)  # on the fly
-    return (lambda: build_spectrogram_cache(ds, folder, n_mels=16, num_workers=0, progress=False),
-            lambda c: [c[i][0].numpy() for i in range(len(c))],
-            [mel(ds[i][0]).numpy().astype(np.float16).astype(np.float32) for i in range(len(ds))],
-            lambda c: _flip(c.path / "features.bin", int(c.offsets[2]) * 16 * 2 + 5),
-            lambda c: SpectrogramCache.open(c.path)[2], SpectrogramCache.open, SpectrogramCacheError,
-            r"features.bin item 2 .*build_spectrogram_cache\(\)")
+    return (
+        lambda: build_spectrogram_cache(ds, folder, n_mels=16, num_workers=0, progress=False),
+        lambda c: [c[i][0].numpy() for i in range(len(c))],
+        [mel(ds[i][0]).numpy().astype(np.float16).astype(np.float32) for i in range(len(ds))],
+        lambda c: _flip(c.path / "features.bin", int(c.offsets[2]) * 16 * 2 + 5),
+        lambda c: SpectrogramCache.open(c.path)[2],
+        SpectrogramCache.open,
+        SpectrogramCacheError,
+        r"features.bin item 2 .*build_spectrogram_cache\(\)",
+    )
 
 
 def _assert_served(served, expected):
     assert len(served) == len(expected)
-    assert all(np.array_equal(np.asarray(got), np.asarray(want)) for got, want in zip(served, expected, strict=True))
+    assert all(
+        np.array_equal(np.asarray(got), np.asarray(want))
+        for got, want in zip(served, expected, strict=True)
+    )
 
 
 @pytest.mark.parametrize("found_by", ["read", "verify"])
 @pytest.mark.parametrize("kind", ["image", "token", "spectrogram"])
-def test_damage_found_makes_the_build_function_rebuild(kind, found_by, tree, texts, tokenizer, audio, tmp_path, capsys):
+def test_damage_found_makes_the_build_function_rebuild(
+    kind, found_by, tree, texts, tokenizer, audio, tmp_path, capsys
+):
     folder = tmp_path / "c"
-    build, served, expected, damage, read, opener, error, hint = _kind(kind, tree, texts, tokenizer, audio, folder)
+    build, served, expected, damage, read, opener, error, hint = _kind(
+        kind, tree, texts, tokenizer, audio, folder
+    )
     cache = build()
     damage(cache)
     if found_by == "read":
-        with pytest.raises(error, match=r"is damaged: .*Rebuild the cache with build_.*which replaces it"):
+        with pytest.raises(
+            error, match=r"is damaged: .*Rebuild the cache with build_.*which replaces it"
+        ):
             read(cache)
     else:
         assert main(["cache", "verify", str(folder)]) == 1
@@ -265,16 +344,29 @@ def test_a_damaged_eval_view_is_rebuilt_alone(found_by, tree, tmp_path, capsys):
     before = images.stat().st_ino
     _flip(view, 3 * 48 * 48 * 3 + 100)  # image 3
     if found_by == "read":
-        with pytest.raises(ImageCacheError, match=r"eval-48x48-crop0.875.bin is damaged: image 3.*which replaces it"):
+        with pytest.raises(
+            ImageCacheError,
+            match=r"eval-48x48-crop0.875.bin is damaged: image 3.*which replaces it",
+        ):
             ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)[3]
     else:
         assert main(["cache", "verify", str(tmp_path)]) == 1
-        assert "eval-48x48-crop0.875.bin: 1 of 6 images damaged: 3; recorded" in capsys.readouterr().out
-    fresh = ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)  # the whole images stay usable
-    with pytest.warns(UserWarning, match=r"eval-48x48-crop0.875 in .*: damaged: eval-48x48-crop0.875.bin image 3 failed"):
+        assert (
+            "eval-48x48-crop0.875.bin: 1 of 6 images damaged: 3; recorded"
+            in capsys.readouterr().out
+        )
+    fresh = ImageFolderFast(
+        tree, size=48, max_side=96, cache_dir=tmp_path
+    )  # the whole images stay usable
+    with pytest.warns(
+        UserWarning,
+        match=r"eval-48x48-crop0.875 in .*: damaged: eval-48x48-crop0.875.bin image 3 failed",
+    ):
         assert fresh.eval_view is None
     build_image_cache(fresh, tmp_path, num_workers=0, progress=False)
-    assert images.stat().st_ino == before and not (ds.cache.path / "damaged.json").exists()  # the view alone
+    assert (
+        images.stat().st_ino == before and not (ds.cache.path / "damaged.json").exists()
+    )  # the view alone
     files = ImageFolderFast(tree, size=48, max_side=96)  # uncached: the full decode
     again = ImageFolderFast(tree, size=48, max_side=96, cache_dir=tmp_path)
     assert again.eval_view is not None
@@ -282,14 +374,19 @@ def test_a_damaged_eval_view_is_rebuilt_alone(found_by, tree, tmp_path, capsys):
     assert main(["cache", "verify", str(tmp_path)]) == 0
 
 
-def test_damage_that_cannot_be_recorded_says_to_remove_the_folder(texts, tokenizer, tmp_path, monkeypatch):
+def test_damage_that_cannot_be_recorded_says_to_remove_the_folder(
+    texts, tokenizer, tmp_path, monkeypatch
+):
     cache = build_token_cache(texts, tokenizer, tmp_path / "c", progress=False)
     _flip(tmp_path / "c" / "tokens.bin", int(cache.offsets[5]) * 2)
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
+
     monkeypatch.setattr("recipes.common.caches.cache_checks.tempfile.mkstemp", read_only)
-    with pytest.raises(TokenCacheError, match=r"could not be recorded \(.*Permission denied\): remove .*c, then"):
+    with pytest.raises(
+        TokenCacheError, match=r"could not be recorded \(.*Permission denied\): remove .*c, then"
+    ):
         TokenCache.open(tmp_path / "c")[5]
     assert not (tmp_path / "c" / "damaged.json").exists()
 
@@ -321,7 +418,9 @@ def _fuzz(folder, opener, error, serve, expected, trials, tmp_path, seed):
                 assert str(copy) in str(why), why
                 outcomes["raised"] += 1
                 continue
-            assert np.array_equal(got, want), f"trial {trial}: {name} flipped, item {i} served changed"
+            assert np.array_equal(got, want), (
+                f"trial {trial}: {name} flipped, item {i} served changed"
+            )
             outcomes["served"] += 1
         shutil.rmtree(copy.parent)
     assert outcomes["refused"] and outcomes["raised"] and outcomes["served"], outcomes
@@ -331,9 +430,12 @@ def _fuzz(folder, opener, error, serve, expected, trials, tmp_path, seed):
 def _image_fuzz(tree, tmp_path, trials):
     ds = _eval_cache(tree, tmp_path / "build")
     folder, fingerprint = ds.cache.path, ds.cache.fingerprint
-    files = ImageFolderFast(tree, size=48, max_side=96)  # the uncached decode: independent of the cache
-    expected = [files.cache_record(i)[0] for i in range(6)] + [files.eval_record(i).permute(1, 2, 0).numpy()
-                                                                for i in range(6)]
+    files = ImageFolderFast(
+        tree, size=48, max_side=96
+    )  # the uncached decode: independent of the cache
+    expected = [files.cache_record(i)[0] for i in range(6)] + [
+        files.eval_record(i).permute(1, 2, 0).numpy() for i in range(6)
+    ]
 
     def opener(path):
         cache = ImageCache.open(path, fingerprint=fingerprint)
@@ -353,21 +455,41 @@ def _image_fuzz(tree, tmp_path, trials):
 def _token_fuzz(texts, tokenizer, tmp_path, trials):
     cache = build_token_cache(texts, tokenizer, tmp_path / "build", progress=False)
     expected = [np.array(ids) for ids in tokenizer(texts)["input_ids"]]  # direct tokenization
-    _fuzz(cache.path, lambda p: TokenCache.open(p, fingerprint=cache.fingerprint), TokenCacheError,
-          lambda c, i: c[i]["input_ids"].numpy(), expected, trials, tmp_path, seed=2)
+    _fuzz(
+        cache.path,
+        lambda p: TokenCache.open(p, fingerprint=cache.fingerprint),
+        TokenCacheError,
+        lambda c, i: c[i]["input_ids"].numpy(),
+        expected,
+        trials,
+        tmp_path,
+        seed=2,
+    )
 
 
 def _spectrogram_fuzz(audio, tmp_path, trials):
     ds = ChunkedAudioDataset(audio, chunk_seconds=0.25)
-    cache = build_spectrogram_cache(ds, tmp_path / "build", n_mels=16, num_workers=0, progress=False)
+    cache = build_spectrogram_cache(
+        ds, tmp_path / "build", n_mels=16, num_workers=0, progress=False
+    )
     mel = featurizer(ds.sample_rate, n_fft=400, hop_length=160, n_mels=16, log=True)  # on the fly
     expected = [mel(ds[i][0]).numpy().astype(np.float16).astype(np.float32) for i in range(len(ds))]
-    _fuzz(cache.path, lambda p: SpectrogramCache.open(p, fingerprint=cache.fingerprint), SpectrogramCacheError,
-          lambda c, i: c[i][0].numpy(), expected, trials, tmp_path, seed=3)
+    _fuzz(
+        cache.path,
+        lambda p: SpectrogramCache.open(p, fingerprint=cache.fingerprint),
+        SpectrogramCacheError,
+        lambda c, i: c[i][0].numpy(),
+        expected,
+        trials,
+        tmp_path,
+        seed=3,
+    )
 
 
 @pytest.mark.parametrize("kind", ["image", "token", "spectrogram"])
-def test_fuzz_random_bit_flips_in_every_cache_file_are_never_served(kind, tree, texts, tokenizer, audio, tmp_path):
+def test_fuzz_random_bit_flips_in_every_cache_file_are_never_served(
+    kind, tree, texts, tokenizer, audio, tmp_path
+):
     trials = {"image": 40, "token": 40, "spectrogram": 30}[kind]
     _run_fuzz(kind, tree, texts, tokenizer, audio, tmp_path, trials)
 

@@ -40,13 +40,17 @@ def _token_cache(tmp):
     from recipes.nlp import build_token_cache
 
     texts = make_text_corpus(40, seed=1)
-    return build_token_cache(texts, train_tokenizer(texts, vocab_size=300), tmp / "tok", progress=False)
+    return build_token_cache(
+        texts, train_tokenizer(texts, vocab_size=300), tmp / "tok", progress=False
+    )
 
 
 def _audio_windows(tmp):
     from recipes.audio import ChunkedAudioDataset
 
-    return ChunkedAudioDataset(make_audio_files(tmp / "wav", seconds=[2.5, 1.0], sample_rate=8000), chunk_seconds=1.0)
+    return ChunkedAudioDataset(
+        make_audio_files(tmp / "wav", seconds=[2.5, 1.0], sample_rate=8000), chunk_seconds=1.0
+    )
 
 
 def _spectrograms(tmp):
@@ -55,8 +59,13 @@ def _spectrograms(tmp):
     return build_spectrogram_cache(_audio_windows(tmp), tmp / "mel", num_workers=0, progress=False)
 
 
-DATASETS = {"ImageFolderFast": _image_folder, "ImageFolderFast+cache": _image_cache, "TokenCache": _token_cache,
-            "ChunkedAudioDataset": _audio_windows, "SpectrogramCache": _spectrograms}
+DATASETS = {
+    "ImageFolderFast": _image_folder,
+    "ImageFolderFast+cache": _image_cache,
+    "TokenCache": _token_cache,
+    "ChunkedAudioDataset": _audio_windows,
+    "SpectrogramCache": _spectrograms,
+}
 
 
 def _same(a, b):
@@ -82,7 +91,9 @@ def test_dataset_contract(tmp_path, name):
     loader = DataLoader(ds, batch_size=3, num_workers=2, collate_fn=_identity)
     from_workers = [item for batch in loader for item in batch]
     assert len(from_workers) == len(main)
-    assert all(_same(a, b) for a, b in zip(from_workers, main, strict=True)), "workers disagree with the main process"
+    assert all(_same(a, b) for a, b in zip(from_workers, main, strict=True)), (
+        "workers disagree with the main process"
+    )
 
 
 def _sampler(**kw):

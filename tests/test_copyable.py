@@ -1,11 +1,11 @@
 """Recipe files copy on their own. Each library file names, in its header, the other project
-files it needs (`Copy with: common/caches/cache_files.py, vision/decoding/decode.py.`). This test reads that
-line and checks it two ways: statically, every `recipes.*` import the file and its copy set
-make (outside `try: ... except ImportError:` and `if TYPE_CHECKING:`) must land inside the
-declared set, and the set must be exactly what the imports reach; and by running it: exactly
-those files are copied into an empty folder, their imports rewritten to plain module imports,
-and imported (the recipes, also exercised; every file, in the fast tier) in a process where the `recipes` package cannot
-be imported at all. What a user must read to adapt a recipe is its lines, not its file count.
+files it needs (`Copy with: common/caches/cache_files.py, vision/decoding/decode.py.`). This test
+reads that line and checks it two ways: statically, every `recipes.*` import the file and its copy
+set make (outside `try: ... except ImportError:` and `if TYPE_CHECKING:`) must land inside the
+declared set, and the set must be exactly what the imports reach; and by running it: exactly those
+files are copied into an empty folder, their imports rewritten to plain module imports, and imported
+(the recipes, also exercised; every file, in the fast tier) in a process where the `recipes` package
+cannot be imported at all. What a user must read to adapt a recipe is its lines, not its file count.
 
 The copies run in children forked from one process that imported the third-party libraries
 (torch, numpy, OpenCV, transformers, soundfile) and nothing of `recipes`: each copy starts in a
@@ -24,7 +24,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOMAINS = ("common", "vision", "nlp", "audio")
-LIBRARY = sorted(str(p.relative_to(ROOT)) for d in DOMAINS for p in (ROOT / d).rglob("*.py") if p.name != "__init__.py")
+LIBRARY = sorted(
+    str(p.relative_to(ROOT))
+    for d in DOMAINS
+    for p in (ROOT / d).rglob("*.py")
+    if p.name != "__init__.py"
+)
 # Training templates run against the installed package (`recipes template vision > train.py`).
 PACKAGE = "the installed recipes package"
 
@@ -50,8 +55,11 @@ SMOKE = {
         from sharded_dataset import ShardedIterableDataset
         paths = []
         for s in range(3):
-            Path(f"s{s}.txt").write_text(" ".join(str(10 * s + i) for i in range(4))); paths.append(f"s{s}.txt")
-        ds = ShardedIterableDataset(paths, lambda p: [int(x) for x in Path(p).read_text().split()], rank=0, world_size=1)
+            Path(f"s{s}.txt").write_text(" ".join(str(10 * s + i) for i in range(4)))
+            paths.append(f"s{s}.txt")
+        def read(p):
+            return [int(x) for x in Path(p).read_text().split()]
+        ds = ShardedIterableDataset(paths, read, rank=0, world_size=1)
         assert sorted(ds) == sorted(10 * s + i for s in range(3) for i in range(4))
     """,
     "audio/chunked.py": """
@@ -69,7 +77,8 @@ SMOKE = {
         ds = ChunkedAudioDataset(["a.wav"], chunk_seconds=0.25)
         cache = build_spectrogram_cache(ds, "features", n_mels=40, num_workers=None, progress=False)
         assert len(cache) == 4 and cache[0][0].shape == (40, 26)
-        assert build_spectrogram_cache(ds, "features", n_mels=40, num_workers=0, progress=False).path == cache.path
+        again = build_spectrogram_cache(ds, "features", n_mels=40, num_workers=0, progress=False)
+        assert again.path == cache.path
     """,
     "nlp/token_cache.py": """
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -81,7 +90,8 @@ SMOKE = {
         raw.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
         cache = build_token_cache(texts, tokenizer, "tokens", batch_size=3, progress=False)
-        assert [cache[i]["input_ids"].tolist() for i in range(len(texts))] == tokenizer(texts)["input_ids"]
+        got = [cache[i]["input_ids"].tolist() for i in range(len(texts))]
+        assert got == tokenizer(texts)["input_ids"]
     """,
     "vision/image_folder.py": """
         import os, cv2, numpy as np, torch
@@ -91,13 +101,15 @@ SMOKE = {
         for c in range(2):
             os.makedirs(f"tree/c{c}")
             for i in range(3):
-                cv2.imwrite(f"tree/c{c}/{i}.jpg", np.dstack([ramp, ramp * 0 + 10 * i, ramp[::-1]]).astype(np.uint8))
+                pixels = np.dstack([ramp, ramp * 0 + 10 * i, ramp[::-1]]).astype(np.uint8)
+                cv2.imwrite(f"tree/c{c}/{i}.jpg", pixels)
         ds = ImageFolderFast("tree", size=32)
         image, target = ds[4]
         assert image.shape == (3, 32, 32) and target == 1
         build_image_cache(ds, "cache", num_workers=None, progress=False)
         again = ImageFolderFast("tree", size=32, cache_dir="cache")
-        assert again.cache is not None and (again[4][0].int() - image.int()).abs().float().mean() < 3
+        assert again.cache is not None
+        assert (again[4][0].int() - image.int()).abs().float().mean() < 3
     """,
 }
 
@@ -114,14 +126,18 @@ def declared(name: str) -> list[str] | None:
     found = []
     for line in doc.splitlines():
         if line.startswith("Copy with:"):
-            found.append(line[len("Copy with:"):])
+            found.append(line[len("Copy with:") :])
         elif found and line.startswith("  ") and not found[-1].rstrip().endswith("."):
             found[-1] += " " + line.strip()  # a wrapped list goes on, indented, until its full stop
         elif re.fullmatch(r"\s*((common|vision|nlp|audio)/(\w+/)*\w+\.py[,.]?\s*)+", line):
-            raise AssertionError(f"{name}: a list of files outside its `Copy with:` line: {line.strip()!r}")
+            raise AssertionError(
+                f"{name}: a list of files outside its `Copy with:` line: {line.strip()!r}"
+            )
     if len(found) != 1:
-        raise AssertionError(f"{name}: its header docstring needs exactly one `Copy with: ...` line, "
-                             f"found {len(found)}")
+        raise AssertionError(
+            f"{name}: its header docstring needs exactly one `Copy with: ...` line, "
+            f"found {len(found)}"
+        )
     text = found[0].strip().removesuffix(".")
     if text == "nothing":
         return []
@@ -145,7 +161,11 @@ def _module_file(module: str) -> str:
     if not rest:
         return str(base / "__init__.py")
     candidate = base.joinpath(*rest)
-    return str(candidate / "__init__.py") if (ROOT / candidate).is_dir() else str(candidate.with_suffix(".py"))
+    return (
+        str(candidate / "__init__.py")
+        if (ROOT / candidate).is_dir()
+        else str(candidate.with_suffix(".py"))
+    )
 
 
 def hard_imports(name: str) -> set[str]:
@@ -155,11 +175,17 @@ def hard_imports(name: str) -> set[str]:
     for node in ast.walk(tree):
         # an import with a fallback: `try: ... except ImportError: <not a bare re-raise>`
         optional = isinstance(node, ast.Try) and any(
-            handler.type is not None and {getattr(n, "id", None) for n in ast.walk(handler.type)}
+            handler.type is not None
+            and {getattr(n, "id", None) for n in ast.walk(handler.type)}
             & {"ImportError", "ModuleNotFoundError"}
-            and not (len(handler.body) == 1 and isinstance(handler.body[0], ast.Raise)) for handler in node.handlers)
+            and not (len(handler.body) == 1 and isinstance(handler.body[0], ast.Raise))
+            for handler in node.handlers
+        )
         # exactly `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`), never its negation
-        type_only = isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        type_only = isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        )
         if optional or type_only:
             guarded.update(id(n) for child in node.body for n in ast.walk(child))
     found = set()
@@ -167,24 +193,44 @@ def hard_imports(name: str) -> set[str]:
         if id(node) in guarded:
             continue
         if isinstance(node, ast.ImportFrom) and node.level:
-            raise AssertionError(f"{name}:{node.lineno}: a relative import (`{ast.unparse(node)}`) breaks a copied file; "
-                                 "import `recipes.<domain>.<module>` instead")
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "import_module",
-                                                                     "__import__"):
+            raise AssertionError(
+                f"{name}:{node.lineno}: a relative import (`{ast.unparse(node)}`) breaks a copied "
+                "file; import `recipes.<domain>.<module>` instead"
+            )
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+            "importlib.import_module",
+            "import_module",
+            "__import__",
+        ):
             argument = node.args[0] if node.args else None
-            if isinstance(argument, ast.Constant) and str(argument.value).split(".")[0] == "recipes":
+            if (
+                isinstance(argument, ast.Constant)
+                and str(argument.value).split(".")[0] == "recipes"
+            ):
                 found.add(_module_file(argument.value))
             elif not isinstance(argument, ast.Constant):
-                raise AssertionError(f"{name}:{node.lineno}: `{ast.unparse(node)}` imports a module named at run "
-                                     "time, which no copy set can declare")
+                raise AssertionError(
+                    f"{name}:{node.lineno}: `{ast.unparse(node)}` imports a module named at run "
+                    "time, which no copy set can declare"
+                )
             continue
         if isinstance(node, ast.Import):
-            found.update(_module_file(a.name) for a in node.names if a.name.split(".")[0] == "recipes")
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "recipes":
+            found.update(
+                _module_file(a.name) for a in node.names if a.name.split(".")[0] == "recipes"
+            )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "recipes"
+        ):
             target = _module_file(node.module)
             if target.endswith("__init__.py"):  # `from recipes.common import loader` names a module
                 folder = Path(target).parent
-                subs = [str(folder / f"{a.name}.py") for a in node.names if (ROOT / folder / f"{a.name}.py").exists()]
+                subs = [
+                    str(folder / f"{a.name}.py")
+                    for a in node.names
+                    if (ROOT / folder / f"{a.name}.py").exists()
+                ]
                 found.update(subs if len(subs) == len(node.names) else [target])
             else:
                 found.add(target)
@@ -210,10 +256,14 @@ def test_a_library_file_declares_exactly_the_files_its_imports_reach(name):
         return
     needs = reach(name)
     packages = sorted(f for f in needs if f.endswith("__init__.py"))
-    assert not packages, (f"{name} imports a package ({packages}): import from the module that defines the "
-                          "name, so a copy needs only the files its header names")
+    assert not packages, (
+        f"{name} imports a package ({packages}): import from the module that defines the "
+        "name, so a copy needs only the files its header names"
+    )
     outside = sorted(needs - set(files))
-    assert not outside, f"{name}: its imports reach {outside}, which its `Copy with:` line does not name"
+    assert not outside, (
+        f"{name}: its imports reach {outside}, which its `Copy with:` line does not name"
+    )
     unused = sorted(set(files) - needs)
     assert not unused, f"{name}: `Copy with:` names {unused}, which nothing it imports needs"
     assert all((ROOT / f).is_file() for f in files), files
@@ -221,7 +271,9 @@ def test_a_library_file_declares_exactly_the_files_its_imports_reach(name):
 
 def _rewrite(text: str) -> str:
     """`from recipes.common.sampling.sharding import x` -> `from sharding import x`, and alike."""
-    text = re.sub(r"from recipes\.\w+ import (\w+)( as \w+)?\n", r"import \1\2\n", text)  # a module of a package
+    text = re.sub(
+        r"from recipes\.\w+ import (\w+)( as \w+)?\n", r"import \1\2\n", text
+    )  # a module of a package
     text = re.sub(r"from recipes\.(?:\w+\.)+(\w+) import", r"from \1 import", text)
     return re.sub(r"import recipes\.(?:\w+\.)*(\w+) as", r"import \1 as", text)
 
@@ -231,7 +283,8 @@ def _rewrite(text: str) -> str:
 ZYGOTE = """
 import json, os, sys, traceback
 import cv2, numpy, soundfile, torch, transformers  # noqa: F401 (paid once, inherited by every fork)
-assert not any(m == "recipes" or m.startswith("recipes.") for m in sys.modules), "the zygote imported recipes"
+imported = [m for m in sys.modules if m == "recipes" or m.startswith("recipes.")]
+assert not imported, "the zygote imported recipes"
 sys.modules["recipes"] = None  # the package is out of reach: only the copies
 for line in sys.stdin:
     folder = line.strip()
@@ -252,14 +305,20 @@ for line in sys.stdin:
         sys.stderr.flush()
         os._exit(status)
     _, status = os.waitpid(pid, 0)
-    print(json.dumps({"status": os.waitstatus_to_exitcode(status), "stderr": open(err).read()[-3000:]}), flush=True)
+    reply = {"status": os.waitstatus_to_exitcode(status), "stderr": open(err).read()[-3000:]}
+    print(json.dumps(reply), flush=True)
 """
 
 
 @pytest.fixture(scope="module")
 def run_copy():
-    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, cwd="/")
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", ZYGOTE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
 
     def run(name: str, script: str, folder: Path) -> None:
         files = declared(name)
@@ -280,7 +339,9 @@ def run_copy():
 
 
 @pytest.mark.parametrize("recipe", sorted(SMOKE))
-def test_a_recipe_copied_with_its_declared_files_runs_without_the_package(recipe, tmp_path, run_copy):
+def test_a_recipe_copied_with_its_declared_files_runs_without_the_package(
+    recipe, tmp_path, run_copy
+):
     run_copy(recipe, SMOKE[recipe], tmp_path)
 
 
@@ -290,9 +351,12 @@ def test_every_library_file_copied_with_its_declared_files_imports(name, tmp_pat
 
 
 def test_a_copy_that_reaches_for_the_package_fails(tmp_path, run_copy):
-    """The runner itself: a copy importing `recipes` must fail, so a passing copy means something."""
+    """The runner itself: a copy importing `recipes` must fail, so a passing copy means
+    something."""
     with pytest.raises(AssertionError, match="recipes"):
-        run_copy("common/sampling/sharding.py", "import sharding\nimport recipes.common\n", tmp_path)
+        run_copy(
+            "common/sampling/sharding.py", "import sharding\nimport recipes.common\n", tmp_path
+        )
 
 
 def copy_table() -> str:
@@ -309,15 +373,17 @@ def copy_table() -> str:
 
 def test_the_docs_copy_table_is_the_one_the_headers_give():
     """Its files, row for row (the line counts are informative: they move with every edit)."""
+
     def files_only(table: str) -> list[str]:
         return [row.rsplit("|", 2)[0] for row in table.splitlines() if row.startswith("| `")]
 
     page = (ROOT / "docs" / "copy-and-adapt.md").read_text()
     start = page.index("| recipe file | copy with | lines in all |")
-    in_page = page[start:page.index("\n\n", start)]
+    in_page = page[start : page.index("\n\n", start)]
     assert files_only(in_page) == files_only(copy_table()), (
         "the copy table of docs/copy-and-adapt.md differs from the headers: replace it with the "
-        "output of `python tests/test_copyable.py`")
+        "output of `python tests/test_copyable.py`"
+    )
 
 
 if __name__ == "__main__":

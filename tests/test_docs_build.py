@@ -23,9 +23,23 @@ LINK = re.compile(r"\]\((?!https?://|mailto:|#)(?P<target>[^)\s#]+)(?:#[^)\s]*)?
 def test_the_site_builds_strict_with_every_exported_name_in_its_reference(tmp_path):
     site = tmp_path / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(site)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import recipes.audio
     import recipes.common
@@ -52,8 +66,13 @@ def test_the_readmes_relative_links_reach_files():
 
 def test_the_docs_extra_holds_what_the_build_needs_and_dev_installs_it():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    names = {re.split(r"[<>=\[;\s]", requirement, maxsplit=1)[0].lower() for requirement in extras["docs"]}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    names = {
+        re.split(r"[<>=\[;\s]", requirement, maxsplit=1)[0].lower()
+        for requirement in extras["docs"]
+    }
     assert {"mkdocs", "mkdocs-material", "mkdocstrings"} <= names, extras["docs"]
     assert any(r.startswith("mkdocstrings[python]") for r in extras["docs"]), extras["docs"]
     assert "loader-recipes[docs]" in extras["dev"], extras["dev"]

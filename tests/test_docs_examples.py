@@ -89,14 +89,19 @@ def read_blocks(page: Path) -> list[Block]:
             continue
         end = i + 1
         while end < len(lines) and not (
-                (closing := FENCE.match(lines[end])) and not closing["info"].strip()
-                and closing["ticks"][0] == opening["ticks"][0] and len(closing["ticks"]) >= len(opening["ticks"])):
+            (closing := FENCE.match(lines[end]))
+            and not closing["info"].strip()
+            and closing["ticks"][0] == opening["ticks"][0]
+            and len(closing["ticks"]) >= len(opening["ticks"])
+        ):
             end += 1
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         directive = BLOCK_DIRECTIVE.match(before)
         words = page_words | frozenset(directive["words"].split() if directive else ())
-        code = textwrap.dedent("\n".join(lines[i + 1:end]))
-        blocks.append(Block(page, i + 2, code, opening["info"].strip().split(" ")[0].lower(), words))
+        code = textwrap.dedent("\n".join(lines[i + 1 : end]))
+        blocks.append(
+            Block(page, i + 2, code, opening["info"].strip().split(" ")[0].lower(), words)
+        )
         i = end + 1
     return blocks
 
@@ -112,11 +117,14 @@ def cases() -> list:
         tiers = {b.tier for b in python_blocks(page)}
         for tier in (t for t in TIERS if t in tiers):
             marks = [getattr(pytest.mark, tier)] if tier != "fast" else []
-            params.append(pytest.param(page, tier, marks=marks, id=f"{page.relative_to(ROOT)}-{tier}"))
+            params.append(
+                pytest.param(page, tier, marks=marks, id=f"{page.relative_to(ROOT)}-{tier}")
+            )
     return params
 
 
 # --- the stand-in data ---------------------------------------------------------------------
+
 
 def _images(folder: Path) -> None:
     from recipes.testing import make_image_folder
@@ -137,7 +145,9 @@ def _text(folder: Path) -> None:
 
     texts = make_text_corpus(400, seed=0)
     (folder / "data").mkdir(parents=True, exist_ok=True)
-    (folder / "data" / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (folder / "data" / "corpus.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    )
     train_tokenizer(texts, vocab_size=1000).save_pretrained(folder / "data" / "tokenizer")
 
 
@@ -180,8 +190,12 @@ def _reach_s3(server, monkeypatch) -> None:
     """The environment a user's S3 code runs in, pointed at moto, with an empty `bucket`."""
     import s3fs
 
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                       ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.port}")):
+    for key, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+        ("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.port}"),
+    ):
         monkeypatch.setenv(key, value)
     client = server.client()
     if any(b["Name"] == "bucket" for b in client.list_buckets().get("Buckets", [])):
@@ -194,6 +208,7 @@ def _reach_s3(server, monkeypatch) -> None:
 
 
 # --- the tests -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(("page", "tier"), cases())
 def test_the_examples_of_a_page_run(page, tier, tmp_path, monkeypatch, stand_in_data, s3_server):
@@ -225,13 +240,17 @@ def test_the_examples_of_a_page_run(page, tier, tmp_path, monkeypatch, stand_in_
 
 
 def test_directives_use_known_words():
-    unknown = {b.where: sorted(b.words - WORDS) for p in pages() for b in read_blocks(p) if b.words - WORDS}
+    unknown = {
+        b.where: sorted(b.words - WORDS) for p in pages() for b in read_blocks(p) if b.words - WORDS
+    }
     assert not unknown, f"unknown directive words (known: {sorted(WORDS)}): {unknown}"
 
 
 def test_python_blocks_are_tagged_python():
     """A block tagged `py` or `python3` would be left out of the runs without a word."""
-    loose = [b.where for p in pages() for b in read_blocks(p) if b.language in ("py", "python3", "pycon")]
+    loose = [
+        b.where for p in pages() for b in read_blocks(p) if b.language in ("py", "python3", "pycon")
+    ]
     assert not loose, f"tag these blocks ```python: {loose}"
 
 
@@ -239,7 +258,9 @@ def test_the_readme_and_every_docs_page_have_examples_collected():
     """The collector itself: it finds blocks inside list items (indented fences) too."""
     readme = python_blocks(ROOT / "README.md")
     assert len(readme) >= 5, [b.where for b in readme]
-    assert all(b.code and not b.code.startswith((" ", "\t")) for p in pages() for b in python_blocks(p))
+    assert all(
+        b.code and not b.code.startswith((" ", "\t")) for p in pages() for b in python_blocks(p)
+    )
 
 
 def _imported_from_recipes(tree: ast.Module) -> dict[str, object]:
@@ -247,7 +268,11 @@ def _imported_from_recipes(tree: ast.Module) -> dict[str, object]:
 
     names = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "recipes":
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "recipes"
+        ):
             module = importlib.import_module(node.module)
             for alias in node.names:
                 if alias.name != "*" and hasattr(module, alias.name):
@@ -265,15 +290,27 @@ def _bad_calls(block: Block, imported: dict[str, object]) -> list[str]:
         func = node.func
         if isinstance(func, ast.Name) and func.id in imported:
             target, name = imported[func.id], func.id
-        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in imported
-              and inspect.isclass(imported[func.value.id])):
-            target, name = getattr(imported[func.value.id], func.attr, None), f"{func.value.id}.{func.attr}"
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id in imported
+            and inspect.isclass(imported[func.value.id])
+        ):
+            target, name = (
+                getattr(imported[func.value.id], func.attr, None),
+                f"{func.value.id}.{func.attr}",
+            )
         else:
             continue
         if target is None or not callable(target):
-            problems.append(f"{block.page.relative_to(ROOT)}:{block.line + node.lineno - 1}: {name} does not exist")
+            problems.append(
+                f"{block.page.relative_to(ROOT)}:{block.line + node.lineno - 1}: {name} does not "
+                "exist"
+            )
             continue
-        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(
+            k.arg is None for k in node.keywords
+        ):
             continue
         try:
             signature = inspect.signature(target)
@@ -282,7 +319,9 @@ def _bad_calls(block: Block, imported: dict[str, object]) -> list[str]:
         try:
             signature.bind_partial(*node.args, **{k.arg: None for k in node.keywords})
         except TypeError as error:
-            problems.append(f"{block.page.relative_to(ROOT)}:{block.line + node.lineno - 1}: {name}: {error}")
+            problems.append(
+                f"{block.page.relative_to(ROOT)}:{block.line + node.lineno - 1}: {name}: {error}"
+            )
     return problems
 
 
@@ -308,13 +347,20 @@ def test_examples_call_recipes_with_arguments_they_take():
 def test_the_getting_started_data_block_makes_every_folder_the_examples_read(tmp_path):
     """The stand-in data the tests make for the examples is what a reader gets from the getting
     started page's block: each folder the makers write is written by that block too."""
-    block = (ROOT / "docs" / "getting-started.md").read_text().split("## Stand-in data", 1)[1].split("```python", 1)[1]
+    block = (
+        (ROOT / "docs" / "getting-started.md")
+        .read_text()
+        .split("## Stand-in data", 1)[1]
+        .split("```python", 1)[1]
+    )
     block = block.split("```", 1)[0]
     for word, maker in MAKERS.items():
         folder = tmp_path / word
         maker(folder)
         for made in sorted((folder / "data").iterdir()):
-            assert f'"data/{made.name}' in block, f"getting-started.md's data block does not make data/{made.name} ({word})"
+            assert f'"data/{made.name}' in block, (
+                f"getting-started.md's data block does not make data/{made.name} ({word})"
+            )
 
 
 def test_the_docstring_examples_on_the_api_pages_are_python():
@@ -325,13 +371,22 @@ def test_the_docstring_examples_on_the_api_pages_are_python():
     for domain in ("common", "vision", "nlp", "audio"):
         for path in sorted((ROOT / domain).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if not isinstance(
+                    node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+                ):
                     continue
                 doc = ast.get_docstring(node) or ""
-                lines = [line.strip() for line in doc.splitlines() if line.strip().startswith((">>>", "..."))]
+                lines = [
+                    line.strip()
+                    for line in doc.splitlines()
+                    if line.strip().startswith((">>>", "..."))
+                ]
                 if lines:
                     code = "\n".join(line[4:] for line in lines)
                     try:
                         ast.parse(code)
                     except SyntaxError as error:
-                        pytest.fail(f"{path.relative_to(ROOT)}, {getattr(node, 'name', 'module')}: {error.msg}\n{code}")
+                        pytest.fail(
+                            f"{path.relative_to(ROOT)}, {getattr(node, 'name', 'module')}: "
+                            f"{error.msg}\n{code}"
+                        )

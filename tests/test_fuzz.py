@@ -25,7 +25,9 @@ HARNESS = textwrap.dedent('''
                 for pos in rng.integers(0, n, int(rng.integers(1, 12))):
                     out[pos] ^= 1 << int(rng.integers(0, 8))
             elif kind == "zero":
-                a = int(rng.integers(0, n)); out[a : a + int(rng.integers(1, 256))] = bytes(min(256, n - a))[: len(out[a : a + 256])]
+                a = int(rng.integers(0, n))
+                zeros = bytes(min(256, n - a))[: len(out[a : a + 256])]
+                out[a : a + int(rng.integers(1, 256))] = zeros
             else:
                 a, b = sorted(rng.integers(0, n, 2).tolist()); c = int(rng.integers(0, n))
                 out = out[:c] + bytes(data[a:b]) + out[c:]
@@ -74,9 +76,10 @@ HARNESS = textwrap.dedent('''
         elif modality == "audio":
             from recipes.audio import AudioDecodeError, ChunkedAudioDataset
             from recipes.testing import make_audio_files
-            originals = make_audio_files(folder / "src", count=1, seconds=1.5, format="WAV", seed=1)
-            originals += make_audio_files(folder / "src2", count=1, seconds=1.5, format="FLAC", seed=2)
-            originals += make_audio_files(folder / "src3", count=1, seconds=1.5, format="OGG", seed=3)
+            originals = []
+            for seed, fmt in enumerate(("WAV", "FLAC", "OGG"), start=1):
+                src = folder / ("src" if seed == 1 else f"src{seed}")
+                originals += make_audio_files(src, count=1, seconds=1.5, format=fmt, seed=seed)
             for i, orig in enumerate(originals):
                 for name, data in mutations(orig.read_bytes(), rng, count // len(originals)):
                     path = folder / f"m{i}_{name}{orig.suffix}"
@@ -92,15 +95,19 @@ HARNESS = textwrap.dedent('''
             from recipes.nlp import build_token_cache
             texts = make_text_corpus(60, seed=1)
             tokenizer = train_tokenizer(texts, vocab_size=300)
-            (folder / "src.txt").write_text("\\n".join(t.replace("\\n", " ") for t in texts) + "\\n")
-            (folder / "src.jsonl").write_text("".join(json.dumps({"text": t}) + "\\n" for t in texts))
+            lines = [t.replace("\\n", " ") for t in texts]
+            (folder / "src.txt").write_text("\\n".join(lines) + "\\n")
+            records = [json.dumps({"text": t}) + "\\n" for t in texts]
+            (folder / "src.jsonl").write_text("".join(records))
             for orig in (folder / "src.txt", folder / "src.jsonl"):
                 for name, data in mutations(orig.read_bytes(), rng, count // 2):
                     path = folder / f"m_{name}{orig.suffix}"
                     path.write_bytes(data)
                     def build(path=path):
-                        cache = build_token_cache(str(path), tokenizer, folder / ("c_" + path.name), progress=False)
-                        assert len(cache) >= 0 and (len(cache) == 0 or cache[len(cache) - 1]["input_ids"].ndim == 1)
+                        target = folder / ("c_" + path.name)
+                        cache = build_token_cache(str(path), tokenizer, target, progress=False)
+                        if len(cache):
+                            assert cache[len(cache) - 1]["input_ids"].ndim == 1
                     record(path.name, build, ValueError)
         return outcomes
 

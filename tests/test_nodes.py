@@ -58,18 +58,31 @@ def alone(data, tmp_path_factory):
     Counted._read = counted
     try:
         dataset = ImageFolderFast(data / "photos", size=64, train=False)
-        build_image_cache(dataset, tmp_path_factory.mktemp("alone") / "cache", num_workers=0, progress=False)
+        build_image_cache(
+            dataset, tmp_path_factory.mktemp("alone") / "cache", num_workers=0, progress=False
+        )
     finally:
         Counted._read = original
-    identity = [hashlib.blake2b(dataset[i][0].contiguous().numpy().tobytes(), digest_size=8).hexdigest()
-                for i in range(len(dataset))]
+    identity = [
+        hashlib.blake2b(dataset[i][0].contiguous().numpy().tobytes(), digest_size=8).hexdigest()
+        for i in range(len(dataset))
+    ]
     assert len(set(identity)) == len(dataset)
     return {"reads": reads[0], "identity": {h: i for i, h in enumerate(identity)}}
 
 
 def _spec(data, shared, kind, run, **extra):
-    return json.dumps({"kind": kind, "data": str(data), "shared": str(shared), "run": run, "epochs": 3,
-                       "batch": BATCH, **extra})
+    return json.dumps(
+        {
+            "kind": kind,
+            "data": str(data),
+            "shared": str(shared),
+            "run": run,
+            "epochs": 3,
+            "batch": BATCH,
+            **extra,
+        }
+    )
 
 
 def _reports(shared, run) -> list[dict]:
@@ -77,19 +90,30 @@ def _reports(shared, run) -> list[dict]:
 
 
 def _lines(folder: Path, what: str, phase: str, run: str = "*") -> list[str]:
-    return [line for p in (folder / "counts").glob(f"{what}.{phase}.{run}.*") for line in p.read_text().split()]
+    return [
+        line
+        for p in (folder / "counts").glob(f"{what}.{phase}.{run}.*")
+        for line in p.read_text().split()
+    ]
 
 
 def _lose_a_node(tmp_path, data, kind, **extra):
     """2 nodes x 2 ranks, node-local folders: epoch 0 whole, epoch 1 stopped after STOP_AFTER
     steps (rank 0's state checkpointed), then node 1 killed. Returns (node folders, shared)."""
     shared, folders = tmp_path / "shared", [tmp_path / "node0", tmp_path / "node1"]
-    nodes = start_nodes(folders, JOB, _spec(data, shared, kind, "first", stop_after=STOP_AFTER, stop_epoch=1, **extra))
+    nodes = start_nodes(
+        folders,
+        JOB,
+        _spec(data, shared, kind, "first", stop_after=STOP_AFTER, stop_epoch=1, **extra),
+    )
     deadline = time.monotonic() + 400
     try:
-        while len(_reports(shared, "first")) < 4 or any(len(r["received"]) < 2 for r in _reports(shared, "first")):
-            assert time.monotonic() < deadline and all(n.process.poll() is None for n in nodes), \
+        while len(_reports(shared, "first")) < 4 or any(
+            len(r["received"]) < 2 for r in _reports(shared, "first")
+        ):
+            assert time.monotonic() < deadline and all(n.process.poll() is None for n in nodes), (
                 report(wait_nodes(nodes, 1))
+            )
             time.sleep(0.5)
     except BaseException:  # a failed wait or the test's time limit: no rank left running
         for node in nodes:
@@ -122,11 +146,16 @@ def _exactly_once(counts: collections.Counter, expected: set, ranks: int) -> Non
 
 
 @pytest.mark.slow
-def test_images_two_nodes_without_a_shared_disk_then_one_node_with_3_and_2_ranks(tmp_path, data, alone):
+def test_images_two_nodes_without_a_shared_disk_then_one_node_with_3_and_2_ranks(
+    tmp_path, data, alone
+):
     folders, shared = _lose_a_node(tmp_path, data, "images")
     first = _reports(shared, "first")
     reads = {k: len(_lines(f, "read", "build")) for k, f in enumerate(folders)}
-    assert abs(sum(reads.values()) - alone["reads"]) <= 0.1 * alone["reads"], (reads, alone["reads"])
+    assert abs(sum(reads.values()) - alone["reads"]) <= 0.1 * alone["reads"], (
+        reads,
+        alone["reads"],
+    )
     assert alone["reads"] == 2 * IMAGES  # the cache and its eval view
     assert not any(_lines(f, "read", "epoch") for f in folders)  # the epochs read each node's cache
     for folder in folders:  # each node holds the whole cache, with its eval view
@@ -134,22 +163,42 @@ def test_images_two_nodes_without_a_shared_disk_then_one_node_with_3_and_2_ranks
     assert len({r["cache_bytes"] for r in first}) == 1
     identity = alone["identity"]
     epochs = _epochs(first)
-    _exactly_once(collections.Counter({identity[h]: c for h, c in epochs[0].items()}), set(range(IMAGES)), 4)
-    assert _steps(first, 0) == {IMAGES // (4 * BATCH) + (IMAGES % (4 * BATCH) > 0)}  # equal steps on 4 ranks
+    _exactly_once(
+        collections.Counter({identity[h]: c for h, c in epochs[0].items()}), set(range(IMAGES)), 4
+    )
+    assert _steps(first, 0) == {
+        IMAGES // (4 * BATCH) + (IMAGES % (4 * BATCH) > 0)
+    }  # equal steps on 4 ranks
     before = collections.Counter({identity[h]: c for h, c in epochs[1].items()})
     assert sum(before.values()) == 4 * STOP_AFTER * BATCH
-    for ranks, run in ((3, "resume3"), (2, "resume2")):  # one node left, its folder, the same checkpoint
-        nodes = run_nodes([folders[0]], JOB, _spec(data, shared, "images", run, resume=True), per_node=ranks,
-                          timeout=300)
+    for ranks, run in (
+        (3, "resume3"),
+        (2, "resume2"),
+    ):  # one node left, its folder, the same checkpoint
+        nodes = run_nodes(
+            [folders[0]],
+            JOB,
+            _spec(data, shared, "images", run, resume=True),
+            per_node=ranks,
+            timeout=300,
+        )
         assert nodes[0].returncode == 0, report(nodes)
         resumed = _reports(shared, run)
         assert len(resumed) == ranks and max(r["first_batch_s"] for r in resumed) < 2.0
-        assert len(_steps(resumed, 1)) == 1 and len(_steps(resumed, 2)) == 1  # equal steps on the new ranks
+        assert (
+            len(_steps(resumed, 1)) == 1 and len(_steps(resumed, 2)) == 1
+        )  # equal steps on the new ranks
         after = _epochs(resumed)
         rest = collections.Counter({identity[h]: c for h, c in after[1].items()})
         _exactly_once(before + rest, set(range(IMAGES)), ranks)
-        _exactly_once(collections.Counter({identity[h]: c for h, c in after[2].items()}), set(range(IMAGES)), ranks)
-        assert not _lines(folders[0], "read", "build", run) and not _lines(folders[0], "read", "epoch", run)
+        _exactly_once(
+            collections.Counter({identity[h]: c for h, c in after[2].items()}),
+            set(range(IMAGES)),
+            ranks,
+        )
+        assert not _lines(folders[0], "read", "build", run) and not _lines(
+            folders[0], "read", "epoch", run
+        )
 
 
 @pytest.mark.slow
@@ -158,16 +207,24 @@ def test_shards_on_s3_two_nodes_then_one_node_with_3_ranks(tmp_path, data):
     from recipes.testing_servers import s3_store_process
 
     local = tmp_path / "written"
-    samples = [{"__key__": f"{c:02d}-{i:04d}", "jpg": bytes([c, i % 256]) * 700, "cls": c}
-               for c in range(10) for i in range(IMAGES // 10)]  # sorted by class, as data often comes
+    samples = [
+        {"__key__": f"{c:02d}-{i:04d}", "jpg": bytes([c, i % 256]) * 700, "cls": c}
+        for c in range(10)
+        for i in range(IMAGES // 10)
+    ]  # sorted by class, as data often comes
     shards = write_shards(samples, local, shard_bytes=24_000, progress=False)
     names = sorted(p.name for p in local.iterdir())
     assert len(shards.urls) >= 16
     with s3_store_process(local, names, bucket="nodes") as options:
         extra = {"url": "s3://nodes", "storage_options": options}
         folders, shared = _lose_a_node(tmp_path, data, "shards", **extra)
-        nodes = run_nodes([folders[0]], JOB, _spec(data, shared, "shards", "resume3", resume=True, **extra),
-                          per_node=3, timeout=300)
+        nodes = run_nodes(
+            [folders[0]],
+            JOB,
+            _spec(data, shared, "shards", "resume3", resume=True, **extra),
+            per_node=3,
+            timeout=300,
+        )
         assert nodes[0].returncode == 0, report(nodes)
     keys = {s["__key__"] for s in samples}
     first, resumed = _reports(shared, "first"), _reports(shared, "resume3")
@@ -175,11 +232,17 @@ def test_shards_on_s3_two_nodes_then_one_node_with_3_ranks(tmp_path, data):
     _exactly_once(_epochs(first)[1] + _epochs(resumed)[1], keys, 4 + 3)
     _exactly_once(_epochs(resumed)[2], keys, 3)
     assert max(r["first_batch_s"] for r in resumed) < 2.0 and len(_steps(resumed, 1)) == 1
-    for k, folder in enumerate(folders):  # node-affine: each object at most once per node, over every epoch
+    for k, folder in enumerate(
+        folders
+    ):  # node-affine: each object at most once per node, over every epoch
         downloads = collections.Counter(_lines(folder, "download", "epoch"))
         assert downloads and max(downloads.values()) == 1, (k, downloads.most_common(3))
-    both = set(_lines(folders[0], "download", "epoch", "first")) & set(_lines(folders[1], "download", "epoch", "first"))
-    assert len(both) <= 2, both  # the nodes kept to their own shards in epochs 0 and 1 (a boundary shard aside)
+    both = set(_lines(folders[0], "download", "epoch", "first")) & set(
+        _lines(folders[1], "download", "epoch", "first")
+    )
+    assert len(both) <= 2, (
+        both
+    )  # the nodes kept to their own shards in epochs 0 and 1 (a boundary shard aside)
 
 
 @pytest.mark.slow
@@ -188,8 +251,13 @@ def test_a_mixture_two_nodes_then_one_node_with_3_ranks(tmp_path, data):
     texts = len((data / "texts.txt").read_text().splitlines())
     tokenized = sum(int(n) for f in folders for n in _lines(f, "tokenize", "build"))
     assert tokenized == texts  # each text tokenized once by the whole job
-    nodes = run_nodes([folders[0]], JOB, _spec(data, shared, "mixture", "resume3", resume=True), per_node=3,
-                      timeout=300)
+    nodes = run_nodes(
+        [folders[0]],
+        JOB,
+        _spec(data, shared, "mixture", "resume3", resume=True),
+        per_node=3,
+        timeout=300,
+    )
     assert nodes[0].returncode == 0, report(nodes)
     expected = {f"images:{i}" for i in range(IMAGES)} | {f"texts:{i}" for i in range(texts)}
     first, resumed = _reports(shared, "first"), _reports(shared, "resume3")
@@ -212,6 +280,9 @@ def test_recipes_bench_nodes_prints_its_tables(capsys):
     # what it finds not yet written (4.00x when neither finds the other's work, 3.50x seen in CI)
     alone = float(rows["2 nodes, every rank builds alone (0.1)"].split("|")[6].strip().rstrip("x"))
     assert 2.0 <= alone <= 4.0, rows
-    firsts = [float(line.rsplit("|", 2)[1]) for line in out.splitlines() if "resumed mid-epoch" in line
-              or "first batch, the rest" in line]
+    firsts = [
+        float(line.rsplit("|", 2)[1])
+        for line in out.splitlines()
+        if "resumed mid-epoch" in line or "first batch, the rest" in line
+    ]
     assert len(firsts) == 3 and max(firsts) < 2.0, firsts

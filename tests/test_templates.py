@@ -22,18 +22,38 @@ DOMAINS = ["vision", "nlp", "audio"]
 def _script(domain, folder):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["template", domain]) == 0  # as `recipes template DOMAIN > train.py`, in-process
+        assert (
+            main(["template", domain]) == 0
+        )  # as `recipes template DOMAIN > train.py`, in-process
     path = folder / "train.py"
-    path.write_text(printed.getvalue())  # the user's copy: runs from their folder, not from this package
+    path.write_text(
+        printed.getvalue()
+    )  # the user's copy: runs from their folder, not from this package
     return path
 
 
 def _run(script, *args, ranks=1, timeout=240):
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(ranks)]
+    launcher = (
+        [sys.executable]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+        ]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launcher, str(script), "--smoke", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=script.parent, env=env)
+    done = subprocess.run(
+        [*launcher, str(script), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=script.parent,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -55,38 +75,57 @@ def whole(tmp_path_factory):
     def run(domain, ranks):
         if (domain, ranks) not in done:
             script = _script(domain, tmp_path_factory.mktemp(f"{domain}-{ranks}"))
-            done[domain, ranks] = script, _run(script, "--workdir", "whole", "--log-samples", ranks=ranks)
+            done[domain, ranks] = (
+                script,
+                _run(script, "--workdir", "whole", "--log-samples", ranks=ranks),
+            )
         return done[domain, ranks]
 
     return run
 
 
-@pytest.mark.slow  # a long run (6 s per domain) under torchrun; the killed-and-resumed vision template runs on 2 ranks in the fast tier
+# a long run (6 s per domain) under torchrun; the killed-and-resumed vision template runs on 2 ranks
+# in the fast tier
+@pytest.mark.slow
 @pytest.mark.parametrize("domain", ["vision", "nlp", "audio"])
 def test_template_smoke_under_torchrun(domain, whole):
     script, out = whole(domain, 2)
     assert "epoch 1:" in out
-    steps = [len((script.parent / "whole" / f"samples-rank{r}.txt").read_text().splitlines()) for r in range(2)]
+    steps = [
+        len((script.parent / "whole" / f"samples-rank{r}.txt").read_text().splitlines())
+        for r in range(2)
+    ]
     assert steps[0] == steps[1] > 0  # a line per step: equal steps on both ranks (no DDP hang)
 
 
-@pytest.mark.parametrize("domain, ranks", [pytest.param("vision", 2, marks=pytest.mark.slow)]  # 22 s: full suite
-                         + [pytest.param(d, 1, marks=pytest.mark.slow) for d in DOMAINS])
+@pytest.mark.parametrize(
+    "domain, ranks",
+    [pytest.param("vision", 2, marks=pytest.mark.slow)]  # 22 s: full suite
+    + [pytest.param(d, 1, marks=pytest.mark.slow) for d in DOMAINS],
+)
 def test_killed_and_resumed_run_sees_the_same_samples(domain, ranks, whole):
     script, out = whole(domain, ranks)
     folder = script.parent
-    assert "epoch 1:" in out and "| epoch |" in out  # trained two epochs, reported the loader's health
+    assert (
+        "epoch 1:" in out and "| epoch |" in out
+    )  # trained two epochs, reported the loader's health
     _run(script, "--workdir", "crashed", "--log-samples", "--stop-after", "3", ranks=ranks)
     assert sum(_samples(folder / "crashed").values()) < sum(_samples(folder / "whole").values())
-    _run(script, "--workdir", "crashed", "--log-samples", ranks=ranks)  # resumes from its checkpoint
+    _run(
+        script, "--workdir", "crashed", "--log-samples", ranks=ranks
+    )  # resumes from its checkpoint
     assert _samples(folder / "crashed") == _samples(folder / "whole")
-    if domain == "nlp":  # elastic: crashed on 2 ranks, resumed on 1 (LengthBucketSampler's global position)
+    if (
+        domain == "nlp"
+    ):  # elastic: crashed on 2 ranks, resumed on 1 (LengthBucketSampler's global position)
         _run(script, "--workdir", "elastic", "--log-samples", "--stop-after", "3", ranks=2)
         _run(script, "--workdir", "elastic", "--log-samples", ranks=1)
         assert _samples(folder / "elastic") == _samples(folder / "whole")
 
 
-@pytest.mark.slow  # 8-17 s (two tokenizer trainings, two caches, two epochs); mixtures are tested in the fast tier (test_mixture.py)
+# 8-17 s (two tokenizer trainings, two caches, two epochs); mixtures are tested in the fast tier
+# (test_mixture.py)
+@pytest.mark.slow
 def test_the_nlp_template_mixes_two_corpora(tmp_path, capsys):
     """`--mix` (issue 23): a second corpus at its weight, mixed then bucketed; the monitor's
     realised shares are printed per epoch and follow the weight."""
@@ -101,7 +140,9 @@ def test_the_nlp_template_mixes_two_corpora(tmp_path, capsys):
     assert (tmp_path / "tokens").is_dir() and (tmp_path / "tokens-mix").is_dir()
 
 
-@pytest.mark.slow  # a long run (11 s); the loaders' epoch-boundary resumes are tested in the fast tier (test_resume_repros.py, test_thread_loader.py)
+# a long run (11 s); the loaders' epoch-boundary resumes are tested in the fast tier
+# (test_resume_repros.py, test_thread_loader.py)
+@pytest.mark.slow
 def test_a_crash_at_an_epochs_last_step_resumes(tmp_path, zygote):
     """The checkpoint saved at an epoch's last step resumes an epoch with no batch left: the
     run finishes (it stopped with an unbound `loss` before, at every rerun)."""
@@ -111,7 +152,9 @@ def test_a_crash_at_an_epochs_last_step_resumes(tmp_path, zygote):
     args = ["--smoke", "--mix", "--workdir", str(tmp_path)]
     full = zygote.python(code, *args)
     assert full.wait(timeout=240) == 0, full.stderr
-    last_step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]  # the last epoch's last step
+    last_step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)[
+        "step"
+    ]  # the last epoch's last step
     (tmp_path / "checkpoint.pt").unlink()
     crashed = zygote.python(code, *args, "--stop-after", str(last_step))
     assert crashed.wait(timeout=240) == 0, crashed.stderr
@@ -136,7 +179,9 @@ def test_the_framework_option_prints_that_frameworks_template():
 
         import recipes.nlp
 
-        assert printed.getvalue() == (Path(recipes.nlp.__file__).parent / f"{module}.py").read_text()
+        assert (
+            printed.getvalue() == (Path(recipes.nlp.__file__).parent / f"{module}.py").read_text()
+        )
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +189,18 @@ def lightning_zygote():
     pytest.importorskip("lightning")
     from tests.zygote import Zygote
 
-    server = Zygote(["numpy", "torch", "recipes.common", "recipes.vision", "recipes.nlp", "recipes.audio",
-                     "transformers", "lightning.pytorch"])
+    server = Zygote(
+        [
+            "numpy",
+            "torch",
+            "recipes.common",
+            "recipes.vision",
+            "recipes.nlp",
+            "recipes.audio",
+            "transformers",
+            "lightning.pytorch",
+        ]
+    )
     yield server
     server.close()
 
@@ -160,7 +215,9 @@ def _lightning_script(domain, folder):
 
 
 def _run_forked(zygote, script, *args):
-    child = zygote.python(script.read_text(), "--smoke", *args, cwd=script.parent, env={"OMP_NUM_THREADS": "1"})
+    child = zygote.python(
+        script.read_text(), "--smoke", *args, cwd=script.parent, env={"OMP_NUM_THREADS": "1"}
+    )
     assert child.wait(timeout=240) == 0, child.stdout[-2000:] + child.stderr[-3000:]
     return child.stdout
 
@@ -171,19 +228,32 @@ def test_a_killed_lightning_run_resumes_on_the_same_samples(domain, lightning_zy
     script = _lightning_script(domain, tmp_path)
     out = _run_forked(lightning_zygote, script, "--workdir", "whole", "--log-samples")
     assert "epoch 1:" in out and "trained to epoch 2" in out
-    _run_forked(lightning_zygote, script, "--workdir", "crashed", "--log-samples", "--stop-after", "3")
-    assert 0 < sum(_samples(tmp_path / "crashed").values()) < sum(_samples(tmp_path / "whole").values())
-    _run_forked(lightning_zygote, script, "--workdir", "crashed", "--log-samples")  # resumes from its checkpoint
+    _run_forked(
+        lightning_zygote, script, "--workdir", "crashed", "--log-samples", "--stop-after", "3"
+    )
+    assert (
+        0
+        < sum(_samples(tmp_path / "crashed").values())
+        < sum(_samples(tmp_path / "whole").values())
+    )
+    _run_forked(
+        lightning_zygote, script, "--workdir", "crashed", "--log-samples"
+    )  # resumes from its checkpoint
     assert _samples(tmp_path / "crashed") == _samples(tmp_path / "whole")
     whole = (tmp_path / "whole" / "samples-rank0.txt").read_text()
-    assert whole == (tmp_path / "crashed" / "samples-rank0.txt").read_text()  # and in the same order
+    assert (
+        whole == (tmp_path / "crashed" / "samples-rank0.txt").read_text()
+    )  # and in the same order
 
 
 @pytest.mark.slow  # 3 launches of 2 Lightning processes under torchrun (~30 s each)
 def test_a_killed_lightning_run_on_two_ranks_resumes_on_the_same_samples(tmp_path):
     script = _lightning_script("nlp", tmp_path)
     _run(script, "--workdir", "whole", "--log-samples", ranks=2)
-    steps = [len((tmp_path / "whole" / f"samples-rank{r}.txt").read_text().splitlines()) for r in range(2)]
+    steps = [
+        len((tmp_path / "whole" / f"samples-rank{r}.txt").read_text().splitlines())
+        for r in range(2)
+    ]
     assert steps[0] == steps[1] > 3  # equal steps on both ranks (no DDP hang)
     _run(script, "--workdir", "crashed", "--log-samples", "--stop-after", "3", ranks=2)
     _run(script, "--workdir", "crashed", "--log-samples", ranks=2)

@@ -35,7 +35,9 @@ def test_image_folder_is_deterministic(tmp_path):
 
 
 def test_audio_files(tmp_path):
-    paths = make_audio_files(tmp_path, seconds=[0.5, 1.25], sample_rate=8000, channels=2, format="WAV")
+    paths = make_audio_files(
+        tmp_path, seconds=[0.5, 1.25], sample_rate=8000, channels=2, format="WAV"
+    )
     infos = [sf.info(p) for p in paths]
     assert [i.frames for i in infos] == [4000, 10000]
     assert {i.channels for i in infos} == {2} and {i.samplerate for i in infos} == {8000}
@@ -108,14 +110,17 @@ def test_photo_folder_is_deterministic(tmp_path):
 def test_photos_have_a_natural_power_spectrum(photos, tmp_path):
     slopes = [spectrum_slope(cv2.imread(str(p))) for p in sorted(photos.rglob("*.jpg"))]
     # photographs: about -2 (power falling as 1/f^2); measured -1.8 to -3.1 here, median -2.3
-    assert -3.0 < np.median(slopes) < -1.8 and np.mean([-3.5 < s < -1.5 for s in slopes]) >= 0.9, slopes
+    assert -3.0 < np.median(slopes) < -1.8 and np.mean([-3.5 < s < -1.5 for s in slopes]) >= 0.9, (
+        slopes
+    )
     generated = make_image_folder(tmp_path, classes=1, per_class=8, seed=0)
     other = [spectrum_slope(cv2.imread(str(p))) for p in sorted(generated.rglob("*.jpg"))]
     assert -3.5 < np.median(other) < -1.5, other  # the generated set's octaves are 1/f too (~ -2.4)
 
 
 def test_both_readers_read_every_photo(photos):
-    """ImageFolderFast and torchvision's ImageFolder read each kind; both ignore EXIF orientation."""
+    """ImageFolderFast and torchvision's ImageFolder read each kind; both ignore EXIF
+    orientation."""
     import torchvision
     import torchvision.transforms as T
     from PIL import Image, ImageOps
@@ -128,11 +133,15 @@ def test_both_readers_read_every_photo(photos):
     assert fast.samples == reference.samples
     for i, (path, _) in enumerate(reference.samples):
         ours, theirs = fast[i][0].int(), reference[i][0].int()
-        assert ours.shape == theirs.shape == (3, 224, 224) and train[i][0].shape == (3, 224, 224), path
+        assert ours.shape == theirs.shape == (3, 224, 224) and train[i][0].shape == (3, 224, 224), (
+            path
+        )
         # the same pixels decoded (libjpeg-turbo both); crop-before-resize and the resize
         # filter differ by a few grey levels on textured content (1-5 measured)
         assert (ours - theirs).abs().float().mean() < 8, path
         with Image.open(path) as image:
             if image.getexif().get(0x0112, 1) != 1:  # torchvision's convention: stored pixels
                 shown = eval_transform(ImageOps.exif_transpose(image).convert("RGB")).int()
-                assert (ours - theirs).abs().float().mean() < (ours - shown).abs().float().mean(), path
+                assert (ours - theirs).abs().float().mean() < (ours - shown).abs().float().mean(), (
+                    path
+                )

@@ -13,9 +13,31 @@ import pytest
 def test_bench_train_smoke_every_domain(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     out = subprocess.run(
-        [sys.executable, "-m", "recipes", "bench", "train", "--domain", "all", "--steps", "3", "--images", "64",
-         "--samples", "400", "--batch-size", "8", "--json", str(tmp_path / "train.json")],
-        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "recipes",
+            "bench",
+            "train",
+            "--domain",
+            "all",
+            "--steps",
+            "3",
+            "--images",
+            "64",
+            "--samples",
+            "400",
+            "--batch-size",
+            "8",
+            "--json",
+            str(tmp_path / "train.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for domain in ("vision", "nlp", "audio", "lm"):
         assert f"## train/{domain}: tiny on cpu" in out.stdout
@@ -31,7 +53,12 @@ def test_bench_train_smoke_every_domain(tmp_path):
             assert abs(row["of_model"] - row["rate"] / result[domain]["model_alone"]) < 1e-9
             assert row["first_batch_s"] > 0
     names = [row["name"] for row in result["vision"]["rows"]]
-    assert "plain" in names[0] and "cold" in names[1] and "warm" in names[2] and "DeviceCropLoader" in names[5]
+    assert (
+        "plain" in names[0]
+        and "cold" in names[1]
+        and "warm" in names[2]
+        and "DeviceCropLoader" in names[5]
+    )
     assert "path='threads'" in names[3] and "path='isolated'" in names[4]
     names = [row["name"] for row in result["lm"]["rows"]]
     assert "LengthBucketSampler" in names[0] and "packed_loader" in names[1]

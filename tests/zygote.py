@@ -49,7 +49,12 @@ for line in sys.stdin:
                 os.environ.update(request["env"])
                 exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
             except SystemExit as stop:
-                status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if isinstance(stop.code, int):
+                    status = stop.code
+                elif stop.code is None:
+                    status = 0
+                else:
+                    status = 1
                 if stop.code is not None and not isinstance(stop.code, int):
                     print(stop.code, file=sys.stderr)
             except BaseException:
@@ -70,7 +75,8 @@ for line in sys.stdin:
             if done or time.monotonic() >= deadline:
                 break
             time.sleep(0.005)
-        print(json.dumps({"status": os.waitstatus_to_exitcode(status) if done else None}), flush=True)
+        code = os.waitstatus_to_exitcode(status) if done else None
+        print(json.dumps({"status": code}), flush=True)
 """
 
 
@@ -79,8 +85,12 @@ class Zygote:
 
     def __init__(self, preload: list[str]):
         self._folder = tempfile.mkdtemp(prefix="zygote-")
-        self._server = subprocess.Popen([sys.executable, "-c", SERVER, *preload], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", SERVER, *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self._count = 0
 
     def _ask(self, request: dict) -> dict:
@@ -96,10 +106,21 @@ class Zygote:
         self._count += 1
         out = Path(self._folder) / f"{self._count}.out"
         err = Path(self._folder) / f"{self._count}.err"
-        environment = {**os.environ, **(env or {})}  # the test's environment now (monkeypatch.setenv included)
-        pid = self._ask({"op": "run", "code": code, "argv": [str(a) for a in argv], "env": environment,
-                         "cwd": str(cwd if cwd is not None else os.getcwd()), "stdout": str(out),
-                         "stderr": str(err)})["pid"]
+        environment = {
+            **os.environ,
+            **(env or {}),
+        }  # the test's environment now (monkeypatch.setenv included)
+        pid = self._ask(
+            {
+                "op": "run",
+                "code": code,
+                "argv": [str(a) for a in argv],
+                "env": environment,
+                "cwd": str(cwd if cwd is not None else os.getcwd()),
+                "stdout": str(out),
+                "stderr": str(err),
+            }
+        )["pid"]
         return Child(self, pid, out, err)
 
     def close(self) -> None:
@@ -128,14 +149,18 @@ class Child:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._zygote._ask({"op": "wait", "pid": self.pid, "timeout": 0})["status"]
+            self.returncode = self._zygote._ask({"op": "wait", "pid": self.pid, "timeout": 0})[
+                "status"
+            ]
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             step = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            self.returncode = self._zygote._ask({"op": "wait", "pid": self.pid, "timeout": step})["status"]
+            self.returncode = self._zygote._ask({"op": "wait", "pid": self.pid, "timeout": step})[
+                "status"
+            ]
             if self.returncode is None and deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout)
         return self.returncode

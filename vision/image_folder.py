@@ -1,4 +1,5 @@
-"""ImageFolderFast: torchvision's ImageFolder indexing, OpenCV decoding, uint8 output, a decoded cache.
+"""ImageFolderFast: torchvision's ImageFolder indexing, OpenCV decoding, uint8 output, a decoded
+cache.
 
 Use when: an ImageFolder tree (`root/<class>/<image>`) feeds a CNN/ViT and the CPU cannot
 decode fast enough. Drop-in for `ImageFolder` + `Resize(256)` + `CenterCrop(224)` +
@@ -9,8 +10,8 @@ resolution the output can use, a crop and one antialiased uint8 resize of the cr
 (the default) checks each file's first decode for libjpeg's corrupt-data warnings (an
 `ImageDecodeError`): ~5 us, or for a region decode the rows below the crop, once per file.
 With a decoded cache (`build_image_cache`): a crop from a memory map.
-Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RATIO`, or `transform=` (uint8).
-Trade-off: returns uint8 `[3, H, W]` (4x less memory and IPC than float32); normalisation
+Adapt here: override `find_classes` (as in torchvision), `CROP_PCT`/`SCALE`/`RATIO`, or `transform=`
+(uint8). Trade-off: returns uint8 `[3, H, W]` (4x less memory and IPC than float32); normalisation
 belongs on the GPU. Pixels differ from Pillow's by 1-5 grey levels (crop before resize).
 
 OpenCV's thread pool is not fork-safe (a hang with no error: pytorch#1355, #45198): `decode_image`
@@ -18,15 +19,16 @@ and `worker_init` make cv2 single-threaded in each worker before any decode.
 The index (paths, targets) is held in `PackedStrings` and numpy arrays: no per-sample Python objects
 for forked workers to copy on read. The decoded cache (`recipes.vision.cache`) reads this dataset
 as a `CacheSource`; threads read batches through `batches/thread_batches.py`.
-Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/caches/packed_strings.py, common/loader_warning.py,
-  common/loading/batch_ring.py, common/loading/build_loader.py, common/loading/epoch_read_ahead.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py, common/workers/start_watch.py,
+Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
+  common/loader_warning.py, common/loading/batch_ring.py, common/loading/build_loader.py,
+  common/loading/epoch_read_ahead.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py,
   vision/batches/batch_buffers.py, vision/batches/device.py, vision/batches/thread_batches.py,
   vision/cache/cache_source.py, vision/cache/cached_batches.py, vision/cache/eval_view.py,
   vision/cache/image_cache.py, vision/cache/image_cache_build.py, vision/cache/stale_caches.py,
-  vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
-  vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
+  vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
 """
 
 from __future__ import annotations
@@ -81,20 +83,20 @@ class ImageFolderFast(Dataset):
             file draws no crop or flip: the next good one gets what it would have got, on the
             CPU path as with decode="gpu".
         strict: a JPEG whose entropy data libjpeg-turbo finds damaged (and recovers from with
-            made-up pixels) is a bad file (`recipes.vision.decoding.decode`). Each file is checked the
-            first time any worker decodes it (a shared flag per file), so later epochs decode
-            as without the check. False: served as decoded. With decode="gpu" only the files
-            decoded on the CPU are checked: nvJPEG reports no such damage.
+            made-up pixels) is a bad file (`recipes.vision.decoding.decode`). Each file is checked
+            the first time any worker decodes it (a shared flag per file), so later epochs decode as
+            without the check. False: served as decoded. With decode="gpu" only the files decoded on
+            the CPU are checked: nvJPEG reports no such damage.
         max_side: the decoded cache stores each whole image, aspect kept, with its longer side
             at most this (FFCV's `max_resolution`); default 2 x the larger side of `size`.
         decode: "cpu" (uint8 crops from the workers), or "gpu": workers only read the file bytes
             and draw the crop and flip (seeded, as on the CPU); `GpuDecode` decodes, crops,
             resizes and normalises whole batches on the device (collate with `encoded_collate`).
         region_decode: decode only the crop of a JPEG (libjpeg-turbo's cropped decode through
-            nvImageCodec's CPU backend, `pip install "loader-recipes[roi]"`; same pixels). None: when
-            nvImageCodec is installed; True: require it. Crops small enough for a 1/2, 1/4 or
-            1/8 DCT-scaled decode use that instead. A strict first decode of a file reads on to
-            the bottom of the image (what region decode saves), later ones only the crop.
+            nvImageCodec's CPU backend, `pip install "loader-recipes[roi]"`; same pixels). None:
+            when nvImageCodec is installed; True: require it. Crops small enough for a 1/2, 1/4 or
+            1/8 DCT-scaled decode use that instead. A strict first decode of a file reads on to the
+            bottom of the image (what region decode saves), later ones only the crop.
 
     Raises:
         FileNotFoundError: no class folders or no valid files (torchvision's errors).
@@ -134,20 +136,28 @@ class ImageFolderFast(Dataset):
         if decode not in ("cpu", "gpu"):
             raise ValueError(f"`decode` must be 'cpu' or 'gpu', but is {decode!r} instead.")
         if decode == "gpu" and (transform is not None or cache_dir is not None):
-            raise ValueError("decode='gpu' decodes files on the device: a uint8 `transform` or a decoded cache "
-                             "(`cache_dir`) belongs to the CPU path (decode='cpu').")
+            raise ValueError(
+                "decode='gpu' decodes files on the device: a uint8 `transform` or a decoded cache "
+                "(`cache_dir`) belongs to the CPU path (decode='cpu')."
+            )
         if decode == "gpu" and not torch.cuda.is_available():
-            raise RuntimeError("decode='gpu' needs CUDA, which is not available here; use the CPU path "
-                               "(decode='cpu', the default), which is as fast as this machine's cores allow.")
+            raise RuntimeError(
+                "decode='gpu' needs CUDA, which is not available here; use the CPU path "
+                "(decode='cpu', the default), which is as fast as this machine's cores allow."
+            )
         self.decode = decode
         if region_decode and not region_decode_available():
-            raise ImportError('region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]" '
-                              "(nvidia-nvimgcodec-cu12; its CPU decoder needs no GPU).")
+            raise ImportError(
+                'region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]" '
+                "(nvidia-nvimgcodec-cu12; its CPU decoder needs no GPU)."
+            )
         self.region_decode = region_decode
         self.max_side = 2 * max(self.size) if max_side is None else max_side
         if not isinstance(self.max_side, int) or self.max_side < max(self.size):
-            raise ValueError(f"`max_side` must be an int of at least the output side {max(self.size)}, but is "
-                             f"{max_side!r} instead.")
+            raise ValueError(
+                f"`max_side` must be an int of at least the output side {max(self.size)}, but is "
+                f"{max_side!r} instead."
+            )
         self.train = train
         self.transform = transform
         self.on_error = on_error
@@ -162,14 +172,22 @@ class ImageFolderFast(Dataset):
         # Shared memory: visible to (persistent) workers after they started.
         self._resolution = torch.tensor(self.size, dtype=torch.int32).share_memory_()
         self._bad = BadFiles(len(self._paths), f"the {len(self._paths)} images under {self.root}")
-        self._checked = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()  # strict: 1 once checked
+        self._checked = torch.zeros(
+            len(self._paths), dtype=torch.uint8
+        ).share_memory_()  # strict: 1 once checked
         self._rng_key, self._rng = None, None  # (pid, torch seed) of the draws' np.random.Generator
         self.cache: ImageCache | None = None
         self._views: dict = {}  # eval views by resolution (eval_view_of), opened per process
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         if self.cache_dir is not None:
-            attach_image_cache(self.cache_dir, self.root, self._paths, self._targets, self.max_side,
-                               use_cache=self.use_cache)
+            attach_image_cache(
+                self.cache_dir,
+                self.root,
+                self._paths,
+                self._targets,
+                self.max_side,
+                use_cache=self.use_cache,
+            )
 
     # torchvision's hook, same signature and errors.
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
@@ -231,15 +249,22 @@ class ImageFolderFast(Dataset):
         if self.cache is None:
             items = [self[i] for i in indices]
             if self.decode == "cpu":
-                trim_heap()  # decode buffers fragment the heap; keep worker memory flat across epochs
+                # decode buffers fragment the heap; keep worker memory flat across epochs
+                trim_heap()
             return items
         indices = [self._check_index(i) for i in indices]
         labels = self.cache.labels[indices]
         if self.transform is not None:  # the transform may change shapes: separate tensors
             items = [(self._cached_item(i), int(t)) for i, t in zip(indices, labels, strict=True)]
         else:
-            batch = fill_cached_batch(self.cache, self.eval_view, self.crop_settings(), indices, self._generator(),
-                                      new_uint8_batch(len(indices), 3, *self.resolution))
+            batch = fill_cached_batch(
+                self.cache,
+                self.eval_view,
+                self.crop_settings(),
+                indices,
+                self._generator(),
+                new_uint8_batch(len(indices), 3, *self.resolution),
+            )
             items = [(batch[row], int(t)) for row, t in enumerate(labels)]
         trim_heap()
         return items
@@ -250,19 +275,28 @@ class ImageFolderFast(Dataset):
         and decode="cpu" (a `preadv` or a read and a decode, then a resize: all release the GIL)."""
         return self.transform is None and self.decode == "cpu"
 
-    read_batch, read_ahead_key = read_batch, read_ahead_key  # batches/thread_batches.py (the public side below)
+    read_batch, read_ahead_key = (
+        read_batch,
+        read_ahead_key,
+    )  # batches/thread_batches.py (the public side below)
     read_items = read_items  # read_batch's items, for a collate function of the user's
-    read_batch_collate = staticmethod(uint8_collate)  # read_batch returns what it would: make_loader keeps threads
+    read_batch_collate = staticmethod(
+        uint8_collate
+    )  # read_batch returns what it would: make_loader keeps threads
 
     def crop_settings(self) -> CropSettings:
         """The crops its items get now: train or eval, at the current resolution."""
         return CropSettings(self.train, self.resolution, self.SCALE, self.RATIO, self.CROP_PCT)
 
-    def read_item(self, index: int, rng: np.random.Generator, *,
-                  into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    def read_item(
+        self, index: int, rng: np.random.Generator, *, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
         """`(uint8 [3, H, W], target)` decoded from its file (or the replacement `on_error` picks),
-        crop and flip drawn from `rng`; with `into` (a batch row, no `transform`) resized into it."""
-        image, target, _ = self._load_or_skip(index, functools.partial(self._output_image, rng=rng, into=into), rng)
+        crop and flip drawn from `rng`; with `into` (a batch row, no `transform`) resized into it.
+        """
+        image, target, _ = self._load_or_skip(
+            index, functools.partial(self._output_image, rng=rng, into=into), rng
+        )
         return image, target
 
     def _check_index(self, index) -> int:
@@ -279,8 +313,13 @@ class ImageFolderFast(Dataset):
         path = self._paths[index]
         return (path, *read_image_file(path, index=index))
 
-    def _output_image(self, index: int, rng: np.random.Generator | None = None, *,
-                      into: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    def _output_image(
+        self,
+        index: int,
+        rng: np.random.Generator | None = None,
+        *,
+        into: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, int]:
         """`(uint8 [3, H, W], target)` decoded from the file, crop and flip drawn from `rng`
         (this process's generator when None). With `into` (a batch row; no `transform`), the
         image is resized (and flipped) straight into it and `into` returned."""
@@ -304,12 +343,20 @@ class ImageFolderFast(Dataset):
         is_jpeg = check_encoded(data, header, path=path, index=index)
         out = self.resolution
         if self.train:
-            box = random_resized_box(header.height, header.width, self._generator(), self.SCALE, self.RATIO)
+            box = random_resized_box(
+                header.height, header.width, self._generator(), self.SCALE, self.RATIO
+            )
             flip = bool(self._generator().random() < 0.5)
         else:
             box, flip = eval_box(header.height, header.width, out, self.CROP_PCT), False
-        item = {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8), "box": torch.tensor(box, dtype=torch.int64),
-                "flip": flip, "jpeg": is_jpeg, "index": index, "size": out}
+        item = {
+            "data": torch.frombuffer(bytearray(data), dtype=torch.uint8),
+            "box": torch.tensor(box, dtype=torch.int64),
+            "flip": flip,
+            "jpeg": is_jpeg,
+            "index": index,
+            "size": out,
+        }
         return item, int(self._targets[index])
 
     _decode_box = decode_box  # region decode or a DCT-scaled decode of the crop (region_decode.py)
@@ -317,7 +364,9 @@ class ImageFolderFast(Dataset):
     def _cache_image(self, index: int) -> tuple[np.ndarray, int]:
         """`([h, w, 3] uint8, target)`: the whole image, its longer side at most `max_side`."""
         path, data, header = self._read(index)
-        image = decode_stored(data, header, self.max_side, strict=self.strict, path=path, index=index)
+        image = decode_stored(
+            data, header, self.max_side, strict=self.strict, path=path, index=index
+        )
         return image, int(self._targets[index])
 
     # ---- the decoded cache ------------------------------------------------------------
@@ -338,7 +387,9 @@ class ImageFolderFast(Dataset):
             ImageCacheError: `labels.bin` disagrees with the targets.
         """
         if cache.count != len(self):
-            raise ValueError(f"the cache holds {cache.count} images but the dataset has {len(self)}.")
+            raise ValueError(
+                f"the cache holds {cache.count} images but the dataset has {len(self)}."
+            )
         cache.check_labels(self._targets)
         self.cache = cache
         self._views.clear()
@@ -361,18 +412,25 @@ class ImageFolderFast(Dataset):
         file path's: that one crops, then resizes the crop (a box rounded to whole source
         pixels), a mean ~2 grey levels away and more at edges."""
         if self.train:
-            raise ValueError("eval_record is what evaluation sees, but this dataset has train=True.")
+            raise ValueError(
+                "eval_record is what evaluation sees, but this dataset has train=True."
+            )
 
         def load(i: int):
-            record = eval_record_of(*self._read(i), self.resolution, self.CROP_PCT, index=i, strict=self.strict)
+            record = eval_record_of(
+                *self._read(i), self.resolution, self.CROP_PCT, index=i, strict=self.strict
+            )
             return record, int(self._targets[i])
 
         return self._load_or_skip(index, load)[0]
 
     def _cached_item(self, index: int) -> torch.Tensor:
         """The output crop of cached image `index` (`read_cached_item`), flipped and transformed."""
-        return self._finish(read_cached_item(self.cache, self.eval_view, self.crop_settings(), index,
-                                             self._generator()))
+        return self._finish(
+            read_cached_item(
+                self.cache, self.eval_view, self.crop_settings(), index, self._generator()
+            )
+        )
 
     # ---- shared tail ------------------------------------------------------------------
     def _finish(self, image: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
@@ -395,6 +453,7 @@ class ImageFolderFast(Dataset):
 
     def __repr__(self) -> str:
         source = f"cache {self.cache.path}" if self.cache is not None else "files"
-        return (f"ImageFolderFast(root={self.root!r}, n={len(self)}, classes={len(self.classes)}, "
-                f"size={self.resolution}, train={self.train}, from {source})")
-
+        return (
+            f"ImageFolderFast(root={self.root!r}, n={len(self)}, classes={len(self.classes)}, "
+            f"size={self.resolution}, train={self.train}, from {source})"
+        )

@@ -1,11 +1,11 @@
 """Images from shard samples (WebDataset tar or Parquet): the decode `ImageFolderFast` does.
 
-Use when: a `ShardSet` (`recipes.common.shards.shard_set`) holds encoded images (`"jpg"`, `"png"`, ...
-fields) and labels (`"cls"`): `ShardSet.dataset(transform=ShardImages(224, train=True))` yields
-`(uint8 [3, H, W], label)` as `ImageFolderFast` yields them from files: the same header read,
+Use when: a `ShardSet` (`recipes.common.shards.shard_set`) holds encoded images (`"jpg"`, `"png"` or
+other such fields) and labels (`"cls"`): `ShardSet.dataset(transform=ShardImages(224, train=True))`
+yields `(uint8 [3, H, W], label)` as `ImageFolderFast` yields them from files: the same header read,
 DCT-scaled or region decode of only the crop, eval geometry (`Resize(256)` + `CenterCrop(224)`
-regions) or torchvision's random-resized crops and flips, and the same typed errors, naming
-the sample's key.
+regions) or torchvision's random-resized crops and flips, and the same typed errors, naming the
+sample's key.
 Cost: per sample one header read, one decode of the crop's resolution, one antialiased resize.
 Adapt here: `CROP_PCT`/`SCALE`/`RATIO`, `image_field`/`label_field`.
 Trade-off: with `strict` every decode is checked (a shard sample has no per-file memory of an
@@ -47,11 +47,21 @@ class ShardImages:
     CROP_PCT, SCALE, RATIO = CROP_PCT, SCALE, RATIO
     IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 
-    def __init__(self, size: int | tuple[int, int] = 224, *, train: bool = False, image_field: str | None = None,
-                 label_field: str | None = "cls", strict: bool = True, region_decode: bool | None = None):
+    def __init__(
+        self,
+        size: int | tuple[int, int] = 224,
+        *,
+        train: bool = False,
+        image_field: str | None = None,
+        label_field: str | None = "cls",
+        strict: bool = True,
+        region_decode: bool | None = None,
+    ):
         self.size = (size, size) if isinstance(size, int) else tuple(size)
         if region_decode and not region_decode_available():
-            raise ImportError('region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]".')
+            raise ImportError(
+                'region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]".'
+            )
         self.train, self.image_field, self.label_field = train, image_field, label_field
         self.strict, self.region_decode = bool(strict), region_decode
         self._checked = _NeverChecked()  # decode_box's per-file memory: none for shard samples
@@ -62,8 +72,10 @@ class ShardImages:
         key = sample.get("__key__", "<no key>")
         field = self.image_field or next((f for f in self.IMAGE_FIELDS if f in sample), None)
         if field is None or field not in sample:
-            raise ImageDecodeError(f"sample {key!r} has no image field {field or list(self.IMAGE_FIELDS)} "
-                                   f"(its fields: {sorted(k for k in sample if k != '__key__')}); pass image_field=.")
+            raise ImageDecodeError(
+                f"sample {key!r} has no image field {field or list(self.IMAGE_FIELDS)} "
+                f"(its fields: {sorted(k for k in sample if k != '__key__')}); pass image_field=."
+            )
         data = bytes(sample[field])
         where = f"{key}.{field}"
         header = read_header(data, path=where)
@@ -78,12 +90,17 @@ class ShardImages:
         if self.label_field is None:
             return image, {k: v for k, v in sample.items() if k != field}
         if self.label_field not in sample:
-            raise ImageDecodeError(f"sample {key!r} has no label field {self.label_field!r} (its fields: "
-                                   f"{sorted(k for k in sample if k != '__key__')}); pass label_field=.")
+            raise ImageDecodeError(
+                f"sample {key!r} has no label field {self.label_field!r} (its fields: "
+                f"{sorted(k for k in sample if k != '__key__')}); pass label_field=."
+            )
         return image, int(sample[self.label_field])
 
     def _generator(self) -> np.random.Generator:
-        key = (os.getpid(), torch.initial_seed())  # reseeded when torch is (ImageFolderFast._generator)
+        key = (
+            os.getpid(),
+            torch.initial_seed(),
+        )  # reseeded when torch is (ImageFolderFast._generator)
         if self._rng_key != key:
             self._rng, self._rng_key = np.random.default_rng(key[1]), key
         return self._rng

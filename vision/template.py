@@ -54,13 +54,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, help="ImageFolder root (root/<class>/<image>)")
     parser.add_argument("--cache", type=Path, help="folder for the decoded-image cache")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/vision"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/vision"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=90)
     parser.add_argument("--batch-size", type=int, default=256, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
     parser.add_argument("--log-samples", action="store_true", help="log the targets of every step")
     args = parser.parse_args(argv)
     if args.smoke:  # 48 classes of one image each: a target names its image
@@ -90,8 +96,13 @@ def barrier(world: int) -> None:
 def build_model(num_classes: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     if smoke:
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
-                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes))
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, num_classes),
+        )
     import torchvision
 
     return torchvision.models.resnet50(weights=None, num_classes=num_classes)
@@ -108,9 +119,11 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
             make_image_folder(args.data, classes=48, per_class=1, size=(160, 120), seed=0)
             (args.data / ".complete").touch()
     barrier(world)
-    dataset = ImageFolderFast(args.data, size=size, train=True, cache_dir=args.cache, on_error="skip")
-    # Every rank makes this call: the ranks split the decoding, each node's folder ends with the cache
-    # (an existing valid cache is reused, as rank 0 finds it).
+    dataset = ImageFolderFast(
+        args.data, size=size, train=True, cache_dir=args.cache, on_error="skip"
+    )
+    # Every rank makes this call: the ranks split the decoding, each node's folder ends with the
+    # cache (an existing valid cache is reused, as rank 0 finds it).
     build_image_cache(dataset, args.cache, distributed=world > 1)
     return dataset
 
@@ -126,14 +139,31 @@ def main(argv=None) -> None:
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
     dataset = prepare_data(args, rank, world)
-    sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-    loader = LoaderMonitor(make_loader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                                       collate_fn=uint8_collate))
+    sampler = ElasticDistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True
+    )
+    loader = LoaderMonitor(
+        make_loader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=uint8_collate,
+        )
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True)
-    schedule = ProgressiveResolution(start=48 if args.smoke else 160, end=dataset.size[0], start_epoch=0,
-                                     end_epoch=max(0, args.epochs - 2))
-    model = build_model(len(dataset.classes), args.smoke).to(device, memory_format=torch.channels_last)
+    normalize = DeviceNormalize(
+        IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True
+    )
+    schedule = ProgressiveResolution(
+        start=48 if args.smoke else 160,
+        end=dataset.size[0],
+        start_epoch=0,
+        end_epoch=max(0, args.epochs - 2),
+    )
+    model = build_model(len(dataset.classes), args.smoke).to(
+        device, memory_format=torch.channels_last
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
     checkpoint = args.workdir / "checkpoint.pt"
     start_epoch, step, loader_state = 0, 0, None
@@ -163,19 +193,36 @@ def main(argv=None) -> None:
                 log.write(" ".join(map(str, targets.tolist())) + "\n")
                 log.flush()
             if step % args.checkpoint_every == 0 and rank == 0:
-                save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                                epoch=epoch, step=step, loader=loader.loader.state_dict())
+                save_checkpoint(
+                    checkpoint,
+                    model=model.state_dict(),
+                    optimizer=optimizer.state_dict(),
+                    epoch=epoch,
+                    step=step,
+                    loader=loader.loader.state_dict(),
+                )
             if args.stop_after is not None and step >= args.stop_after:
                 barrier(world)
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                  f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "
-                  f"{summary['samples_per_s'] * world:,.0f} images/s", flush=True)
-            save_checkpoint(checkpoint, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                            epoch=epoch + 1, step=step, loader=None)
+            loss_text = (
+                "-" if loss is None else f"{loss.item():.3f}"
+            )  # a resume at the epoch's end: no batch left
+            print(
+                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
+                f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "
+                f"{summary['samples_per_s'] * world:,.0f} images/s",
+                flush=True,
+            )
+            save_checkpoint(
+                checkpoint,
+                model=model.state_dict(),
+                optimizer=optimizer.state_dict(),
+                epoch=epoch + 1,
+                step=step,
+                loader=None,
+            )
     if rank == 0:
         print(loader.report())
     if world > 1:

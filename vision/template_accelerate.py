@@ -1,4 +1,5 @@
-"""Image classification training with the recipes under Hugging Face Accelerate: a script to copy and adapt.
+"""Image classification training with the recipes under Hugging Face Accelerate: a script to copy
+and adapt.
 
     recipes template vision --framework accelerate > train.py
     accelerate launch train.py --data /data/train --cache /nvme/recipes-cache      # your GPUs
@@ -61,13 +62,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, help="ImageFolder root (root/<class>/<image>)")
     parser.add_argument("--cache", type=Path, help="folder for the decoded-image cache")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/vision"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/vision"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=90)
     parser.add_argument("--batch-size", type=int, default=256, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
     parser.add_argument("--log-samples", action="store_true", help="log the targets of every step")
     args = parser.parse_args(argv)
     if args.smoke:  # 48 classes of one image each: a target names its image
@@ -80,8 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_model(num_classes: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     if smoke:
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
-                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes))
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, num_classes),
+        )
     import torchvision
 
     return torchvision.models.resnet50(weights=None, num_classes=num_classes)
@@ -98,7 +110,9 @@ def prepare_data(args, accelerator) -> ImageFolderFast:
             make_image_folder(args.data, classes=48, per_class=1, size=(160, 120), seed=0)
             (args.data / ".complete").touch()
     accelerator.wait_for_everyone()
-    dataset = ImageFolderFast(args.data, size=size, train=True, cache_dir=args.cache, on_error="skip")
+    dataset = ImageFolderFast(
+        args.data, size=size, train=True, cache_dir=args.cache, on_error="skip"
+    )
     build_image_cache(dataset, args.cache, distributed=accelerator.num_processes > 1)
     return dataset
 
@@ -137,18 +151,38 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no")  # cpu: gloo across processes
+    accelerator = Accelerator(
+        cpu=not cuda, mixed_precision="bf16" if cuda else "no"
+    )  # cpu: gloo across processes
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     dataset = prepare_data(args, accelerator)
-    sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-    loader = prepare_loader(accelerator, LoaderMonitor(make_loader(
-        dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, collate_fn=uint8_collate)),
-        device_placement=False)  # DeviceNormalize moves the uint8 batch itself
+    sampler = ElasticDistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True
+    )
+    loader = prepare_loader(
+        accelerator,
+        LoaderMonitor(
+            make_loader(
+                dataset,
+                batch_size=args.batch_size,
+                sampler=sampler,
+                drop_last=True,
+                collate_fn=uint8_collate,
+            )
+        ),
+        device_placement=False,
+    )  # DeviceNormalize moves the uint8 batch itself
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True)
-    schedule = ProgressiveResolution(start=48 if args.smoke else 160, end=dataset.size[0], start_epoch=0,
-                                     end_epoch=max(0, args.epochs - 2))
+    normalize = DeviceNormalize(
+        IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True
+    )
+    schedule = ProgressiveResolution(
+        start=48 if args.smoke else 160,
+        end=dataset.size[0],
+        start_epoch=0,
+        end_epoch=max(0, args.epochs - 2),
+    )
     model = build_model(len(dataset.classes), args.smoke).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -158,7 +192,9 @@ def main(argv=None) -> None:
     if checkpoint is not None:  # resume: model, optimiser, random states, and the loader's place
         accelerator.load_state(str(checkpoint))
     log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
-    for epoch in range(loader.epoch, args.epochs):  # the loader's state says which epoch to continue
+    for epoch in range(
+        loader.epoch, args.epochs
+    ):  # the loader's state says which epoch to continue
         loader.set_epoch(epoch)
         schedule.apply(dataset, epoch)  # reaches persistent workers (shared memory)
         start, loss = time.perf_counter(), None
@@ -182,10 +218,15 @@ def main(argv=None) -> None:
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
             summary = loader.summary()
-            loss_text = "-" if loss is None else f"{loss.item():.3f}"  # a resume at the epoch's end: no batch left
-            print(f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                  f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "
-                  f"{summary['samples_per_s'] * world:,.0f} images/s", flush=True)
+            loss_text = (
+                "-" if loss is None else f"{loss.item():.3f}"
+            )  # a resume at the epoch's end: no batch left
+            print(
+                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
+                f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "
+                f"{summary['samples_per_s'] * world:,.0f} images/s",
+                flush=True,
+            )
     if accelerator.is_main_process:
         print(loader.report())
     accelerator.wait_for_everyone()

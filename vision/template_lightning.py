@@ -1,4 +1,5 @@
-"""Image classification training with Lightning and the recipes: a complete script to copy and adapt.
+"""Image classification training with Lightning and the recipes: a complete script to copy and
+adapt.
 
     recipes template vision --framework lightning > train.py
     python train.py --data /data/train --cache /nvme/recipes-cache
@@ -53,13 +54,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, help="ImageFolder root (root/<class>/<image>)")
     parser.add_argument("--cache", type=Path, help="folder for the decoded-image cache")
-    parser.add_argument("--workdir", type=Path, default=Path("runs/vision"), help="checkpoints and logs")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("runs/vision"), help="checkpoints and logs"
+    )
     parser.add_argument("--epochs", type=int, default=90)
     parser.add_argument("--batch-size", type=int, default=256, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1, help="OneCycleLR's peak")
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=500, help="steps between checkpoints"
+    )
     parser.add_argument("--smoke", action="store_true", help="generated data and a tiny model")
-    parser.add_argument("--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="exit after N steps (a simulated crash)"
+    )
     parser.add_argument("--log-samples", action="store_true", help="log the targets of every step")
     args = parser.parse_args(argv)
     if args.smoke:  # 48 classes of one image each: a target names its image
@@ -72,8 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_model(num_classes: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     if smoke:
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
-                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes))
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, num_classes),
+        )
     import torchvision
 
     return torchvision.models.resnet50(weights=None, num_classes=num_classes)
@@ -96,19 +108,42 @@ class Images(LoaderDataModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         args, world = self.args, self.trainer.world_size
-        self.dataset = ImageFolderFast(args.data, size=64 if args.smoke else SIZE, train=True, cache_dir=args.cache,
-                                       on_error="skip")
-        # every rank makes this call: the ranks split the decoding, each node's folder ends with the cache
+        self.dataset = ImageFolderFast(
+            args.data,
+            size=64 if args.smoke else SIZE,
+            train=True,
+            cache_dir=args.cache,
+            on_error="skip",
+        )
+        # every rank makes this call: the ranks split the decoding, each node's folder ends with the
+        # cache
         build_image_cache(self.dataset, args.cache, distributed=world > 1)
-        self.schedule = ProgressiveResolution(start=48 if args.smoke else 160, end=self.dataset.size[0],
-                                              start_epoch=0, end_epoch=max(0, args.epochs - 2))
+        self.schedule = ProgressiveResolution(
+            start=48 if args.smoke else 160,
+            end=self.dataset.size[0],
+            start_epoch=0,
+            end_epoch=max(0, args.epochs - 2),
+        )
 
     def train_loader(self):
-        self.schedule.apply(self.dataset, self.start_epoch)  # later epochs: Classifier.on_train_epoch_start
-        sampler = ElasticDistributedSampler(self.dataset, num_replicas=self.trainer.world_size,
-                                     rank=self.trainer.global_rank, shuffle=True, seed=0, drop_last=True)
-        return make_loader(self.dataset, batch_size=self.args.batch_size, sampler=sampler, drop_last=True,
-                           collate_fn=uint8_collate)
+        self.schedule.apply(
+            self.dataset, self.start_epoch
+        )  # later epochs: Classifier.on_train_epoch_start
+        sampler = ElasticDistributedSampler(
+            self.dataset,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
+            shuffle=True,
+            seed=0,
+            drop_last=True,
+        )
+        return make_loader(
+            self.dataset,
+            batch_size=self.args.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            collate_fn=uint8_collate,
+        )
 
 
 class Classifier(pl.LightningModule):
@@ -120,8 +155,9 @@ class Classifier(pl.LightningModule):
         self.model = build_model(len(self.trainer.datamodule.dataset.classes), self.args.smoke)
         self.model.to(self.device, memory_format=torch.channels_last)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device=self.device, dtype=dtype,
-                                         channels_last=True)
+        self.normalize = DeviceNormalize(
+            IMAGENET_MEAN, IMAGENET_STD, device=self.device, dtype=dtype, channels_last=True
+        )
         if self.args.log_samples:
             self.log_file = open(self.args.workdir / f"samples-rank{self.global_rank}.txt", "a")  # noqa: SIM115
 
@@ -130,7 +166,9 @@ class Classifier(pl.LightningModule):
 
     def on_train_epoch_start(self) -> None:
         data = self.trainer.datamodule
-        data.schedule.apply(data.dataset, self.current_epoch)  # reaches persistent workers (shared memory)
+        data.schedule.apply(
+            data.dataset, self.current_epoch
+        )  # reaches persistent workers (shared memory)
         self.started = time.perf_counter()
 
     def training_step(self, batch, index):
@@ -142,7 +180,9 @@ class Classifier(pl.LightningModule):
             self.log_file.flush()
         return loss
 
-    def on_train_batch_end(self, outputs, batch, index) -> None:  # after the checkpoint callback saved
+    def on_train_batch_end(
+        self, outputs, batch, index
+    ) -> None:  # after the checkpoint callback saved
         if self.args.stop_after is not None and self.trainer.global_step >= self.args.stop_after:
             self.trainer.strategy.barrier("stop")
             os._exit(0)  # a simulated crash: no clean-up, as a killed job
@@ -150,14 +190,21 @@ class Classifier(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         if self.global_rank == 0:  # a resume at an epoch's end has no batch left: no loss
             loss = "-" if self.loss is None else f"{self.loss.item():.3f}"
-            print(f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss {loss}, "
-                  f"resolution {self.trainer.datamodule.dataset.resolution[0]}", flush=True)
+            print(
+                f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss "
+                f"{loss}, resolution {self.trainer.datamodule.dataset.resolution[0]}",
+                flush=True,
+            )
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.args.lr, momentum=0.9, weight_decay=5e-5)
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=self.args.lr, momentum=0.9, weight_decay=5e-5
+        )
         # ADAPT: the schedule; reading estimated_stepping_batches sets the training loader up now
         steps = self.trainer.estimated_stepping_batches
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.args.lr, total_steps=int(steps))
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.args.lr, total_steps=int(steps)
+        )
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
@@ -167,19 +214,38 @@ def main(argv=None) -> None:
         args.data, args.cache = args.workdir / "data", args.workdir / "cache"
     args.workdir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this node (Lightning joins them)
+    devices = int(
+        os.environ.get("LOCAL_WORLD_SIZE", 1)
+    )  # torchrun's processes on this node (Lightning joins them)
     nodes = int(os.environ.get("WORLD_SIZE", 1)) // devices
-    checkpoints = ModelCheckpoint(dirpath=args.workdir / "checkpoints", filename="checkpoint",
-                                  every_n_train_steps=args.checkpoint_every, enable_version_counter=False)
-    trainer = pl.Trainer(max_epochs=args.epochs, accelerator="auto", devices=devices, num_nodes=nodes,
-                         strategy="ddp" if devices * nodes > 1 else "auto", callbacks=[checkpoints],
-                         precision="bf16-mixed" if torch.cuda.is_available() else "32-true",
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=args.workdir / "checkpoints",
+        filename="checkpoint",
+        every_n_train_steps=args.checkpoint_every,
+        enable_version_counter=False,
+    )
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="auto",
+        devices=devices,
+        num_nodes=nodes,
+        strategy="ddp" if devices * nodes > 1 else "auto",
+        callbacks=[checkpoints],
+        precision="bf16-mixed" if torch.cuda.is_available() else "32-true",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     resume = args.workdir / "checkpoints" / "checkpoint.ckpt"
     started = time.perf_counter()
-    trainer.fit(Classifier(args), datamodule=Images(args), ckpt_path=resume if resume.exists() else None)
+    trainer.fit(
+        Classifier(args), datamodule=Images(args), ckpt_path=resume if resume.exists() else None
+    )
     if trainer.global_rank == 0:
-        print(f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s", flush=True)
+        print(
+            f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

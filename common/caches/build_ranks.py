@@ -79,8 +79,11 @@ class BuildRanks:
         marker.touch()
         try:
             tag = f".share-{token}-"
-            seen = sorted(int(name.rsplit(tag, 1)[1][:-4]) for name in os.listdir(folder)
-                          if tag in name and name.endswith(".tmp"))
+            seen = sorted(
+                int(name.rsplit(tag, 1)[1][:-4])
+                for name in os.listdir(folder)
+                if tag in name and name.endswith(".tmp")
+            )
             sightings = _gather(seen, world, gloo)  # every rank has listed before any marker goes
         finally:
             marker.unlink(missing_ok=True)
@@ -138,15 +141,24 @@ class BuildRanks:
         import torch.distributed as dist
 
         mine = self.rank == source
-        sizes = _broadcast([os.path.getsize(p) for p in files] if mine else None, source, self.leaders_group)
+        sizes = _broadcast(
+            [os.path.getsize(p) for p in files] if mine else None, source, self.leaders_group
+        )
         for path, size in zip(files, sizes, strict=True):
             with contextlib.ExitStack() as stack:
-                f = None if path is None else stack.enter_context(open(path, "rb" if mine else "wb"))
+                f = (
+                    None
+                    if path is None
+                    else stack.enter_context(open(path, "rb" if mine else "wb"))
+                )
                 left = size
                 while left:
                     n = min(CHUNK_BYTES, left)
-                    chunk = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8) if mine \
+                    chunk = (
+                        torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
+                        if mine
                         else torch.empty(n, dtype=torch.uint8)
+                    )
                     dist.broadcast(chunk, src=source, group=self.leaders_group)
                     if f is not None and not mine:
                         f.write(chunk.numpy().tobytes())
@@ -160,9 +172,16 @@ class BuildRanks:
         as temps, left out) into each receiving leader's `into` (None: a leader that needs
         nothing, which still takes part)."""
         mine = self.rank == source
-        names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)) \
-            if mine else None
+        names = (
+            sorted(
+                str(p.relative_to(folder))
+                for p in folder.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+            )
+            if mine
+            else None
+        )
         names = _broadcast(names, source, self.leaders_group)
         if mine:
             self.send(source, [folder / name for name in names])
@@ -183,8 +202,10 @@ def distributed_build(distributed: bool | None) -> bool:
 
     initialised = dist.is_available() and dist.is_initialized()
     if distributed and not initialised:
-        raise ValueError("distributed=True needs an initialised torch.distributed process group "
-                         "(dist.init_process_group); without one, leave `distributed` at None.")
+        raise ValueError(
+            "distributed=True needs an initialised torch.distributed process group "
+            "(dist.init_process_group); without one, leave `distributed` at None."
+        )
     if distributed is None:
         return bool(initialised and dist.get_world_size() > 1)
     return bool(distributed) and dist.get_world_size() > 1
@@ -226,18 +247,25 @@ def _rendezvous(rank: int, world: int, what: str) -> None:
     try:
         try:
             store.wait([f"{key}/all"], datetime.timedelta(seconds=first))
-        except RuntimeError:  # torch's DistStoreError (a RuntimeError) on the timeout: say so, wait on
+        except (
+            RuntimeError
+        ):  # torch's DistStoreError (a RuntimeError) on the timeout: say so, wait on
             if rank == 0:
-                warnings.warn(f"Building {what}: {store.add(key, 0)} of the {world} ranks have called the build after "
-                              f"{first:.0f} s; waiting up to {RENDEZVOUS_S:.0f} s for the others (every rank makes "
-                              "this call; distributed=False builds on one rank).", stacklevel=4)
+                warnings.warn(
+                    f"Building {what}: {store.add(key, 0)} of the {world} ranks have called the "
+                    f"build after {first:.0f} s; waiting up to {RENDEZVOUS_S:.0f} s for the others "
+                    "(every rank makes this call; distributed=False builds on one rank).",
+                    stacklevel=4,
+                )
             store.wait([f"{key}/all"], datetime.timedelta(seconds=max(0.1, RENDEZVOUS_S - first)))
     except RuntimeError:
         came = store.add(key, 0)
         raise BuildRendezvousError(
-            f"Building {what}: only {came} of the {world} ranks called the build within {RENDEZVOUS_S:.0f} s. "
-            "Under an initialised process group a build_* call splits its work over every rank, so every rank "
-            "makes the same call; to build on one rank only (then a barrier), pass distributed=False.") from None
+            f"Building {what}: only {came} of the {world} ranks called the build within "
+            f"{RENDEZVOUS_S:.0f} s. Under an initialised process group a build_* call splits its "
+            "work over every rank, so every rank makes the same call; to build on one rank only "
+            "(then a barrier), pass distributed=False."
+        ) from None
 
 
 def _gloo_group():

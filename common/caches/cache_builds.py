@@ -37,8 +37,14 @@ def sweep_dead_temps(folder: Path, name: str) -> int:
     removed, host = 0, _host()
     for tmp in Path(folder).glob(f".{name}.*.tmp"):
         parts = tmp.name.split(".")  # the host has no dots (`_host`); a name may have some
-        owner = next((int(parts[i + 1]) for i in range(len(parts) - 1)
-                      if parts[i] == host and parts[i + 1].isdigit()), None)
+        owner = next(
+            (
+                int(parts[i + 1])
+                for i in range(len(parts) - 1)
+                if parts[i] == host and parts[i + 1].isdigit()
+            ),
+            None,
+        )
         if owner is not None and not pid_alive(owner):
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -79,8 +85,14 @@ class FolderBuild:
         ...         build.publish({"format": "my-cache", "version": 1, "fingerprint": fp})
     """
 
-    def __init__(self, target: str | os.PathLike, *, distributed: bool | None = None, inputs: str | None = None,
-                 local: dict | None = None):
+    def __init__(
+        self,
+        target: str | os.PathLike,
+        *,
+        distributed: bool | None = None,
+        inputs: str | None = None,
+        local: dict | None = None,
+    ):
         self.target, self.inputs, self.local = Path(target), inputs, dict(local or {})
         self.distributed = distributed_build(distributed)
         self.ranks = BuildRanks.alone()
@@ -148,8 +160,13 @@ class FolderBuild:
             temp = None
             if needs:
                 self.target.parent.mkdir(parents=True, exist_ok=True)
-                temp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.{_host()}.{os.getpid()}.", suffix=".tmp",
-                                             dir=self.target.parent))
+                temp = Path(
+                    tempfile.mkdtemp(
+                        prefix=f".{self.target.name}.{_host()}.{os.getpid()}.",
+                        suffix=".tmp",
+                        dir=self.target.parent,
+                    )
+                )
             try:
                 self.ranks.send_tree(source, self.target if self.rank == source else None, temp)
                 if temp is not None:
@@ -168,7 +185,9 @@ class FolderBuild:
         header = json.loads(path.read_text())
         header.pop("header_sha256", None)
         header.update(self.local)
-        write_synced(path, json.dumps({**header, "header_sha256": _seal(header)}, indent=1).encode("utf-8"))
+        write_synced(
+            path, json.dumps({**header, "header_sha256": _seal(header)}, indent=1).encode("utf-8")
+        )
 
     def __enter__(self) -> FolderBuild:
         self._join()
@@ -176,8 +195,11 @@ class FolderBuild:
         if self.leader:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             sweep_dead_temps(self.target.parent, self.target.name)
-            where = tempfile.mkdtemp(prefix=f".{self.target.name}.{_host()}.{os.getpid()}.", suffix=".tmp",
-                                     dir=self.target.parent)
+            where = tempfile.mkdtemp(
+                prefix=f".{self.target.name}.{_host()}.{os.getpid()}.",
+                suffix=".tmp",
+                dir=self.target.parent,
+            )
         self.path = Path(self.ranks.from_leader(where))
         return self
 
@@ -247,7 +269,9 @@ def check_inputs(keys: list, name: str) -> None:
         ranks.setdefault(key, []).append(rank)
     seen = "; ".join(f"ranks {r} have {str(k)[:12]}..." for k, r in ranks.items())
     raise BuildInputsError(
-        f"Building {name}: the ranks' inputs differ ({seen}), so no one cache serves them all. Give every node the "
-        "same data: the same files under the same relative paths, with their sizes and modification times (an "
-        "image cache's fingerprint covers them: copy with cp -p or rsync -a, which keep the times), the same "
-        "texts and tokenizer; or build on each node with distributed=False.")
+        f"Building {name}: the ranks' inputs differ ({seen}), so no one cache serves them all. "
+        "Give every node the same data: the same files under the same relative paths, with their "
+        "sizes and modification times (an image cache's fingerprint covers them: copy with cp -p "
+        "or rsync -a, which keep the times), the same texts and tokenizer; or build on each node "
+        "with distributed=False."
+    )

@@ -48,7 +48,10 @@ _BLOCK = 1 << 24
 
 def check_verify(verify: str) -> str:
     if verify not in VERIFY_MODES:
-        raise ValueError(f"`verify` must be one of {', '.join(map(repr, VERIFY_MODES))}, but is {verify!r} instead.")
+        raise ValueError(
+            f"`verify` must be one of {', '.join(map(repr, VERIFY_MODES))}, but is {verify!r} "
+            "instead."
+        )
     return verify
 
 
@@ -65,19 +68,25 @@ def hasher(name: str, error: type[Exception] = ValueError) -> Callable[..., int]
     """`hash(*buffers) -> int` for the header's `checksum` name: the hash of the buffers'
     bytes one after the other (C-contiguous numpy arrays or bytes)."""
     if name == "crc32":
+
         def crc(*parts) -> int:
             value = 0
             for part in parts:
                 value = zlib.crc32(_bytes(part), value)
             return value
+
         return crc
     if name != "xxh3_64":
-        raise error(f"Unknown cache checksum {name!r} (expected 'xxh3_64' or 'crc32'); rebuild the cache.")
+        raise error(
+            f"Unknown cache checksum {name!r} (expected 'xxh3_64' or 'crc32'); rebuild the cache."
+        )
     try:
         import xxhash
     except ImportError:
-        raise error("This cache was built with xxh3_64 checksums, which need xxhash to verify: "
-                    "pip install xxhash, or rebuild the cache here (it then uses CRC32).") from None
+        raise error(
+            "This cache was built with xxh3_64 checksums, which need xxhash to verify: "
+            "pip install xxhash, or rebuild the cache here (it then uses CRC32)."
+        ) from None
 
     def xxh(*parts) -> int:
         if len(parts) == 1:
@@ -86,6 +95,7 @@ def hasher(name: str, error: type[Exception] = ValueError) -> Callable[..., int]
         for part in parts:
             state.update(_bytes(part))
         return state.intdigest()
+
     return xxh
 
 
@@ -110,7 +120,9 @@ def file_checksums(folder: Path, names: tuple[str, ...], name: str) -> dict[str,
     return {n: file_checksum(Path(folder) / n, name) for n in names}
 
 
-def read_checked(folder: Path, name: str, dtype, header: dict, error: type[Exception], hint: str) -> np.ndarray:
+def read_checked(
+    folder: Path, name: str, dtype, header: dict, error: type[Exception], hint: str
+) -> np.ndarray:
     """`folder/name` as a read-only array of `dtype`, after checking it against the header's
     `file_checksums[name]`.
 
@@ -124,10 +136,14 @@ def read_checked(folder: Path, name: str, dtype, header: dict, error: type[Excep
     except OSError as why:
         raise error(f"{path} is unreadable ({why}); rebuild the cache with {hint}.") from None
     except (KeyError, TypeError):
-        raise error(f"{folder}/header.json has no checksum for {name}; rebuild the cache with {hint}.") from None
+        raise error(
+            f"{folder}/header.json has no checksum for {name}; rebuild the cache with {hint}."
+        ) from None
     if f"{hasher(header['checksum'], error)(data):016x}" != expected:
-        raise error(f"{path} is damaged (its checksum differs from the one header.json recorded at build); "
-                    f"rebuild the cache with {hint}.")
+        raise error(
+            f"{path} is damaged (its checksum differs from the one header.json recorded at build); "
+            f"rebuild the cache with {hint}."
+        )
     return np.frombuffer(data, dtype=dtype)
 
 
@@ -142,9 +158,25 @@ class ItemChecks:
         error, hint: the cache's error type, and how to rebuild it.
     """
 
-    def __init__(self, path: Path, sums: np.ndarray, name: str, *, verify: VerifyMode = "first_read",
-                 error: type[Exception] = ValueError, hint: str = "its build function", label: str = "item"):
-        self.path, self.sums, self.name, self.error, self.hint, self.label = Path(path), sums, name, error, hint, label
+    def __init__(
+        self,
+        path: Path,
+        sums: np.ndarray,
+        name: str,
+        *,
+        verify: VerifyMode = "first_read",
+        error: type[Exception] = ValueError,
+        hint: str = "its build function",
+        label: str = "item",
+    ):
+        self.path, self.sums, self.name, self.error, self.hint, self.label = (
+            Path(path),
+            sums,
+            name,
+            error,
+            hint,
+            label,
+        )
         self.verify = check_verify(verify)
         self._hash = hasher(name, error)
         self._pid: int | None = None
@@ -175,13 +207,18 @@ class ItemChecks:
         got = self._hash(*parts)
         if got != int(self.sums[index]):
             unrecorded = record_damage(self.path, [index], self.label)
-            fix = (f"Rebuild the cache with {self.hint}, which replaces it (the damage is recorded in "
-                   f"{DAMAGE_RECORD})" if unrecorded is None else
-                   f"The damage could not be recorded ({unrecorded}): remove {self.path.parent}, then rebuild "
-                   f"it with {self.hint}")
-            raise self.error(f"{self.path} is damaged: {self.label} {index} has checksum {got:016x}, but "
-                             f"{int(self.sums[index]):016x} was written at build. {fix} (`recipes cache verify "
-                             f"{self.path.parent}` lists every damaged {self.label}).")
+            fix = (
+                f"Rebuild the cache with {self.hint}, which replaces it (the damage is recorded in "
+                f"{DAMAGE_RECORD})"
+                if unrecorded is None
+                else f"The damage could not be recorded ({unrecorded}): remove {self.path.parent}, "
+                f"then rebuild it with {self.hint}"
+            )
+            raise self.error(
+                f"{self.path} is damaged: {self.label} {index} has checksum {got:016x}, but "
+                f"{int(self.sums[index]):016x} was written at build. {fix} (`recipes cache verify "
+                f"{self.path.parent}` lists every damaged {self.label})."
+            )
         if self.verify == "first_read":
             self._flags()[index] = True
 
@@ -198,7 +235,11 @@ def verify_items(data: np.ndarray, bounds: np.ndarray, checks: ItemChecks) -> li
     their checksums: every item checked, none raising."""
     hash_ = hasher(checks.name, checks.error)
     bounds = np.asarray(bounds, np.int64)
-    return [i for i in range(len(checks.sums)) if hash_(data[bounds[i]:bounds[i + 1]]) != int(checks.sums[i])]
+    return [
+        i
+        for i in range(len(checks.sums))
+        if hash_(data[bounds[i] : bounds[i + 1]]) != int(checks.sums[i])
+    ]
 
 
 def item_sums(name: str, items) -> np.ndarray:
@@ -212,7 +253,7 @@ def write_item_sums(folder: Path, data_name: str, bounds: np.ndarray, name: str)
     of the data file `data_name` (byte offsets), read back once after the build wrote it."""
     path, bounds = Path(folder) / data_name, np.asarray(bounds, np.int64)
     data = np.memmap(path, np.uint8, "r") if bounds[-1] else np.zeros(0, np.uint8)
-    sums = item_sums(name, (data[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)))
+    sums = item_sums(name, (data[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)))
     with open(Path(folder) / "checksums.bin", "wb") as f:
         f.write(sums.tobytes())
         f.flush()
@@ -235,8 +276,11 @@ def record_damage(path: Path, items: list[int], label: str = "item") -> str | No
         found = sorted(set(old.get("items", [])) | {int(i) for i in items})
         if found == old.get("items"):  # recorded already (a damaged item read again)
             return None
-        entries[path.name] = {"items": found, "label": label, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                    time.gmtime())}
+        entries[path.name] = {
+            "items": found,
+            "label": label,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
         fd, temp = tempfile.mkstemp(prefix=f".{DAMAGE_RECORD}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
@@ -251,7 +295,8 @@ def record_damage(path: Path, items: list[int], label: str = "item") -> str | No
 
 
 def clear_damage(folder: Path, name: str) -> None:
-    """Removes the record of damage to `folder/name` (a file just rebuilt in place: an eval view)."""
+    """Removes the record of damage to `folder/name` (a file just rebuilt in place: an eval
+    view)."""
     entries = _read_record(folder)
     if name in entries:
         del entries[name]
@@ -265,7 +310,8 @@ def clear_damage(folder: Path, name: str) -> None:
 
 
 def _read_record(folder: Path) -> dict:
-    """The entries of `folder/damaged.json` (none when absent; an unreadable record still counts)."""
+    """The entries of `folder/damaged.json` (none when absent; an unreadable record still
+    counts)."""
     try:
         entries = json.loads((Path(folder) / DAMAGE_RECORD).read_bytes())
     except FileNotFoundError:
@@ -287,8 +333,11 @@ def recorded_damage(folder: Path, names: tuple[str, ...]) -> str | None:
             items = [str(i) for i in entry.get("items", [])]
             shown = ", ".join(items[:10]) + (", ..." if len(items) > 10 else "")
             plural = "s" if len(items) > 1 else ""
-            return (f"{name} {entry.get('label', 'item')}{plural} {shown} failed {'their checksums' if plural else 'its checksum'} "
-                    f"on {entry.get('date', 'an unknown date')}")
+            return (
+                f"{name} {entry.get('label', 'item')}{plural} {shown} failed "
+                f"{'their checksums' if plural else 'its checksum'} on "
+                f"{entry.get('date', 'an unknown date')}"
+            )
     return None
 
 
@@ -301,4 +350,7 @@ def check_damage(folder: Path, names: tuple[str, ...], error: type[Exception], h
     """
     found = recorded_damage(folder, names)
     if found is not None:
-        raise error(f"{folder} is damaged: {found} ({DAMAGE_RECORD}); rebuild it with {hint}, which replaces it.")
+        raise error(
+            f"{folder} is damaged: {found} ({DAMAGE_RECORD}); rebuild it with {hint}, which "
+            "replaces it."
+        )

@@ -16,6 +16,7 @@ damaged, not as stale); bit flips inside data files need `common/caches/cache_ch
 checksums). A build across nodes needs no shared file system (`cache_builds.py`).
 Copy with: common/workers/held_descriptors.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -90,8 +91,13 @@ def replace_dir(new: Path, target: Path, *, keep: Callable[[], bool] | None = No
                 raise
             published = keep is None or not keep()
             if published:
-                old = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_host()}.{os.getpid()}.", suffix=".old.tmp",
-                                           dir=target.parent))  # swept like a temp if this process dies
+                old = Path(
+                    tempfile.mkdtemp(
+                        prefix=f".{target.name}.{_host()}.{os.getpid()}.",
+                        suffix=".old.tmp",
+                        dir=target.parent,
+                    )
+                )  # swept like a temp if this process dies
                 os.replace(target, old)  # onto an empty folder: allowed
                 os.rename(new, target)
         fsync_path(target.parent)
@@ -103,8 +109,16 @@ def replace_dir(new: Path, target: Path, *, keep: Callable[[], bool] | None = No
 
 
 # ---- the cache-file protocol ------------------------------------------------------------
-def read_header(folder: Path, *, fmt: str, version: int, fingerprint: str | None, error: type[Exception],
-                build_hint: str, fields: tuple[str, ...]) -> dict:
+def read_header(
+    folder: Path,
+    *,
+    fmt: str,
+    version: int,
+    fingerprint: str | None,
+    error: type[Exception],
+    build_hint: str,
+    fields: tuple[str, ...],
+) -> dict:
     """`folder/header.json`, checked for format, version, fingerprint and `fields`.
 
     Raises:
@@ -116,22 +130,33 @@ def read_header(folder: Path, *, fmt: str, version: int, fingerprint: str | None
         text = (Path(folder) / "header.json").read_bytes()
     except OSError as why:
         raise error(f"No readable cache at {folder} ({why}); build it with {build_hint}.") from None
-    try:  # a header whose checksum differs, or lacks one at the current version, is damaged, not stale
+    # a header whose checksum differs, or lacks one at the current version, is damaged, not stale
+    try:
         header = json.loads(text)
         seal = header.pop("header_sha256", None) if isinstance(header, dict) else None
-        damaged = not isinstance(header, dict) or (seal != _seal(header) and (seal or header.get("version") == version))
+        damaged = not isinstance(header, dict) or (
+            seal != _seal(header) and (seal or header.get("version") == version)
+        )
     except (UnicodeDecodeError, json.JSONDecodeError):
         damaged = True
     if damaged:
-        raise error(f"{folder}/header.json is damaged (not a JSON object, or its checksum differs from its "
-                    f"content); rebuild the cache with {build_hint}.")
+        raise error(
+            f"{folder}/header.json is damaged (not a JSON object, or its checksum differs from its "
+            f"content); rebuild the cache with {build_hint}."
+        )
     if not set(fields) <= set(header):
-        raise error(f"{folder}/header.json is not a complete cache header; rebuild it with {build_hint}.")
+        raise error(
+            f"{folder}/header.json is not a complete cache header; rebuild it with {build_hint}."
+        )
     if header.get("format") != fmt or header.get("version") != version:
-        raise error(f"{folder} holds format {header.get('format')} v{header.get('version')}, expected {fmt} "
-                    f"v{version}; rebuild it with {build_hint}.")
+        raise error(
+            f"{folder} holds format {header.get('format')} v{header.get('version')}, expected "
+            f"{fmt} v{version}; rebuild it with {build_hint}."
+        )
     if fingerprint is not None and header.get("fingerprint") != fingerprint:
-        raise error(f"{folder} was built from other inputs or settings; rebuild it with {build_hint}.")
+        raise error(
+            f"{folder} was built from other inputs or settings; rebuild it with {build_hint}."
+        )
     return header
 
 
@@ -147,7 +172,10 @@ def check_size(path: Path, expected: int, error: type[Exception]) -> None:
     except OSError:
         raise error(f"{path} is missing; rebuild the cache.") from None
     if size != expected:
-        raise error(f"{path} is {size} bytes, expected {expected} (truncated or corrupt); rebuild the cache.")
+        raise error(
+            f"{path} is {size} bytes, expected {expected} (truncated or corrupt); rebuild the "
+            "cache."
+        )
 
 
 class CacheFileError(ValueError):
@@ -187,9 +215,21 @@ class LazyMap:
             its expected and actual size, and the fix (reopen the cache, or rebuild it).
     """
 
-    def __init__(self, path: Path, dtype, shape: tuple[int, ...], *, mode: str = "r",
-                 error: type[Exception] = CacheFileError):
-        self.path, self.dtype, self.shape, self.mode = Path(path), np.dtype(dtype), tuple(shape), mode
+    def __init__(
+        self,
+        path: Path,
+        dtype,
+        shape: tuple[int, ...],
+        *,
+        mode: str = "r",
+        error: type[Exception] = CacheFileError,
+    ):
+        self.path, self.dtype, self.shape, self.mode = (
+            Path(path),
+            np.dtype(dtype),
+            tuple(shape),
+            mode,
+        )
         self.error = error
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         try:
@@ -222,12 +262,16 @@ class LazyMap:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            raise self.error(f"{self.path} was removed after the cache was opened; rebuild the cache.") from None
+            raise self.error(
+                f"{self.path} was removed after the cache was opened; rebuild the cache."
+            ) from None
         st = os.fstat(fd)
         how = None
         if self._identity is not None and st.st_ino != self._identity[0]:
             how = "replaced by another file (a rebuild renamed a new cache into place)"
-        elif st.st_size != self.nbytes or (self._identity is not None and st.st_mtime_ns != self._identity[1]):
+        elif st.st_size != self.nbytes or (
+            self._identity is not None and st.st_mtime_ns != self._identity[1]
+        ):
             how = "truncated in place" if st.st_size < self.nbytes else "rewritten in place"
         if how is not None:
             os.close(fd)
@@ -235,9 +279,11 @@ class LazyMap:
         return fd
 
     def _changed(self, how: str, size: int) -> Exception:
-        return self.error(f"{self.path} changed after the cache was opened: {how}; it is {size:,} bytes, "
-                          f"expected {self.nbytes:,}. Reopen the cache (its `open()` checks the folder again), "
-                          "or rebuild it if that fails.")
+        return self.error(
+            f"{self.path} changed after the cache was opened: {how}; it is {size:,} bytes, "
+            f"expected {self.nbytes:,}. Reopen the cache (its `open()` checks the folder again), "
+            "or rebuild it if that fails."
+        )
 
     def read_into(self, out, offset: int):
         """Copies bytes from byte `offset` into `out` (a C-contiguous array, or a list of them
@@ -253,14 +299,18 @@ class LazyMap:
         wanted = sum(b.nbytes for b in buffers)
         done = 0
         while done < wanted:  # at most IOV_MAX buffers per call
-            chunk = buffers[: _IOV_MAX]
+            chunk = buffers[:_IOV_MAX]
             got = os.preadv(self._fd, chunk, offset + done)
             if got != sum(b.nbytes for b in chunk):  # never hand out a half-filled buffer
                 size = os.fstat(self._fd).st_size
                 if size >= self.nbytes:
-                    raise ValueError(f"A read of {wanted:,} bytes at byte {offset:,} runs past the end of "
-                                     f"{self.path} ({self.nbytes:,} bytes).")
-                raise self._changed(f"truncated in place (a short read at byte {offset + done + got:,})", size)
+                    raise ValueError(
+                        f"A read of {wanted:,} bytes at byte {offset:,} runs past the end of "
+                        f"{self.path} ({self.nbytes:,} bytes)."
+                    )
+                raise self._changed(
+                    f"truncated in place (a short read at byte {offset + done + got:,})", size
+                )
             done, buffers = done + got, buffers[_IOV_MAX:]
         return out
 
@@ -269,5 +319,3 @@ class LazyMap:
 
 
 _IOV_MAX = 1024
-
-

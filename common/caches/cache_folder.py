@@ -10,10 +10,9 @@ lock; `sweep` removes temp files whose writer died.
 Cost: a directory scan per reservation that must free space, and per `used_bytes`; an open and
 an flock per lock taken.
 Adapt here: nothing; the caller chooses keys (e.g. hashes of URLs) and the budget.
-Trade-off: LRU by last use (`touch` marks it on the key's lock file), not by access counts; the budget
-counts reservations of writes in flight, so a big write waits for room rather than overshoot.
-Copy with: common/workers/held_descriptors.py, common/workers/process_lifetime.py.
-"""
+Trade-off: LRU by last use (`touch` marks it on the key's lock file), not by access counts; the
+budget counts reservations of writes in flight, so a big write waits for room rather than overshoot.
+Copy with: common/workers/held_descriptors.py, common/workers/process_lifetime.py."""
 
 from __future__ import annotations
 
@@ -47,7 +46,9 @@ def touch(path: Path) -> bool:
     if not path.exists():
         return False
     lock = path.parent / ".locks" / f"{path.name}.lock"
-    now = time.time_ns()  # set explicitly: the kernel's own stamp is coarse (jiffies), uses ms apart would tie
+    now = (
+        time.time_ns()
+    )  # set explicitly: the kernel's own stamp is coarse (jiffies), uses ms apart would tie
     try:
         os.utime(lock, ns=(now, now))
     except FileNotFoundError:
@@ -74,7 +75,8 @@ def _identity(info: os.stat_result) -> str:
 
 
 def record_sum(path: Path, sha256: str, info: os.stat_result | None = None) -> None:
-    """Records `sha256` as the checksum of `path` as it is now (or as `info` found it), atomically."""
+    """Records `sha256` as the checksum of `path` as it is now (or as `info` found it),
+    atomically."""
     info = info or os.stat(path)
     record = path.parent / ".locks" / f"{path.name}.sum"
     temp = record.with_name(f"{record.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -92,12 +94,18 @@ def recorded_sum(path: Path, info: os.stat_result) -> str | None:
     except (FileNotFoundError, UnicodeDecodeError):
         return None
     identity = _identity(info)
-    return text[len(identity):] if text.startswith(identity) else None
+    return text[len(identity) :] if text.startswith(identity) else None
 
 
 @contextlib.contextmanager
-def key_lock(folder: Path, name: str, mode: int, *, pause: Callable[[float], None] | None = None,
-             unless: Callable[[], bool] | None = None):
+def key_lock(
+    folder: Path,
+    name: str,
+    mode: int,
+    *,
+    pause: Callable[[float], None] | None = None,
+    unless: Callable[[], bool] | None = None,
+):
     """Holds the flock `mode` (`fcntl.LOCK_EX` or `LOCK_SH`) on key `name` of `folder`; yields
     True once held.
 
@@ -133,8 +141,15 @@ def _try_flock(fd: int, mode: int) -> bool:
         return False
 
 
-def reserve(folder: Path, key: str, size: int, *, max_bytes: int, timeout: float = 60,
-            pause: Callable[[float], None] = time.sleep) -> tuple[Path, int, object] | None:
+def reserve(
+    folder: Path,
+    key: str,
+    size: int,
+    *,
+    max_bytes: int,
+    timeout: float = 60,
+    pause: Callable[[float], None] = time.sleep,
+) -> tuple[Path, int, object] | None:
     """Frees room for `size` bytes (LRU, skipping locked files) and creates the temp file whose
     name carries the reservation, under one folder-wide lock, retrying every 0.2 s.
 
@@ -160,6 +175,7 @@ def evict_until(folder: Path, budget: int) -> bool:
     if used <= budget:
         return True
     files = [e for e in os.scandir(folder) if e.is_file() and not e.name.startswith(".")]
+
     def last_used(entry) -> int:
         return last_use(folder, entry.name, entry.stat().st_mtime_ns)
 
@@ -209,4 +225,3 @@ def sweep(folder: Path) -> int:
                 os.unlink(entry.path)
                 removed += 1
     return removed
-

@@ -47,7 +47,9 @@ class PackedStrings(Sequence[str]):
     def from_buffers(cls, data: np.ndarray, offsets: np.ndarray) -> PackedStrings:
         """Wraps existing buffers (e.g. loaded from a cache file) without copying."""
         if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
-            raise ValueError("`offsets` must be a 1-D array starting at 0, as PackedStrings writes it.")
+            raise ValueError(
+                "`offsets` must be a 1-D array starting at 0, as PackedStrings writes it."
+            )
         if offsets[-1] != len(data):
             raise ValueError(
                 f"`offsets` ends at {int(offsets[-1])} but `data` holds {len(data)} bytes; "

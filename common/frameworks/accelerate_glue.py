@@ -1,4 +1,5 @@
-"""Hugging Face Accelerate glue: `prepare_loader` keeps a recipes loader as it is under an `Accelerator`.
+"""Hugging Face Accelerate glue: `prepare_loader` keeps a recipes loader as it is under an
+`Accelerator`.
 
 Use when: you train with `accelerate` (an `Accelerator`, launched by `torchrun` or `accelerate
 launch`) from a `make_loader` loader (`StatefulLoader`, `ThreadLoader`, `RobustLoader`, or a
@@ -24,9 +25,9 @@ Never pass the result to `accelerator.skip_first_batches`: the loader resumes it
 The wrapper does for accelerate what `DataLoaderShard` does (accelerate's `DataLoaderStateMixin`
 protocol): it registers with the `GradientState` while an epoch runs and sets
 `end_of_dataloader` on the last batch, so `accelerator.accumulate()` steps at an epoch's end.
-Needs accelerate (`pip install "loader-recipes[accelerate]"`), imported only by the functions that use it.
-Copy with: nothing.
-"""
+Needs accelerate (`pip install "loader-recipes[accelerate]"`), imported only by the functions that
+use it.
+Copy with: nothing."""
 
 from __future__ import annotations
 
@@ -36,8 +37,15 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AcceleratedLoader", "check_split", "innermost", "loader_state_path", "prepare_loader", "read_loader_state",
-           "write_loader_state"]
+__all__ = [
+    "AcceleratedLoader",
+    "check_split",
+    "innermost",
+    "loader_state_path",
+    "prepare_loader",
+    "read_loader_state",
+    "write_loader_state",
+]
 
 _END = object()
 _FORMAT = "recipes-loader-state"
@@ -59,16 +67,24 @@ class AcceleratedLoader:
     """
 
     def __init__(self, loader, *, accelerator, device_placement: bool = True):
-        if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
-            raise TypeError(f"AcceleratedLoader wraps a loader with state_dict() and load_state_dict() (make_loader's); "
-                            f"{type(loader).__name__} has not both. Build it with recipes.common.make_loader.")
+        if not (
+            callable(getattr(loader, "state_dict", None))
+            and callable(getattr(loader, "load_state_dict", None))
+        ):
+            raise TypeError(
+                "AcceleratedLoader wraps a loader with state_dict() and load_state_dict() "
+                f"(make_loader's); {type(loader).__name__} has not both. Build it with "
+                "recipes.common.make_loader."
+            )
         self.loader = loader
         self.device = accelerator.device if device_placement else None
         self.non_blocking = bool(getattr(accelerator, "non_blocking", False))
         self.gradient_state = accelerator.gradient_state
         self.end_of_dataloader = False  # accelerate's DataLoaderStateMixin attributes
         self.remainder = -1
-        self._held: tuple[dict, dict] | None = None  # (the loop's state, the loader's) while a batch is read ahead
+        self._held: tuple[dict, dict] | None = (
+            None  # (the loop's state, the loader's) while a batch is read ahead
+        )
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -80,7 +96,9 @@ class AcceleratedLoader:
 
     def __iter__(self):
         self._held = None
-        return self._batches(iter(self.loader))  # the loader's pass starts now, as a DataLoader's would
+        return self._batches(
+            iter(self.loader)
+        )  # the loader's pass starts now, as a DataLoader's would
 
     def _batches(self, iterator):
         self.end_of_dataloader, self.remainder = False, -1
@@ -88,7 +106,9 @@ class AcceleratedLoader:
         try:
             batch = next(iterator, _END)
             while batch is not _END:
-                received = self.loader.state_dict()  # the loop's place: this batch received, the next not
+                received = (
+                    self.loader.state_dict()
+                )  # the loop's place: this batch received, the next not
                 following = next(iterator, _END)
                 self.end_of_dataloader = following is _END
                 self._held = None if following is _END else (received, self.loader.state_dict())
@@ -130,15 +150,23 @@ class AcceleratedLoader:
         """`set_epoch(epoch)` on the loader's sampler, batch sampler and dataset that have one
         (the same epoch as a loaded state keeps its place; another starts that epoch afresh)."""
         inner, done = innermost(self.loader), set()
-        for holder in (getattr(inner, "batch_sampler", None), getattr(inner, "sampler", None),
-                       getattr(inner, "dataset", None)):
-            if holder is not None and id(holder) not in done and callable(getattr(holder, "set_epoch", None)):
+        for holder in (
+            getattr(inner, "batch_sampler", None),
+            getattr(inner, "sampler", None),
+            getattr(inner, "dataset", None),
+        ):
+            if (
+                holder is not None
+                and id(holder) not in done
+                and callable(getattr(holder, "set_epoch", None))
+            ):
                 holder.set_epoch(epoch)
                 done.add(id(holder))
 
 
-def prepare_loader(accelerator, loader, *, device_placement: bool | None = None,
-                   name: str = "train") -> AcceleratedLoader:
+def prepare_loader(
+    accelerator, loader, *, device_placement: bool | None = None, name: str = "train"
+) -> AcceleratedLoader:
     """`loader`, kept as it is under `accelerator`, and saved and loaded by its `save_state` /
     `load_state` (a `recipes_loader-<name>.rank<r>.json` per rank in the checkpoint folder).
 
@@ -153,7 +181,8 @@ def prepare_loader(accelerator, loader, *, device_placement: bool | None = None,
             process's rank expects, or `name` is taken on this accelerator.
 
     Example:
-        >>> loader = prepare_loader(accelerator, make_loader(dataset, batch_size=32, sampler=sampler))
+        >>> loader = make_loader(dataset, batch_size=32, sampler=sampler)
+        >>> loader = prepare_loader(accelerator, loader)
         >>> model, optimizer = accelerator.prepare(model, optimizer)
         >>> accelerator.load_state("ckpt")            # when resuming: the loader's place too
         >>> for epoch in range(loader.epoch, epochs):
@@ -163,8 +192,10 @@ def prepare_loader(accelerator, loader, *, device_placement: bool | None = None,
     check_split(loader, accelerator.num_processes, accelerator.process_index)
     names = _PREPARED.setdefault(accelerator, set())
     if name in names:
-        raise ValueError(f"A loader named {name!r} is already prepared on this Accelerator; pass another `name=` "
-                         "for each loader (it names the loader's file in a checkpoint).")
+        raise ValueError(
+            f"A loader named {name!r} is already prepared on this Accelerator; pass another "
+            "`name=` for each loader (it names the loader's file in a checkpoint)."
+        )
     names.add(name)
     placement = accelerator.device_placement if device_placement is None else device_placement
     wrapped = AcceleratedLoader(loader, accelerator=accelerator, device_placement=placement)
@@ -195,28 +226,38 @@ def check_split(loader, num_processes: int, process_index: int) -> None:
     process may read everything, unless the launcher started several: `WORLD_SIZE`)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if num_processes == 1 and launched > 1:
-        raise ValueError(f"This process is one of WORLD_SIZE={launched} launched, but runs alone (1 process): every "
-                         "process would train on all the data and write the same checkpoint files. On CPUs, "
-                         "accelerate joins the processes only with Accelerator(cpu=True) (TrainingArguments(use_cpu="
-                         "True) for the Trainer).")
+        raise ValueError(
+            f"This process is one of WORLD_SIZE={launched} launched, but runs alone (1 process): "
+            "every process would train on all the data and write the same checkpoint files. On "
+            "CPUs, accelerate joins the processes only with Accelerator(cpu=True) "
+            "(TrainingArguments(use_cpu=True) for the Trainer)."
+        )
     inner = innermost(loader)
     batch_sampler = getattr(inner, "batch_sampler", None)
-    holders = (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(inner, "sampler", None),
-               getattr(inner, "dataset", None))
+    holders = (
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        getattr(inner, "sampler", None),
+        getattr(inner, "dataset", None),
+    )
     holder = next((h for h in holders if h is not None and _world_of(h) is not None), None)
     if holder is None:
         if num_processes > 1:
-            raise ValueError(f"This loader reads the whole dataset on every rank ({num_processes} processes): nothing "
-                             "in it says num_replicas/world_size and rank. Split it over the ranks: make_loader(dataset, "
-                             "batch_size=..., sampler=DistributedSampler(dataset, shuffle=True, seed=0)), or a "
-                             "LengthBucketSampler / ShardedIterableDataset built after the Accelerator (they read the "
-                             "torch.distributed world).")
+            raise ValueError(
+                f"This loader reads the whole dataset on every rank ({num_processes} processes): "
+                "nothing in it says num_replicas/world_size and rank. Split it over the ranks: "
+                "make_loader(dataset, batch_size=..., sampler=DistributedSampler(dataset, "
+                "shuffle=True, seed=0)), or a LengthBucketSampler / ShardedIterableDataset built "
+                "after the Accelerator (they read the torch.distributed world)."
+            )
         return
     world, rank = _world_of(holder)
     if (world, rank) != (num_processes, process_index):
-        raise ValueError(f"{type(holder).__name__} is split for rank {rank} of {world}, but this process is rank "
-                         f"{process_index} of {num_processes}. Build it after the Accelerator, or pass "
-                         f"num_replicas={num_processes}, rank={process_index}.")
+        raise ValueError(
+            f"{type(holder).__name__} is split for rank {rank} of {world}, but this process is "
+            f"rank {process_index} of {num_processes}. Build it after the Accelerator, or pass "
+            f"num_replicas={num_processes}, rank={process_index}."
+        )
 
 
 def _world_of(holder) -> tuple[int, int] | None:
@@ -232,12 +273,21 @@ def loader_state_path(folder, name: str, rank: int) -> Path:
     return Path(folder) / f"recipes_loader-{name}.rank{rank}.json"
 
 
-def write_loader_state(folder, name: str, state: dict[str, Any], *, rank: int, world_size: int) -> Path:
+def write_loader_state(
+    folder, name: str, state: dict[str, Any], *, rank: int, world_size: int
+) -> Path:
     """Writes `state` (plain JSON) for `rank` into `folder`, atomically (a crash mid-write
     leaves the previous file whole)."""
     path = loader_state_path(folder, name, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": _FORMAT, "version": 1, "name": name, "rank": rank, "world_size": world_size, "state": state}
+    record = {
+        "format": _FORMAT,
+        "version": 1,
+        "name": name,
+        "rank": rank,
+        "world_size": world_size,
+        "state": state,
+    }
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
@@ -258,14 +308,24 @@ def read_loader_state(folder, name: str, *, rank: int, world_size: int) -> dict[
         if record.get("world_size") == world_size:
             return record["state"]
     if not first.is_file():
-        found = sorted(p.name for p in Path(folder).glob("recipes_loader-*.json")) if Path(folder).is_dir() else []
-        raise FileNotFoundError(f"No state of the loader {name!r} in {folder} (expected {path.name}; found "
-                                f"{found or 'no loader state'}). Resume from a checkpoint saved while the loader was "
-                                f"prepared with prepare_loader(..., name={name!r}), or start the epoch afresh.")
+        found = (
+            sorted(p.name for p in Path(folder).glob("recipes_loader-*.json"))
+            if Path(folder).is_dir()
+            else []
+        )
+        raise FileNotFoundError(
+            f"No state of the loader {name!r} in {folder} (expected {path.name}; found "
+            f"{found or 'no loader state'}). Resume from a checkpoint saved while the loader was "
+            f"prepared with prepare_loader(..., name={name!r}), or start the epoch afresh."
+        )
     record = _record(first)
-    if record.get("world_size") == world_size:  # saved on as many ranks, yet this rank's file is not there
-        raise FileNotFoundError(f"{path.name} is missing from {folder}, which was saved on {world_size} ranks: the "
-                                "checkpoint is incomplete; resume from an earlier one.")
+    if (
+        record.get("world_size") == world_size
+    ):  # saved on as many ranks, yet this rank's file is not there
+        raise FileNotFoundError(
+            f"{path.name} is missing from {folder}, which was saved on {world_size} ranks: the "
+            "checkpoint is incomplete; resume from an earlier one."
+        )
     return record["state"]
 
 
@@ -273,9 +333,17 @@ def _record(path: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise ValueError(f"{path} is not a readable loader state ({error}); the checkpoint is damaged: resume from "
-                         "an earlier one.") from error
-    if not isinstance(record, dict) or record.get("format") != _FORMAT or not isinstance(record.get("state"), dict):
-        raise ValueError(f"{path} is not a recipes loader state (no {_FORMAT!r} record); resume from a checkpoint "
-                         "written by prepare_loader.")
+        raise ValueError(
+            f"{path} is not a readable loader state ({error}); the checkpoint is damaged: resume "
+            "from an earlier one."
+        ) from error
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != _FORMAT
+        or not isinstance(record.get("state"), dict)
+    ):
+        raise ValueError(
+            f"{path} is not a recipes loader state (no {_FORMAT!r} record); resume from a "
+            "checkpoint written by prepare_loader."
+        )
     return record

@@ -1,4 +1,5 @@
-"""transformers `Trainer` glue: `LoaderTrainerMixin` trains from a recipes loader and resumes it exactly, at once.
+"""transformers `Trainer` glue: `LoaderTrainerMixin` trains from a recipes loader and resumes it
+exactly, at once.
 
 Use when: you train with `transformers.Trainer` (or a subclass: `Seq2SeqTrainer`, TRL's
 trainers) and want its batches from a `make_loader` loader (`StatefulLoader`, `ThreadLoader`,
@@ -48,7 +49,8 @@ NAME = "train"  # the loader's name in a checkpoint folder
 
 
 class LoaderTrainerMixin:
-    """Put before `Trainer` in a subclass's bases: `class LoaderTrainer(LoaderTrainerMixin, Trainer)`.
+    """Put before `Trainer` in a subclass's bases: `class LoaderTrainer(LoaderTrainerMixin,
+    Trainer)`.
 
     Args:
         *args, **kwargs: the Trainer's (no `train_dataset` needed).
@@ -61,7 +63,9 @@ class LoaderTrainerMixin:
     def __init__(self, *args: Any, train_loader, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.train_loader = train_loader
-        self.args.ignore_data_skip = True  # the loader resumes itself: no skipping by reading (module doc)
+        self.args.ignore_data_skip = (
+            True  # the loader resumes itself: no skipping by reading (module doc)
+        )
         self._resume_folder: str | None = None
         self._prepared_loader: TrainerLoader | None = None
         self.add_callback(LoaderCheckpoints())
@@ -72,10 +76,16 @@ class LoaderTrainerMixin:
         if self._prepared_loader is None:
             check_split(self.train_loader, accelerator.num_processes, accelerator.process_index)
             # the Trainer moves batches itself (`_prepare_inputs`)
-            self._prepared_loader = TrainerLoader(self.train_loader, accelerator=accelerator, device_placement=False)
+            self._prepared_loader = TrainerLoader(
+                self.train_loader, accelerator=accelerator, device_placement=False
+            )
         if self._resume_folder is not None:
-            state = read_loader_state(self._resume_folder, NAME, rank=accelerator.process_index,
-                                      world_size=accelerator.num_processes)
+            state = read_loader_state(
+                self._resume_folder,
+                NAME,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+            )
             self._prepared_loader.load_state_dict(state)
             self._resume_folder = None
         return self._prepared_loader
@@ -87,7 +97,9 @@ class LoaderTrainerMixin:
         if folder is True:
             from transformers.trainer_utils import get_last_checkpoint
 
-            folder = get_last_checkpoint(self.args.output_dir)  # None: the Trainer raises, naming output_dir
+            folder = get_last_checkpoint(
+                self.args.output_dir
+            )  # None: the Trainer raises, naming output_dir
         self._resume_folder = folder if isinstance(folder, (str, os.PathLike)) else None
         if self._resume_folder is not None:
             _warn_partial_accumulation(self.train_loader, self.args.gradient_accumulation_steps)
@@ -123,8 +135,13 @@ class LoaderCheckpoints(TrainerCallback):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        write_loader_state(folder, NAME, train_dataloader.state_dict(), rank=args.process_index,
-                           world_size=args.world_size)
+        write_loader_state(
+            folder,
+            NAME,
+            train_dataloader.state_dict(),
+            rank=args.process_index,
+            world_size=args.world_size,
+        )
 
 
 def _warn_partial_accumulation(loader, accumulation: int) -> None:
@@ -133,8 +150,12 @@ def _warn_partial_accumulation(loader, accumulation: int) -> None:
     except TypeError:  # no length: the Trainer runs by max_steps
         return
     if accumulation > 1 and batches % accumulation:
-        warnings.warn(f"gradient_accumulation_steps={accumulation} does not divide the loader's {batches} batches per "
-                      f"epoch: the Trainer counts a resumed epoch's steps from the resume point, so that epoch's last "
-                      f"{batches % accumulation} batches are stepped with the next epoch's first instead of alone. "
-                      "Make the batches per epoch a multiple of it (drop_last=True, or the batch size) for a resume "
-                      "that equals the uninterrupted run.", LoaderWarning, stacklevel=3)
+        warnings.warn(
+            f"gradient_accumulation_steps={accumulation} does not divide the loader's {batches} "
+            "batches per epoch: the Trainer counts a resumed epoch's steps from the resume point, "
+            f"so that epoch's last {batches % accumulation} batches are stepped with the next "
+            "epoch's first instead of alone. Make the batches per epoch a multiple of it "
+            "(drop_last=True, or the batch size) for a resume that equals the uninterrupted run.",
+            LoaderWarning,
+            stacklevel=3,
+        )

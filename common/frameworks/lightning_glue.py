@@ -1,4 +1,5 @@
-"""Lightning glue: `LoaderDataModule`, a DataModule whose checkpoints resume a `make_loader` loader exactly.
+"""Lightning glue: `LoaderDataModule`, a DataModule whose checkpoints resume a `make_loader` loader
+exactly.
 
 Use when: you train with Lightning (2.2+; read in 2.6's source) from a `make_loader` loader
 (`StatefulLoader`, `ThreadLoader`, `RobustLoader`), resume with `Trainer.fit(..., ckpt_path=)`,
@@ -38,8 +39,8 @@ What Lightning does, and what this module adds:
   epoch's last step, it starts the next epoch on the loader's empty rest of the old one (a
   loader that counts its own epochs, `make_loader(shuffle=True)` without a sampler, then loses
   that epoch: measured, plain Lightning trains 64 of 192 samples fewer). This module's loader
-  draws its order from an `ElasticDistributedSampler` (one rank or more), whose `set_epoch` begins the
-  right epoch (an iterator that handed no batch over follows a later `set_epoch`).
+  draws its order from an `ElasticDistributedSampler` (one rank or more), whose `set_epoch` begins
+  the right epoch (an iterator that handed no batch over follows a later `set_epoch`).
 Importing this module does not import Lightning: `LoaderDataModule` is built on first use, as
 `LoaderDataModuleMixin` on `lightning.pytorch.LightningDataModule`.
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
@@ -74,8 +75,8 @@ class LoaderDataModuleMixin:
 
     Args:
         dataset: the training dataset (the default `train_loader()` reads it).
-        seed: the order's seed (the default `train_loader()`'s `ElasticDistributedSampler`, the same on
-            every rank).
+        seed: the order's seed (the default `train_loader()`'s `ElasticDistributedSampler`, the same
+            on every rank).
         **loader_kwargs: `make_loader`'s arguments (`batch_size`, `shuffle`, `num_workers`, ...).
 
     Example:
@@ -91,15 +92,23 @@ class LoaderDataModuleMixin:
 
     def train_loader(self):
         """The training loader; override to build your own. By default `make_loader(dataset,
-        **loader_kwargs)`, given an `ElasticDistributedSampler` (`shuffle`, `seed`, this trainer's ranks,
-        one or more) when it has no sampler: its order follows the epoch Lightning sets."""
+        **loader_kwargs)`, given an `ElasticDistributedSampler` (`shuffle`, `seed`, this trainer's
+        ranks, one or more) when it has no sampler: its order follows the epoch Lightning sets."""
         kwargs = dict(self.loader_kwargs)
         world, rank = _ranks(self.trainer)
-        if not isinstance(self.dataset, IterableDataset) and kwargs.get("sampler") is None \
-                and kwargs.get("batch_sampler") is None:
-            kwargs["sampler"] = ElasticDistributedSampler(self.dataset, num_replicas=world, rank=rank, seed=self.seed,
-                                                          shuffle=bool(kwargs.pop("shuffle", False)),
-                                                          drop_last=bool(kwargs.get("drop_last", False)))
+        if (
+            not isinstance(self.dataset, IterableDataset)
+            and kwargs.get("sampler") is None
+            and kwargs.get("batch_sampler") is None
+        ):
+            kwargs["sampler"] = ElasticDistributedSampler(
+                self.dataset,
+                num_replicas=world,
+                rank=rank,
+                seed=self.seed,
+                shuffle=bool(kwargs.pop("shuffle", False)),
+                drop_last=bool(kwargs.get("drop_last", False)),
+            )
         return make_loader(self.dataset, **kwargs)
 
     @property
@@ -124,7 +133,9 @@ class LoaderDataModuleMixin:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.trainer is not None and not any(getattr(c, "sets_loader_epochs", False) for c in self.trainer.callbacks):
+        if self.trainer is not None and not any(
+            getattr(c, "sets_loader_epochs", False) for c in self.trainer.callbacks
+        ):
             self.trainer.callbacks.append(_epoch_callback())
 
     def state_dict(self) -> dict[str, Any]:
@@ -143,19 +154,32 @@ def check_sampler_kept(trainer, loader) -> None:
         ValueError: several ranks, `use_distributed_sampler=True`, and a map-style DataLoader
             whose sampler is not a `DistributedSampler`.
     """
-    if trainer is None or _ranks(trainer)[0] < 2 or not isinstance(loader, DataLoader) \
-            or isinstance(loader.dataset, IterableDataset) or isinstance(loader.sampler, DistributedSampler):
+    if (
+        trainer is None
+        or _ranks(trainer)[0] < 2
+        or not isinstance(loader, DataLoader)
+        or isinstance(loader.dataset, IterableDataset)
+        or isinstance(loader.sampler, DistributedSampler)
+    ):
         return
     # Lightning 2.6 keeps the flag here, with no public accessor; missing, assume its default
-    if not getattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", True):
+    if not getattr(
+        getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", True
+    ):
         return
-    own = f"batch sampler {type(loader.batch_sampler).__name__}" if loader.batch_size is None \
+    own = (
+        f"batch sampler {type(loader.batch_sampler).__name__}"
+        if loader.batch_size is None
         else f"sampler {type(loader.sampler).__name__}"
-    raise ValueError(f"Trainer(use_distributed_sampler=True) would replace this {type(loader).__name__}'s {own} with "
-                     "a DistributedSampler, re-creating the loader (its loaded state lost; a batch sampler of recipes "
-                     "cannot be re-created). Pass Trainer(use_distributed_sampler=False) when the sampler splits the "
-                     "data over the ranks itself (LengthBucketSampler, PackedBatchSampler, MixtureSampler and "
-                     "DistributedSampler do), or build the loader with a DistributedSampler.")
+    )
+    raise ValueError(
+        f"Trainer(use_distributed_sampler=True) would replace this {type(loader).__name__}'s {own} "
+        "with a DistributedSampler, re-creating the loader (its loaded state lost; a batch "
+        "sampler of recipes cannot be re-created). Pass Trainer(use_distributed_sampler=False) "
+        "when the sampler splits the data over the ranks itself (LengthBucketSampler, "
+        "PackedBatchSampler, MixtureSampler and DistributedSampler do), or build the loader with "
+        "a DistributedSampler."
+    )
 
 
 def epoch_holders(loader) -> list:
@@ -176,11 +200,16 @@ def _warn_without_length(loader) -> None:
     try:
         len(loader)
     except TypeError:
-        warnings.warn(LoaderWarning(
-            f"{type(loader).__name__} has no length ({type(getattr(loader, 'dataset', loader)).__name__} has no "
-            "__len__): Lightning reads one batch ahead of it, so a checkpoint taken mid-epoch holds the loader's "
-            "state one batch late and the resumed run skips that batch. Checkpoint at epoch ends, or give the "
-            "dataset a length."), stacklevel=3)
+        warnings.warn(
+            LoaderWarning(
+                f"{type(loader).__name__} has no length "
+                f"({type(getattr(loader, 'dataset', loader)).__name__} has no __len__): Lightning "
+                "reads one batch ahead of it, so a checkpoint taken mid-epoch holds the loader's "
+                "state one batch late and the resumed run skips that batch. Checkpoint at epoch "
+                "ends, or give the dataset a length."
+            ),
+            stacklevel=3,
+        )
 
 
 def _ranks(trainer) -> tuple[int, int]:
@@ -208,8 +237,13 @@ def _epoch_callback():
 
 def _set_epochs(trainer) -> None:
     loaders = trainer.train_dataloader
-    for loader in loaders.values() if isinstance(loaders, dict) else \
-            loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+    for loader in (
+        loaders.values()
+        if isinstance(loaders, dict)
+        else loaders
+        if isinstance(loaders, (list, tuple))
+        else [loaders]
+    ):
         for holder in epoch_holders(loader):
             if getattr(holder, "epoch", None) != trainer.current_epoch:
                 holder.set_epoch(trainer.current_epoch)
@@ -222,10 +256,20 @@ def __getattr__(name: str):
     try:
         from lightning.pytorch import LightningDataModule
     except ImportError as error:
-        raise ImportError('LoaderDataModule needs Lightning: pip install "loader-recipes[lightning]"') from error
-    cls = type("LoaderDataModule", (LoaderDataModuleMixin, LightningDataModule),
-               {"__module__": __name__, "__doc__": "A `LightningDataModule` with `LoaderDataModuleMixin`'s methods: "
-                "its training loader is `train_loader()` and its checkpoints resume it exactly (module doc).\n\n"
-                + (LoaderDataModuleMixin.__doc__ or "").split("\n\n", 1)[1]})
+        raise ImportError(
+            'LoaderDataModule needs Lightning: pip install "loader-recipes[lightning]"'
+        ) from error
+    cls = type(
+        "LoaderDataModule",
+        (LoaderDataModuleMixin, LightningDataModule),
+        {
+            "__module__": __name__,
+            "__doc__": (
+                "A `LightningDataModule` with `LoaderDataModuleMixin`'s methods: its training "
+                "loader is `train_loader()` and its checkpoints resume it exactly (module "
+                "doc).\n\n" + (LoaderDataModuleMixin.__doc__ or "").split("\n\n", 1)[1]
+            ),
+        },
+    )
     globals()[name] = cls
     return cls

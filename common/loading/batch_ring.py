@@ -47,15 +47,21 @@ def flatten(batch) -> tuple[Any, list[torch.Tensor]]:
             return ("t", len(tensors) - 1)
         if isinstance(node, np.ndarray) and node.dtype.isnative and node.dtype.kind in "biufc?":
             try:  # a dtype torch has (not big-endian, not strings); 0-d stays 0-d
-                tensors.append(torch.from_numpy(node if node.flags.c_contiguous else node.copy(order="C")))
+                tensors.append(
+                    torch.from_numpy(node if node.flags.c_contiguous else node.copy(order="C"))
+                )
             except (TypeError, ValueError):  # big-endian, strings: pickled with the layout
                 return ("v", node)
             return ("n", len(tensors) - 1)
         if type(node) in (tuple, list):
             return (type(node).__name__, [walk(v) for v in node])
-        if isinstance(node, tuple) and hasattr(node, "_fields"):  # a namedtuple: its class by reference
+        if isinstance(node, tuple) and hasattr(
+            node, "_fields"
+        ):  # a namedtuple: its class by reference
             return ("namedtuple", (type(node), [walk(v) for v in node]))
-        if type(node) is dict or (isinstance(node, dict) and type(node).__module__ == "collections"):
+        if type(node) is dict or (
+            isinstance(node, dict) and type(node).__module__ == "collections"
+        ):
             return ("dict", (type(node), [(k, walk(v)) for k, v in node.items()]))
         return ("v", node)  # a scalar, a string, or anything else: pickled with the layout
 
@@ -109,7 +115,9 @@ def new_segment(size: int):
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("recipes-batch-slot", getattr(os, "MFD_CLOEXEC", 0))
     else:  # pragma: no cover - macOS
-        fd, name = tempfile.mkstemp(prefix="recipes-batch-slot-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        fd, name = tempfile.mkstemp(
+            prefix="recipes-batch-slot-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
         os.unlink(name)
     try:
         os.ftruncate(fd, size)
@@ -126,7 +134,9 @@ def map_shared(fd: int, size: int):
     libc = _libc()
     if libc is None:  # pragma: no cover - not glibc or macOS libc
         return mmap.mmap(fd, size)
-    address = libc.mmap(None, ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    address = libc.mmap(
+        None, ctypes.c_size_t(size), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0
+    )
     if address in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), f"mmap of a {size}-byte batch slot failed")
     mapping = (ctypes.c_char * size).from_address(address)
@@ -142,8 +152,12 @@ def _placed(mapping, tensors: list[torch.Tensor]) -> dict[int, int]:
     start, size, found = ctypes.addressof(mapping), ctypes.sizeof(mapping), {}
     for i, tensor in enumerate(tensors):
         low = tensor.data_ptr()
-        if _bytes(tensor) >= INLINE_BYTES and start <= low and low + _bytes(tensor) <= start + size \
-                and (low - start) % ALIGN == 0:
+        if (
+            _bytes(tensor) >= INLINE_BYTES
+            and start <= low
+            and low + _bytes(tensor) <= start + size
+            and (low - start) % ALIGN == 0
+        ):
             found[i] = low - start
     return found
 
@@ -158,8 +172,14 @@ def _libc():
         try:
             _LIBC = ctypes.CDLL(None, use_errno=True)
             _LIBC.mmap.restype = ctypes.c_void_p
-            _LIBC.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_long)
+            _LIBC.mmap.argtypes = (
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            )
             _LIBC.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
         except (OSError, AttributeError):  # pragma: no cover
             _LIBC = False
@@ -169,7 +189,9 @@ def _libc():
 _LIBC = None
 
 
-_TARGET = threading.local()  # in the child's pool threads: (ring, slot, bytes used) of the batch being made
+_TARGET = (
+    threading.local()
+)  # in the child's pool threads: (ring, slot, bytes used) of the batch being made
 
 
 def slot_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -186,7 +208,9 @@ def slot_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | No
     if n < INLINE_BYTES or mapping is None or _size(mapping) < used + _aligned(n):
         return None
     _TARGET.slot = (ring, slot, used + _aligned(n))
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=used).view(dtype).view(shape)
+    return (
+        torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=used).view(dtype).view(shape)
+    )
 
 
 class Ring:
@@ -226,9 +250,15 @@ class Ring:
         tensors = [_dense(t.detach()) for t in tensors]
         mapping = self.maps.get(slot)
         placed = _placed(mapping, tensors)  # made in the slot already (`slot_tensor`): no copy
-        used = max((placed[i] + _aligned(_bytes(t)) for i, t in enumerate(tensors) if i in placed), default=0)
-        need = used + sum(_aligned(_bytes(t)) for i, t in enumerate(tensors) if _bytes(t) >= INLINE_BYTES
-                          and i not in placed)
+        used = max(
+            (placed[i] + _aligned(_bytes(t)) for i, t in enumerate(tensors) if i in placed),
+            default=0,
+        )
+        need = used + sum(
+            _aligned(_bytes(t))
+            for i, t in enumerate(tensors)
+            if _bytes(t) >= INLINE_BYTES and i not in placed
+        )
         fd = None
         if need and (mapping is None or _size(mapping) < need):
             need = sum(_aligned(_bytes(t)) for t in tensors if _bytes(t) >= INLINE_BYTES)
@@ -237,13 +267,24 @@ class Ring:
             placed, used = {}, 0  # all copied into the new segment
         layouts, offset = [], used
         for i, (tensor, grad) in enumerate(zip(tensors, grads, strict=True)):
-            n, meta = _bytes(tensor), (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                                       tuple(tensor.stride()), grad)
+            n, meta = (
+                _bytes(tensor),
+                (
+                    str(tensor.dtype).removeprefix("torch."),
+                    tuple(tensor.shape),
+                    tuple(tensor.stride()),
+                    grad,
+                ),
+            )
             if i in placed:
                 layouts.append((*meta, placed[i], n))
                 continue
             if n < INLINE_BYTES:  # its bytes in the layout (a label, a length, a mask)
-                flat = tensor.as_strided((tensor.numel(),), (1,)) if tensor.numel() else tensor.reshape(0)
+                flat = (
+                    tensor.as_strided((tensor.numel(),), (1,))
+                    if tensor.numel()
+                    else tensor.reshape(0)
+                )
                 raw = flat.view(torch.uint8).numpy().tobytes() if n else b""
                 layouts.append((*meta, None, raw))
                 continue
@@ -268,8 +309,16 @@ class Ring:
         for dtype, shape, stride, grad, offset, data in layouts:
             dtype = getattr(torch, dtype)
             if offset is None:
-                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                tensor = flat.view(dtype).as_strided(shape, stride) if data else torch.empty(shape, dtype=dtype)
+                flat = (
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    if data
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                tensor = (
+                    flat.view(dtype).as_strided(shape, stride)
+                    if data
+                    else torch.empty(shape, dtype=dtype)
+                )
             else:
                 buffer = np.frombuffer(mapping, dtype=np.uint8, count=data, offset=offset)
                 watched.append(buffer)

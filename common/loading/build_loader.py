@@ -37,8 +37,13 @@ def build_loader(dataset, *, num_workers: int | None, batch_size: int, collate_f
         def _get_iterator(self):  # a worker stuck in its fork is replaced (start_watch.py)
             return watched_iterator(self, super()._get_iterator)
 
-    return BuildLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-                       worker_init_fn=_build_worker_init if num_workers else None)
+    return BuildLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        worker_init_fn=_build_worker_init if num_workers else None,
+    )
 
 
 def _build_worker_init(worker_id: int) -> None:

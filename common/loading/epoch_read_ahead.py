@@ -1,4 +1,5 @@
-"""The thread paths' read-ahead into the next epoch: its first batches made while the loop takes the last ones.
+"""The thread paths' read-ahead into the next epoch: its first batches made while the loop takes the
+last ones.
 
 Use when: you read why a `ThreadLoader` (or `IsolatedLoader`) starts an epoch with batches
 ready. Without it each epoch starts empty: the pool drains at the epoch's end (fewer batches
@@ -43,18 +44,27 @@ from torch.utils.data import BatchSampler, ConcatDataset, RandomSampler, Sequent
 
 # samplers whose order is a function of (seed, epoch) and whose set_epoch and iteration only
 # rebind the copy's own attributes (exactly these classes: a subclass may do more in set_epoch)
-_DEALS = ("torch.utils.data.distributed.DistributedSampler",
-          "recipes.common.sampling.elastic_sampler.ElasticDistributedSampler")
+_DEALS = (
+    "torch.utils.data.distributed.DistributedSampler",
+    "recipes.common.sampling.elastic_sampler.ElasticDistributedSampler",
+)
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every NextEpoch with batches asked for (settle_reads_ahead)
+_LIVE: weakref.WeakSet = (
+    weakref.WeakSet()
+)  # every NextEpoch with batches asked for (settle_reads_ahead)
 
 
 class NextEpoch:
     """Batches of the epoch after `epoch`, asked of `pool` before that epoch began, in order."""
 
     def __init__(self, pool, epoch: int, batches, seed: int, key: tuple):
-        self.pool, self.epoch, self.seed, self.key = pool, epoch + 1, seed, key  # key: read_ahead_key's
+        self.pool, self.epoch, self.seed, self.key = (
+            pool,
+            epoch + 1,
+            seed,
+            key,
+        )  # key: read_ahead_key's
         self._batches = batches  # the foreseen index lists, drawn as room appears
         self.made: deque = deque()  # (position, indices, future)
         self._position = 0
@@ -68,10 +78,20 @@ class NextEpoch:
             indices = [int(i) for i in indices]
             pool, at = loader._pool, (indices, self.epoch, self._position, self.seed)
             # each read checks the dataset's key as it starts and ends: a change between epochs (one
-            # set back before the next epoch too) makes it CHANGED, never a batch of the other setting
-            future = pool.submit(read_if_unchanged, loader, self.key.token, *at) if isinstance(
-                pool, ThreadPoolExecutor) else pool.submit(loader._read, *at, token=self.key.token)
-            self.made.append((self._position, indices, _Ahead(future, loader, indices, self.epoch, self._position)))
+            # set back before the next epoch too) makes it CHANGED, never a batch of the other
+            # setting
+            future = (
+                pool.submit(read_if_unchanged, loader, self.key.token, *at)
+                if isinstance(pool, ThreadPoolExecutor)
+                else pool.submit(loader._read, *at, token=self.key.token)
+            )
+            self.made.append(
+                (
+                    self._position,
+                    indices,
+                    _Ahead(future, loader, indices, self.epoch, self._position),
+                )
+            )
             self._position += 1
             _LIVE.add(self)
 
@@ -80,8 +100,12 @@ class NextEpoch:
         (then nothing made ahead is used again)."""
         if self.made:
             made_at, made_for, future = self.made[0]
-            if (made_at, made_for, self.epoch, self.seed) == (position, indices, epoch, loader.seed) and \
-                    self.pool is loader._pool and self.key == key:
+            if (
+                (made_at, made_for, self.epoch, self.seed)
+                == (position, indices, epoch, loader.seed)
+                and self.pool is loader._pool
+                and self.key == key
+            ):
                 self.made.popleft()
                 return future
         self.cancel()
@@ -103,6 +127,7 @@ CHANGED = _Changed()
 def read_if_unchanged(loader, token, indices, epoch: int, position: int, seed: int):
     """The batch, or CHANGED when the dataset's key (`token`: as the read was asked for; None: no
     check) differs as the read starts or ends."""
+
     def changed() -> bool:
         return token is not None and getattr(read_ahead_key(loader.dataset), "token", None) != token
 
@@ -113,7 +138,8 @@ def read_if_unchanged(loader, token, indices, epoch: int, position: int, seed: i
 
 
 class _Ahead:
-    """A batch asked for ahead, as `_Batches` holds it: read anew in its epoch if it came back CHANGED."""
+    """A batch asked for ahead, as `_Batches` holds it: read anew in its epoch if it came back
+    CHANGED."""
 
     def __init__(self, future, loader, indices, epoch: int, position: int):
         self.future, self._again = future, (loader, indices, epoch, position)
@@ -171,7 +197,11 @@ def read_ahead_key(dataset):
     and `ByIdentity` objects (`_plain`)."""
     if isinstance(dataset, ConcatDataset):
         keys = tuple(read_ahead_key(part) for part in dataset.datasets)
-        return None if any(key is None for key in keys) else Key((tuple(map(ByIdentity, dataset.datasets)), keys))
+        return (
+            None
+            if any(key is None for key in keys)
+            else Key((tuple(map(ByIdentity, dataset.datasets)), keys))
+        )
     keyed = getattr(dataset, "read_ahead_key", None)
     if not callable(keyed):
         return None
@@ -229,7 +259,10 @@ def _token(key):
         return ("frozenset", frozenset(_token(part) for part in key))
     if isinstance(key, type):
         return ("type", key.__module__, key.__qualname__)
-    return (type(key).__qualname__, tuple(_token(getattr(key, f.name)) for f in dataclasses.fields(key)))
+    return (
+        type(key).__qualname__,
+        tuple(_token(getattr(key, f.name)) for f in dataclasses.fields(key)),
+    )
 
 
 def settle_reads_ahead() -> None:
@@ -237,10 +270,18 @@ def settle_reads_ahead() -> None:
     loader's: a fork (a child of `IsolatedLoader`, DataLoader's workers) must not copy a lock one
     of them holds in a read (a file's, h5py's, OpenCV's). A read within an epoch is the loop's
     own, as it was before reads ahead existed."""
-    running = {made.future for ahead in list(_LIVE) for _, _, made in list(ahead.made)
-               if isinstance(made.future, Future)}
-    while running:  # a future cancelled in a pool shut down is never "done" for wait(): left out each round
-        running = {future for future in wait(running, timeout=0.1).not_done if not future.cancelled()}
+    running = {
+        made.future
+        for ahead in list(_LIVE)
+        for _, _, made in list(ahead.made)
+        if isinstance(made.future, Future)
+    }
+    while (
+        running
+    ):  # a future cancelled in a pool shut down is never "done" for wait(): left out each round
+        running = {
+            future for future in wait(running, timeout=0.1).not_done if not future.cancelled()
+        }
 
 
 def _plain(key) -> bool:
@@ -264,9 +305,16 @@ def dataset_fingerprint(dataset, depth: int = 2) -> tuple:
     plain = (int, float, str, bool, bytes, type(None))
     items = []
     for key, value in sorted(getattr(dataset, "__dict__", {}).items()):
-        if isinstance(value, plain) or (isinstance(value, tuple) and all(isinstance(v, plain) for v in value)):
+        if isinstance(value, plain) or (
+            isinstance(value, tuple) and all(isinstance(v, plain) for v in value)
+        ):
             items.append((key, value))
-        elif depth and isinstance(value, (list, tuple)) and value and all(hasattr(v, "__dict__") for v in value):
+        elif (
+            depth
+            and isinstance(value, (list, tuple))
+            and value
+            and all(hasattr(v, "__dict__") for v in value)
+        ):
             items.append((key, tuple(dataset_fingerprint(v, depth - 1) for v in value)))
         else:
             items.append((key, id(value)))

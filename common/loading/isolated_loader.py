@@ -1,4 +1,5 @@
-"""IsolatedLoader: the thread path run in a child process, beside a training loop that needs the GIL.
+"""IsolatedLoader: the thread path run in a child process, beside a training loop that needs the
+GIL.
 
 Use when: a `ThreadLoader`'s dataset (a memory-speed cache, OpenCV decoding) feeds a training
 step that holds the GIL for part of each step (an eager PyTorch step launches its kernels and
@@ -10,12 +11,11 @@ Cost: one fork, kept over the epochs while the dataset's attributes stay as they
 the next epoch); per batch a copy into a shared-memory slot in the child and a few hundred
 bytes of layout through a pipe (`batch_ring.py`). No pickling of the batch, no new segment per
 batch.
-Adapt here: `threads`, `prefetch` (as `ThreadLoader`'s), `timeout`, `niceness` (the child below the loop).
-Trade-off: needs the `fork` start method (Linux; elsewhere `make_loader` keeps the in-process
-thread path). The batches are the same as `ThreadLoader`'s for the same seed, sampler and
-state (each batch's draws come from `(seed, epoch, position)`), so a state saved on either path
-resumes on the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the
-loop's process.
+Adapt here: `threads`, `prefetch` (as `ThreadLoader`'s), `timeout`, `niceness` (the child below the
+loop). Trade-off: needs the `fork` start method (Linux; elsewhere `make_loader` keeps the in-process
+thread path). The batches are the same as `ThreadLoader`'s for the same seed, sampler and state
+(each batch's draws come from `(seed, epoch, position)`), so a state saved on either path resumes on
+the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the loop's process.
 Copy with: common/loader_warning.py, common/loading/batch_ring.py,
   common/loading/epoch_read_ahead.py, common/loading/loader_path.py, common/loading/loop_probe.py,
   common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
@@ -74,10 +74,10 @@ class IsolatedLoader(ThreadLoader):
         dataset, threads, prefetch, seed, **kwargs: as for `ThreadLoader`.
         timeout: seconds a batch may take before the child counts as hung (a `RuntimeError`
             naming it); None waits as long as the child lives.
-        adaptive: measure the loop (`loop_probe.LoopProbe`): from the next epoch, threads of this process
-            while the loop's thread spends under 10% of its time between batches on a CPU
-            (a step that waits on the device, GIL released), the child again above 20%.
-            `make_loader` sets it when it chose this path by itself.
+        adaptive: measure the loop (`loop_probe.LoopProbe`): from the next epoch, threads of this
+            process while the loop's thread spends under 10% of its time between batches on a CPU (a
+            step that waits on the device, GIL released), the child again above 20%. `make_loader`
+            sets it when it chose this path by itself.
         niceness: how far below the loop's process the child is scheduled (`os.nice`): where the
             step needs a core the child also wants, the step runs first and the child, whose
             batches wait in the prefetch, takes the rest (`recipes bench step`, a step holding
@@ -89,11 +89,20 @@ class IsolatedLoader(ThreadLoader):
         RuntimeError: without the `fork` start method.
     """
 
-    def __init__(self, dataset, *, timeout: float | None = None, adaptive: bool = False, niceness: int = 5,
-                 **kwargs: Any):
+    def __init__(
+        self,
+        dataset,
+        *,
+        timeout: float | None = None,
+        adaptive: bool = False,
+        niceness: int = 5,
+        **kwargs: Any,
+    ):
         if not isolated_available():
-            raise RuntimeError("IsolatedLoader forks its child process, which this platform cannot; use "
-                               "make_loader(..., path='threads') for the thread path in this process.")
+            raise RuntimeError(
+                "IsolatedLoader forks its child process, which this platform cannot; use "
+                "make_loader(..., path='threads') for the thread path in this process."
+            )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"`timeout` must be positive, but is {timeout!r} instead.")
         check_niceness(niceness)
@@ -107,7 +116,8 @@ class IsolatedLoader(ThreadLoader):
     def _begin_pass(self):
         current = self._passes.start(0)
         if self.adaptive and self._probe.decide(self):
-            self._stop_child()  # the loop's thread needs no GIL: threads of this process serve it faster
+            # the loop's thread needs no GIL: threads of this process serve it faster
+            self._stop_child()
             self._in_process_pool()
             return current, TimedBatches(self, iter(self._index_sampler), current)
         if isinstance(self._pool, ThreadPoolExecutor):
@@ -118,7 +128,8 @@ class IsolatedLoader(ThreadLoader):
         seen = ahead.dataset_fingerprint(self.dataset)
         child = self._child
         if child is None or not child.process.is_alive() or child.fingerprint != seen:
-            self._stop_child()  # the dataset changed since the fork (a resolution, a cache attached)
+            # the dataset changed since the fork (a resolution, a cache attached)
+            self._stop_child()
             self._child = _Child(self, seen)
         self._pool = self._child  # what _Batches submits to
         return current, TimedBatches(self, iter(self._index_sampler), current)
@@ -130,7 +141,9 @@ class IsolatedLoader(ThreadLoader):
         return isinstance(self._pool, ThreadPoolExecutor)
 
     def __iter__(self):
-        return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
+        return Counting(
+            self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass)
+        )
 
     @property
     def child_pid(self) -> int | None:
@@ -184,27 +197,47 @@ class _Child:
         self._next_request, self._dropped = 0, set()
         self._done: dict[int, Any] = {}
         self._slots: dict[int, int] = {}  # request -> slot
-        for _ in range(REPLACEMENTS + 1):  # a child stuck in its fork (start_watch.py) is forked again
+        for _ in range(
+            REPLACEMENTS + 1
+        ):  # a child stuck in its fork (start_watch.py) is forked again
             self.conn, child_end = context.Pipe(duplex=True)
-            self.process = context.Process(target=_child_main, args=(loader, child_end, self.conn, watch.flags),
-                                           daemon=True, name="IsolatedLoader")
-            ahead.settle_reads_ahead()  # no thread of this process inside a read (another loader's) at the fork
+            self.process = context.Process(
+                target=_child_main,
+                args=(loader, child_end, self.conn, watch.flags),
+                daemon=True,
+                name="IsolatedLoader",
+            )
+            # no thread of this process inside a read (another loader's) at the fork
+            ahead.settle_reads_ahead()
             self.process.start()
-            self.process._args = ()  # forked: the loader's copy is the child's; no reference kept here
+            # forked: the loader's copy is the child's; no reference kept here
+            self.process._args = ()
             child_end.close()
             if watch.started(self.process):
                 break
             self.conn.close()
         self._finalizer = weakref.finalize(loader, _Child.stop, self, False)
 
-    def submit(self, fn, indices, epoch: int, position: int, seed: int | None = None, token=None) -> _Remote:
+    def submit(
+        self, fn, indices, epoch: int, position: int, seed: int | None = None, token=None
+    ) -> _Remote:
         """`token`: a read ahead's key (`epoch_read_ahead.read_if_unchanged`, in the child)."""
         request, slot = self._next_request, self.ring.take()
         self._next_request += 1
         self._slots[request] = slot
         try:
-            self.conn.send(("read", request, slot, indices, epoch, position,
-                            self.loader.seed if seed is None else seed, token))
+            self.conn.send(
+                (
+                    "read",
+                    request,
+                    slot,
+                    indices,
+                    epoch,
+                    position,
+                    self.loader.seed if seed is None else seed,
+                    token,
+                )
+            )
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass  # the child is gone: wait() says so
         return _Remote(self, request)
@@ -219,7 +252,9 @@ class _Child:
     def loader(self) -> IsolatedLoader:
         loader = self._loader()
         if loader is None:
-            raise LoaderClosedError("this IsolatedLoader was garbage-collected while its epoch was running.")
+            raise LoaderClosedError(
+                "this IsolatedLoader was garbage-collected while its epoch was running."
+            )
         return loader
 
     def wait(self, request: int):
@@ -236,8 +271,10 @@ class _Child:
                     raise self._died()
                 waited += time.monotonic() - start
                 if self.loader.timeout is not None and waited >= self.loader.timeout:
-                    raise IsolatedProcessHung(f"IsolatedLoader: no batch from its child process (pid {self.process.pid}) "
-                                       f"within {self.loader.timeout:g} seconds (a hung read)")
+                    raise IsolatedProcessHung(
+                        f"IsolatedLoader: no batch from its child process (pid {self.process.pid}) "
+                        f"within {self.loader.timeout:g} seconds (a hung read)"
+                    )
                 continue
             self._take(message)
         result = self._done.pop(request)
@@ -248,7 +285,9 @@ class _Child:
     def _take(self, message) -> None:
         kind, request = message[0], message[1]
         slot = self._slots.pop(request)
-        if kind in ("error", "failed", "changed") and request in self._dropped:  # a batch nobody waits for
+        if (
+            kind in ("error", "failed", "changed") and request in self._dropped
+        ):  # a batch nobody waits for
             self.ring.give_back(slot)
             self._dropped.discard(request)
             return
@@ -263,10 +302,12 @@ class _Child:
         if kind == "failed":
             self.ring.give_back(slot)
             self._done[request] = IsolatedHandOverError(
-                f"IsolatedLoader could not hand a batch over from its child process: {message[2]}. A batch "
-                "crosses as tensors, numpy arrays, numbers and strings in tuples, lists and dicts (anything "
-                "else must pickle); a slot needs shared memory. The batch is not counted as received: "
-                "RobustLoader resumes there, on the in-process thread path if it fails again.")
+                f"IsolatedLoader could not hand a batch over from its child process: {message[2]}. "
+                "A batch crosses as tensors, numpy arrays, numbers and strings in tuples, lists "
+                "and dicts (anything else must pickle); a slot needs shared memory. The batch is "
+                "not counted as received: RobustLoader resumes there, on the in-process thread "
+                "path if it fails again."
+            )
             return
         _, _, new_segment, spec, layouts = message
         if new_segment:
@@ -286,12 +327,17 @@ class _Child:
     def _died(self) -> IsolatedProcessDied:
         self.process.join(1.0)
         code = self.process.exitcode
-        how = "is still running but its pipe closed" if code is None else (
-            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        return IsolatedProcessDied(f"IsolatedLoader's child process (pid {self.process.pid}) {how} under the "
-                                   "epoch (the OOM killer, a signal, or a crash in native code). RobustLoader "
-                                   "restarts it at the first batch the loop has not received; without it, "
-                                   "load loader.state_dict() into a new loader to continue there.")
+        how = (
+            "is still running but its pipe closed"
+            if code is None
+            else (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        )
+        return IsolatedProcessDied(
+            f"IsolatedLoader's child process (pid {self.process.pid}) {how} under the "
+            "epoch (the OOM killer, a signal, or a crash in native code). RobustLoader "
+            "restarts it at the first batch the loop has not received; without it, "
+            "load loader.state_dict() into a new loader to continue there."
+        )
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = True) -> None:
         """`ThreadPoolExecutor.shutdown`'s part (ThreadLoader's close and finalizer): `stop`."""
@@ -351,22 +397,33 @@ def _child_main(loader: IsolatedLoader, conn, parent_end, started) -> None:
         from multiprocessing.reduction import ForkingPickler
 
         fd = reply = None
-        _TARGET.slot = (loader._ring, slot, 0)  # read_batch may make its batch in the slot (slot_tensor)
+        _TARGET.slot = (
+            loader._ring,
+            slot,
+            0,
+        )  # read_batch may make its batch in the slot (slot_tensor)
         try:
             batch = ahead.read_if_unchanged(loader, token, indices, epoch, position, seed)
         except BaseException as caught:  # noqa: BLE001 - the dataset's error (SystemExit too) goes to the loop
-            reply = ForkingPickler.dumps(("error", request, _picklable(caught), traceback.format_exc()))
+            reply = ForkingPickler.dumps(
+                ("error", request, _picklable(caught), traceback.format_exc())
+            )
         else:
             reply = ForkingPickler.dumps(("changed", request)) if batch is ahead.CHANGED else None
         if reply is None:
-            try:  # the hand-over's own failure (no memory for a slot, a leaf that does not pickle): not the dataset's
+            # the hand-over's own failure (no memory for a slot, a leaf that does not pickle): not
+            # the dataset's
+            try:
                 spec, tensors = flatten(batch)
                 layouts, fd = loader._ring.write(slot, tensors)
                 reply = ForkingPickler.dumps(("batch", request, fd is not None, spec, layouts))
             except Exception as caught:  # noqa: BLE001
                 if fd is not None:
                     os.close(fd)
-                fd, reply = None, ForkingPickler.dumps(("failed", request, f"{type(caught).__name__}: {caught}"))
+                fd, reply = (
+                    None,
+                    ForkingPickler.dumps(("failed", request, f"{type(caught).__name__}: {caught}")),
+                )
         _TARGET.slot = None
         with send:
             conn.send_bytes(reply)

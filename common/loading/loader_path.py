@@ -14,8 +14,7 @@ measurement on both built-in image sets (`tests/vision/test_throughput.py`; `rec
 vision --set both` measures it on your machine): cold decoding in threads beat a DataLoader
 worker 1.70x on photographs (81% of the decode-only limit) and tied it (1.01x) on small
 generated JPEGs, 2 cores, 2026-12-01.
-Copy with: common/resume/loader_contract.py, common/sizing/resources.py,
-  common/sizing/sizing.py.
+Copy with: common/resume/loader_contract.py, common/sizing/resources.py, common/sizing/sizing.py.
 """
 
 from __future__ import annotations
@@ -28,20 +27,38 @@ from recipes.common.resume.loader_contract import ThreadBatched
 
 PATHS = ("auto", "isolated", "threads", "workers")
 # Arguments of worker processes: given by the user, they choose the worker path.
-WORKER_ONLY = ("num_workers", "prefetch_factor", "persistent_workers", "worker_init_fn", "multiprocessing_context",
-               "timeout", "pin_memory_device", "in_order")
+WORKER_ONLY = (
+    "num_workers",
+    "prefetch_factor",
+    "persistent_workers",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "timeout",
+    "pin_memory_device",
+    "in_order",
+)
 # Arguments of the thread path only (ThreadLoader's own).
 THREAD_ONLY = ("threads", "prefetch", "seed")
 # Fewer batches than this an epoch: the thread path stays in this process (`isolate`).
 ISOLATE_MIN_BATCHES = 16
-ISOLATED_WHY = ("; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a training "
-                "step that holds the GIL (an eager step's Python), threads of this process wait for it "
-                "(`recipes bench step`, docs/choosing-a-path.md); measured against the loop: from the next "
-                "epoch, threads of this process while the loop's thread waits with the GIL released "
-                "(`reasons['path_measured']` says when); path='threads' keeps them in this process")
+ISOLATED_WHY = (
+    "; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a "
+    "training step that holds the GIL (an eager step's Python), threads of this process wait for "
+    "it (`recipes bench step`, docs/choosing-a-path.md); measured against the loop: from the next "
+    "epoch, threads of this process while the loop's thread waits with the GIL released "
+    "(`reasons['path_measured']` says when); path='threads' keeps them in this process"
+)
 # What a ThreadLoader takes from make_loader's settings.
-THREAD_KEYS = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory",
-               "collate_fn")
+THREAD_KEYS = (
+    "batch_size",
+    "shuffle",
+    "sampler",
+    "batch_sampler",
+    "drop_last",
+    "generator",
+    "pin_memory",
+    "collate_fn",
+)
 
 
 def isolated_available() -> bool:
@@ -79,31 +96,50 @@ def choose_path(dataset, path: str, overrides: dict[str, Any]) -> tuple[str, str
     name = type(dataset).__name__
     if path in ("threads", "isolated"):
         if not ready:
-            raise ValueError(f"path={path!r} needs a map-style dataset whose batches are made by code that "
-                             f"releases the GIL (thread_batches() true: a cache attached or OpenCV decoding, no "
-                             f"transform); {name} "
-                             f"{'has no thread_batches()' if not able else 'cannot now'}. Use path='workers'.")
+            raise ValueError(
+                f"path={path!r} needs a map-style dataset whose batches are made by code that "
+                f"releases the GIL (thread_batches() true: a cache attached or OpenCV decoding, no "
+                f"transform); {name} "
+                f"{'has no thread_batches()' if not able else 'cannot now'}. Use path='workers'."
+            )
         asked = [key for key in asked if not (path == "isolated" and key == "timeout")]
         if asked:
-            raise ValueError(f"path={path!r} makes batches in threads (of this process, or of one child process); "
-                             f"{asked} configure worker processes. Drop them, or use path='workers'.")
+            raise ValueError(
+                f"path={path!r} makes batches in threads (of this process, or of one child "
+                f"process); {asked} configure worker processes. Drop them, or use path='workers'."
+            )
         if path == "isolated":
             if not isolated_available():
-                raise ValueError("path='isolated' forks a child process, which this platform cannot; use "
-                                 "path='threads'.")
+                raise ValueError(
+                    "path='isolated' forks a child process, which this platform cannot; use "
+                    "path='threads'."
+                )
         return path, "given"
     if not ready:
-        return "workers", (f"worker processes: {name} has no thread_batches() (loader_contract.ThreadBatched)"
-                           if not able else
-                           f"worker processes: {name}.thread_batches() is false (no cache attached, or a transform)")
+        return "workers", (
+            f"worker processes: {name} has no thread_batches() (loader_contract.ThreadBatched)"
+            if not able
+            else f"worker processes: {name}.thread_batches() is false (no cache attached, or a "
+            "transform)"
+        )
     if asked:
-        return "workers", f"worker processes: {', '.join(asked)} given (path='threads' would refuse them)"
-    source = "reads its items from a memory-speed cache" if getattr(dataset, "cache", True) is not None else \
-        ("decodes its items with TurboJPEG or OpenCV (on photographs, 2 cores, `recipes bench vision` measured "
-         "1.70x the worker path and 81% of the decode-only limit)")
-    return "threads", (f"threads: {name} {source} (the GIL released); worker processes would add a "
-                       "shared-memory hand-over and pickling per batch, and leave a core to the training "
-                       "loop. path='workers' for worker processes")
+        return (
+            "workers",
+            f"worker processes: {', '.join(asked)} given (path='threads' would refuse them)",
+        )
+    source = (
+        "reads its items from a memory-speed cache"
+        if getattr(dataset, "cache", True) is not None
+        else (
+            "decodes its items with TurboJPEG or OpenCV (on photographs, 2 cores, `recipes bench "
+            "vision` measured 1.70x the worker path and 81% of the decode-only limit)"
+        )
+    )
+    return "threads", (
+        f"threads: {name} {source} (the GIL released); worker processes would add a "
+        "shared-memory hand-over and pickling per batch, and leave a core to the training "
+        "loop. path='workers' for worker processes"
+    )
 
 
 def isolate(dataset, settings: dict[str, Any], cpus: int, why: str) -> tuple[str, str]:
@@ -120,17 +156,30 @@ def isolate(dataset, settings: dict[str, Any], cpus: int, why: str) -> tuple[str
             batches = len(settings["batch_sampler"])
         else:
             sampler = settings.get("sampler")
-            batches = math.ceil(len(sampler if sampler is not None else dataset) / max(1, settings.get("batch_size") or 1))
+            batches = math.ceil(
+                len(sampler if sampler is not None else dataset)
+                / max(1, settings.get("batch_size") or 1)
+            )
     except TypeError:  # a sampler without a length
         pass
     cpus = max(1, cpus // _local_ranks())
     if not isolated_available() or multiprocessing.current_process().daemon:
-        return "threads", why + "; in this process: no child process can be forked here (path='isolated' refuses too)"
+        return (
+            "threads",
+            why + "; in this process: no child process can be forked here (path='isolated' refuses "
+            "too)",
+        )
     if cpus < 2:
-        return "threads", why + f"; in this process: {cpus} CPU for this rank, which the loop and a child would share"
+        return (
+            "threads",
+            why + f"; in this process: {cpus} CPU for this rank, which the loop and a child would "
+            "share",
+        )
     if batches is not None and batches < ISOLATE_MIN_BATCHES:
-        return "threads", why + (f"; in this process: {batches} batches an epoch, fewer than {ISOLATE_MIN_BATCHES} "
-                                 "(a child's fork and first batches would cost more than they win)")
+        return "threads", why + (
+            f"; in this process: {batches} batches an epoch, fewer than {ISOLATE_MIN_BATCHES} "
+            "(a child's fork and first batches would cost more than they win)"
+        )
     return "isolated", why.replace("threads:", "isolated threads:", 1) + ISOLATED_WHY
 
 
@@ -144,14 +193,21 @@ def from_tuned(record: dict[str, Any] | None, extras: dict[str, Any]) -> tuple[s
     stored = ((record or {}).get("settings") or {}).get("path")
     if stored not in ("threads", "isolated", "workers") or (extras and stored == "workers"):
         return None
-    if stored == "isolated" and (not isolated_available() or multiprocessing.current_process().daemon):
+    if stored == "isolated" and (
+        not isolated_available() or multiprocessing.current_process().daemon
+    ):
         return None
-    where = {"threads": "threads of this process", "isolated": "threads of one child process (IsolatedLoader)",
-             "workers": "worker processes"}[stored]
+    where = {
+        "threads": "threads of this process",
+        "isolated": "threads of one child process (IsolatedLoader)",
+        "workers": "worker processes",
+    }[stored]
     measured = str(record.get("reason") or "").removeprefix("autotune: ")
-    return stored, (f"{where}: autotuned {record.get('when', '')} on this machine, the thread paths and worker "
-                    f"counts measured{' beside ' + record['step'] if record.get('step') else ''}: "
-                    f"{measured or 'the best measured'} (recipes tune; tuned=False ignores it, path= chooses)")
+    return stored, (
+        f"{where}: autotuned {record.get('when', '')} on this machine, the thread paths and worker "
+        f"counts measured{' beside ' + record['step'] if record.get('step') else ''}: "
+        f"{measured or 'the best measured'} (recipes tune; tuned=False ignores it, path= chooses)"
+    )
 
 
 def _local_ranks() -> int:
@@ -163,25 +219,38 @@ def _local_ranks() -> int:
 def check_niceness(niceness) -> None:
     """Raises ValueError unless `niceness` is an int from 0 to 19 (os.nice's range)."""
     if not isinstance(niceness, int) or isinstance(niceness, bool) or not 0 <= niceness <= 19:
-        raise ValueError(f"`niceness` must be an int from 0 (the loop's own priority) to 19, but is {niceness!r} "
-                         f"instead.")
+        raise ValueError(
+            "`niceness` must be an int from 0 (the loop's own priority) to 19, but is "
+            f"{niceness!r} instead."
+        )
 
 
-def child_arguments(path: str, chosen: str, why: str, overrides: dict[str, Any], settings: dict[str, Any],
-                    reasons: dict[str, str], extras: dict[str, Any]) -> None:
+def child_arguments(
+    path: str,
+    chosen: str,
+    why: str,
+    overrides: dict[str, Any],
+    settings: dict[str, Any],
+    reasons: dict[str, str],
+    extras: dict[str, Any],
+) -> None:
     """The isolated path's own arguments (`timeout`, `niceness`: its child's) from `settings` into
     `extras` when `chosen` is it. Elsewhere `timeout` stays DataLoader's; `niceness` is refused on a
     path the user chose, and noted as unused where "auto" chose a path without a child."""
     given = "niceness" in overrides
     niceness = settings.pop("niceness", None)
     if given:
-        check_niceness(niceness)  # whichever path (None too): a bad value is a mistake even where no child uses it
+        check_niceness(
+            niceness
+        )  # whichever path (None too): a bad value is a mistake even where no child uses it
     if chosen == "isolated":
         extras.update({key: settings.pop(key) for key in ("timeout",) if key in overrides})
         if given:
             extras["niceness"] = niceness
     elif given:
         if path != "auto":  # the user's own path has no child to lower
-            raise TypeError(f"`niceness` sets the priority of IsolatedLoader's child process, but path={path!r} "
-                            f"has none; drop it, or pass path='isolated'.")
+            raise TypeError(
+                "`niceness` sets the priority of IsolatedLoader's child process, but "
+                f"path={path!r} has none; drop it, or pass path='isolated'."
+            )
         reasons["niceness"] = f"{niceness}: unused, no child process ({why})"

@@ -1,4 +1,5 @@
-"""The isolated loader's probe of the training loop: how much of its time between batches the loop's thread is on a CPU.
+"""The isolated loader's probe of the training loop: how much of its time between batches the loop's
+thread is on a CPU.
 
 Use when: reading why `make_loader`'s isolated path moved to threads of this process
 (`loader.recipe.reasons["path_measured"]`), or tuning when it does (`LoopProbe.LOW`, `HIGH`).
@@ -31,8 +32,13 @@ class LoopProbe:
     (it holds the GIL) or computes; one that mostly waits (on the device, GIL released) leaves
     the GIL to threads of its own process, which then hand batches over for less."""
 
-    LOW, HIGH = 0.10, 0.20  # the CPU share below which threads of this process serve, above which the child does
-    EARLY = 48  # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
+    LOW, HIGH = (
+        0.10,
+        0.20,
+    )  # the CPU share below which threads of this process serve, above which the child does
+    EARLY = (
+        48  # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
+    )
 
     def __init__(self):
         self.wall = self.cpu = 0.0
@@ -44,7 +50,9 @@ class LoopProbe:
         """Whether the coming epoch runs in this process; updates `loader.recipe`'s reason."""
         if self.gaps >= 8 and self.wall >= 0.05:
             self.share = self.cpu / self.wall
-            switched = self.in_process != (self.share < (self.HIGH if self.in_process else self.LOW))
+            switched = self.in_process != (
+                self.share < (self.HIGH if self.in_process else self.LOW)
+            )
             self.in_process = not self.in_process if switched else self.in_process
             if switched:
                 _note(loader, self)
@@ -56,7 +64,8 @@ class LoopProbe:
         """Whether the loop moves to threads of this process now, mid-epoch: once, after the
         epoch's first `EARLY` batches on the child, when the loop's thread was on a CPU under
         `LOW` of that time (a long first epoch need not run its whole length on the child).
-        Back to the child is decided at an epoch's start only (forking beside running threads is not safe)."""
+        Back to the child is decided at an epoch's start only (forking beside running threads is not
+        safe)."""
         if not loader.adaptive or self.in_process or loader.in_process or self.gaps != self.EARLY:
             return False
         if self.wall < 0.05 or self.cpu / self.wall >= self.LOW:
@@ -70,13 +79,19 @@ def _note(loader, probe: LoopProbe, mid_epoch: bool = False) -> None:
     recipe = getattr(loader, "recipe", None)
     if recipe is None:
         return
-    where = (f"threads of this process from {f'batch {probe.EARLY} of this epoch' if mid_epoch else 'this epoch'}"
-             if probe.in_process else "the child's threads again")
-    recipe.reasons["path_measured"] = (f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
-                                       f"between batches (the step waits, GIL released) -> {where}"
-                                       if probe.in_process else
-                                       f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
-                                       f"between batches (it runs Python) -> {where}")
+    where = (
+        "threads of this process from "
+        f"{f'batch {probe.EARLY} of this epoch' if mid_epoch else 'this epoch'}"
+        if probe.in_process
+        else "the child's threads again"
+    )
+    recipe.reasons["path_measured"] = (
+        f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
+        f"between batches (the step waits, GIL released) -> {where}"
+        if probe.in_process
+        else f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
+        f"between batches (it runs Python) -> {where}"
+    )
 
 
 class TimedBatches(_Batches):

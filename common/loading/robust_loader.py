@@ -60,12 +60,24 @@ class RobustLoader:
         >>> loader.restarts        # [(cause, settings), ...]
     """
 
-    def __init__(self, dataset, *, batch_size: int | None = None, sampler=None, batch_sampler=None,
-                 collate_fn=None, ladder: list[dict[str, Any]] | None = None, max_restarts: int = 3,
-                 timeout: float = 300.0, **loader_kwargs: Any):
+    def __init__(
+        self,
+        dataset,
+        *,
+        batch_size: int | None = None,
+        sampler=None,
+        batch_sampler=None,
+        collate_fn=None,
+        ladder: list[dict[str, Any]] | None = None,
+        max_restarts: int = 3,
+        timeout: float = 300.0,
+        **loader_kwargs: Any,
+    ):
         if max_restarts < 0 or timeout <= 0:
-            raise ValueError(f"`max_restarts` must be non-negative and `timeout` positive, but are "
-                             f"{max_restarts!r} and {timeout!r} instead.")
+            raise ValueError(
+                f"`max_restarts` must be non-negative and `timeout` positive, but are "
+                f"{max_restarts!r} and {timeout!r} instead."
+            )
         given = {"sampler": sampler, "batch_sampler": batch_sampler, "collate_fn": collate_fn}
         self._kwargs = {k: v for k, v in given.items() if v is not None} | loader_kwargs
         self.dataset, self.batch_size, self.timeout = dataset, batch_size, timeout
@@ -83,7 +95,9 @@ class RobustLoader:
         from recipes.common.loading.loader_path import choose_path
 
         kwargs = {**self._kwargs, **changes}
-        if changes.get("path", "isolated") != "isolated":  # down from the child to threads: nothing to lower
+        if (
+            changes.get("path", "isolated") != "isolated"
+        ):  # down from the child to threads: nothing to lower
             kwargs.pop("niceness", None)
         if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs)[0] == "workers":
             kwargs["timeout"] = min(_POLL_SECONDS, self.timeout)
@@ -149,19 +163,24 @@ class RobustLoader:
             yield batch
 
     def _next(self, iterator):
-        """`next(iterator)`, polling: a dead worker is found within a poll, a hang after `timeout`."""
+        """`next(iterator)`, polling: a dead worker is found within a poll, a hang after
+        `timeout`."""
         waited = 0.0
         while True:
             start = time.monotonic()
             try:
                 return next(iterator)
             except RuntimeError as error:
-                if not _own_timeout(error):  # a dataset's or worker's error that mentions a timeout: not ours
+                if not _own_timeout(
+                    error
+                ):  # a dataset's or worker's error that mentions a timeout: not ours
                     raise
                 waited += time.monotonic() - start
                 if waited >= self.timeout:
-                    raise _Hang(f"DataLoader timed out after {self.timeout:g} seconds waiting for one "
-                                       "batch (RobustLoader)") from error
+                    raise _Hang(
+                        f"DataLoader timed out after {self.timeout:g} seconds waiting for one "
+                        "batch (RobustLoader)"
+                    ) from error
 
     def _step_down(self, cause: str, resume_at: int) -> None:
         settings = self.loader.recipe.settings
@@ -170,24 +189,42 @@ class RobustLoader:
             changes = {k: v for k, v in changes.items() if k != "num_workers"}
             if not changes and settings.get("prefetch_factor", 2) > 1:
                 changes = {"prefetch_factor": 1}
-        self.loader = self._build({k: v for step in [*(c for _, c in self.restarts), changes] for k, v in step.items()})
+        self.loader = self._build(
+            {k: v for step in [*(c for _, c in self.restarts), changes] for k, v in step.items()}
+        )
         self.restarts.append((cause, changes))
-        hint = (" /dev/shm is too small for the batches in flight: run the container with --shm-size=8g "
-                "(or --ipc=host)." if cause == "shm" else "")
+        hint = (
+            " /dev/shm is too small for the batches in flight: run the container with "
+            "--shm-size=8g (or --ipc=host)."
+            if cause == "shm"
+            else ""
+        )
         what = _DESCRIBE[cause]
         if settings.get("path") == "isolated":
-            what = {"death": "the isolated loader's child process died (OOM killer, segfault, or a signal)",
-                    "hang": "the isolated loader's child process hung past the timeout",
-                    "shm": "the isolated loader's child could not hand a batch over (shared memory, or a batch "
-                           "that does not cross)"}.get(cause, what)
-        warnings.warn(f"RobustLoader: {what}; restarting with {changes} and resuming at batch "
-                      f"{resume_at} of the epoch.{hint}", LoaderWarning, stacklevel=3)
+            what = {
+                "death": (
+                    "the isolated loader's child process died (OOM killer, segfault, or a signal)"
+                ),
+                "hang": "the isolated loader's child process hung past the timeout",
+                "shm": (
+                    "the isolated loader's child could not hand a batch over (shared memory, or a "
+                    "batch that does not cross)"
+                ),
+            }.get(cause, what)
+        warnings.warn(
+            f"RobustLoader: {what}; restarting with {changes} and resuming at batch "
+            f"{resume_at} of the epoch.{hint}",
+            LoaderWarning,
+            stacklevel=3,
+        )
 
 
-_DESCRIBE = {"death": "a DataLoader worker died (OOM killer, segfault, or a signal)",
-             "hang": "a DataLoader worker hung past the timeout",
-             "shm": "shared memory failed (/dev/shm full: bus error or no space)",
-             "start": "DataLoader workers could not start"}
+_DESCRIBE = {
+    "death": "a DataLoader worker died (OOM killer, segfault, or a signal)",
+    "hang": "a DataLoader worker hung past the timeout",
+    "shm": "shared memory failed (/dev/shm full: bus error or no space)",
+    "start": "DataLoader workers could not start",
+}
 
 
 class _Hang(RuntimeError):
@@ -198,8 +235,10 @@ def _own_timeout(error: BaseException) -> bool:
     """DataLoader's own `timeout=` expiry, exactly its message, not a dataset's error that
     happens to say "timed out after" (a subprocess timeout in a worker comes back as "Caught
     TimeoutExpired in DataLoader worker process ...")."""
-    return type(error) is RuntimeError and re.fullmatch(r"DataLoader timed out after [0-9.e+-]+ seconds",
-                                                        str(error)) is not None
+    return (
+        type(error) is RuntimeError
+        and re.fullmatch(r"DataLoader timed out after [0-9.e+-]+ seconds", str(error)) is not None
+    )
 
 
 def _cause(error: BaseException) -> str | None:
@@ -232,7 +271,7 @@ def _cause(error: BaseException) -> str | None:
 
 
 def _worker_died(iterator) -> str | None:
-    """"death" when one of the iterator's workers has exited: the error was a symptom (a batch
+    """ "death" when one of the iterator's workers has exited: the error was a symptom (a batch
     whose shared memory its dead sender was still serving: ConnectionResetError, EOFError)."""
     inner = getattr(iterator, "_inner", iterator)
     workers = getattr(inner, "_workers", ())
@@ -257,13 +296,20 @@ def _replays(dataset) -> bool:
 
 
 def _next_rung(ladder, restarts, settings: dict[str, Any], cause: str) -> dict[str, Any]:
-    """The next change: the user's ladder in order, else fewer workers, prefetch 1, no pinning, 0 workers."""
+    """The next change: the user's ladder in order, else fewer workers, prefetch 1, no pinning, 0
+    workers."""
     if ladder is not None:
         if len(restarts) >= len(ladder):
             return {"num_workers": 0}
         return dict(ladder[len(restarts)])
-    if settings.get("path") == "isolated":  # its child died or hung: a new child once, then this process's threads
-        return {"path": "isolated"} if not any(c.get("path") == "isolated" for _, c in restarts) else {"path": "threads"}
+    if (
+        settings.get("path") == "isolated"
+    ):  # its child died or hung: a new child once, then this process's threads
+        return (
+            {"path": "isolated"}
+            if not any(c.get("path") == "isolated" for _, c in restarts)
+            else {"path": "threads"}
+        )
     workers = settings.get("num_workers", 0)
     if cause == "shm" or workers == 0:
         return {"num_workers": 0}  # shared memory cannot be fixed from here: no IPC at all
@@ -294,7 +340,9 @@ def _shut_down(iterator, kill_first: bool = False) -> None:
     shutdown would wait 5 s on each hung worker's join before terminating it."""
     inner = getattr(iterator, "_inner", iterator)
     child_of = getattr(getattr(inner, "_loader", None), "_stop_child", None)
-    if child_of is not None:  # an IsolatedLoader's epoch: its child process ended now (killed when hung)
+    if (
+        child_of is not None
+    ):  # an IsolatedLoader's epoch: its child process ended now (killed when hung)
         child_of()
     if kill_first:
         for worker in getattr(inner, "_workers", []):

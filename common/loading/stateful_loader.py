@@ -74,28 +74,41 @@ class StatefulLoader(DataLoader):
         >>> for epoch in range(3):
         ...     for step, batch in enumerate(loader):
         ...         if step == 100:
-        ...             torch.save({"loader": loader.state_dict(), "model": model.state_dict()}, "ckpt.pt")
+        ...             state = {"loader": loader.state_dict(), "model": model.state_dict()}
+        ...             torch.save(state, "ckpt.pt")
         >>> loader.load_state_dict(torch.load("ckpt.pt")["loader"])  # in the new process
         >>> for batch in loader: ...                                 # batch 101 onwards
     """
 
     def __init__(self, dataset, **kwargs: Any):
         if kwargs.get("in_order") is False and kwargs.get("num_workers", 0) > 0:
-            raise ValueError("in_order=False hands batches over in the order workers finish them, and a loader state "
-                             "counts the batches the loop received, not which ones: a resume would lose some and "
-                             "repeat others. Keep in_order=True (the default); a slow sample holds up only its own "
-                             "batch's place, which prefetch_factor covers.")
-        if kwargs.get("shuffle") and not isinstance(dataset, IterableDataset) and kwargs.get("sampler") is None \
-                and kwargs.get("batch_sampler") is None:
+            raise ValueError(
+                "in_order=False hands batches over in the order workers finish them, and a loader "
+                "state counts the batches the loop received, not which ones: a resume would lose "
+                "some and repeat others. Keep in_order=True (the default); a slow sample holds up "
+                "only its own batch's place, which prefetch_factor covers."
+            )
+        if (
+            kwargs.get("shuffle")
+            and not isinstance(dataset, IterableDataset)
+            and kwargs.get("sampler") is None
+            and kwargs.get("batch_sampler") is None
+        ):
             kwargs["shuffle"] = False
-            kwargs["sampler"] = RandomSampler(dataset, generator=_order_generator(kwargs.get("generator")))
+            kwargs["sampler"] = RandomSampler(
+                dataset, generator=_order_generator(kwargs.get("generator"))
+            )
         super().__init__(dataset, **kwargs)
         self._unshare_base_seed()
         self._passes = Passes(self)
         # the seed of every batch's own random draws (`batch_seeds.py`): from `generator=` when
         # given, else from torch's generator (so that `torch.manual_seed` reproduces runs)
-        self._passes.seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        if self._passes.self_resuming and self.num_workers:  # each batch brings its worker's dataset state back
+        self._passes.seed = int(
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+        )
+        if (
+            self._passes.self_resuming and self.num_workers
+        ):  # each batch brings its worker's dataset state back
             self.collate_fn = DatasetStateCarrier(self.collate_fn)
         if self.num_workers:  # a sampler's own count now runs ahead of the loop: let it say so
             for holder in (self.batch_sampler, self.sampler):
@@ -105,20 +118,28 @@ class StatefulLoader(DataLoader):
     def _unshare_base_seed(self) -> None:
         """DataLoader draws its workers' base seed from `generator=` (once per iterator: once
         per loader with persistent workers); a sampler drawing its order from the same generator
-        would get an order that depends on the workers. The base seed gets its own, seeded from it."""
+        would get an order that depends on the workers. The base seed gets its own, seeded from it.
+        """
         shared = self.generator is not None and any(
-            g is self.generator for g in find_generators({"sampler": self.sampler,
-                                                          "batch_sampler": self.batch_sampler}).values())
+            g is self.generator
+            for g in find_generators(
+                {"sampler": self.sampler, "batch_sampler": self.batch_sampler}
+            ).values()
+        )
         if shared:
             self.generator = _order_generator(self.generator)
 
     def _get_iterator(self):
-        if self.num_workers > 0:  # workers start: no thread of this process inside a read ahead at the fork
+        if (
+            self.num_workers > 0
+        ):  # workers start: no thread of this process inside a read ahead at the fork
             settle_reads_ahead()
         rotate, self._rotate_next = getattr(self, "_rotate_next", 0), 0
         if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
             return RotatedIter(self, rotate)
-        return watched_iterator(self, super()._get_iterator)  # a worker stuck in its fork is replaced
+        return watched_iterator(
+            self, super()._get_iterator
+        )  # a worker stuck in its fork is replaced
 
     # The one hook into DataLoader's internals (see the module doc). The wrapper holds the
     # pass tracker, never the loader (see `Passes`).
@@ -127,23 +148,36 @@ class StatefulLoader(DataLoader):
         return PassSampler(super()._index_sampler, self._passes)
 
     def __iter__(self):
-        return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
+        return Counting(
+            self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass)
+        )
 
     def _begin_pass(self):
-        """(the pass begun, DataLoader's iterator over it): the loaded state's, else a fresh epoch."""
+        """(the pass begun, DataLoader's iterator over it): the loaded state's, else a fresh
+        epoch."""
         current = self._passes.start(self.num_workers)
         iterable = isinstance(self.dataset, IterableDataset)
         if iterable:
-            current.drawn = True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
+            current.drawn = (
+                True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
+            )
         resumed = current.resumed or {}
-        if iterable and (current.skip or resumed.get("replayed") or resumed.get("dataset_states") is not None
-                         or current.reshaped is not None):
+        if iterable and (
+            current.skip
+            or resumed.get("replayed")
+            or resumed.get("dataset_states") is not None
+            or current.reshaped is not None
+        ):
             inner = _resumed_iterable(self, current)
         else:
             if current.resumed is None and isinstance(self.dataset, Prefetching):
-                self.dataset.start_downloads(num_workers=max(1, self.num_workers))  # before the workers fork
+                self.dataset.start_downloads(
+                    num_workers=max(1, self.num_workers)
+                )  # before the workers fork
             inner = super().__iter__()
-            if hasattr(inner, "_dataset_fetcher") and not iterable:  # no workers: batches made here, seeded
+            if (
+                hasattr(inner, "_dataset_fetcher") and not iterable
+            ):  # no workers: batches made here, seeded
                 inner._dataset_fetcher = SeededFetcher(inner._dataset_fetcher)
         _track(inner)
         return current, inner
@@ -184,17 +218,31 @@ class StatefulLoader(DataLoader):
         Raises:
             ValueError: not a loader state of this version, or one saved under other settings.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "batches_yielded" not in state:
+        if (
+            not isinstance(state, dict)
+            or state.get("version") != STATE_VERSION
+            or "batches_yielded" not in state
+        ):
             older = isinstance(state, dict) and state.get("version") == 1
-            raise ValueError(f"not a StatefulLoader state (version {STATE_VERSION}): {state!r:.200}"
-                             + ("; version 1 states (recipes 0.1) resumed exactly only in a first epoch without "
-                                "persistent workers: resume from a checkpoint saved by this version" if older else ""))
+            raise ValueError(
+                f"not a StatefulLoader state (version {STATE_VERSION}): {state!r:.200}"
+                + (
+                    "; version 1 states (recipes 0.1) resumed exactly only in a first epoch "
+                    "without persistent workers: resume from a checkpoint saved by this version"
+                    if older
+                    else ""
+                )
+            )
         saved, mine = state.get("plan") or {}, self._plan()
         diff = differences(saved, mine)
         if diff:
-            raise ValueError("This loader state was saved under other settings than this loader's, and they decide "
-                             "which samples each batch holds: " + "; ".join(diff) + ". Build the loader as the run "
-                             "that saved it did.")
+            raise ValueError(
+                "This loader state was saved under other settings than this loader's, and they "
+                "decide which samples each batch holds: "
+                + "; ".join(diff)
+                + ". Build the loader as the run "
+                "that saved it did."
+            )
         self._passes.load(state)
         if state.get("batch_seed") is not None:
             self._passes.seed = int(state["batch_seed"])
@@ -245,54 +293,107 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
     if states is not None and may_resume_itself(dataset):
         saved = int(state.get("dataset_workers", current.workers))
         if saved != loader.num_workers:
-            raise ValueError(f"This state holds the own states of {type(dataset).__name__}'s copies in {saved} "
-                             f"worker(s) (each copy's share of the data); this loader has {loader.num_workers}. "
-                             f"Resume with num_workers={saved}, or from a state saved by a loader without a "
-                             "dataset state.")
+            raise ValueError(
+                f"This state holds the own states of {type(dataset).__name__}'s copies in {saved} "
+                f"worker(s) (each copy's share of the data); this loader has {loader.num_workers}. "
+                f"Resume with num_workers={saved}, or from a state saved by a loader without a "
+                "dataset state."
+            )
         return _resumed_by_dataset(loader, states, int(state.get("next_worker", 0)))
     if not isinstance(dataset, ResumableIterable):
         if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
-            raise ValueError(f"{type(dataset).__name__} has no resume_after(): it resumes by reading the epoch's first "
-                             f"{skip} batches again, which only gives the same batches with the same number of workers "
-                             f"(saved with {current.workers}, this loader has {loader.num_workers}). Resume with "
-                             f"num_workers={current.workers}, or from a state saved at an epoch's end.")
-        warnings.warn(f"{type(dataset).__name__} has no resume_after(); reading and discarding the first {skip} "
-                      "batches of the epoch to resume.", LoaderWarning, stacklevel=3)
+            raise ValueError(
+                f"{type(dataset).__name__} has no resume_after(): it resumes by reading the "
+                f"epoch's first {skip} batches again, which only gives the same batches with the "
+                f"same number of workers (saved with {current.workers}, this loader has "
+                f"{loader.num_workers}). Resume with num_workers={current.workers}, or from a "
+                "state saved at an epoch's end."
+            )
+        warnings.warn(
+            f"{type(dataset).__name__} has no resume_after(); reading and discarding the first "
+            f"{skip} batches of the epoch to resume.",
+            LoaderWarning,
+            stacklevel=3,
+        )
         return _dropped(DataLoader.__iter__(loader), skip)
     before, world = current.workers, state.get("world_size")
     whole = loader.collate_fn if loader.batch_size is not None else None
     if current.reshaped is not None:  # an elastic resume: the epoch's rest dealt over this shape
-        rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=before,
-                                    interleave=before != loader.num_workers, reshaped=current.reshaped)
-        if before != loader.num_workers:  # within the rest, another worker count: its old order here
-            return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
+        rest = dataset.resume_after(
+            skip,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            num_workers=before,
+            interleave=before != loader.num_workers,
+            reshaped=current.reshaped,
+        )
+        if (
+            before != loader.num_workers
+        ):  # within the rest, another worker count: its old order here
+            return iter(
+                DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory)
+            )
         return _fresh_workers(loader, rest)
     if world is not None and world != dataset.world_size:  # other ranks: replay their rests here
         replay = state.get("replay_world")
         if state.get("replayed") and replay != dataset.world_size:
-            raise ValueError(f"This state was saved while {replay} rank(s) replayed the rest of an epoch begun on "
-                             f"{world}; resume it on {replay} rank(s), or from a state saved in another epoch.")
-        rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
-                                    num_workers=before, interleave=True, world_size=world)
-        iterator = iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
+            raise ValueError(
+                f"This state was saved while {replay} rank(s) replayed the rest of an epoch begun "
+                f"on {world}; resume it on {replay} rank(s), or from a state saved in another "
+                "epoch."
+            )
+        rest = dataset.resume_after(
+            skip,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            num_workers=before,
+            interleave=True,
+            world_size=world,
+        )
+        iterator = iter(
+            DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory)
+        )
         return _dropped(iterator, int(state.get("replayed", 0)))
-    if before != loader.num_workers:  # the epoch began with other workers: replay its order in-process
-        rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
-                                    num_workers=before, interleave=True)
-        return iter(DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory))
-    rest = dataset.resume_after(skip, batch_size=loader.batch_size, drop_last=loader.drop_last,
-                                num_workers=loader.num_workers)
+    if (
+        before != loader.num_workers
+    ):  # the epoch began with other workers: replay its order in-process
+        rest = dataset.resume_after(
+            skip,
+            batch_size=loader.batch_size,
+            drop_last=loader.drop_last,
+            num_workers=before,
+            interleave=True,
+        )
+        return iter(
+            DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory)
+        )
+    rest = dataset.resume_after(
+        skip,
+        batch_size=loader.batch_size,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+    )
     return _fresh_workers(loader, rest)
 
 
 def _fresh_workers(loader: StatefulLoader, rest):
-    """One epoch of `rest` (a resumed copy of the dataset) on fresh workers, then the loader's own again."""
-    kwargs = dict(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=loader.num_workers,
-                  collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
-                  worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context)
+    """One epoch of `rest` (a resumed copy of the dataset) on fresh workers, then the loader's own
+    again."""
+    kwargs = dict(
+        batch_size=loader.batch_size,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+    )
     if loader.num_workers:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return iter(DataLoader(rest, **kwargs))  # one epoch on fresh workers, then the loader's own again
+    return iter(
+        DataLoader(rest, **kwargs)
+    )  # one epoch on fresh workers, then the loader's own again
 
 
 def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int):
@@ -301,8 +402,12 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int)
     last batch the loop received, in torchdata's order (the dataset's, `iter`, the iterator's),
     and the round-robin resumes at the worker whose turn was next. Persistent workers started
     here stay for the next epochs, as the saving run's did."""
-    if not loader.num_workers:  # torchdata's order: the dataset's state, iter(dataset), the iterator's state
-        main = copy.deepcopy(states.get("main") or {})  # a dataset may keep and change what it is given
+    if (
+        not loader.num_workers
+    ):  # torchdata's order: the dataset's state, iter(dataset), the iterator's state
+        main = copy.deepcopy(
+            states.get("main") or {}
+        )  # a dataset may keep and change what it is given
         if main.get("dataset") is not None:
             loader.dataset.load_state_dict(main["dataset"])
         inner = DataLoader.__iter__(loader)
@@ -311,7 +416,9 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int)
             fetcher.dataset_iter.load_state_dict(main["iterator"])
         fetcher.ended = bool(main.get("ended"))
         return inner
-    if loader._iterator is not None:  # persistent workers hold copies that went on: fresh ones load the states
+    if (
+        loader._iterator is not None
+    ):  # persistent workers hold copies that went on: fresh ones load the states
         loader._iterator._shutdown_workers()
         loader._iterator = None
     user_init = loader.worker_init_fn
@@ -320,7 +427,9 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int)
         inner = loader._get_iterator()
     finally:
         loader.worker_init_fn = user_init
-    if loader.persistent_workers:  # the resumed copies go on into the next epochs, as the saving run's did
+    if (
+        loader.persistent_workers
+    ):  # the resumed copies go on into the next epochs, as the saving run's did
         loader._iterator = inner
     return inner
 

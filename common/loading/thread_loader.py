@@ -52,7 +52,16 @@ from recipes.common.resume.loader_contract import ReadAheadAware
 from recipes.common.resume.loader_counting import Counting, LoaderClosedError
 
 _UNREAD = object()
-_ACCEPTED = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator", "pin_memory", "collate_fn"}
+_ACCEPTED = {
+    "batch_size",
+    "shuffle",
+    "sampler",
+    "batch_sampler",
+    "drop_last",
+    "generator",
+    "pin_memory",
+    "collate_fn",
+}
 
 
 class ThreadLoader(StatefulLoader):
@@ -62,7 +71,8 @@ class ThreadLoader(StatefulLoader):
         dataset: a map-style dataset implementing `ThreadBatched`.
         threads: pool threads; the CPUs this process may use when None.
         prefetch: batches in flight ahead of the loop; `2 * threads` when None. At an epoch's
-            end they are the next epoch's first, when its order can be known (`epoch_read_ahead.py`).
+            end they are the next epoch's first, when its order can be known
+            (`epoch_read_ahead.py`).
         seed: seeds each batch's random draws with `(seed, epoch, position)`; drawn from
             torch's random generator when None (so `torch.manual_seed` reproduces runs).
         **kwargs: `batch_size`, `shuffle`, `sampler`, `batch_sampler`, `drop_last`,
@@ -73,42 +83,72 @@ class ThreadLoader(StatefulLoader):
             argument that belongs to worker processes (`num_workers`, `collate_fn`, ...).
     """
 
-    def __init__(self, dataset, *, threads: int | None = None, prefetch: int | None = None,
-                 seed: int | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        dataset,
+        *,
+        threads: int | None = None,
+        prefetch: int | None = None,
+        seed: int | None = None,
+        **kwargs: Any,
+    ):
         if thread_capable(dataset) is None:
-            raise TypeError(f"ThreadLoader reads a map-style dataset that says its batches are memory-speed reads "
-                            f"(thread_batches(), loader_contract.ThreadBatched); {type(dataset).__name__} has none. "
-                            "Use make_loader(..., path='workers').")
+            raise TypeError(
+                "ThreadLoader reads a map-style dataset that says its batches are memory-speed "
+                "reads (thread_batches(), loader_contract.ThreadBatched); "
+                f"{type(dataset).__name__} has none. Use make_loader(..., path='workers')."
+            )
         unknown = sorted(set(kwargs) - _ACCEPTED)
         if unknown:
-            raise TypeError(f"ThreadLoader does not take {unknown}: they configure worker processes or a collate "
-                            "function, and batches are made by threads of this process. "
-                            "Use make_loader(..., path='workers') for them.")
+            raise TypeError(
+                f"ThreadLoader does not take {unknown}: they configure worker processes or a "
+                "collate function, and batches are made by threads of this process. Use "
+                "make_loader(..., path='workers') for them."
+            )
         if threads is None:
-            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            threads = (
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1
+            )
         if threads < 1 or (prefetch is not None and prefetch < 1):
-            raise ValueError(f"`threads` and `prefetch` must be positive, but are {threads!r}, {prefetch!r} instead.")
+            raise ValueError(
+                f"`threads` and `prefetch` must be positive, but are {threads!r}, {prefetch!r} "
+                "instead."
+            )
         self.pin = bool(kwargs.pop("pin_memory", False)) and torch.cuda.is_available()
         collate = kwargs.get("collate_fn")
         # read_batch makes whole batches (crops drawn from the batch's rng); a collate function
         # of the user's gets the items instead (read_items(indices, rng) when the dataset has it:
         # the same draws), unless it is the one read_batch equals
         self._whole = hasattr(dataset, "read_batch") and (
-            collate is None or collate is getattr(dataset, "read_batch_collate", None))
+            collate is None or collate is getattr(dataset, "read_batch_collate", None)
+        )
         # a read_batch that takes `pin_memory` fills its batch in pinned memory itself (no copy)
-        self._pins_itself = self._whole and "pin_memory" in inspect.signature(dataset.read_batch).parameters
+        self._pins_itself = (
+            self._whole and "pin_memory" in inspect.signature(dataset.read_batch).parameters
+        )
         super().__init__(dataset, num_workers=0, **kwargs)
         self.threads, self.prefetch = threads, prefetch or 2 * threads
-        self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
+        self.seed = (
+            int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
+        )
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: NextEpoch | None = None  # the next epoch's first batches, asked at this one's end
-        self._passes_read: list = [None, 0]  # the last pass whose batches were asked for, and how many passes
+        self._ahead: NextEpoch | None = (
+            None  # the next epoch's first batches, asked at this one's end
+        )
+        self._passes_read: list = [
+            None,
+            0,
+        ]  # the last pass whose batches were asked for, and how many passes
         for holder in (self.batch_sampler, self.sampler):
             if isinstance(holder, ReadAheadAware):
                 holder.note_read_ahead(self.prefetch)
 
     def __iter__(self):
-        return Counting(self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass))
+        return Counting(
+            self._passes, *self._begin_pass(), restart=weakref.WeakMethod(self._begin_pass)
+        )
 
     def _begin_pass(self):
         current = self._passes.start(0)
@@ -142,11 +182,17 @@ class ThreadLoader(StatefulLoader):
         else:
             if isinstance(self.dataset, ConcatDataset):  # a mixture's sources: each part's items
                 items = _concat_items(self.dataset, indices, rng)
-            elif hasattr(self.dataset, "read_items"):  # the dataset's items, drawn from the batch's rng
+            elif hasattr(
+                self.dataset, "read_items"
+            ):  # the dataset's items, drawn from the batch's rng
                 items = self.dataset.read_items(indices, rng)
             else:
                 getitems = getattr(self.dataset, "__getitems__", None)
-                items = getitems(indices) if getitems is not None else [self.dataset[i] for i in indices]
+                items = (
+                    getitems(indices)
+                    if getitems is not None
+                    else [self.dataset[i] for i in indices]
+                )
             batch = self.collate_fn(items)
         return _pinned(batch) if self.pin else batch
 
@@ -170,7 +216,9 @@ class ThreadLoader(StatefulLoader):
 
     def __del__(self):
         pool = getattr(self, "_pool", None)
-        if pool is None or sys is None or sys.is_finalizing():  # at exit its threads are being joined anyway
+        if (
+            pool is None or sys is None or sys.is_finalizing()
+        ):  # at exit its threads are being joined anyway
             return
         try:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -188,7 +236,9 @@ class _Batches:
         self._position: int | None = None  # batches of the epoch before the first one read here
         self._pending: collections.deque = collections.deque()
         self._ended = False
-        self._next: NextEpoch | None = None  # the next epoch's batches this pass asked for at its end
+        self._next: NextEpoch | None = (
+            None  # the next epoch's batches this pass asked for at its end
+        )
         self._key = _UNREAD  # the dataset's read_ahead_key as this pass began, read once
         seen = loader._passes_read
         if seen[0] is not current:  # a pass, not a restart of one (RobustLoader)
@@ -197,8 +247,10 @@ class _Batches:
     def _fill(self) -> None:
         loader = self._loader
         if loader._pool is None:
-            raise LoaderClosedError("this ThreadLoader was closed while its epoch was running; start a new epoch with "
-                               "iter(loader) (or load a saved state_dict() to continue where the loop was).")
+            raise LoaderClosedError(
+                "this ThreadLoader was closed while its epoch was running; start a new epoch with "
+                "iter(loader) (or load a saved state_dict() to continue where the loop was)."
+            )
         while not self._ended and len(self._pending) < loader.prefetch:
             indices = next(self._indices, None)
             if indices is None:
@@ -209,8 +261,10 @@ class _Batches:
                 # position a resumed sampler starts at by itself (LengthBucketSampler, elastic ones)
                 self._position = self._pass.position
             indices = [int(i) for i in indices]
-            self._pending.append(self._made_ahead(indices) or
-                                 loader._pool.submit(loader._read, indices, self._pass.epoch, self._position))
+            self._pending.append(
+                self._made_ahead(indices)
+                or loader._pool.submit(loader._read, indices, self._pass.epoch, self._position)
+            )
             self._position += 1
         if self._ended:
             self._read_ahead()
@@ -230,19 +284,23 @@ class _Batches:
         return future
 
     def _read_ahead(self) -> None:
-        """Every index of the epoch asked for: the pool's room goes to the next epoch's first batches."""
+        """Every index of the epoch asked for: the pool's room goes to the next epoch's first
+        batches."""
         loader = self._loader
         if self._next is None:
             if loader._ahead is not None:
                 loader._ahead.cancel()
-            # from the second pass on: a loader iterated once (an evaluation) makes nothing it does not use
+            # from the second pass on: a loader iterated once (an evaluation) makes nothing it does
+            # not use
             key = read_ahead_key(loader.dataset) if loader._passes_read[1] >= 2 else None
             batches = None if key is None else forecast(loader, self._pass.epoch)
             if batches is None:
                 loader._ahead = None
                 self._next = NextEpoch(None, self._pass.epoch, iter(()), loader.seed, None)
                 return
-            self._next = loader._ahead = NextEpoch(loader._pool, self._pass.epoch, batches, loader.seed, key)
+            self._next = loader._ahead = NextEpoch(
+                loader._pool, self._pass.epoch, batches, loader.seed, key
+            )
         if loader._ahead is self._next and self._next.pool is loader._pool:
             self._next.extend(loader, loader.prefetch - len(self._pending) - len(self._next.made))
 
@@ -265,8 +323,9 @@ class _Batches:
     def failed_batches_are_used(self, error: BaseException) -> bool:
         """An error from a pool thread is the dataset's: that batch's position is behind the loop
         (not when the loader was closed under the loop: those batches were never made)."""
-        return not isinstance(error, (LoaderClosedError, CancelledError)) and not getattr(error, "batch_not_made", False)
-
+        return not isinstance(error, (LoaderClosedError, CancelledError)) and not getattr(
+            error, "batch_not_made", False
+        )
 
     def __len__(self) -> int:
         return len(self._loader._index_sampler)

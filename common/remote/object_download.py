@@ -38,7 +38,9 @@ def _nothing() -> None:
     pass
 
 
-def download_whole(fs, remote: str, fd: int, size: int | None, *, check: Callable[[], None] = _nothing) -> None:
+def download_whole(
+    fs, remote: str, fd: int, size: int | None, *, check: Callable[[], None] = _nothing
+) -> None:
     """`remote` on the fsspec filesystem `fs` into the file `fd` from byte 0 (what it held is
     dropped); `check` is called after each block read (raise from it to stop early)."""
     os.ftruncate(fd, 0)  # what an earlier attempt (e.g. a ranged one) wrote

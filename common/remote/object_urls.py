@@ -32,7 +32,9 @@ def check_url(url: str) -> None:
     if match and len(match.group(1)) > 1:  # one letter is a Windows drive
         protocol = match.group(1).lower()
         if protocol not in ALLOWED:
-            raise ValueError(f"Refusing {url!r}: protocol {protocol!r} is not one of {sorted(ALLOWED)}.")
+            raise ValueError(
+                f"Refusing {url!r}: protocol {protocol!r} is not one of {sorted(ALLOWED)}."
+            )
 
 
 def open_filesystem(url: str, storage_options: dict, pool: int, opened: dict):

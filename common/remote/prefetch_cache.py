@@ -96,22 +96,51 @@ class PrefetchCache:
         ...         data = path.read_bytes()
     """
 
-    def __init__(self, cache_dir, *, max_bytes: int, prefetch: int = 4, retries: int = 5,
-                 backoff: float = 0.5, storage_options: dict | None = None, range_bytes: int = 2 * 2**20,
-                 range_connections: int = 4, max_connections: int = 16):
-        for name, value in (("max_bytes", max_bytes), ("prefetch", prefetch), ("range_bytes", range_bytes),
-                            ("range_connections", range_connections), ("max_connections", max_connections)):
+    def __init__(
+        self,
+        cache_dir,
+        *,
+        max_bytes: int,
+        prefetch: int = 4,
+        retries: int = 5,
+        backoff: float = 0.5,
+        storage_options: dict | None = None,
+        range_bytes: int = 2 * 2**20,
+        range_connections: int = 4,
+        max_connections: int = 16,
+    ):
+        for name, value in (
+            ("max_bytes", max_bytes),
+            ("prefetch", prefetch),
+            ("range_bytes", range_bytes),
+            ("range_connections", range_connections),
+            ("max_connections", max_connections),
+        ):
             if value <= 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
         if max_connections < range_connections:
-            raise ValueError(f"`max_connections` ({max_connections}) must be at least `range_connections` "
-                             f"({range_connections}).")
+            raise ValueError(
+                f"`max_connections` ({max_connections}) must be at least `range_connections` "
+                f"({range_connections})."
+            )
         if retries < 0 or backoff < 0:
-            raise ValueError(f"`retries` and `backoff` must be non-negative, but are {retries!r} and {backoff!r}.")
+            raise ValueError(
+                f"`retries` and `backoff` must be non-negative, but are {retries!r} and "
+                f"{backoff!r}."
+            )
         self.dir = Path(cache_dir)
-        self.max_bytes, self.depth, self.retries, self.backoff = max_bytes, prefetch, retries, backoff
+        self.max_bytes, self.depth, self.retries, self.backoff = (
+            max_bytes,
+            prefetch,
+            retries,
+            backoff,
+        )
         self.storage_options = dict(storage_options or {})
-        self.range_bytes, self.range_connections, self.max_connections = range_bytes, range_connections, max_connections
+        self.range_bytes, self.range_connections, self.max_connections = (
+            range_bytes,
+            range_connections,
+            max_connections,
+        )
         cache_folder.make_folder(self.dir)
         self._closed = False
         self._parts: dict[int, _ProcessPart] = {}  # by pid: a forked child never uses its parent's
@@ -137,9 +166,10 @@ class PrefetchCache:
         return path
 
     def get(self, url: str, *, sha256: str | None = None) -> Path:
-        """A local, complete copy of `url`, downloading it first if needed. With `sha256`, the download is
-        verified, and so is a copy already in the cache (once per process and file version): a copy that
-        differs (the object was rewritten, or the file damaged) is removed and downloaded again.
+        """A local, complete copy of `url`, downloading it first if needed. With `sha256`, the
+        download is verified, and so is a copy already in the cache (once per process and file
+        version): a copy that differs (the object was rewritten, or the file damaged) is removed and
+        downloaded again.
 
         Raises:
             ValueError: a refused protocol, or an object larger than `max_bytes`.
@@ -158,16 +188,24 @@ class PrefetchCache:
         if cache_folder.touch(final):
             self._count(hits=1)
             return final
-        with self._running(), cache_folder.key_lock(self.dir, final.name, fcntl.LOCK_EX, pause=self._pause,
-                                                    unless=final.exists):
+        with (
+            self._running(),
+            cache_folder.key_lock(
+                self.dir, final.name, fcntl.LOCK_EX, pause=self._pause, unless=final.exists
+            ),
+        ):
             if cache_folder.touch(final):  # another process or thread finished it while we waited
-                if sha256 is None or matches_sum(final, sha256):  # (a prefetch downloads unverified)
+                if sha256 is None or matches_sum(
+                    final, sha256
+                ):  # (a prefetch downloads unverified)
                     self._count(hits=1)
                     return final
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(final)
             self._download(url, final, sha256)
-            size = final.stat().st_size  # under the key's lock: once released, another process may evict it
+            size = (
+                final.stat().st_size
+            )  # under the key's lock: once released, another process may evict it
         self._count(misses=1, downloaded=size)
         return final
 
@@ -212,7 +250,9 @@ class PrefetchCache:
                 if path.exists():
                     yield path
                     return
-        raise DownloadError(f"{url}: evicted again and again before it could be read; raise max_bytes.")
+        raise DownloadError(
+            f"{url}: evicted again and again before it could be read; raise max_bytes."
+        )
 
     def prefetch(self, urls: Iterable[str]) -> list[Future]:
         """Starts background downloads (at most `prefetch` at once); errors surface on `get`
@@ -230,7 +270,9 @@ class PrefetchCache:
             with part.idle:  # against `close`: no pool made nor download queued after it began
                 self._check_open()
                 if part.pool is None:
-                    part.pool = ThreadPoolExecutor(self.depth, thread_name_prefix="recipes-prefetch")
+                    part.pool = ThreadPoolExecutor(
+                        self.depth, thread_name_prefix="recipes-prefetch"
+                    )
                 if len(part.inflight) > 8 * self.depth:  # forget finished downloads
                     part.inflight = {u: f for u, f in part.inflight.items() if not f.done()}
                 running = part.inflight.get(url)
@@ -256,9 +298,13 @@ class PrefetchCache:
         part = self._parts.get(os.getpid())
         if part is None:  # this process never downloaded through this object
             return
-        with part.idle:  # after any `prefetch` holding it: each sees `_closed` next, so no pool is made later
+        with (
+            part.idle
+        ):  # after any `prefetch` holding it: each sees `_closed` next, so no pool is made later
             pool = part.pool
-        if pool is not None:  # queued prefetches cancelled first: a running one woken below would end
+        if (
+            pool is not None
+        ):  # queued prefetches cancelled first: a running one woken below would end
             pool.shutdown(wait=False, cancel_futures=True)  # and its thread take the next one
         with part.idle:  # after any `_running` holding it
             part.closing.set()  # wakes retry waits and lock polls
@@ -310,15 +356,24 @@ class PrefetchCache:
                 mismatches.append(error)
                 if len(mismatches) < 2:
                     raise
-                failure = DownloadError(f"{error}, on two downloads: the object is damaged where it is stored, or "
-                                        "was rewritten since its checksum was recorded (not damage in transit); "
-                                        "rewrite it, or re-index it.")
+                failure = DownloadError(
+                    f"{error}, on two downloads: the object is damaged where it is stored, or "
+                    "was rewritten since its checksum was recorded (not damage in transit); "
+                    "rewrite it, or re-index it."
+                )
                 failure.transient = False
                 raise failure from error
-        call_with_retries(attempt,
-                          retries=self.retries, backoff=self.backoff, sleep=self._pause,
-                          final=lambda attempts, last: DownloadError(
-                              f"{url}: failed after {attempts} attempts; last error: {type(last).__name__}: {last}"))
+
+        call_with_retries(
+            attempt,
+            retries=self.retries,
+            backoff=self.backoff,
+            sleep=self._pause,
+            final=lambda attempts, last: DownloadError(
+                f"{url}: failed after {attempts} attempts; last error: {type(last).__name__}: "
+                f"{last}"
+            ),
+        )
 
     def _attempt(self, fs, remote: str, url: str, final: Path, sha256: str | None) -> None:
         """One try: size check, reservation, transfer, verification, rename; an error removes
@@ -327,19 +382,35 @@ class PrefetchCache:
         try:
             size = fs.info(remote).get("size")
             if size is not None and size > self.max_bytes:
-                raise ValueError(f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
-                                 "raise max_bytes or read it without the cache.")
-            reserved = cache_folder.reserve(self.dir, final.name, size or 0, max_bytes=self.max_bytes, pause=self._pause)
+                raise ValueError(
+                    f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
+                    "raise max_bytes or read it without the cache."
+                )
+            reserved = cache_folder.reserve(
+                self.dir, final.name, size or 0, max_bytes=self.max_bytes, pause=self._pause
+            )
             if reserved is None:
-                raise DownloadError(f"no room for {size or 0:,} bytes in {self.dir}: the files in use fill "
-                                    f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once.")
+                raise DownloadError(
+                    f"no room for {size or 0:,} bytes in {self.dir}: the files in use fill "
+                    f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once."
+                )
             tmp, *held = reserved
             fd = held[0]  # the temp file's only descriptor: written, verified and synced through it
             if size is not None and size > self.range_bytes and self.range_connections > 1:
                 try:
-                    download_ranges(fs, remote, url, fd, size, range_bytes=self.range_bytes, search=self._adapter(),
-                                    retries=self.retries, backoff=self.backoff, check=self._check_open,
-                                    sleep=self._pause)
+                    download_ranges(
+                        fs,
+                        remote,
+                        url,
+                        fd,
+                        size,
+                        range_bytes=self.range_bytes,
+                        search=self._adapter(),
+                        retries=self.retries,
+                        backoff=self.backoff,
+                        check=self._check_open,
+                        sleep=self._pause,
+                    )
                 except NoRangeSupport:  # the server ignores Range: one whole-object GET
                     download_whole(fs, remote, fd, size, check=self._check_open)
             else:
@@ -363,12 +434,18 @@ class PrefetchCache:
     def _filesystem(self, url: str):
         """(filesystem, path): one fsspec filesystem per process and protocol, reused."""
         self._fs = {k: v for k, v in self._fs.items() if k[0] == os.getpid()}  # drop a parent's
-        return open_filesystem(url, self.storage_options, self.depth * self.max_connections, self._fs)
+        return open_filesystem(
+            url, self.storage_options, self.depth * self.max_connections, self._fs
+        )
 
     def _adapter(self) -> ConcurrencySearch:
         if self._adapt is None:  # stateless but for the shared tensors: fine in a forked child too
-            lock = functools.partial(cache_folder.key_lock, self.dir, "adapt", fcntl.LOCK_EX)  # excludes threads and processes
-            self._adapt = ConcurrencySearch(self._level, self.max_connections, search=self._search, lock=lock)
+            lock = functools.partial(
+                cache_folder.key_lock, self.dir, "adapt", fcntl.LOCK_EX
+            )  # excludes threads and processes
+            self._adapt = ConcurrencySearch(
+                self._level, self.max_connections, search=self._search, lock=lock
+            )
         return self._adapt
 
     def _part(self) -> _ProcessPart:
@@ -379,8 +456,10 @@ class PrefetchCache:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CacheClosedError(f"PrefetchCache({str(self.dir)!r}) was closed; make a new PrefetchCache "
-                                   "for that folder to read through it again.")
+            raise CacheClosedError(
+                f"PrefetchCache({str(self.dir)!r}) was closed; make a new PrefetchCache "
+                "for that folder to read through it again."
+            )
 
     def _pause(self, seconds: float) -> None:
         """Sleeps `seconds`, or raises `CacheClosedError` as soon as the cache closes."""
@@ -396,5 +475,3 @@ class PrefetchCache:
         state = dict(self.__dict__)
         state.update(_parts={}, _fs={}, _adapt=None)
         return state
-
-

@@ -39,9 +39,20 @@ def _nothing() -> None:
     pass
 
 
-def download_ranges(fs, remote: str, url: str, fd: int, size: int, *, range_bytes: int,
-                    search: ConcurrencySearch, retries: int, backoff: float,
-                    check: Callable[[], None] = _nothing, sleep: Callable[[float], None] = time.sleep) -> None:
+def download_ranges(
+    fs,
+    remote: str,
+    url: str,
+    fd: int,
+    size: int,
+    *,
+    range_bytes: int,
+    search: ConcurrencySearch,
+    retries: int,
+    backoff: float,
+    check: Callable[[], None] = _nothing,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
     """`size` bytes of `remote` into the file `fd` as `range_bytes` ranges, `search`'s level of
     them in flight, each written at its offset and retried on its own (`call_with_retries`).
 
@@ -67,13 +78,23 @@ def download_ranges(fs, remote: str, url: str, fd: int, size: int, *, range_byte
         if len(data) > end - start:
             raise NoRangeSupport(url)
         if len(data) < end - start:
-            raise ShortBody(f"{url}: range {start}-{end} gave {len(data):,} of {end - start:,} bytes")
+            raise ShortBody(
+                f"{url}: range {start}-{end} gave {len(data):,} of {end - start:,} bytes"
+            )
         pwrite_all(fd, data, start)
 
     # Leaving the `with` waits for the running ranges: none writes after the caller closes `fd`.
     with ThreadPoolExecutor(min(level, len(ranges)), thread_name_prefix="recipes-range") as pool:
-        futures = [pool.submit(call_with_retries, functools.partial(fetch, *span), retries=retries,
-                               backoff=backoff, sleep=sleep) for span in ranges]
+        futures = [
+            pool.submit(
+                call_with_retries,
+                functools.partial(fetch, *span),
+                retries=retries,
+                backoff=backoff,
+                sleep=sleep,
+            )
+            for span in ranges
+        ]
         try:
             for future in futures:
                 future.result()
@@ -108,17 +129,24 @@ class ConcurrencySearch:
 
     GAIN = 1.15
 
-    def __init__(self, level: torch.Tensor, cap: int, *, search: torch.Tensor | None = None, lock=None):
+    def __init__(
+        self, level: torch.Tensor, cap: int, *, search: torch.Tensor | None = None, lock=None
+    ):
         self.level, self.cap = level, cap
         self.search = self.new_search(level, cap) if search is None else search
         if lock is None:
             local = threading.Lock()
-            lock = lambda: local  # noqa: E731
+
+            def lock():
+                return local
+
         self.lock = lock
 
     @staticmethod
     def new_search(level: torch.Tensor, cap: int) -> torch.Tensor:
-        return torch.tensor([0.0, 0.0, float(int(level.item()) >= cap)], dtype=torch.float64).share_memory_()
+        return torch.tensor(
+            [0.0, 0.0, float(int(level.item()) >= cap)], dtype=torch.float64
+        ).share_memory_()
 
     @property
     def settled(self) -> bool:

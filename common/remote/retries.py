@@ -30,8 +30,22 @@ def is_transient(error: BaseException) -> bool:
     """Worth retrying: network errors, 5xx, short bodies. Not: missing objects, permissions,
     refused arguments, a full disk, interrupts, `StopRetrying`, an error marked
     `transient = False` (a checksum that differs again: damage at the source)."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, ValueError, KeyboardInterrupt,
-                          SystemExit, GeneratorExit, StopRetrying)) or getattr(error, "transient", None) is False:
+    if (
+        isinstance(
+            error,
+            (
+                FileNotFoundError,
+                PermissionError,
+                IsADirectoryError,
+                ValueError,
+                KeyboardInterrupt,
+                SystemExit,
+                GeneratorExit,
+                StopRetrying,
+            ),
+        )
+        or getattr(error, "transient", None) is False
+    ):
         return False
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False
@@ -41,9 +55,14 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, Exception)
 
 
-def call_with_retries(call: Callable[[], T], *, retries: int, backoff: float,
-                      sleep: Callable[[float], None] = time.sleep,
-                      final: Callable[[int, BaseException], BaseException] | None = None) -> T:
+def call_with_retries(
+    call: Callable[[], T],
+    *,
+    retries: int,
+    backoff: float,
+    sleep: Callable[[float], None] = time.sleep,
+    final: Callable[[int, BaseException], BaseException] | None = None,
+) -> T:
     """`call()`, tried again after transient errors, at most `retries` times.
 
     Args:

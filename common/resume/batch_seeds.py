@@ -38,7 +38,9 @@ _MASK = 2**64 - 1
 
 def batch_seed(seed: int, epoch: int, position: int) -> int:
     """A 63-bit seed for batch `position` of `epoch` (splitmix64 over the three numbers)."""
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB + 1) & _MASK
+    x = (
+        seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB + 1
+    ) & _MASK
     for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
         x = ((x ^ (x >> shift)) * factor) & _MASK
     return (x ^ (x >> 31)) >> 1
@@ -117,7 +119,9 @@ def _install_in_worker() -> None:
     from torch.utils.data import get_worker_info
     from torch.utils.data._utils import fetch
 
-    if get_worker_info() is None:  # unpickled in the main process (a copy): its fetches stay as they are
+    if (
+        get_worker_info() is None
+    ):  # unpickled in the main process (a copy): its fetches stay as they are
         return
 
     plain = fetch._MapDatasetFetcher.fetch

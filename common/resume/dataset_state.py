@@ -1,4 +1,5 @@
-"""A dataset's own state: iterable datasets that resume themselves (`state_dict()` / `load_state_dict()`).
+"""A dataset's own state: iterable datasets that resume themselves (`state_dict()` /
+`load_state_dict()`).
 
 Use when: an iterable dataset, or the iterator its `__iter__` returns, keeps its position (and
 perhaps its epoch or random state) and says so with `state_dict()` / `load_state_dict()`:
@@ -11,12 +12,12 @@ batches dropped).
 Cost: with workers, one `state_dict()` and a deep copy of it per batch in the worker that made
 it (carried back with the batch; about 10 us for a small dict), and one more where a worker's
 stream ends; without workers, one per `loader.state_dict()`.
-Adapt here: `fetch_with_state` (what a worker's fetch sends back), `copy_state` (what a state holds).
-Trade-off: each worker's state belongs to its share of the data, so a resume needs the same
-number of workers (another number is refused, naming the one to use; `RobustLoader` keeps it
-when it restarts mid-epoch); the round-robin over the workers resumes after the worker that
-made the last batch received, as the uninterrupted run's does, and a worker whose stream had
-ended stays ended. A worker's stream end is a message of its own (its dataset's state after the
+Adapt here: `fetch_with_state` (what a worker's fetch sends back), `copy_state` (what a state
+holds). Trade-off: each worker's state belongs to its share of the data, so a resume needs the same
+number of workers (another number is refused, naming the one to use; `RobustLoader` keeps it when it
+restarts mid-epoch); the round-robin over the workers resumes after the worker that made the last
+batch received, as the uninterrupted run's does, and a worker whose stream had ended stays ended. A
+worker's stream end is a message of its own (its dataset's state after the
 end: an epoch counter kept in the dataset moves on there); the loop never sees it. A state
 saved after an epoch ended carries the copies' dataset states when they outlive the epoch
 (persistent workers; without workers, this process's copy; a dataset that is its own iterator
@@ -55,8 +56,13 @@ def may_resume_itself(dataset) -> bool:
 
 def copy_state(dataset, iterator, ended: bool) -> dict[str, Any] | None:
     """A dataset copy's state as torchdata keeps it: the dataset's own (when it is not its own
-    iterator), its iterator's, and whether its stream ended, copied; None when neither has a state."""
-    own = dataset.state_dict() if iterator is not dataset and isinstance(dataset, StatefulDataset) else None
+    iterator), its iterator's, and whether its stream ended, copied; None when neither has a state.
+    """
+    own = (
+        dataset.state_dict()
+        if iterator is not dataset and isinstance(dataset, StatefulDataset)
+        else None
+    )
     position = iterator.state_dict() if isinstance(iterator, StatefulDataset) else None
     if own is None and position is None:
         return None
@@ -115,7 +121,9 @@ class StateLoadingInit:
             return
         own = state.get("dataset")
         if own is None and state.get("own_iterator") and state.get("ended"):
-            own = state.get("iterator")  # an ended dataset that is its own iterator: no iter() will load it
+            own = state.get(
+                "iterator"
+            )  # an ended dataset that is its own iterator: no iter() will load it
         if own is not None:
             get_worker_info().dataset.load_state_dict(own)
         _PENDING = (state.get("iterator"), bool(state.get("ended")))
@@ -182,7 +190,9 @@ _fetch._IterableDatasetFetcher.fetch = fetch_with_state
 def live_state(dataset, inner) -> dict[str, Any] | None:
     """Without workers: this process's copy's state, read from DataLoader's iterator `inner`."""
     fetcher = getattr(inner, "_dataset_fetcher", None)
-    if fetcher is None:  # its iterator is gone: the dataset's own state, unless it is its own iterator
+    if (
+        fetcher is None
+    ):  # its iterator is gone: the dataset's own state, unless it is its own iterator
         return copy_state(dataset, dataset if hasattr(dataset, "__next__") else None, False)
     return copy_state(dataset, fetcher.dataset_iter, fetcher.ended)
 
@@ -193,8 +203,15 @@ def carried_over(states: dict[str, Any]) -> dict[str, Any]:
     carries that state, loaded before its next `iter`)."""
     out = {}
     for w, s in states.items():
-        own = None if s is None else s["dataset"] if s.get("dataset") is not None else \
-            s.get("iterator") if s.get("own_iterator") else None
+        own = (
+            None
+            if s is None
+            else s["dataset"]
+            if s.get("dataset") is not None
+            else s.get("iterator")
+            if s.get("own_iterator")
+            else None
+        )
         if own is not None:
             out[w] = {"dataset": own, "iterator": None, "ended": False}
     return out
@@ -211,6 +228,7 @@ class RotatedIter(_MultiProcessingDataLoaderIter):
     def _try_put_index(self):
         if self._rotate:
             self._worker_queue_idx_cycle = itertools.islice(
-                itertools.cycle(range(self._num_workers)), self._rotate, None)
+                itertools.cycle(range(self._num_workers)), self._rotate, None
+            )
             self._rotate = 0
         super()._try_put_index()

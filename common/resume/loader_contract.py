@@ -157,8 +157,16 @@ class ResumableIterable(Protocol):
 
     world_size: int
 
-    def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
-                     num_workers: int = 0, interleave: bool = False, world_size: int | None = None): ...
+    def resume_after(
+        self,
+        batches_done: int,
+        *,
+        batch_size: int | None,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        interleave: bool = False,
+        world_size: int | None = None,
+    ): ...
 
 
 @runtime_checkable
@@ -190,11 +198,12 @@ class Prefetching(Protocol):
 class ThreadBatched(Protocol):
     """A map-style dataset whose batches threads can read (`ThreadLoader`, chosen by
     `make_loader` when `thread_batches()` is true): its items are made by work that releases the
-    GIL (memory-speed reads from a cache, or native decoding such as OpenCV's). A pool thread makes each batch: with a `collate_fn`,
-    `collate_fn(dataset.__getitems__(indices))` (or the items one by one); without one, the
-    dataset's optional `read_batch(indices, rng)` (the collated batch, every random draw from
-    `rng`, seeded by the loader per batch; `read_batch_collate` names the collate function whose
-    output it equals), else `default_collate`. Both must be safe in several threads at once."""
+    GIL (memory-speed reads from a cache, or native decoding such as OpenCV's). A pool thread makes
+    each batch: with a `collate_fn`, `collate_fn(dataset.__getitems__(indices))` (or the items one
+    by one); without one, the dataset's optional `read_batch(indices, rng)` (the collated batch,
+    every random draw from `rng`, seeded by the loader per batch; `read_batch_collate` names the
+    collate function whose output it equals), else `default_collate`. Both must be safe in several
+    threads at once."""
 
     def thread_batches(self) -> bool: ...
 

@@ -42,8 +42,12 @@ class Counting:
     def _target(self):
         latest = self._passes.current
         # persistent workers: an older iterator of the loader reads the latest pass's batches
-        shared = latest is not None and latest is not self._pass and latest.inner is not None \
+        shared = (
+            latest is not None
+            and latest is not self._pass
+            and latest.inner is not None
             and latest.inner() is self._inner
+        )
         return latest if shared else self._pass
 
     def __iter__(self):
@@ -60,14 +64,17 @@ class Counting:
         self._pass.inner = weakref.ref(self._inner)
         current.done = current.dropped = True  # superseded, never received
         if old is not self._inner and hasattr(old, "_shutdown_workers"):
-            old._shutdown_workers()  # its workers read ahead in the old order (persistent ones are reset, not here)
+            # its workers read ahead in the old order (persistent ones are reset, not here)
+            old._shutdown_workers()
 
     def __next__(self):
         if self._pass.yielded == self._pass.skip and self._passes.superseded(self._pass):
             self._begin_again()
         if self._target().closed:  # its workers (or threads) were shut down under it
-            raise LoaderClosedError("this loader was closed while its epoch was running; start a new epoch with "
-                                    "iter(loader) (or load a saved state_dict() to continue there).")
+            raise LoaderClosedError(
+                "this loader was closed while its epoch was running; start a new epoch with "
+                "iter(loader) (or load a saved state_dict() to continue there)."
+            )
         while True:
             try:
                 batch = next(self._inner)
@@ -76,11 +83,15 @@ class Counting:
                 self._target().done = True
                 raise
             except Exception as error:
-                if used_up(error, self._inner):  # the dataset's error: that batch's position is used up
+                if used_up(
+                    error, self._inner
+                ):  # the dataset's error: that batch's position is used up
                     self._target().yielded += 1
                 raise
             target = self._target()
-            if isinstance(batch, Carried):  # a worker's batch (or stream end) with its dataset copy's state
+            if isinstance(
+                batch, Carried
+            ):  # a worker's batch (or stream end) with its dataset copy's state
                 target.dataset_states[batch.worker], target.last_worker = batch.state, batch.worker
                 if batch.ended and batch.batch is None:
                     continue  # the end of a worker's stream: not a batch
@@ -102,8 +113,13 @@ class Counting:
 
 # What a worker's error says when shared memory ran out: the batch was not made for lack of
 # room, and a restart with less in flight (RobustLoader) makes it again.
-SHM_FAILURES = ("no space left on device", "unable to write to file </torch_", "unable to allocate shared memory",
-                "bus error", "out of shared memory")
+SHM_FAILURES = (
+    "no space left on device",
+    "unable to write to file </torch_",
+    "unable to allocate shared memory",
+    "bus error",
+    "out of shared memory",
+)
 
 
 def used_up(error: BaseException, inner) -> bool:

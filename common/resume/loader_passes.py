@@ -55,7 +55,9 @@ class Pass:
 
     epoch: int
     skip: int  # batches of the epoch skipped at its start (a resume), counted in `yielded`
-    position: int  # the epoch position of its first batch for this loop (its draws' seeds follow it)
+    position: (
+        int  # the epoch position of its first batch for this loop (its draws' seeds follow it)
+    )
     workers: int  # the worker count whose order this pass follows (an iterable dataset's)
     resumed: dict | None = None  # the loaded state this pass resumes
     yielded: int = 0
@@ -64,11 +66,21 @@ class Pass:
     closed: bool = False  # the loader was closed (its workers shut down) before the pass ended
     drawn: bool = False
     snapshot: dict = field(default_factory=dict)  # the random state the order was drawn from
-    dataset_states: dict = field(default_factory=dict)  # worker -> its dataset copy's state (`dataset_state.py`)
-    base_states: dict = field(default_factory=dict)  # the copies' states as the pass began (loaded, or carried over)
-    last_worker: int | None = None  # the worker that made the last batch received (its states' round-robin)
-    length: int | None = None  # the epoch's batches here, when a positioned sampler's own count is its rest
-    reshaped: list | None = None  # an elastic resume's earlier shapes [ranks, workers, batches] (shards)
+    dataset_states: dict = field(
+        default_factory=dict
+    )  # worker -> its dataset copy's state (`dataset_state.py`)
+    base_states: dict = field(
+        default_factory=dict
+    )  # the copies' states as the pass began (loaded, or carried over)
+    last_worker: int | None = (
+        None  # the worker that made the last batch received (its states' round-robin)
+    )
+    length: int | None = (
+        None  # the epoch's batches here, when a positioned sampler's own count is its rest
+    )
+    reshaped: list | None = (
+        None  # an elastic resume's earlier shapes [ranks, workers, batches] (shards)
+    )
     inner: Any = None  # a weak reference to DataLoader's iterator (persistent workers share it);
     # strong, it would close a cycle: iterator -> its index sampler -> this pass -> iterator
 
@@ -81,22 +93,40 @@ class Passes:
     def __init__(self, loader):
         self.dataset = loader.dataset
         self.iterable = isinstance(loader.dataset, IterableDataset)
-        self.own_state = keeps_own_state(loader.dataset)  # resumes itself: its state_dict() per worker
-        self.self_resuming = may_resume_itself(loader.dataset)  # it, or its iterator, may (`dataset_state.py`)
+        self.own_state = keeps_own_state(
+            loader.dataset
+        )  # resumes itself: its state_dict() per worker
+        self.self_resuming = may_resume_itself(
+            loader.dataset
+        )  # it, or its iterator, may (`dataset_state.py`)
         self.persistent = bool(loader.persistent_workers and loader.num_workers)
         roles = _roles(loader)
         self.positioned = positioned_sampler(loader.batch_sampler)
         self.known_length: list = []  # `resumed_length`'s of the loaded state
         self.holder = _epoch_holder(loader.dataset, roles)
         unreproducible: list[str] = []
-        self.generators = {} if self.iterable else find_generators(
-            {"sampler": loader.sampler, "batch_sampler": loader.batch_sampler}, unreproducible)
+        self.generators = (
+            {}
+            if self.iterable
+            else find_generators(
+                {"sampler": loader.sampler, "batch_sampler": loader.batch_sampler}, unreproducible
+            )
+        )
         # a sampler's own state_dict() is the order's source only when nothing else is: torchdata's
         # samplers save their position in the pass, which the loop's count already gives
-        self.stateful = {} if self.iterable else {
-            name: s for name, s in roles.items()
-            if s is not self.positioned and isinstance(s, StatefulSampler) and not isinstance(s, EpochSeeded)
-            and _no_args(s.state_dict) and not find_generators({name: s})}
+        self.stateful = (
+            {}
+            if self.iterable
+            else {
+                name: s
+                for name, s in roles.items()
+                if s is not self.positioned
+                and isinstance(s, StatefulSampler)
+                and not isinstance(s, EpochSeeded)
+                and _no_args(s.state_dict)
+                and not find_generators({name: s})
+            }
+        )
         self.blind = None if self.iterable else _blind_spot(roles, self, unreproducible)
         self.current: Pass | None = None
         self.pending: dict | None = None
@@ -106,16 +136,27 @@ class Passes:
     def _holder_epoch(self) -> int | None:
         return None if self.holder is None else int(self.holder.epoch)
 
-    def _advances(self, epoch: int | None) -> bool:  # an `EpochAdvancing` holder at the last whole pass's epoch
+    def _advances(
+        self, epoch: int | None
+    ) -> bool:  # an `EpochAdvancing` holder at the last whole pass's epoch
         last = self.current
-        return bool(isinstance(self.holder, EpochAdvancing) and self.holder.advance_epochs and last is not None
-                    and last.done and last.epoch == epoch)
+        return bool(
+            isinstance(self.holder, EpochAdvancing)
+            and self.holder.advance_epochs
+            and last is not None
+            and last.done
+            and last.epoch == epoch
+        )
 
     # ---- a pass ------------------------------------------------------------------------
     def start(self, num_workers: int) -> Pass:
         """Begins a pass: the loaded state's, else a fresh epoch."""
         pending, self.pending = self.pending, None
-        if pending is not None and self.holder is not None and self._holder_epoch() != pending["epoch"]:
+        if (
+            pending is not None
+            and self.holder is not None
+            and self._holder_epoch() != pending["epoch"]
+        ):
             pending = None  # set_epoch chose another epoch since the load: it starts afresh
         if pending is not None:
             epoch = pending["epoch"]
@@ -128,23 +169,48 @@ class Passes:
             epoch = 0 if self.current is None else self.current.epoch + 1
         self._warn_same_epoch(epoch, pending)
         skip = 0 if pending is None else int(pending["batches_yielded"])
-        position = 0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
+        position = (
+            0 if pending is None else int(pending.get("position", pending["batches_yielded"]))
+        )
         length = None  # a positioned sampler resumes by itself, on any number of ranks:
-        if pending is not None and self.positioned is not None and pending.get("sampler") is not None:
+        if (
+            pending is not None
+            and self.positioned is not None
+            and pending.get("sampler") is not None
+        ):
             skip, length = 0, resumed_length(self.positioned, pending, self.known_length)
         if (reshaped := self._reshaped(pending)) is not None and self._new_shape(pending):
-            skip = 0  # a new shape: the rest is dealt over these ranks and workers (`shard_reshape.py`)
+            # a new shape: the rest is dealt over these ranks and workers (`shard_reshape.py`)
+            skip = 0
         saved_workers = None if pending is None else pending.get("num_workers")
         if saved_workers is None or not (skip or pending.get("replayed")):
-            saved_workers = num_workers  # nothing received yet: the epoch follows this loader's workers
+            saved_workers = (
+                num_workers  # nothing received yet: the epoch follows this loader's workers
+            )
         base = {}
         if pending is not None:
             base = dict(pending.get("dataset_states") or {})
-        elif self.self_resuming and self.persistent and self.current is not None and self.current.done \
-                and not self.current.dropped:  # the copies go on from the epoch's end (after a break:
-            base = carried_over(self.pass_states(self.current))  # unknown, read ahead; fresh states)
-        self.current = Pass(epoch, skip, position, int(saved_workers), resumed=pending, yielded=skip,
-                            base_states=base, length=length, reshaped=reshaped)
+        elif (
+            self.self_resuming
+            and self.persistent
+            and self.current is not None
+            and self.current.done
+            and not self.current.dropped
+        ):  # the copies go on from the epoch's end (after a break:
+            base = carried_over(
+                self.pass_states(self.current)
+            )  # unknown, read ahead; fresh states)
+        self.current = Pass(
+            epoch,
+            skip,
+            position,
+            int(saved_workers),
+            resumed=pending,
+            yielded=skip,
+            base_states=base,
+            length=length,
+            reshaped=reshaped,
+        )
         return self.current
 
     def _reshaped(self, pending: dict | None) -> list | None:
@@ -154,13 +220,22 @@ class Passes:
         earlier = [list(s) for s in pending.get("reshaped") or []]
         world, nodes = pending.get("world_size"), int(pending.get("nodes", 1))
         if world is not None and self._new_shape(pending) and int(pending["batches_yielded"]):
-            return earlier + [[int(world), max(1, int(pending.get("num_workers") or 1)),
-                               int(pending["batches_yielded"]), nodes]]
+            return earlier + [
+                [
+                    int(world),
+                    max(1, int(pending.get("num_workers") or 1)),
+                    int(pending["batches_yielded"]),
+                    nodes,
+                ]
+            ]
         return earlier or None  # the same shape, or nothing received on the old one
 
-    def _new_shape(self, pending: dict) -> bool:  # an iterable dataset's ranks (or nodes) not the state's
-        return (pending.get("world_size") != int(self.dataset.world_size)
-                or int(pending.get("nodes", 1)) != int(getattr(self.dataset, "nodes", 1)))
+    def _new_shape(
+        self, pending: dict
+    ) -> bool:  # an iterable dataset's ranks (or nodes) not the state's
+        return pending.get("world_size") != int(self.dataset.world_size) or int(
+            pending.get("nodes", 1)
+        ) != int(getattr(self.dataset, "nodes", 1))
 
     def superseded(self, current: Pass) -> bool:
         """Whether `current` must begin again before its first batch is handed over: a state was
@@ -178,21 +253,31 @@ class Passes:
         state, then captures the one this order is drawn from."""
         if self.holder is not None and self._holder_epoch() != current.epoch:
             # set_epoch between iter() and the first batch (no workers: the order is drawn now)
-            current.epoch, current.resumed, current.skip, current.yielded = self._holder_epoch(), None, 0, 0
+            current.epoch, current.resumed, current.skip, current.yielded = (
+                self._holder_epoch(),
+                None,
+                0,
+                0,
+            )
             current.position = 0
         order = (current.resumed or {}).get("order") or {}
         restore(self.generators, order.get("generators", {}))
         for name, state in order.get("samplers", {}).items():
             if name not in self.stateful:
-                raise ValueError(f"This loader state holds the state of a stateful {name}, which this loader does "
-                                 "not have; build the loader with the same sampler as the run that saved it.")
+                raise ValueError(
+                    f"This loader state holds the state of a stateful {name}, which this loader "
+                    "does not have; build the loader with the same sampler as the run that saved "
+                    "it."
+                )
             self.stateful[name].load_state_dict(state)
         current.snapshot = self._capture()
         current.drawn = True
 
     def _capture(self) -> dict[str, Any]:
-        return {"generators": capture(self.generators),
-                "samplers": {name: s.state_dict() for name, s in self.stateful.items()}}
+        return {
+            "generators": capture(self.generators),
+            "samplers": {name: s.state_dict() for name, s in self.stateful.items()},
+        }
 
     # ---- state -------------------------------------------------------------------------
     def load(self, state: dict[str, Any]) -> None:
@@ -212,17 +297,32 @@ class Passes:
         if current.done and not current.dropped:
             # the next pass is the sampler's epoch when set_epoch says which
             following = epoch + 1 if self._advances(epoch) else epoch  # what the next pass starts
-            fresh = self._fresh(following if self.holder is not None else current.epoch + 1, finished=current.epoch)
+            fresh = self._fresh(
+                following if self.holder is not None else current.epoch + 1, finished=current.epoch
+            )
             if self.self_resuming:
                 self._carried_states(fresh, current)
             return fresh
-        if (current.dropped or not current.drawn) and self.holder is not None and epoch != current.epoch:
-            return self._fresh(epoch)  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
-        state = {"version": STATE_VERSION, "epoch": current.epoch, "batches_yielded": current.yielded,
-                 "num_workers": current.workers,
-                 "order": current.snapshot if current.drawn else ((current.resumed or {}).get("order")
-                                                                  or self._capture())}
-        position = current.position + current.yielded - current.skip  # differs after a positioned resume
+        if (
+            (current.dropped or not current.drawn)
+            and self.holder is not None
+            and epoch != current.epoch
+        ):
+            return self._fresh(
+                epoch
+            )  # set_epoch moved on: from a paused pass, or before the (lazy) first draw
+        state = {
+            "version": STATE_VERSION,
+            "epoch": current.epoch,
+            "batches_yielded": current.yielded,
+            "num_workers": current.workers,
+            "order": current.snapshot
+            if current.drawn
+            else ((current.resumed or {}).get("order") or self._capture()),
+        }
+        position = (
+            current.position + current.yielded - current.skip
+        )  # differs after a positioned resume
         if position != current.yielded:
             state["position"] = position
         if self.positioned is not None:
@@ -236,7 +336,10 @@ class Passes:
     def pass_states(self, current: Pass) -> dict[str, Any]:
         """Each worker's dataset copy's state after its last batch (or stream end) the loop
         received, over the states the pass began with."""
-        return {**current.base_states, **{str(w): s for w, s in current.dataset_states.items() if w != "main"}}
+        return {
+            **current.base_states,
+            **{str(w): s for w, s in current.dataset_states.items() if w != "main"},
+        }
 
     def keep_main_state(self, current: Pass, inner) -> None:
         """Without workers, as a pass ends or is left: this process's copy's state, which its
@@ -260,12 +363,16 @@ class Passes:
             return
         states = self.pass_states(current)
         if not states or any(s is None for s in states.values()):
-            return  # no state of its own: the epoch's first batches are read again (`stateful_loader.py`)
+            # no state of its own: the epoch's first batches are read again (`stateful_loader.py`)
+            return
         resumed = current.resumed or {}
         state.update(dataset_states=states, dataset_workers=current.workers)
         # the round-robin's next turn: after the worker that made the last batch (or end) received
-        state["next_worker"] = resumed.get("next_worker", 0) if current.last_worker is None else \
-            (current.last_worker + 1) % current.workers
+        state["next_worker"] = (
+            resumed.get("next_worker", 0)
+            if current.last_worker is None
+            else (current.last_worker + 1) % current.workers
+        )
 
     def _carried_states(self, state: dict[str, Any], current: Pass) -> None:
         """After an epoch: the dataset states of the copies that outlive it (persistent
@@ -282,8 +389,14 @@ class Passes:
         epoch whose loop ended last (so a script knows where it stands: with a `set_epoch`
         sampler not moved on since, `epoch == finished_epoch` and the script's next epoch is
         `finished_epoch + 1`)."""
-        state = {"version": STATE_VERSION, "epoch": epoch, "batches_yielded": 0, "finished_epoch": finished,
-                 "num_workers": None, "order": self._capture()}
+        state = {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "batches_yielded": 0,
+            "finished_epoch": finished,
+            "num_workers": None,
+            "order": self._capture(),
+        }
         if self.iterable and isinstance(self.dataset, ResumableIterable):
             state["world_size"] = int(self.dataset.world_size)
             if int(getattr(self.dataset, "nodes", 1)) > 1:
@@ -301,35 +414,62 @@ class Passes:
         if current.reshaped is not None:  # within an elastic resume's rest: the earlier shapes
             state["reshaped"] = current.reshaped
             return
-        if old_world is not None and old_world != world and (current.skip or resumed.get("replayed")):
-            state.update(batches_yielded=current.skip, world_size=old_world, replay_world=world,
-                         replayed=int(resumed.get("replayed", 0)) + current.yielded - current.skip)
+        if (
+            old_world is not None
+            and old_world != world
+            and (current.skip or resumed.get("replayed"))
+        ):
+            state.update(
+                batches_yielded=current.skip,
+                world_size=old_world,
+                replay_world=world,
+                replayed=int(resumed.get("replayed", 0)) + current.yielded - current.skip,
+            )
         elif resumed.get("replayed"):
-            state.update(batches_yielded=current.skip, world_size=resumed["world_size"],
-                         replay_world=resumed["replay_world"],
-                         replayed=int(resumed["replayed"]) + current.yielded - current.skip)
+            state.update(
+                batches_yielded=current.skip,
+                world_size=resumed["world_size"],
+                replay_world=resumed["replay_world"],
+                replayed=int(resumed["replayed"]) + current.yielded - current.skip,
+            )
 
     # ---- warnings ----------------------------------------------------------------------
     def _warn_same_epoch(self, epoch: int, pending) -> None:
         """A `set_epoch`-seeded order (or a dataset that resumes itself) iterated again at the epoch
         its last whole pass had: the same order again, or worse."""
         last = self.current
-        if self.holder is None or pending is not None or last is None or not last.done \
-                or last.dropped or last.epoch != epoch or "same_epoch" in self.warned:
+        if (
+            self.holder is None
+            or pending is not None
+            or last is None
+            or not last.done
+            or last.dropped
+            or last.epoch != epoch
+            or "same_epoch" in self.warned
+        ):
             return
         if not self.own_state:
             if getattr(self.holder, "shuffle", True) is False:
                 return  # an order that never changes: nothing repeats that would not anyway
             self.warned.add("same_epoch")
-            warnings.warn(f"{type(self.holder).__name__} is iterated again at epoch {epoch}, the epoch of the last "
-                          "pass: it gives the same order as that pass. Call its set_epoch(epoch) before each epoch "
-                          "(as with DistributedSampler).", LoaderWarning, stacklevel=4)
+            warnings.warn(
+                f"{type(self.holder).__name__} is iterated again at epoch {epoch}, the epoch of "
+                "the last pass: it gives the same order as that pass. Call its set_epoch(epoch) "
+                "before each epoch (as with DistributedSampler).",
+                LoaderWarning,
+                stacklevel=4,
+            )
             return
         self.warned.add("same_epoch")
-        warnings.warn(f"{type(self.dataset).__name__} is iterated again at epoch {epoch}, the epoch of its last pass: "
-                      "call its set_epoch(epoch) before each epoch. A dataset that resumes itself may otherwise "
-                      "start where a loaded state left it (Hugging Face's IterableDataset applies a loaded state "
-                      "again while its epoch is unchanged): samples lost.", LoaderWarning, stacklevel=4)
+        warnings.warn(
+            f"{type(self.dataset).__name__} is iterated again at epoch {epoch}, the epoch of its "
+            "last pass: call its set_epoch(epoch) before each epoch. A dataset that resumes "
+            "itself may otherwise start where a loaded state left it (Hugging Face's "
+            "IterableDataset applies a loaded state again while its epoch is unchanged): samples "
+            "lost.",
+            LoaderWarning,
+            stacklevel=4,
+        )
 
     def _warn_blind(self) -> None:
         if self.blind and "blind" not in self.warned:
@@ -342,18 +482,25 @@ class Passes:
         if "global" not in self.warned:
             self.warned.add("global")
             warnings.warn(
-                f"{type(sampler).__name__} drew its order from {' and '.join(which)} global random generator, which a "
-                "loader state cannot restore (the training step draws from it too): a resumed run would see another "
-                "order, repeating and losing samples. Give the sampler a generator of its own (for example "
-                "RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))), make it set_epoch-seeded, or "
-                "use make_loader(..., shuffle=True).", LoaderWarning, stacklevel=4)
+                f"{type(sampler).__name__} drew its order from {' and '.join(which)} global random "
+                "generator, which a loader state cannot restore (the training step draws from it "
+                "too): a resumed run would see another order, repeating and losing samples. Give "
+                "the sampler a generator of its own (for example RandomSampler(dataset, "
+                "generator=torch.Generator().manual_seed(seed))), make it set_epoch-seeded, or "
+                "use make_loader(..., shuffle=True).",
+                LoaderWarning,
+                stacklevel=4,
+            )
 
 
 def _roles(loader) -> dict[str, Any]:
     """The loader's samplers by role, each object once."""
     roles: dict[str, Any] = {}
-    for name, obj in (("batch_sampler", loader.batch_sampler), ("sampler", loader.sampler),
-                      ("batch_sampler.sampler", getattr(loader.batch_sampler, "sampler", None))):
+    for name, obj in (
+        ("batch_sampler", loader.batch_sampler),
+        ("sampler", loader.sampler),
+        ("batch_sampler.sampler", getattr(loader.batch_sampler, "sampler", None)),
+    ):
         if obj is not None and all(obj is not seen for seen in roles.values()):
             roles[name] = obj
     return roles
@@ -370,8 +517,10 @@ def _epoch_holder(dataset, roles: dict[str, Any]):
 
 def _no_args(method) -> bool:
     try:
-        return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                   for p in inspect.signature(method).parameters.values())
+        return all(
+            p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            for p in inspect.signature(method).parameters.values()
+        )
     except (TypeError, ValueError):
         return False
 
@@ -382,19 +531,33 @@ _DETERMINISTIC = (SequentialSampler, range, list, tuple)
 def _blind_spot(roles: dict[str, Any], passes: Passes, unreproducible: list[str]) -> str | None:
     """A warning for a sampler whose random state the loader cannot see, or None."""
     if unreproducible:
-        return (f"loader.state_dict() cannot reproduce {', '.join(unreproducible)}: a random.SystemRandom draws from "
-                "the operating system's entropy, which no state can replay. Use a seeded random.Random or "
-                "torch.Generator for the order.")
-    if passes.holder is not None or passes.positioned is not None or passes.generators or passes.stateful:
+        return (
+            f"loader.state_dict() cannot reproduce {', '.join(unreproducible)}: a "
+            "random.SystemRandom draws from the operating system's entropy, which no state can "
+            "replay. Use a seeded random.Random or torch.Generator for the order."
+        )
+    if (
+        passes.holder is not None
+        or passes.positioned is not None
+        or passes.generators
+        or passes.stateful
+    ):
         return None
     for name, sampler in roles.items():
         if isinstance(sampler, _DETERMINISTIC) or type(sampler) is BatchSampler:
             continue
-        half = " It has set_epoch() but no `epoch` attribute: set self.epoch in set_epoch." \
-            if hasattr(sampler, "set_epoch") else ""
-        return (f"loader.state_dict() cannot see the random state of the {name} {type(sampler).__name__}: it holds no "
-                "random generator as an attribute, has no set_epoch()/epoch and no state_dict()." + half +
-                " If its order is random, a resume will not reproduce it. Give it a torch.Generator attribute, a "
-                "(seed, epoch)-seeded order with set_epoch(), or state_dict()/load_state_dict() (see "
-                "recipes.common.resume.loader_contract).")
+        half = (
+            " It has set_epoch() but no `epoch` attribute: set self.epoch in set_epoch."
+            if hasattr(sampler, "set_epoch")
+            else ""
+        )
+        return (
+            f"loader.state_dict() cannot see the random state of the {name} "
+            f"{type(sampler).__name__}: it holds no random generator as an attribute, has no "
+            "set_epoch()/epoch and no state_dict()."
+            + half
+            + " If its order is random, a resume will not reproduce it. Give it a "
+            "torch.Generator attribute, a (seed, epoch)-seeded order with set_epoch(), or "
+            "state_dict()/load_state_dict() (see recipes.common.resume.loader_contract)."
+        )
     return None

@@ -34,7 +34,9 @@ from torch.utils.data import (
 _DEPTH = 3
 
 
-def find_generators(roots: Mapping[str, Any], unreproducible: list[str] | None = None) -> dict[str, Any]:
+def find_generators(
+    roots: Mapping[str, Any], unreproducible: list[str] | None = None
+) -> dict[str, Any]:
     """The random generators reachable from `roots` through attributes, by dotted path
     (`{"sampler.generator": <torch.Generator>}`); each object is reported once. Generators
     that cannot be reproduced at all (`random.SystemRandom`: OS entropy) are listed in
@@ -57,7 +59,8 @@ def find_generators(roots: Mapping[str, Any], unreproducible: list[str] | None =
             return
         for name, value in sorted(getattr(obj, "__dict__", {}).items()):
             if isinstance(value, (list, tuple, dict, set)) or name in ("data_source", "dataset"):
-                continue  # never walk into data (a dataset can be big; its generators are the workers')
+                # never walk into data (a dataset can be big; its generators are the workers')
+                continue
             walk(value, f"{path}.{name}", depth - 1)
 
     for name, root in roots.items():
@@ -66,7 +69,9 @@ def find_generators(roots: Mapping[str, Any], unreproducible: list[str] | None =
 
 
 def _is_generator(obj) -> bool:
-    return isinstance(obj, (torch.Generator, np.random.Generator, np.random.RandomState, random.Random))
+    return isinstance(
+        obj, (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+    )
 
 
 def capture(generators: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,31 +87,45 @@ def restore(generators: Mapping[str, Any], states: Mapping[str, Any]) -> None:
     """
     missing = sorted(set(states) - set(generators))
     if missing:
-        raise ValueError(f"This loader state holds the random state of {missing}, which this loader does not have "
-                         f"(it has {sorted(generators) or 'no random generators'}); build the loader with the same "
-                         "sampler as the run that saved it.")
+        raise ValueError(
+            f"This loader state holds the random state of {missing}, which this loader does not "
+            f"have (it has {sorted(generators) or 'no random generators'}); build the loader with "
+            "the same sampler as the run that saved it."
+        )
     for path, state in states.items():
         _set_state(generators[path], state, path)
 
 
 def _state_of(g) -> dict[str, Any]:
     if isinstance(g, torch.Generator):
-        return {"kind": "torch", "state": base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")}
+        return {
+            "kind": "torch",
+            "state": base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii"),
+        }
     if isinstance(g, np.random.Generator):
         return {"kind": "numpy", "state": _plain(g.bit_generator.state)}
     if isinstance(g, np.random.RandomState):
         name, keys, pos, has_gauss, gauss = g.get_state()
-        return {"kind": "numpy-legacy", "state": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+        return {
+            "kind": "numpy-legacy",
+            "state": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        }
     version, internal, gauss = g.getstate()
     return {"kind": "python", "state": [version, list(internal), gauss]}
 
 
 def _set_state(g, saved: Mapping[str, Any], path: str) -> None:
-    kind = {torch.Generator: "torch", np.random.Generator: "numpy", np.random.RandomState: "numpy-legacy"}.get(
-        type(g), "python")
+    kind = {
+        torch.Generator: "torch",
+        np.random.Generator: "numpy",
+        np.random.RandomState: "numpy-legacy",
+    }.get(type(g), "python")
     if saved.get("kind") != kind:
-        raise ValueError(f"This loader state holds a {saved.get('kind')} generator at {path}, but this loader has a "
-                         f"{kind} one there; build the loader with the same sampler as the run that saved it.")
+        raise ValueError(
+            f"This loader state holds a {saved.get('kind')} generator at {path}, but this loader "
+            f"has a {kind} one there; build the loader with the same sampler as the run that saved "
+            "it."
+        )
     state = saved["state"]
     if kind == "torch":
         g.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
@@ -166,20 +185,42 @@ def plan_settings(obj, *, batch_size: int | None = None) -> dict[str, Any] | Non
     if callable(own):
         return {"type": type(obj).__name__, **own()}
     if isinstance(obj, DistributedSampler):
-        return {"type": "DistributedSampler", "num_samples": len(obj.dataset), "num_replicas": obj.num_replicas,
-                "shuffle": obj.shuffle, "seed": obj.seed, "drop_last": obj.drop_last}
+        return {
+            "type": "DistributedSampler",
+            "num_samples": len(obj.dataset),
+            "num_replicas": obj.num_replicas,
+            "shuffle": obj.shuffle,
+            "seed": obj.seed,
+            "drop_last": obj.drop_last,
+        }
     if isinstance(obj, RandomSampler):
-        return {"type": "RandomSampler", "num_samples": obj.num_samples, "replacement": obj.replacement}
+        return {
+            "type": "RandomSampler",
+            "num_samples": obj.num_samples,
+            "replacement": obj.replacement,
+        }
     if isinstance(obj, SubsetRandomSampler):
-        return {"type": "SubsetRandomSampler", "num_samples": len(obj), "indices": fingerprint(list(obj.indices))}
+        return {
+            "type": "SubsetRandomSampler",
+            "num_samples": len(obj),
+            "indices": fingerprint(list(obj.indices)),
+        }
     if isinstance(obj, WeightedRandomSampler):
-        return {"type": "WeightedRandomSampler", "num_samples": obj.num_samples, "replacement": obj.replacement,
-                "weights": fingerprint(obj.weights.numpy())}
+        return {
+            "type": "WeightedRandomSampler",
+            "num_samples": obj.num_samples,
+            "replacement": obj.replacement,
+            "weights": fingerprint(obj.weights.numpy()),
+        }
     if isinstance(obj, SequentialSampler):
         return {"type": "SequentialSampler", "num_samples": len(obj)}
     if isinstance(obj, BatchSampler):
-        return {"type": "BatchSampler", "batch_size": obj.batch_size, "drop_last": obj.drop_last,
-                "sampler": plan_settings(obj.sampler)}
+        return {
+            "type": "BatchSampler",
+            "batch_size": obj.batch_size,
+            "drop_last": obj.drop_last,
+            "sampler": plan_settings(obj.sampler),
+        }
     try:
         return {"type": type(obj).__name__, "length": len(obj)}
     except TypeError:
@@ -233,8 +274,9 @@ class _SamplesPositioned:
         self.batches, self.sampler = batch_sampler, batch_sampler.sampler
 
     def state_dict(self, *, batches_done: int | None = None) -> dict:
-        return self.sampler.state_dict(samples_done=None if batches_done is None
-                                       else batches_done * self.batches.batch_size)
+        return self.sampler.state_dict(
+            samples_done=None if batches_done is None else batches_done * self.batches.batch_size
+        )
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
@@ -257,7 +299,9 @@ def resumed_length(positioned, pending: dict, known: list) -> int | None:
     try:
         whole = len(positioned)
         positioned.load_state_dict(pending["sampler"])
-        length = max(whole, int(pending.get("position", pending["batches_yielded"])) + len(positioned))
+        length = max(
+            whole, int(pending.get("position", pending["batches_yielded"])) + len(positioned)
+        )
     except TypeError:  # no length
         positioned.load_state_dict(pending["sampler"])
         length = None

@@ -1,4 +1,5 @@
-"""`PassSampler`: the loader's index sampler, where each pass's order is drawn and its state captured.
+"""`PassSampler`: the loader's index sampler, where each pass's order is drawn and its state
+captured.
 
 Use when: you read how `StatefulLoader` hooks DataLoader (its `_index_sampler` property wraps
 DataLoader's own in this): at a pass's first index the loaded random state is restored and the
@@ -59,14 +60,23 @@ class PassSampler:
             yield first
             yield from iterator
             return
-        seed, epoch = passes.seed, current.epoch  # each batch's draws follow its position (batch_seeds.py)
-        for position, item in enumerate(itertools.chain((first,), iterator), start=current.position):
+        seed, epoch = (
+            passes.seed,
+            current.epoch,
+        )  # each batch's draws follow its position (batch_seeds.py)
+        for position, item in enumerate(
+            itertools.chain((first,), iterator), start=current.position
+        ):
             carried = seeded(item, batch_seed(seed, epoch, position))
             if carried is item and "unseeded" not in passes.warned:
                 passes.warned.add("unseeded")
-                warnings.warn(f"{type(self.inner).__name__} yields {type(item).__name__} batches, which cannot carry "
-                              "their batch's seed: the dataset's own random draws will not be reproduced after a "
-                              "resume. Yield lists of indices to have them reproduced.", LoaderWarning, stacklevel=2)
+                warnings.warn(
+                    f"{type(self.inner).__name__} yields {type(item).__name__} batches, which "
+                    "cannot carry their batch's seed: the dataset's own random draws will not be "
+                    "reproduced after a resume. Yield lists of indices to have them reproduced.",
+                    LoaderWarning,
+                    stacklevel=2,
+                )
             yield carried
 
     def _iterable_indices(self):
@@ -95,7 +105,11 @@ class PassSampler:
     def _waiting_length(self) -> int | None:
         passes = self.passes
         pending, positioned = passes.pending, passes.positioned
-        if pending is None or positioned is None or pending.get("sampler") is None or (
-                passes.holder is not None and int(passes.holder.epoch) != pending["epoch"]):
+        if (
+            pending is None
+            or positioned is None
+            or pending.get("sampler") is None
+            or (passes.holder is not None and int(passes.holder.epoch) != pending["epoch"])
+        ):
             return None
         return resumed_length(positioned, pending, passes.known_length)

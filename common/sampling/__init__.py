@@ -1,4 +1,5 @@
-"""Sampling: exact sharding of indices over ranks, `LengthBucketSampler`, and mixtures (`MixtureSampler`, `MixtureIterable`).
+"""Sampling: exact sharding of indices over ranks, `LengthBucketSampler`, and mixtures
+(`MixtureSampler`, `MixtureIterable`).
 
 May import: `resume`, `loader_warning`.
 """

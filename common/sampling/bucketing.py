@@ -81,8 +81,11 @@ class LengthBucketSampler(Sampler[list[int]]):
     ):
         if batch_size is None and max_tokens is None:
             raise ValueError("LengthBucketSampler needs `batch_size`, `max_tokens` or both.")
-        for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens),
-                            ("pad_to_multiple_of", pad_to_multiple_of)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_tokens", max_tokens),
+            ("pad_to_multiple_of", pad_to_multiple_of),
+        ):
             if value is not None and value <= 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
         self.lengths = np.asarray(lengths, dtype=np.int64)
@@ -92,20 +95,29 @@ class LengthBucketSampler(Sampler[list[int]]):
         self.num_replicas = world if num_replicas is None else num_replicas
         self.rank = here if rank is None else rank
         if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead.")
+            raise ValueError(
+                f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead."
+            )
         self.batch_size = batch_size
         self.max_tokens = max_tokens
         self.pad_to_multiple_of = pad_to_multiple_of
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        if mixture is not None and (getattr(mixture, "num_replicas", 1) != 1 or getattr(mixture, "batch_size", None)):
-            raise ValueError("LengthBucketSampler(mixture=) buckets the mixture's whole plan and deals the batches over "
-                             "the ranks itself: build the MixtureSampler with num_replicas=1, rank=0 and no batch_size.")
+        if mixture is not None and (
+            getattr(mixture, "num_replicas", 1) != 1 or getattr(mixture, "batch_size", None)
+        ):
+            raise ValueError(
+                "LengthBucketSampler(mixture=) buckets the mixture's whole plan and deals the "
+                "batches over the ranks itself: build the MixtureSampler with num_replicas=1, "
+                "rank=0 and no batch_size."
+            )
         if mixture is not None and int(np.sum(mixture.sizes)) != len(self.lengths):
-            raise ValueError(f"`lengths` has {len(self.lengths)} entries but the mixture's sources hold "
-                             f"{int(np.sum(mixture.sizes))} samples: give the length of every sample of every source, "
-                             "in the sources' order.")
+            raise ValueError(
+                f"`lengths` has {len(self.lengths)} entries but the mixture's sources hold "
+                f"{int(np.sum(mixture.sizes))} samples: give the length of every sample of every "
+                "source, in the sources' order."
+            )
         self.mixture = mixture
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)
@@ -159,9 +171,11 @@ class LengthBucketSampler(Sampler[list[int]]):
     def _warn_long(self, index: int, length: int) -> None:
         if not self._warned_long:
             self._warned_long = True
-            warnings.warn(f"Sample {index} has length {length}, over max_tokens={self.max_tokens}; "
-                          "it forms a batch of its own (truncate long samples or raise the budget).",
-                          stacklevel=4)
+            warnings.warn(
+                f"Sample {index} has length {length}, over max_tokens={self.max_tokens}; "
+                "it forms a batch of its own (truncate long samples or raise the budget).",
+                stacklevel=4,
+            )
 
     def _plan(self, epoch: int, start: int) -> list[np.ndarray]:
         """This rank's batches: the global list from `start`, equalised over the ranks."""
@@ -177,11 +191,18 @@ class LengthBucketSampler(Sampler[list[int]]):
 
     # ---- Sampler protocol ------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
-        if (self._iterated_epoch == self.epoch and self.shuffle and self.num_replicas > 1
-                and self._start == 0):
-            warnings.warn(f"{type(self).__name__} is iterated again for epoch "
-                          f"{self.epoch}: call sampler.set_epoch(epoch) before each epoch, or every "
-                          "epoch repeats the same order on every rank.", stacklevel=2)
+        if (
+            self._iterated_epoch == self.epoch
+            and self.shuffle
+            and self.num_replicas > 1
+            and self._start == 0
+        ):
+            warnings.warn(
+                f"{type(self).__name__} is iterated again for epoch "
+                f"{self.epoch}: call sampler.set_epoch(epoch) before each epoch, or every "
+                "epoch repeats the same order on every rank.",
+                stacklevel=2,
+            )
         self._iterated_epoch = self.epoch
         plan = self._plan(self.epoch, self._start)
         self._begin, self._start = self._start, 0  # a resumed epoch continues only once
@@ -206,11 +227,20 @@ class LengthBucketSampler(Sampler[list[int]]):
     def plan_settings(self) -> dict:
         """Every setting that shapes the epoch's global batch list (JSON; not the ranks, which
         a resume may change)."""
-        if getattr(self, "_lengths_crc", None) is None:  # lengths never change: one checksum per sampler
+        if (
+            getattr(self, "_lengths_crc", None) is None
+        ):  # lengths never change: one checksum per sampler
             self._lengths_crc = _fingerprint(self.lengths)
-        settings = {"num_samples": len(self.lengths), "lengths": self._lengths_crc, "seed": self.seed,
-                    "shuffle": self.shuffle, "batch_size": self.batch_size, "max_tokens": self.max_tokens,
-                    "pad_to_multiple_of": self.pad_to_multiple_of, "drop_last": self.drop_last}
+        settings = {
+            "num_samples": len(self.lengths),
+            "lengths": self._lengths_crc,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "max_tokens": self.max_tokens,
+            "pad_to_multiple_of": self.pad_to_multiple_of,
+            "drop_last": self.drop_last,
+        }
         if self.mixture is not None:
             settings["mixture"] = self.mixture.plan_settings()
         return settings
@@ -234,13 +264,18 @@ class LengthBucketSampler(Sampler[list[int]]):
             from recipes.common.loader_warning import LoaderWarning
 
             warnings.warn(
-                f"{type(self).__name__}.state_dict() counts the {self._yielded} batches handed to the DataLoader's "
-                f"workers, up to {ahead} ahead of training; resuming from it loses those. Save "
-                "loader.state_dict() instead (make_loader's loader counts what the loop received), or pass "
-                "batches_done=step.", LoaderWarning, stacklevel=2)
+                f"{type(self).__name__}.state_dict() counts the {self._yielded} batches handed to "
+                f"the DataLoader's workers, up to {ahead} ahead of training; resuming from it "
+                "loses those. Save loader.state_dict() instead (make_loader's loader counts what "
+                "the loop received), or pass batches_done=step.",
+                LoaderWarning,
+                stacklevel=2,
+            )
         done = self._yielded if batches_done is None else batches_done
         total = len(self.global_batches())
-        begin = self._start if self._start else self._begin  # a pending resume, or where this pass began
+        begin = (
+            self._start if self._start else self._begin
+        )  # a pending resume, or where this pass began
         return {
             "epoch": self.epoch,
             "global_batches_done": min(total, begin + done * self.num_replicas),
@@ -255,13 +290,19 @@ class LengthBucketSampler(Sampler[list[int]]):
         Raises:
             ValueError: a state saved with other data or settings (they shape the batches).
         """
-        saved = state.get("plan") or {"num_samples": state.get("num_samples"), "seed": state.get("seed")}
+        saved = state.get("plan") or {
+            "num_samples": state.get("num_samples"),
+            "seed": state.get("seed"),
+        }
         mine = self.plan_settings()
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if differ:
             detail = ", ".join(f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ)
-            raise ValueError(f"This {type(self).__name__} state was saved with other data or settings: {detail}; "
-                             "resume with the same data and settings (they decide the epoch's batches).")
+            raise ValueError(
+                f"This {type(self).__name__} state was saved with other data or settings: "
+                f"{detail}; resume with the same data and settings (they decide the epoch's "
+                "batches)."
+            )
         self.epoch = int(state["epoch"])
         self._start = int(state["global_batches_done"])
         self._begin = 0
@@ -285,4 +326,3 @@ def _batch_end(padded: np.ndarray, start: int, hi: int, budget: int) -> int:
         else:
             hi = mid
     return lo
-

@@ -57,17 +57,33 @@ class ElasticDistributedSampler(DistributedSampler):
 
     advance_epochs = True  # `loader_contract.EpochAdvancing`: the loader moves on a finished epoch
 
-    def __init__(self, dataset: Sized, *, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
         world, here = distributed_world()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = here if rank is None else int(rank)
         if self.num_replicas < 1:
             raise ValueError(f"`num_replicas` must be positive, but is {num_replicas!r} instead.")
         if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead.")
-        super().__init__(dataset, num_replicas=self.num_replicas, rank=self.rank, shuffle=bool(shuffle), seed=int(seed),
-                         drop_last=bool(drop_last))
+            raise ValueError(
+                f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead."
+            )
+        super().__init__(
+            dataset,
+            num_replicas=self.num_replicas,
+            rank=self.rank,
+            shuffle=bool(shuffle),
+            seed=int(seed),
+            drop_last=bool(drop_last),
+        )
         self.num_samples_total = len(dataset)
         self._start = 0  # samples of the epoch's order done before this pass (a loaded state)
         self._begin = 0  # where the current pass began in the order
@@ -91,7 +107,7 @@ class ElasticDistributedSampler(DistributedSampler):
         """This rank's indices of the order's rest from position `start`, padded (or cut) to
         an equal count on every rank."""
         order, r = self.order(), self.num_replicas
-        rest = order[min(start, len(order)):]
+        rest = order[min(start, len(order)) :]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % r]
         elif len(rest) % r and len(order):
@@ -118,8 +134,12 @@ class ElasticDistributedSampler(DistributedSampler):
     # ---- resume ------------------------------------------------------------------------
     def plan_settings(self) -> dict:
         """What shapes the epoch's order (JSON; not the ranks, which a resume may change)."""
-        return {"num_samples": self.num_samples_total, "shuffle": self.shuffle, "seed": self.seed,
-                "drop_last": self.drop_last}
+        return {
+            "num_samples": self.num_samples_total,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+        }
 
     def state_dict(self, *, samples_done: int | None = None) -> dict:
         """The epoch and the samples of its order done over all ranks, after this rank's loop
@@ -128,12 +148,19 @@ class ElasticDistributedSampler(DistributedSampler):
         without it the position is where this pass began.
         """
         if samples_done is None:
-            warnings.warn("ElasticDistributedSampler.state_dict() without samples_done= gives where this pass began; "
-                          "save loader.state_dict() (make_loader's loader counts what the loop received).",
-                          stacklevel=2)
+            warnings.warn(
+                "ElasticDistributedSampler.state_dict() without samples_done= gives where this "
+                "pass began; save loader.state_dict() (make_loader's loader counts what the loop "
+                "received).",
+                stacklevel=2,
+            )
         begin = self._start if self._start else self._begin
         done = begin + int(samples_done or 0) * self.num_replicas
-        return {"epoch": self.epoch, "samples_done": min(done, self.num_samples_total), "plan": self.plan_settings()}
+        return {
+            "epoch": self.epoch,
+            "samples_done": min(done, self.num_samples_total),
+            "plan": self.plan_settings(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continues the saved epoch on this sampler's (possibly different) number of ranks.
@@ -144,12 +171,18 @@ class ElasticDistributedSampler(DistributedSampler):
         saved, mine = state.get("plan") or {}, self.plan_settings()
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if differ:
-            raise ValueError("This ElasticDistributedSampler state was saved under other settings: " + ", ".join(
-                f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ) + "; resume with the same dataset "
-                "and settings (they decide the epoch's order).")
+            raise ValueError(
+                "This ElasticDistributedSampler state was saved under other settings: "
+                + ", ".join(f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ)
+                + "; resume with the same dataset "
+                "and settings (they decide the epoch's order)."
+            )
         self.epoch = int(state["epoch"])
         self._start, self._begin = int(state["samples_done"]), 0
 
     def __repr__(self) -> str:
-        return (f"ElasticDistributedSampler(rank {self.rank} of {self.num_replicas}, {self.num_samples_total} samples, "
-                f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})")
+        return (
+            f"ElasticDistributedSampler(rank {self.rank} of {self.num_replicas}, "
+            f"{self.num_samples_total} samples, shuffle={self.shuffle}, seed={self.seed}, "
+            f"drop_last={self.drop_last})"
+        )

@@ -33,10 +33,10 @@ disjoint, equal counts; `state_dict(samples_done=)` resumes on another number of
 (elastic: the plan's rest dealt over the new ranks, as `ElasticDistributedSampler`). With
 `batch_size`, it is a batch sampler instead: global batches of the plan dealt round-robin, and
 `state_dict(batches_done=)` resumes on another number of ranks, as `LengthBucketSampler`.
-`MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset` shard sets, each
-exact over ranks and workers) by the same weights and stop rules, for remote corpora.
-Copy with: common/sampling/sharding.py.
-"""
+`MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset`
+shard sets, each exact over ranks and workers) by the same weights and stop rules, for remote
+corpora.
+Copy with: common/sampling/sharding.py."""
 
 from __future__ import annotations
 
@@ -63,35 +63,55 @@ def parse_sources(values, weights, what: str) -> tuple[list[str], list, np.ndarr
     """
     if isinstance(values, Mapping):
         if not isinstance(weights, Mapping) or set(weights) != set(values):
-            raise ValueError(f"`weights` must name the same sources as `{what}` ({sorted(values)}), but names "
-                             f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}.")
-        names, weights, values = [str(k) for k in values], [weights[k] for k in values], list(values.values())
+            raise ValueError(
+                f"`weights` must name the same sources as `{what}` ({sorted(values)}), but names "
+                f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}."
+            )
+        names, weights, values = (
+            [str(k) for k in values],
+            [weights[k] for k in values],
+            list(values.values()),
+        )
     elif isinstance(weights, Mapping):
-        raise ValueError(f"`weights` is a mapping but `{what}` is not: give both as mappings from source name, or "
-                         "both as sequences.")
+        raise ValueError(
+            f"`weights` is a mapping but `{what}` is not: give both as mappings from source name, "
+            "or both as sequences."
+        )
     else:
         names, values = [str(i) for i in range(len(values))], list(values)
     array = np.asarray(weights, dtype=np.float64)
     if not values or array.shape != (len(values),):
-        raise ValueError(f"`{what}` and `weights` need one value per source, but have {len(values)} and {array.size}.")
+        raise ValueError(
+            f"`{what}` and `weights` need one value per source, but have {len(values)} and "
+            f"{array.size}."
+        )
     if not np.isfinite(array).all() or (array < 0).any() or array.sum() <= 0:
-        raise ValueError(f"`weights` must be non-negative and finite with a positive sum, but are {array.tolist()}.")
+        raise ValueError(
+            "`weights` must be non-negative and finite with a positive sum, but are "
+            f"{array.tolist()}."
+        )
     if not np.isfinite(array.sum()):
-        raise ValueError(f"`weights` sum to infinity in float64 (they are {array.tolist()}): only their ratios "
-                         "matter, so scale them down (divide by the largest).")
+        raise ValueError(
+            f"`weights` sum to infinity in float64 (they are {array.tolist()}): only their ratios "
+            "matter, so scale them down (divide by the largest)."
+        )
     return names, values, array / array.sum()
 
 
 def check_stop(stop: str, num_samples) -> None:
     if stop == "all_exhausted":
-        raise ValueError("stop='all_exhausted' is ambiguous: Hugging Face `datasets` cycles exhausted sources "
-                         "until all are seen whole (here 'cycle_until_all_exhausted': the proportions hold), "
-                         "and recipes 0.1 dropped them (here 'drop_exhausted', the default: every sample "
-                         "exactly once). Name the rule you want.")
+        raise ValueError(
+            "stop='all_exhausted' is ambiguous: Hugging Face `datasets` cycles exhausted sources "
+            "until all are seen whole (here 'cycle_until_all_exhausted': the proportions hold), "
+            "and recipes 0.1 dropped them (here 'drop_exhausted', the default: every sample "
+            "exactly once). Name the rule you want."
+        )
     if stop not in STOPS:
         raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
     if stop == "never" and num_samples is None:
-        raise ValueError("stop='never' refills sources for ever: give `num_samples`, the epoch's length.")
+        raise ValueError(
+            "stop='never' refills sources for ever: give `num_samples`, the epoch's length."
+        )
 
 
 def check_count(name: str, value, *, minimum: int = 1) -> int | None:
@@ -99,7 +119,9 @@ def check_count(name: str, value, *, minimum: int = 1) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer of at least {minimum}, but is {value!r} instead.")
+        raise ValueError(
+            f"`{name}` must be an integer of at least {minimum}, but is {value!r} instead."
+        )
     return int(value)
 
 
@@ -129,18 +151,32 @@ class MixtureSampler:
         >>> loader = make_loader(ConcatDataset([web, code]), batch_size=32, sampler=mix)
     """
 
-    def __init__(self, sizes: Sequence[int] | Mapping[str, int], weights: Sequence[float] | Mapping[str, float], *,
-                 num_samples: int | None = None, stop: str = "drop_exhausted", seed: int = 0,
-                 num_replicas: int | None = None, rank: int | None = None, shuffle: bool = True,
-                 batch_size: int | None = None, drop_last: bool = False):
+    def __init__(
+        self,
+        sizes: Sequence[int] | Mapping[str, int],
+        weights: Sequence[float] | Mapping[str, float],
+        *,
+        num_samples: int | None = None,
+        stop: str = "drop_exhausted",
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+    ):
         self.names, sizes, self.weights = parse_sources(sizes, weights, "sizes")
         raw = np.asarray(sizes)
-        if raw.dtype.kind not in "iu" and not (raw.dtype.kind == "f" and np.all(raw == np.floor(raw))):
+        if raw.dtype.kind not in "iu" and not (
+            raw.dtype.kind == "f" and np.all(raw == np.floor(raw))
+        ):
             raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
         self.sizes = raw.astype(np.int64)
         if (self.sizes <= 0).any():
-            raise ValueError(f"every source needs samples; sizes are {self.sizes.tolist()} (source "
-                             f"{self.names[int(np.argmin(self.sizes))]!r}).")
+            raise ValueError(
+                f"every source needs samples; sizes are {self.sizes.tolist()} (source "
+                f"{self.names[int(np.argmin(self.sizes))]!r})."
+            )
         check_stop(stop, num_samples)
         num_samples = check_count("num_samples", num_samples)
         batch_size = check_count("batch_size", batch_size)
@@ -149,8 +185,10 @@ class MixtureSampler:
             drawn = self.weights > 0
             longest = float((self.sizes[drawn] / self.weights[drawn]).max())
             if longest > MAX_CYCLED:
-                raise ValueError(f"stop='cycle_until_all_exhausted' would plan about {longest:.3g} samples per epoch "
-                                 "(a source's size over its weight); give `num_samples` to cap the epoch.")
+                raise ValueError(
+                    f"stop='cycle_until_all_exhausted' would plan about {longest:.3g} samples per "
+                    "epoch (a source's size over its weight); give `num_samples` to cap the epoch."
+                )
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
         self.num_samples, self.stop, self.seed, self.shuffle = num_samples, stop, int(seed), shuffle
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -158,9 +196,13 @@ class MixtureSampler:
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = here if rank is None else int(rank)
         if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead.")
+            raise ValueError(
+                f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead."
+            )
         self.epoch = 0
-        self._start = self._begin = self._yielded = 0  # batch mode: global batches done, as LengthBucketSampler
+        self._start = self._begin = self._yielded = (
+            0  # batch mode: global batches done, as LengthBucketSampler
+        )
         self._cache: tuple[int, np.ndarray] | None = None
 
     # ---- the epoch's plan --------------------------------------------------------------
@@ -179,7 +221,10 @@ class MixtureSampler:
             where = np.flatnonzero(sources == s)
             if not len(where):
                 continue
-            out[where] = self.offsets[s] + self._passes(epoch, s, -(-len(where) // int(self.sizes[s])))[: len(where)]
+            out[where] = (
+                self.offsets[s]
+                + self._passes(epoch, s, -(-len(where) // int(self.sizes[s])))[: len(where)]
+            )
         return out
 
     def _passes(self, epoch: int, source: int, passes: int) -> np.ndarray:
@@ -188,7 +233,9 @@ class MixtureSampler:
         n = int(self.sizes[source])
         tiled = np.tile(np.arange(n, dtype=np.int64), (passes, 1))
         if self.shuffle:
-            np.random.default_rng([self.seed, epoch, source, 0x70]).permuted(tiled, axis=1, out=tiled)
+            np.random.default_rng([self.seed, epoch, source, 0x70]).permuted(
+                tiled, axis=1, out=tiled
+            )
         return tiled.ravel()
 
     def _sources(self, rng: np.random.Generator) -> np.ndarray:
@@ -241,14 +288,16 @@ class MixtureSampler:
         draws = np.concatenate(blocks)
         end = len(draws)
         if (counts[drawing] >= self.sizes[drawing]).all():
-            end = 1 + max(int(np.flatnonzero(draws == s)[self.sizes[s] - 1]) for s in np.flatnonzero(drawing))
+            end = 1 + max(
+                int(np.flatnonzero(draws == s)[self.sizes[s] - 1]) for s in np.flatnonzero(drawing)
+            )
         return draws[: end if cap is None else min(end, cap)]
 
     def _padded(self, epoch: int, start: int = 0) -> np.ndarray:
         """The plan's rest from position `start`, padded with its first indices to a multiple
         of the ranks."""
         plan = self.global_indices(epoch)
-        rest, r = plan[min(start, len(plan)):], self.num_replicas
+        rest, r = plan[min(start, len(plan)) :], self.num_replicas
         if len(rest) % r and len(plan):
             rest = np.concatenate([rest, plan[np.arange(r - len(rest) % r) % len(plan)]])
         return rest
@@ -273,7 +322,9 @@ class MixtureSampler:
     def __iter__(self) -> Iterator:
         if self.batch_size is None:
             self._begin, self._start = self._start, 0  # a resumed epoch continues only once
-            yield from self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas].tolist()
+            yield from self._padded(self.epoch, self._begin)[
+                self.rank :: self.num_replicas
+            ].tolist()
             return
         plan = self._batch_plan(self.epoch, self._start)
         self._begin, self._start, self._yielded = self._start, 0, 0
@@ -301,20 +352,33 @@ class MixtureSampler:
     def source_counts(self, samples_done: int | None = None, *, start: int = 0) -> dict[str, int]:
         """Samples per source among this rank's `samples_done` samples of the current pass from
         its `start`-th (all of them when None): the realised mixture, by name."""
-        mine = self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas] if self.batch_size is None else \
-            np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
+        mine = (
+            self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas]
+            if self.batch_size is None
+            else np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
+        )
         mine = mine[start:] if samples_done is None else mine[start : start + samples_done]
         counts = np.bincount(self.source_of(mine), minlength=len(self.sizes))
         return {name: int(c) for name, c in zip(self.names, counts, strict=True)}
 
     # ---- resume ----------------------------------------------------------------------------
     def plan_settings(self) -> dict:
-        """Every setting that shapes the epoch's plan (JSON; not the ranks, which a resume may change)."""
-        return {"sizes": self.sizes.tolist(), "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
-                "num_samples": self.num_samples, "stop": self.stop, "seed": self.seed, "shuffle": self.shuffle,
-                "batch_size": self.batch_size, "drop_last": self.drop_last}
+        """Every setting that shapes the epoch's plan (JSON; not the ranks, which a resume may
+        change)."""
+        return {
+            "sizes": self.sizes.tolist(),
+            "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
+            "num_samples": self.num_samples,
+            "stop": self.stop,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+        }
 
-    def state_dict(self, *, batches_done: int | None = None, samples_done: int | None = None) -> dict:
+    def state_dict(
+        self, *, batches_done: int | None = None, samples_done: int | None = None
+    ) -> dict:
         """The epoch and the plan's positions done over all ranks (`load_state_dict` continues on
         any number of ranks): the global batches done after this rank's loop received
         `batches_done` batches (batch mode), or the samples done after `samples_done` samples
@@ -322,12 +386,18 @@ class MixtureSampler:
         begin = self._start if self._start else self._begin
         if self.batch_size is None:
             done = begin + int(samples_done or 0) * self.num_replicas
-            return {"epoch": self.epoch, "samples_done": min(done, len(self.global_indices(self.epoch))),
-                    "plan": self.plan_settings()}
+            return {
+                "epoch": self.epoch,
+                "samples_done": min(done, len(self.global_indices(self.epoch))),
+                "plan": self.plan_settings(),
+            }
         done = self._yielded if batches_done is None else int(batches_done)
         total = len(self._global_batches(self.epoch))
-        return {"epoch": self.epoch, "global_batches_done": min(total, begin + done * self.num_replicas),
-                "plan": self.plan_settings()}
+        return {
+            "epoch": self.epoch,
+            "global_batches_done": min(total, begin + done * self.num_replicas),
+            "plan": self.plan_settings(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continues the saved epoch (batch mode: on this sampler's number of ranks).
@@ -336,18 +406,28 @@ class MixtureSampler:
             ValueError: a state saved under other sources, weights or settings.
         """
         saved, mine = dict(state.get("plan") or {}), self.plan_settings()
-        saved.pop("num_replicas", None)  # states of recipes before the index mode resumed elastically
+        saved.pop(
+            "num_replicas", None
+        )  # states of recipes before the index mode resumed elastically
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if differ:
-            raise ValueError("This MixtureSampler state was saved under other settings: " + ", ".join(
-                f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ) + "; resume with the same sources, "
-                "weights and settings (they decide the epoch's plan).")
+            raise ValueError(
+                "This MixtureSampler state was saved under other settings: "
+                + ", ".join(f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ)
+                + "; resume with the same sources, "
+                "weights and settings (they decide the epoch's plan)."
+            )
         self.epoch = int(state["epoch"])
-        self._start = int(state.get("global_batches_done" if self.batch_size else "samples_done", 0))
+        self._start = int(
+            state.get("global_batches_done" if self.batch_size else "samples_done", 0)
+        )
         self._begin = self._yielded = 0
 
     def __repr__(self) -> str:
-        mix = ", ".join(f"{n}: {w:.3f} of {s}" for n, w, s in zip(self.names, self.weights, self.sizes, strict=True))
+        mix = ", ".join(
+            f"{n}: {w:.3f} of {s}"
+            for n, w, s in zip(self.names, self.weights, self.sizes, strict=True)
+        )
         return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"
 
 
@@ -359,19 +439,27 @@ class MixtureSources(ConcatDataset):
 
     def __init__(self, datasets):
         super().__init__(datasets)
-        self._starts = np.asarray([0, *self.cumulative_sizes[:-1]], dtype=np.int64)  # each source's first index
+        self._starts = np.asarray(
+            [0, *self.cumulative_sizes[:-1]], dtype=np.int64
+        )  # each source's first index
 
     def __getitems__(self, indices: list[int]) -> list:
         cumulative = self.cumulative_sizes
         if len(cumulative) == 1:
             source = self.datasets[0]
-            return source.__getitems__(indices) if hasattr(source, "__getitems__") else [source[i] for i in indices]
+            return (
+                source.__getitems__(indices)
+                if hasattr(source, "__getitems__")
+                else [source[i] for i in indices]
+            )
         n = len(self)
         try:
             wanted = np.fromiter(indices, np.int64, len(indices))
         except OverflowError:  # an index beyond int64 is beyond any dataset
             bad = next(int(i) for i in indices if not -(2**63) <= int(i) < 2**63)
-            raise IndexError(f"index {bad} is out of range for the {n} samples of these sources.") from None
+            raise IndexError(
+                f"index {bad} is out of range for the {n} samples of these sources."
+            ) from None
         if not len(wanted):
             return []
         low, high = int(wanted.min()), int(wanted.max())
@@ -389,7 +477,11 @@ class MixtureSources(ConcatDataset):
         for part, count in enumerate(np.bincount(parts, minlength=len(self.datasets)).tolist()):
             if count:
                 source, ids = self.datasets[part], local[at : at + count]
-                got += source.__getitems__(ids) if hasattr(source, "__getitems__") else [source[i] for i in ids]
+                got += (
+                    source.__getitems__(ids)
+                    if hasattr(source, "__getitems__")
+                    else [source[i] for i in ids]
+                )
                 at += count
         if len(got) != len(order):
             raise RuntimeError(f"the sources returned {len(got)} items for {len(order)} indices.")

@@ -1,4 +1,5 @@
-"""MixtureIterable: a weighted interleave of iterable datasets, by the stop rules of `MixtureSampler`.
+"""MixtureIterable: a weighted interleave of iterable datasets, by the stop rules of
+`MixtureSampler`.
 
 Use when: the sources are remote corpora read as `ShardedIterableDataset` shard sets (each
 exact over ranks and workers by itself) and a map-style `ConcatDataset` is not possible.
@@ -55,8 +56,15 @@ class MixtureIterable(IterableDataset):
             "first_exhausted" or "cycle_until_all_exhausted" on several ranks.
     """
 
-    def __init__(self, datasets, weights, *, stop: str = "drop_exhausted", num_samples: int | None = None,
-                 seed: int = 0):
+    def __init__(
+        self,
+        datasets,
+        weights,
+        *,
+        stop: str = "drop_exhausted",
+        num_samples: int | None = None,
+        seed: int = 0,
+    ):
         self.names, self.datasets, self.weights = parse_sources(datasets, weights, "datasets")
         check_stop(stop, num_samples)
         self.stop, self.num_samples = stop, check_count("num_samples", num_samples)
@@ -64,12 +72,16 @@ class MixtureIterable(IterableDataset):
         self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))
         self.rank = int(getattr(self.datasets[0], "rank", distributed_world()[1]))
         if stop in ("first_exhausted", "cycle_until_all_exhausted") and self.world_size > 1:
-            raise ValueError(f"stop={stop!r} ends each rank's stream at a different step, and DDP would wait on the "
-                             "ranks that ended; use 'drop_exhausted' with even sources, or 'never' with "
-                             "num_samples.")
+            raise ValueError(
+                f"stop={stop!r} ends each rank's stream at a different step, and DDP would wait on "
+                "the ranks that ended; use 'drop_exhausted' with even sources, or 'never' with "
+                "num_samples."
+            )
         import torch
 
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
+        self._epoch = torch.zeros(
+            1, dtype=torch.int64
+        ).share_memory_()  # reaches persistent workers
 
     @property
     def epoch(self) -> int:
@@ -85,8 +97,14 @@ class MixtureIterable(IterableDataset):
     def plan_settings(self) -> dict:
         """What shapes the stream, for the loader's state check."""
         sources = [getattr(d, "plan_settings", dict)() for d in self.datasets]
-        return {"sources": sources, "weights": f"{zlib.crc32(self.weights.tobytes()):08x}", "stop": self.stop,
-                "num_samples": self.num_samples, "seed": self.seed, "world_size": self.world_size}
+        return {
+            "sources": sources,
+            "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
+            "stop": self.stop,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "world_size": self.world_size,
+        }
 
     def __iter__(self):
         from torch.utils.data import get_worker_info
@@ -95,7 +113,9 @@ class MixtureIterable(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 0x6974])
         share = None
-        if self.num_samples is not None:  # equal per rank (rounded up), then this worker's part of it
+        if (
+            self.num_samples is not None
+        ):  # equal per rank (rounded up), then this worker's part of it
             per_rank = -(-self.num_samples // self.world_size)
             share = per_rank // workers + (worker < per_rank % workers)
         iterators = [iter(d) for d in self.datasets]
@@ -122,8 +142,8 @@ class MixtureIterable(IterableDataset):
             yielded += 1
 
     def __repr__(self) -> str:
-        return f"MixtureIterable({dict(zip(self.names, np.round(self.weights, 3).tolist(), strict=True))}, " \
-               f"stop={self.stop!r})"
+        weights = dict(zip(self.names, np.round(self.weights, 3).tolist(), strict=True))
+        return f"MixtureIterable({weights}, stop={self.stop!r})"
 
 
 _END = object()

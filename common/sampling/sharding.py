@@ -24,14 +24,17 @@ from __future__ import annotations
 import numpy as np
 
 
-def shard_indices(n: int, *, rank: int, world_size: int, worker: int, num_workers: int, even: bool = True) -> np.ndarray:
+def shard_indices(
+    n: int, *, rank: int, world_size: int, worker: int, num_workers: int, even: bool = True
+) -> np.ndarray:
     """The indices of `range(n)` that consumer (rank, worker) owns.
 
     Args:
         n: the number of samples (or shards).
         rank, world_size: this rank and the number of ranks.
         worker, num_workers: this DataLoader worker and the workers per rank (1 without workers).
-        even: equal counts per rank by repeating at most `world_size - 1` indices (module docstring).
+        even: equal counts per rank by repeating at most `world_size - 1` indices (module
+            docstring).
 
     Returns:
         int64 indices, ascending except for the padding repeats at the end of the last ranks.
@@ -46,8 +49,10 @@ def shard_indices(n: int, *, rank: int, world_size: int, worker: int, num_worker
         if value <= 0:
             raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
     if rank >= world_size or worker >= num_workers:
-        raise ValueError(f"(rank, worker) = ({rank}, {worker}) is outside world_size={world_size}, "
-                         f"num_workers={num_workers}.")
+        raise ValueError(
+            f"(rank, worker) = ({rank}, {worker}) is outside world_size={world_size}, "
+            f"num_workers={num_workers}."
+        )
     if even:
         per_rank = -(-n // world_size)
         start, stop = rank * per_rank, (rank + 1) * per_rank
@@ -86,7 +91,8 @@ def distributed_world() -> tuple[int, int]:
 
 
 def _block(n: int, parts: int, part: int) -> tuple[int, int]:
-    """[lo, hi) of `part` when `range(n)` is cut into `parts` contiguous blocks (sizes differ by <= 1)."""
+    """[lo, hi) of `part` when `range(n)` is cut into `parts` contiguous blocks (sizes differ by <=
+    1)."""
     base, extra = divmod(n, parts)
     lo = part * base + min(part, extra)
     return lo, lo + base + (1 if part < extra else 0)
@@ -96,29 +102,47 @@ def _block(n: int, parts: int, part: int) -> tuple[int, int]:
 Piece = tuple[int, int, "int | None"]  # shard index, first sample, stop (None: to the end)
 
 
-def range_pieces(shard_lengths: np.ndarray, order: np.ndarray, *, rank: int, world_size: int, worker: int,
-                 num_workers: int, even: bool) -> list[Piece]:
+def range_pieces(
+    shard_lengths: np.ndarray,
+    order: np.ndarray,
+    *,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    even: bool,
+) -> list[Piece]:
     """The consumer's `shard_indices` of the shards concatenated in `order`, as `(shard, start,
     stop)` ranges (a run of positions may span several shards)."""
     order = np.asarray(order, dtype=np.int64)
     lengths = np.asarray(shard_lengths, dtype=np.int64)[order]
     fragments = np.stack([order, np.zeros_like(order), lengths], axis=1)
-    return fragment_pieces(fragments, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
-                           even=even)
+    return fragment_pieces(
+        fragments,
+        rank=rank,
+        world_size=world_size,
+        worker=worker,
+        num_workers=num_workers,
+        even=even,
+    )
 
 
-def fragment_pieces(fragments: np.ndarray, *, rank: int, world_size: int, worker: int, num_workers: int,
-                    even: bool) -> list[Piece]:
+def fragment_pieces(
+    fragments: np.ndarray, *, rank: int, world_size: int, worker: int, num_workers: int, even: bool
+) -> list[Piece]:
     """The consumer's `shard_indices` of `fragments` (int64 `[F, 3]`: shard, start, stop, read
     one after another), as `(shard, start, stop)` ranges: a run of positions may span several
     fragments, and with `even` the last ranks' padding repeats the first fragments' samples."""
     total = int((fragments[:, 2] - fragments[:, 1]).sum())
-    positions = shard_indices(total, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers,
-                              even=even)
+    positions = shard_indices(
+        total, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, even=even
+    )
     return position_pieces(fragments, positions)
 
 
-def node_fragments(fragments: np.ndarray, *, node: int, nodes: int, ranks_per_node: int, even: bool) -> np.ndarray:
+def node_fragments(
+    fragments: np.ndarray, *, node: int, nodes: int, ranks_per_node: int, even: bool
+) -> np.ndarray:
     """The samples of `fragments` that the ranks of `node` (ranks `node * ranks_per_node` on)
     read, as fragments: the positions `shard_indices` gives those ranks together, except that
     with `even` the last node's padding repeats its own first samples (no shard of another
@@ -126,7 +150,9 @@ def node_fragments(fragments: np.ndarray, *, node: int, nodes: int, ranks_per_no
     total = int((fragments[:, 2] - fragments[:, 1]).sum())
     world, first = nodes * ranks_per_node, node * ranks_per_node
     if not even:
-        runs = [(_block(total, world, first)[0], _block(total, world, first + ranks_per_node - 1)[1])]
+        runs = [
+            (_block(total, world, first)[0], _block(total, world, first + ranks_per_node - 1)[1])
+        ]
     else:
         per_rank = -(-total // world)
         lo, hi = first * per_rank, (first + ranks_per_node) * per_rank
@@ -147,20 +173,36 @@ def node_fragments(fragments: np.ndarray, *, node: int, nodes: int, ranks_per_no
     return np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
 
 
-def _run_pieces(fragments: np.ndarray, lengths: np.ndarray, ends: np.ndarray, lo: int, hi: int,
-                pieces: list[Piece]) -> None:
+def _run_pieces(
+    fragments: np.ndarray,
+    lengths: np.ndarray,
+    ends: np.ndarray,
+    lo: int,
+    hi: int,
+    pieces: list[Piece],
+) -> None:
     """Positions `[lo, hi)` of the fragments concatenated, appended to `pieces` as ranges (the
     fragments it spans at once: numpy, not a step per fragment)."""
     if lo >= hi:
         return
-    first, last = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(ends, hi - 1, side="right"))
+    first, last = (
+        int(np.searchsorted(ends, lo, side="right")),
+        int(np.searchsorted(ends, hi - 1, side="right")),
+    )
     span = slice(first, last + 1)
     begins = ends[span] - lengths[span]  # each spanned fragment's first position
     low, high = np.maximum(begins, lo), np.minimum(ends[span], hi)
     keep = high > low
     starts = fragments[span, 1] + (low - begins)
     stops = fragments[span, 1] + (high - begins)
-    pieces.extend(zip(fragments[span, 0][keep].tolist(), starts[keep].tolist(), stops[keep].tolist(), strict=True))
+    pieces.extend(
+        zip(
+            fragments[span, 0][keep].tolist(),
+            starts[keep].tolist(),
+            stops[keep].tolist(),
+            strict=True,
+        )
+    )
 
 
 def position_pieces(fragments: np.ndarray, positions: np.ndarray) -> list[Piece]:
@@ -176,12 +218,22 @@ def position_pieces(fragments: np.ndarray, positions: np.ndarray) -> list[Piece]
     return pieces
 
 
-def shard_pieces(shard_lengths: np.ndarray | None, order: np.ndarray, *, rank: int, world_size: int, worker: int,
-                 num_workers: int, even: bool) -> list[Piece]:
+def shard_pieces(
+    shard_lengths: np.ndarray | None,
+    order: np.ndarray,
+    *,
+    rank: int,
+    world_size: int,
+    worker: int,
+    num_workers: int,
+    even: bool,
+) -> list[Piece]:
     """The consumer's whole shards of `order` (contiguous blocks); with `even` over several
     ranks, cut to the smallest rank's sample count (needs `shard_lengths`)."""
     n = len(order)
-    mine = shard_indices(n, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, even=False)
+    mine = shard_indices(
+        n, rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, even=False
+    )
     pieces: list[Piece] = [(int(order[p]), 0, None) for p in mine]
     if not (even and world_size > 1):
         return pieces

@@ -1,9 +1,9 @@
 """What a shard index promises, checked: its own consistency when it is opened, and each sample's
 bytes (an xxh3-64 per tar sample, per Parquet row group and column) before the sample is served.
 
-Use when: reading shards through `ShardSet` (`recipes.common.shards.shard_set`), on every path: a local
-file, `PrefetchCache`'s copy, a remote object streamed or read by sample ranges. The sha256 of a
-whole shard is checked only where the whole file is at hand (local, cached); the per-sample
+Use when: reading shards through `ShardSet` (`recipes.common.shards.shard_set`), on every path: a
+local file, `PrefetchCache`'s copy, a remote object streamed or read by sample ranges. The sha256 of
+a whole shard is checked only where the whole file is at hand (local, cached); the per-sample
 checksums cover the rest, so that a damaged sample raises `ShardFormatError` naming its shard
 instead of being served with other bytes.
 Cost: xxhash's xxh3-64 over the bytes read, about 60 GB/s on one core (`zlib.crc32` ran at
@@ -36,7 +36,11 @@ from recipes.common.remote.object_download import file_sha256
 from recipes.common.shards.shard_formats import tar_header_at, tar_key_starts
 from recipes.common.shards.shard_samples import ShardFormatError
 
-FORMAT, VERSION, VERSIONS = "recipes-shards", 2, (1, 2)  # 2: per-sample xxh3-64s (`xxh3`) and tar `end`
+FORMAT, VERSION, VERSIONS = (
+    "recipes-shards",
+    2,
+    (1, 2),
+)  # 2: per-sample xxh3-64s (`xxh3`) and tar `end`
 INDEX_NAME = "index.json"
 SUMS = "xxh3"  # an entry's key for its checksums
 _LIMIT = 2**64
@@ -55,31 +59,58 @@ def check_index(index, path: str) -> None:
         ShardIndexError: naming the index and, for a shard entry, the shard.
     """
     rebuild = "rebuild it with index_shards() or rewrite the shards"
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") not in VERSIONS:
+    if (
+        not isinstance(index, dict)
+        or index.get("format") != FORMAT
+        or index.get("version") not in VERSIONS
+    ):
         raise ShardIndexError(f"{path} is not a {FORMAT} index of version {VERSIONS}; {rebuild}.")
     shards, kind = index.get("shards"), index.get("shard_format")
-    if kind not in ("tar", "parquet") or not isinstance(shards, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("name"), str) and _count(e.get("samples")) for e in shards):
-        raise ShardIndexError(f"{path} is incomplete or damaged (no shard_format, or a shard entry without its "
-                              f"name and sample count); {rebuild}.")
+    if (
+        kind not in ("tar", "parquet")
+        or not isinstance(shards, list)
+        or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and _count(e.get("samples"))
+            for e in shards
+        )
+    ):
+        raise ShardIndexError(
+            f"{path} is incomplete or damaged (no shard_format, or a shard entry without its "
+            f"name and sample count); {rebuild}."
+        )
     names = [e["name"] for e in shards]
     if len(set(names)) != len(names) or any("/" in n or not n for n in names):
         raise ShardIndexError(f"{path} names a shard twice, or by a path: damaged; {rebuild}.")
     columns = index.get("columns")
-    if kind == "parquet" and (index["version"] > 1 or columns is not None) and not (
-            isinstance(columns, list) and columns and all(
-                isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in columns)):
-        raise ShardIndexError(f"{path} has no valid `columns` (name and type per Parquet column); {rebuild}.")
+    if (
+        kind == "parquet"
+        and (index["version"] > 1 or columns is not None)
+        and not (
+            isinstance(columns, list)
+            and columns
+            and all(
+                isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c)
+                for c in columns
+            )
+        )
+    ):
+        raise ShardIndexError(
+            f"{path} has no valid `columns` (name and type per Parquet column); {rebuild}."
+        )
     for entry in shards:
         problem = _tar_problem(entry) if kind == "tar" else _parquet_problem(entry, columns)
         if problem is None and index["version"] > 1 and not isinstance(entry.get("bytes"), int):
             problem = "has no byte size"
         if problem is not None:
-            raise ShardIndexError(f"{path}: the entry of shard {entry['name']} {problem}: damaged, or not the index "
-                                  f"of these shards; {rebuild}.")
+            raise ShardIndexError(
+                f"{path}: the entry of shard {entry['name']} {problem}: damaged, or not the index "
+                f"of these shards; {rebuild}."
+            )
     if not _count(index.get("samples")) or index["samples"] != sum(e["samples"] for e in shards):
-        raise ShardIndexError(f"{path} says {index.get('samples')!r} samples, but its shards' counts add up to "
-                              f"{sum(e['samples'] for e in shards)}: damaged; {rebuild}.")
+        raise ShardIndexError(
+            f"{path} says {index.get('samples')!r} samples, but its shards' counts add up to "
+            f"{sum(e['samples'] for e in shards)}: damaged; {rebuild}."
+        )
 
 
 def _count(value) -> bool:
@@ -87,8 +118,11 @@ def _count(value) -> bool:
 
 
 def _ints(values, length: int | None = None) -> bool:
-    return isinstance(values, list) and (length is None or len(values) == length) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in values)
+    return (
+        isinstance(values, list)
+        and (length is None or len(values) == length)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    )
 
 
 def _tar_problem(entry: dict) -> str | None:
@@ -98,18 +132,28 @@ def _tar_problem(entry: dict) -> str | None:
         return f"has {kind} (each sample's first tar header, in bytes)"
     if len(offsets) != n:
         return f"says {n} samples but lists {len(offsets)} offsets"
-    if offsets and (offsets[0] < 0 or any(b <= a for a, b in zip(offsets, offsets[1:], strict=False)) or any(o % 512 for o in offsets)):
+    if offsets and (
+        offsets[0] < 0
+        or any(b <= a for a, b in zip(offsets, offsets[1:], strict=False))
+        or any(o % 512 for o in offsets)
+    ):
         return "has offsets that are not increasing tar block boundaries (each starts a new sample)"
     if isinstance(size, int) and offsets and offsets[-1] + 512 > size:
         return f"has an offset past its size ({size:,} bytes)"
     if SUMS not in entry and "end" not in entry:
         return None  # a v1 entry (the version check requires them in v2)
     end, crcs = entry.get("end"), entry.get(SUMS)
-    if not isinstance(end, int) or end < (offsets[-1] + 512 if offsets else 0) or (
-            isinstance(size, int) and end > size) or end % 512:
+    if (
+        not isinstance(end, int)
+        or end < (offsets[-1] + 512 if offsets else 0)
+        or (isinstance(size, int) and end > size)
+        or end % 512
+    ):
         return f"has an `end` ({end!r}) before its last sample or past its size"
     if not _ints(crcs, n) or any(not 0 <= c < _LIMIT for c in crcs):
-        return f"says {n} samples but lists {len(crcs) if isinstance(crcs, list) else 'no'} checksums"
+        return (
+            f"says {n} samples but lists {len(crcs) if isinstance(crcs, list) else 'no'} checksums"
+        )
     return None
 
 
@@ -120,31 +164,46 @@ def _parquet_problem(entry: dict, columns) -> str | None:
     if SUMS not in entry:
         return None
     crcs = entry[SUMS]
-    if columns is None or not isinstance(crcs, list) or len(crcs) != len(groups) or not all(
-            _ints(c, len(columns)) and all(0 <= x < _LIMIT for x in c) for c in crcs):
+    if (
+        columns is None
+        or not isinstance(crcs, list)
+        or len(crcs) != len(groups)
+        or not all(_ints(c, len(columns)) and all(0 <= x < _LIMIT for x in c) for c in crcs)
+    ):
         return f"does not list a checksum per row group ({len(groups)}) and column ({len(columns)})"
     return None
 
 
 def check_versioned(index: dict, path: str) -> None:
-    """A v2 index must carry the checksums; a v1 index reads, with a warning that says what it lacks."""
+    """A v2 index must carry the checksums; a v1 index reads, with a warning that says what it
+    lacks."""
     if index["version"] == 1 and any(SUMS in e or "end" in e for e in index["shards"]):
-        raise ShardIndexError(f"{path} is damaged: a version-1 index with version-2 checksums (`xxh3`, `end`), "
-                              "so its version was changed and its checks would be skipped; rebuild it with "
-                              "index_shards() or rewrite the shards.")
+        raise ShardIndexError(
+            f"{path} is damaged: a version-1 index with version-2 checksums (`xxh3`, `end`), "
+            "so its version was changed and its checks would be skipped; rebuild it with "
+            "index_shards() or rewrite the shards."
+        )
     if index["version"] >= 2:
-        missing = [e["name"] for e in index["shards"] if SUMS not in e or (
-            index["shard_format"] == "tar" and "end" not in e)]
+        missing = [
+            e["name"]
+            for e in index["shards"]
+            if SUMS not in e or (index["shard_format"] == "tar" and "end" not in e)
+        ]
         if missing:
-            raise ShardIndexError(f"{path}: the entry of shard {missing[0]} has no `xxh3` checksums, which a "
-                                  f"v{index['version']} index holds for every shard: damaged; rebuild it with "
-                                  "index_shards() or rewrite the shards.")
+            raise ShardIndexError(
+                f"{path}: the entry of shard {missing[0]} has no `xxh3` checksums, which a "
+                f"v{index['version']} index holds for every shard: damaged; rebuild it with "
+                "index_shards() or rewrite the shards."
+            )
         return
     import warnings
 
-    warnings.warn(f"{path} is a v1 shard index: samples are checked against its counts and offsets, not their "
-                  "bytes (no per-sample checksums). Rebuild it with index_shards() (`recipes shards index`) to "
-                  "verify every sample read.", stacklevel=3)
+    warnings.warn(
+        f"{path} is a v1 shard index: samples are checked against its counts and offsets, not "
+        "their bytes (no per-sample checksums). Rebuild it with index_shards() (`recipes shards "
+        "index`) to verify every sample read.",
+        stacklevel=3,
+    )
 
 
 # ---- a shard as a whole ----------------------------------------------------------------------
@@ -153,14 +212,20 @@ def check_local_shard(path: str, entry: dict, url: str, *, hash: bool = True) ->
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ShardFormatError(f"{url} is missing (its index lists it); rewrite the shards or re-index them.") from None
+        raise ShardFormatError(
+            f"{url} is missing (its index lists it); rewrite the shards or re-index them."
+        ) from None
     if "bytes" in entry and info.st_size != entry["bytes"]:
-        raise ShardFormatError(f"{url} is {info.st_size:,} bytes but its index says {entry['bytes']:,}: damaged, or "
-                               "rewritten since the index was read. Rewrite the shards (or re-index them).")
+        raise ShardFormatError(
+            f"{url} is {info.st_size:,} bytes but its index says {entry['bytes']:,}: damaged, or "
+            "rewritten since the index was read. Rewrite the shards (or re-index them)."
+        )
     if hash and entry.get("sha256"):
         if file_sha256(path, info) != entry["sha256"]:
-            raise ShardFormatError(f"{url} does not match its index (sha256): damaged, or rewritten by another "
-                                   "writer since the index was read. Rewrite the shards (or re-index them).")
+            raise ShardFormatError(
+                f"{url} does not match its index (sha256): damaged, or rewritten by another "
+                "writer since the index was read. Rewrite the shards (or re-index them)."
+            )
 
 
 def counted(items, want: int, url: str):
@@ -171,24 +236,36 @@ def counted(items, want: int, url: str):
         for item in items:
             got += 1
             if got > want:
-                raise ShardFormatError(f"{url} gives more samples than the {want} its index says for the range: "
-                                       "damaged, or rewritten since the index was read. Rewrite the shards (or "
-                                       "re-index them).")
+                raise ShardFormatError(
+                    f"{url} gives more samples than the {want} its index says for the range: "
+                    "damaged, or rewritten since the index was read. Rewrite the shards (or "
+                    "re-index them)."
+                )
             yield item
     except ShardFormatError as error:
         if url in str(error):
             raise
         raise ShardFormatError(f"{url}, read from a local copy: {error}") from None
     except FileNotFoundError:  # a remote one (a local one is checked first)
-        raise ShardFormatError(f"{url} is missing (its index lists it); rewrite the shards or re-index them.") from None
+        raise ShardFormatError(
+            f"{url} is missing (its index lists it); rewrite the shards or re-index them."
+        ) from None
     if got < want:
-        raise ShardFormatError(f"{url} gave {got} samples where its index says {want}: cut short or damaged. "
-                               "Rewrite the shards (or re-index them).")
+        raise ShardFormatError(
+            f"{url} gave {got} samples where its index says {want}: cut short or damaged. "
+            "Rewrite the shards (or re-index them)."
+        )
 
 
 # ---- tar: one xxh3-64 per sample over its members' bytes -------------------------------------
-def tar_range_check(url: str, offsets: Sequence[int], end: int | None, crcs: np.ndarray | None, start: int,
-                    stop: int | None):
+def tar_range_check(
+    url: str,
+    offsets: Sequence[int],
+    end: int | None,
+    crcs: np.ndarray | None,
+    start: int,
+    stop: int | None,
+):
     """`read_tar`'s `check(data, begin)`: in the bytes read from `begin`, each offset of `[start,
     stop)` starts the tar header of a new key (`ShardIndexError` naming the offset), then (with
     `crcs`) each sample has the checksum of the index (a sample runs to the next one's offset, the
@@ -203,9 +280,12 @@ def tar_range_check(url: str, offsets: Sequence[int], end: int | None, crcs: np.
         for i in range(start, stop):
             lo, hi = offsets[i] - begin, (offsets[i + 1] if i + 1 < len(offsets) else end) - begin
             if hi > len(view) or xxhash.xxh3_64_intdigest(view[lo:hi]) != crcs[i]:
-                raise ShardFormatError(f"{url}: sample {i} (bytes {offsets[i]:,} to {hi + begin:,}) does not match "
-                                       "its index (checksum): damaged, or rewritten since the index was read. Rewrite "
-                                       "the shards (or re-index them).")
+                raise ShardFormatError(
+                    f"{url}: sample {i} (bytes {offsets[i]:,} to {hi + begin:,}) does not match "
+                    "its index (checksum): damaged, or rewritten since the index was read. Rewrite "
+                    "the shards (or re-index them)."
+                )
+
     return check
 
 
@@ -225,18 +305,23 @@ def check_starts(url: str, wanted: list[int], data: bytes, begin: int, first: in
         header = tar_header_at(data, at)
         if header is False or (header and at < known and at not in found):
             what = "a tar header of a new key" if header else "a tar header"
-            raise ShardIndexError(f"{url}: its index says sample {i} starts at byte {at + begin:,}, but that byte "
-                                  f"does not start {what}: the index is damaged, or not this shard's. Rebuild it with "
-                                  "index_shards() or rewrite the shards.")
+            raise ShardIndexError(
+                f"{url}: its index says sample {i} starts at byte {at + begin:,}, but that byte "
+                f"does not start {what}: the index is damaged, or not this shard's. Rebuild it "
+                "with index_shards() or rewrite the shards."
+            )
     extra = next((at for at in starts if at < known and at not in listed), None)
     if extra is not None:
-        raise ShardIndexError(f"{url}: a new key starts at byte {extra + begin:,}, but its index lists no sample "
-                              "there: the index is damaged, or not this shard's. Rebuild it with index_shards() or "
-                              "rewrite the shards.")
+        raise ShardIndexError(
+            f"{url}: a new key starts at byte {extra + begin:,}, but its index lists no sample "
+            "there: the index is damaged, or not this shard's. Rebuild it with index_shards() or "
+            "rewrite the shards."
+        )
 
 
 def file_digests(f, bounds: Sequence[int]) -> tuple[int, str, list[int]]:
-    """`(size, sha256, xxh3-64 of each [bounds[i], bounds[i+1]))` of the open file `f`, in one pass."""
+    """`(size, sha256, xxh3-64 of each [bounds[i], bounds[i+1]))` of the open file `f`, in one
+    pass."""
     sha, crcs, crc, pos, i = hashlib.sha256(), [], xxhash.xxh3_64(), 0, 0
     while chunk := f.read(1 << 22):
         sha.update(chunk)
@@ -273,16 +358,27 @@ def column_crc(column) -> int:
             if chunk.null_count:
                 head.update(chunk.fill_null(0).to_numpy(zero_copy_only=False).tobytes())
             else:
-                head.update(memoryview(chunk.buffers()[1])[chunk.offset * width : (chunk.offset + len(chunk)) * width])
+                head.update(
+                    memoryview(chunk.buffers()[1])[
+                        chunk.offset * width : (chunk.offset + len(chunk)) * width
+                    ]
+                )
         return head.intdigest()
-    if not (pt.is_binary(kind) or pt.is_string(kind) or pt.is_large_binary(kind) or pt.is_large_string(kind)):
+    if not (
+        pt.is_binary(kind)
+        or pt.is_string(kind)
+        or pt.is_large_binary(kind)
+        or pt.is_large_string(kind)
+    ):
         head.update(repr(column.to_pylist()).encode())
         return head.intdigest()
     wide = pt.is_large_binary(kind) or pt.is_large_string(kind)
     values = xxhash.xxh3_64()  # two running hashes: every length (`head`), then every value byte
     for chunk in chunks:
         _, offsets_buffer, data = chunk.buffers()
-        offsets = np.frombuffer(offsets_buffer, np.int64 if wide else np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
+        offsets = np.frombuffer(offsets_buffer, np.int64 if wide else np.int32)[
+            chunk.offset : chunk.offset + len(chunk) + 1
+        ]
         head.update(np.diff(offsets).tobytes())
         if len(offsets) and offsets[-1] > offsets[0] and data is not None:
             values.update(memoryview(data)[int(offsets[0]) : int(offsets[-1])])
@@ -290,7 +386,9 @@ def column_crc(column) -> int:
     return head.intdigest()
 
 
-def parquet_digests(source, url: str = "Parquet data") -> tuple[list[int], list[list[int]], list[list[str]]]:
+def parquet_digests(
+    source, url: str = "Parquet data"
+) -> tuple[list[int], list[list[int]], list[list[str]]]:
     """`(rows per row group, per row group the xxh3-64 of each column, [name, type] per column)`
     of `source` (Parquet bytes or an open file).
 
@@ -306,30 +404,42 @@ def parquet_digests(source, url: str = "Parquet data") -> tuple[list[int], list[
         file = pq.ParquetFile(io.BytesIO(source) if isinstance(source, bytes) else source)
         groups = [file.read_row_group(g) for g in range(file.num_row_groups)]
         crcs = [[column_crc(t.column(i)) for i in range(t.num_columns)] for t in groups]
-        return [t.num_rows for t in groups], crcs, [[c.name, str(c.type)] for c in file.schema_arrow]
+        return (
+            [t.num_rows for t in groups],
+            crcs,
+            [[c.name, str(c.type)] for c in file.schema_arrow],
+        )
     except (pa.ArrowException, OSError, ValueError, KeyError, IndexError) as error:
-        raise ShardFormatError(f"{url} does not read as Parquet ({type(error).__name__}: {error}).") from None
+        raise ShardFormatError(
+            f"{url} does not read as Parquet ({type(error).__name__}: {error})."
+        ) from None
 
 
 def parquet_group_check(url: str, columns: list[list[str]] | None, crcs: list[list[int]] | None):
     """`read_parquet`'s `check(group, table)`: the row group's columns have the index's names,
     types and (with `crcs`) checksums."""
     position = {name: (i, kind) for i, (name, kind) in enumerate(columns or [])}
-    matching = []  # schemas already seen to match the index (every row group of a file has the file's)
+    # schemas already seen to match the index (every row group of a file has the file's)
+    matching = []
 
     def check(group: int, table) -> None:
         if columns is not None and not any(table.schema.equals(schema) for schema in matching):
             for name, column in zip(table.column_names, table.columns, strict=True):
                 if name not in position or str(column.type) != position[name][1]:
-                    raise ShardFormatError(f"{url}: row group {group} has a column {name!r} of type {column.type}, "
-                                           "which its index does not list: damaged, or not the shard the index was "
-                                           "made of. Rewrite the shards (or re-index them).")
+                    raise ShardFormatError(
+                        f"{url}: row group {group} has a column {name!r} of type {column.type}, "
+                        "which its index does not list: damaged, or not the shard the index was "
+                        "made of. Rewrite the shards (or re-index them)."
+                    )
             matching.append(table.schema)
         if crcs is None:
             return
         for name, column in zip(table.column_names, table.columns, strict=True):
             if column_crc(column) != crcs[group][position[name][0]]:
-                raise ShardFormatError(f"{url}: row group {group}, column {name!r} does not match its index "
-                                       "(checksum): damaged, or rewritten since the index was read. Rewrite the "
-                                       "shards (or re-index them).")
+                raise ShardFormatError(
+                    f"{url}: row group {group}, column {name!r} does not match its index "
+                    "(checksum): damaged, or rewritten since the index was read. Rewrite the "
+                    "shards (or re-index them)."
+                )
+
     return check

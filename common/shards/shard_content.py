@@ -36,7 +36,9 @@ def content_hash(shards: ShardSet, *settings: str) -> str:
     """sha256 of the set's format, `settings` (what the reader takes from it: a field name) and
     each shard's sample count and sha256, in order. Names and URLs are left out: a moved or
     copied set keeps its caches."""
-    digest = hashlib.sha256(json.dumps({"shard_format": shards.format, "settings": list(settings)}).encode())
+    digest = hashlib.sha256(
+        json.dumps({"shard_format": shards.format, "settings": list(settings)}).encode()
+    )
     for url, entry in zip(shards.urls, shards.entries, strict=True):
         sha = entry.get("sha256") or _hash(url, shards.storage_options)
         digest.update(f"\n{int(entry['samples'])}\0{sha}".encode())
@@ -90,11 +92,19 @@ def listed_shard(path: str, sets: dict) -> ShardSet | None:
     if folder not in sets:
         sets[folder] = _set_in(folder)
     shards = sets[folder]
-    entry = next((e for e in shards.entries if e["name"] == name), None) if shards is not None else None
+    entry = (
+        next((e for e in shards.entries if e["name"] == name), None) if shards is not None else None
+    )
     if entry is None:
         return None
-    index = {"format": FORMAT, "version": 1 if shards.checksums is None else VERSION, "shard_format": shards.format,
-             "columns": shards.columns, "samples": entry["samples"], "shards": [entry]}
+    index = {
+        "format": FORMAT,
+        "version": 1 if shards.checksums is None else VERSION,
+        "shard_format": shards.format,
+        "columns": shards.columns,
+        "samples": entry["samples"],
+        "shards": [entry],
+    }
     return ShardSet(shards.url, index, shards.storage_options)
 
 

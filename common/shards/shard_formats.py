@@ -1,9 +1,9 @@
 """One shard in an open format: WebDataset tar or Parquet, written byte for byte the same on any
 machine, read by sample ranges.
 
-Use when: writing or reading the shards of `recipes.common.shards.shard_set` (`write_shards`, `ShardSet`),
-or reading tars and Parquet files that other tools wrote (`read_tar`, `read_parquet`). What a
-sample's fields become as bytes, and back, is `recipes.common.shards.shard_samples`'s.
+Use when: writing or reading the shards of `recipes.common.shards.shard_set` (`write_shards`,
+`ShardSet`), or reading tars and Parquet files that other tools wrote (`read_tar`, `read_parquet`).
+What a sample's fields become as bytes, and back, is `recipes.common.shards.shard_samples`'s.
 Cost: a tar shard is its samples' members concatenated (512-byte headers, padded data): each
 sample is encoded once to bytes, so its size and its offset in the shard are known before the
 shard is written. A Parquet shard is one `pyarrow` table, in row groups.
@@ -44,7 +44,11 @@ def tar_sample(key: str, fields: list[tuple[str, bytes]]) -> bytes:
         info = tarfile.TarInfo(f"{key}.{field}")
         info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o444, 0, 0
         info.uname = info.gname = ""
-        parts += (info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"), data, b"\0" * (-len(data) % _BLOCK))
+        parts += (
+            info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"),
+            data,
+            b"\0" * (-len(data) % _BLOCK),
+        )
     return b"".join(parts)
 
 
@@ -55,8 +59,16 @@ def tar_end(size: int) -> bytes:
     return b"\0" * (2 * _BLOCK + (-total) % _RECORD)
 
 
-def read_tar(path, start: int = 0, stop: int | None = None, *, offsets: Sequence[int] | None = None,
-             end: int | None = None, check=None, storage_options: dict | None = None) -> Iterator[dict]:
+def read_tar(
+    path,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    offsets: Sequence[int] | None = None,
+    end: int | None = None,
+    check=None,
+    storage_options: dict | None = None,
+) -> Iterator[dict]:
     """The samples `[start, stop)` of a WebDataset tar: members grouped by key (the name up to
     the first "." of its last path part), `{"__key__": key, field: bytes, ...}`.
 
@@ -82,8 +94,10 @@ def read_tar(path, start: int = 0, stop: int | None = None, *, offsets: Sequence
         raw.seek(begin)
         data = raw.read() if end is None else raw.read(max(0, end - begin))
     if not data and begin == 0:
-        raise ShardFormatError(f"{path} is empty (0 bytes), which is not a tar file: an upload or a copy that "
-                               "failed? Rewrite it (an archive without samples still has its end blocks).")
+        raise ShardFormatError(
+            f"{path} is empty (0 bytes), which is not a tar file: an upload or a copy that "
+            "failed? Rewrite it (an archive without samples still has its end blocks)."
+        )
     if check is not None:
         check(data, begin)
     try:
@@ -98,11 +112,15 @@ def read_tar(path, start: int = 0, stop: int | None = None, *, offsets: Sequence
         if skip:
             skip -= 1
             continue
-        if offsets is not None and (start + done >= len(offsets) or begin + at != int(offsets[start + done])):
+        if offsets is not None and (
+            start + done >= len(offsets) or begin + at != int(offsets[start + done])
+        ):
             expected = int(offsets[start + done]) if start + done < len(offsets) else "none"
-            raise ShardFormatError(f"{path}: sample {start + done} ({sample['__key__']!r}) starts at byte "
-                                   f"{begin + at:,}, but its index says {expected}: damaged, or not the shard the "
-                                   "index was made of. Rewrite the shards (or re-index them).")
+            raise ShardFormatError(
+                f"{path}: sample {start + done} ({sample['__key__']!r}) starts at byte "
+                f"{begin + at:,}, but its index says {expected}: damaged, or not the shard the "
+                "index was made of. Rewrite the shards (or re-index them)."
+            )
         yield sample
         done += 1
         if count is not None and done >= count:
@@ -144,12 +162,17 @@ def tar_key_starts(data: bytes) -> tuple[list[int], int]:
 
 
 def tar_header_at(data: bytes, pos: int) -> bool | None:
-    """Whether a tar header starts at `pos`: True, False, or None for a damaged one (the ustar magic,
-    but a header checksum that fails) or the end of the data."""
+    """Whether a tar header starts at `pos`: True, False, or None for a damaged one (the ustar
+    magic, but a header checksum that fails) or the end of the data."""
     header = data[pos : pos + _BLOCK]
     field = header[148:156].split(b"\0", 1)[0].strip()
-    if len(header) == _BLOCK and header.count(0) != _BLOCK and field and set(field) <= set(b"01234567") and int(
-            field, 8) == sum(header[:148]) + 8 * 32 + sum(header[156:_BLOCK]):
+    if (
+        len(header) == _BLOCK
+        and header.count(0) != _BLOCK
+        and field
+        and set(field) <= set(b"01234567")
+        and int(field, 8) == sum(header[:148]) + 8 * 32 + sum(header[156:_BLOCK])
+    ):
         return True
     return None if len(header) < _BLOCK or header[257:262] == b"ustar" else False
 
@@ -161,13 +184,16 @@ def _tarfile_names(data: bytes) -> tuple[list[tuple[int, str]], int]:
         found = [(m.offset, m.name) for m in tar if m.isfile()]
     except tarfile.TarError:
         return found, 0
-    clean = data.count(0, tar.offset) == len(data) - tar.offset  # tarfile stops quietly at a damaged header
+    clean = (
+        data.count(0, tar.offset) == len(data) - tar.offset
+    )  # tarfile stops quietly at a damaged header
     return found, len(data) if clean else (found[-1][0] + 1 if found else 0)
 
 
 def _members(data: bytes, bodies: bool = True) -> Iterator[tuple[int, str, bytes | None]]:
-    """`(header offset, name, bytes)` of the regular files in tar bytes with plain ustar/v7 headers; raises
-    `_NotUstar` for extended headers (PAX, GNU long names) and `ShardFormatError` for damage."""
+    """`(header offset, name, bytes)` of the regular files in tar bytes with plain ustar/v7 headers;
+    raises `_NotUstar` for extended headers (PAX, GNU long names) and `ShardFormatError` for damage.
+    """
     view = memoryview(data)
     pos, n = 0, len(data)
     while pos + _BLOCK <= n:
@@ -192,7 +218,11 @@ def _members(data: bytes, bodies: bool = True) -> Iterator[tuple[int, str, bytes
         if body + size > n:
             raise ShardFormatError(f"a tar member at byte {pos} runs past the end of the data")
         if kind in (b"0", b"\0", b"7"):
-            yield pos, name.decode("utf-8", "surrogateescape"), bytes(view[body : body + size]) if bodies else None
+            yield (
+                pos,
+                name.decode("utf-8", "surrogateescape"),
+                bytes(view[body : body + size]) if bodies else None,
+            )
         pos = body + size + (-size % _BLOCK)
     if pos < n and data.count(0, pos) != n - pos:
         raise ShardFormatError(f"{n - pos} bytes at byte {pos} that are not a tar header")
@@ -238,14 +268,18 @@ def _key_field(name: str) -> tuple[str | None, str]:
 
 def _check_new_key(key: str, seen: set, path) -> None:
     if key in seen:
-        raise ShardFormatError(f"{path}: the members of key {key!r} are not adjacent; a WebDataset tar groups each "
-                               "sample's files together (GNU tar: --sort=name).")
+        raise ShardFormatError(
+            f"{path}: the members of key {key!r} are not adjacent; a WebDataset tar groups each "
+            "sample's files together (GNU tar: --sort=name)."
+        )
     seen.add(key)
 
 
 def _duplicate(path, name: str) -> ShardFormatError:
-    return ShardFormatError(f"{path}: the member {name!r} appears twice in one sample (webdataset refuses it as a "
-                            "duplicate file name; which copy is the sample's?). Rewrite the shard with one each.")
+    return ShardFormatError(
+        f"{path}: the member {name!r} appears twice in one sample (webdataset refuses it as a "
+        "duplicate file name; which copy is the sample's?). Rewrite the shard with one each."
+    )
 
 
 def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int], int]:
@@ -275,7 +309,9 @@ def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int],
                 fields.add(field)
         except tarfile.TarError as error:
             empty = " (0 bytes)" if "empty file" in str(error) else ""
-            raise ShardFormatError(f"{path} is not a tar file{empty}, or a damaged one ({error}).") from None
+            raise ShardFormatError(
+                f"{path} is not a tar file{empty}, or a damaged one ({error})."
+            ) from None
     return len(offsets), offsets, end
 
 
@@ -285,7 +321,9 @@ def _pyarrow():
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise ImportError('Parquet shards need pyarrow: pip install "loader-recipes[parquet]" (or pyarrow).') from None
+        raise ImportError(
+            'Parquet shards need pyarrow: pip install "loader-recipes[parquet]" (or pyarrow).'
+        ) from None
     return pyarrow
 
 
@@ -297,8 +335,13 @@ def parquet_value(value: Any, key: str, field: str):
     if isinstance(value, (dict, list)):
         check_codec(value, key, field)
         return stored.json_text(value, key, field)
-    if isinstance(value, (bytes, bytearray, memoryview, str)) and field.rsplit(".", 1)[-1] in stored.DECODED:
-        stored.text_bytes(value, key, field)  # what readers decode it as: refused now if it does not decode
+    if (
+        isinstance(value, (bytes, bytearray, memoryview, str))
+        and field.rsplit(".", 1)[-1] in stored.DECODED
+    ):
+        stored.text_bytes(
+            value, key, field
+        )  # what readers decode it as: refused now if it does not decode
         return value if isinstance(value, str) else bytes(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
@@ -309,8 +352,10 @@ def parquet_value(value: Any, key: str, field: str):
         return stored.fits_64_bits(int(value), key, field)
     if isinstance(value, (float, np.floating)):
         return float(value)
-    raise ShardFormatError(f"sample {key!r}, field {field!r}: a Parquet column takes bytes, str, int, float or "
-                           f"JSON (dict/list), not a {type(value).__name__}.")
+    raise ShardFormatError(
+        f"sample {key!r}, field {field!r}: a Parquet column takes bytes, str, int, float or "
+        f"JSON (dict/list), not a {type(value).__name__}."
+    )
 
 
 def parquet_shard(rows: list[dict], schema) -> bytes:
@@ -331,19 +376,35 @@ def parquet_schema(sample: dict, key: str):
         if field == "__key__":
             continue
         if not isinstance(field, str):
-            raise ShardFormatError(f"sample {key!r}: field {field!r} is a {type(field).__name__}; column names are "
-                                   "strings.")
+            raise ShardFormatError(
+                f"sample {key!r}: field {field!r} is a {type(field).__name__}; column names are "
+                "strings."
+            )
         check_field_name(field, key)
         value = parquet_value(value, key, field)
-        kind = (pa.binary() if isinstance(value, bytes) else pa.string() if isinstance(value, str)
-                else pa.int64() if isinstance(value, int) else pa.float64())
+        kind = (
+            pa.binary()
+            if isinstance(value, bytes)
+            else pa.string()
+            if isinstance(value, str)
+            else pa.int64()
+            if isinstance(value, int)
+            else pa.float64()
+        )
         types.append((field, kind))
     return pa.schema(types)
 
 
-def read_parquet(path, start: int = 0, stop: int | None = None, *, columns: Sequence[str] | None = None,
-                 row_groups: Sequence[int] | None = None, check=None,
-                 storage_options: dict | None = None) -> Iterator[dict]:
+def read_parquet(
+    path,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    columns: Sequence[str] | None = None,
+    row_groups: Sequence[int] | None = None,
+    check=None,
+    storage_options: dict | None = None,
+) -> Iterator[dict]:
     """The rows `[start, stop)` of a Parquet file as dicts, reading only the row groups that hold
     them (and only `columns`, when given). `path` is a local path or an fsspec URL. With
     `row_groups` (rows per group, from an index) the file's must be the same; `check(group,
@@ -362,12 +423,17 @@ def read_parquet(path, start: int = 0, stop: int | None = None, *, columns: Sequ
             file = pa.parquet.ParquetFile(raw)
             counts = [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups)]
             if row_groups is not None and counts != [int(n) for n in row_groups]:
-                raise ShardFormatError(f"{path} has row groups of {counts} rows, but its index says {list(row_groups)}: "
-                                       "damaged, or rewritten since the index was read. Rewrite the shards (or "
-                                       "re-index them).")
+                raise ShardFormatError(
+                    f"{path} has row groups of {counts} rows, but its index says "
+                    f"{list(row_groups)}: damaged, or rewritten since the index was read. Rewrite "
+                    "the shards (or re-index them)."
+                )
             first = 0
             for group, rows in enumerate(counts):
-                lo, hi = max(start, first), rows + first if stop is None else min(stop, first + rows)
+                lo, hi = (
+                    max(start, first),
+                    rows + first if stop is None else min(stop, first + rows),
+                )
                 if lo < hi:
                     table = file.read_row_group(group, columns=list(columns) if columns else None)
                     if check is not None:
@@ -380,8 +446,10 @@ def read_parquet(path, start: int = 0, stop: int | None = None, *, columns: Sequ
         raise
     except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as error:
         where = "its footer" if group is None else f"row group {group}"
-        raise ShardFormatError(f"{path} does not read as Parquet at {where}: damaged, or not a Parquet file "
-                               f"({type(error).__name__}: {str(error)[:200]}).") from error
+        raise ShardFormatError(
+            f"{path} does not read as Parquet at {where}: damaged, or not a Parquet file "
+            f"({type(error).__name__}: {str(error)[:200]})."
+        ) from error
 
 
 def parquet_rows(path, storage_options: dict | None = None) -> list[int]:
@@ -393,5 +461,7 @@ def parquet_rows(path, storage_options: dict | None = None) -> list[int]:
         try:
             meta = pa.parquet.ParquetFile(raw).metadata
         except (pa.ArrowException, OSError) as error:
-            raise ShardFormatError(f"{path} is not a Parquet file, or a damaged one ({error}).") from None
+            raise ShardFormatError(
+                f"{path} is not a Parquet file, or a damaged one ({error})."
+            ) from None
         return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]

@@ -56,9 +56,16 @@ class Schedule:
         return len(self.draws)
 
 
-def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Callable[[int], np.ndarray],
-                    seed: Sequence[int], window: int = WINDOW, interleave: int = INTERLEAVE,
-                    piece_samples: float | None = None, draws_needed: int | None = None) -> Schedule:
+def mixing_schedule(
+    pieces: Sequence[tuple[int, int, int]],
+    *,
+    block_starts: Callable[[int], np.ndarray],
+    seed: Sequence[int],
+    window: int = WINDOW,
+    interleave: int = INTERLEAVE,
+    piece_samples: float | None = None,
+    draws_needed: int | None = None,
+) -> Schedule:
     """The order of a consumer's epoch (module docstring).
 
     Args:
@@ -90,7 +97,11 @@ def mixing_schedule(pieces: Sequence[tuple[int, int, int]], *, block_starts: Cal
     blocks = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
     groups, noise = blocks // interleave, rng.random(total)
     if draws_needed is not None and draws_needed < total:
-        cut = int(np.searchsorted(groups, groups[draws_needed - 1], side="right")) if draws_needed > 0 else 0
+        cut = (
+            int(np.searchsorted(groups, groups[draws_needed - 1], side="right"))
+            if draws_needed > 0
+            else 0
+        )
         blocks, groups, noise = blocks[:cut], groups[:cut], noise[:cut]
     draws = blocks[np.argsort(groups + noise, kind="stable")]
     return Schedule(shards, starts, stops, draws)
@@ -104,7 +115,9 @@ def _blocks(pieces, block_starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         cuts = known.get(shard)
         if cuts is None:
             cuts = known[shard] = np.asarray(block_starts(shard), dtype=np.int64)
-        inner = cuts[np.searchsorted(cuts, start, side="right"):np.searchsorted(cuts, stop, side="left")]
+        inner = cuts[
+            np.searchsorted(cuts, start, side="right") : np.searchsorted(cuts, stop, side="left")
+        ]
         edges = np.concatenate(([start], inner, [stop]))
         starts.append(edges[:-1])
         stops.append(edges[1:])
@@ -127,15 +140,21 @@ def need_order(schedule: Schedule, skip: int = 0) -> list[int]:
     return [int(s) for s in needed[np.sort(first)]]
 
 
-def mixed_samples(schedule: Schedule, skip: int, read_block: Callable[[int, int, int], list],
-                  first_need: Callable[[int], None] | None = None) -> Iterator:
+def mixed_samples(
+    schedule: Schedule,
+    skip: int,
+    read_block: Callable[[int, int, int], list],
+    first_need: Callable[[int], None] | None = None,
+) -> Iterator:
     """The samples in the schedule's order after the first `skip`: each block's samples from
     `read_block(shard, start, stop)` (a list, taken from its end: read in reverse), called when
     the block is first drawn, starting after its samples among the skipped draws.
     `first_need(k)` is called when the draws reach the `k`-th shard of `need_order` (to download
     the next ones)."""
     done, draws = skip_counts(schedule, skip), schedule.draws[skip:]
-    rank = {s: k for k, s in enumerate(need_order(schedule, skip))} if first_need is not None else {}
+    rank = (
+        {s: k for k, s in enumerate(need_order(schedule, skip))} if first_need is not None else {}
+    )
     reading: dict[int, list] = {}
     frontier = -1  # the furthest shard of the need order drawn so far
     for j in draws.tolist():
@@ -144,7 +163,9 @@ def mixed_samples(schedule: Schedule, skip: int, read_block: Callable[[int, int,
             if first_need is not None and rank[shard] > frontier:
                 frontier = rank[shard]
                 first_need(frontier)
-            reading[j] = read_block(shard, int(schedule.starts[j]) + int(done[j]), int(schedule.stops[j]))
+            reading[j] = read_block(
+                shard, int(schedule.starts[j]) + int(done[j]), int(schedule.stops[j])
+            )
         block = reading[j]
         item = block.pop()
         if not block:
@@ -153,12 +174,16 @@ def mixed_samples(schedule: Schedule, skip: int, read_block: Callable[[int, int,
 
 
 # ---- the writer's side: `write_shards(shuffle=True)` ------------------------------------------
-def shuffled_samples(samples: Iterable[dict], *, seed: int = 0, buffer_bytes: int = SHUFFLE_BUFFER_BYTES):
+def shuffled_samples(
+    samples: Iterable[dict], *, seed: int = 0, buffer_bytes: int = SHUFFLE_BUFFER_BYTES
+):
     """`samples` in a random order: a sequence (len and indexing) as a permuted view, indexed
     lazily; any other iterable through a buffer of about `buffer_bytes` of samples, each next
     sample drawn from it at random (the rest, in a random order, at the end)."""
     rng = np.random.default_rng(seed)
-    if isinstance(samples, Sequence) or (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
+    if isinstance(samples, Sequence) or (
+        hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
+    ):
         return _Permuted(samples, rng.permutation(len(samples)))
     return _buffered(iter(samples), rng, buffer_bytes)
 

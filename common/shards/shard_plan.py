@@ -63,26 +63,41 @@ class ShardPlan:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_shards, generator=g).numpy()
 
-    def pieces(self, epoch: int, *, rank: int, world_size: int, worker: int, num_workers: int) -> list[Piece]:
+    def pieces(
+        self, epoch: int, *, rank: int, world_size: int, worker: int, num_workers: int
+    ) -> list[Piece]:
         """The pieces `(shard, start, stop)` that consumer (rank, worker) reads in `epoch`."""
-        where = dict(rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, even=self.even)
+        where = dict(
+            rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, even=self.even
+        )
         if self.nodes > 1 and world_size % self.nodes == 0:
             return self._node_pieces(epoch, **where)
         order = self.order(epoch)
-        if self.shard_lengths is not None and (self.split == "samples" or len(order) < world_size * num_workers):
+        if self.shard_lengths is not None and (
+            self.split == "samples" or len(order) < world_size * num_workers
+        ):
             return range_pieces(self.shard_lengths, order, **where)
         return shard_pieces(self.shard_lengths, order, **where)
 
-    def _node_pieces(self, epoch: int, *, rank: int, world_size: int, worker: int, num_workers: int,
-                     even: bool) -> list[Piece]:
+    def _node_pieces(
+        self, epoch: int, *, rank: int, world_size: int, worker: int, num_workers: int, even: bool
+    ) -> list[Piece]:
         """Node-affine: this rank's node's fixed share (sample ranges of the shards in the fixed
         order), its pieces shuffled per epoch, cut among the node's ranks."""
         per_node = world_size // self.nodes
         node, local = divmod(rank, per_node)
         fixed = self.order(-1)
         lengths = self.shard_lengths[fixed]
-        mine = node_fragments(np.stack([fixed, np.zeros_like(fixed), lengths], axis=1), node=node, nodes=self.nodes,
-                              ranks_per_node=per_node, even=even)
-        mine = mine[np.random.default_rng([self.seed, epoch, node, 0x6E6F6465]).permutation(len(mine))]
-        return fragment_pieces(mine, rank=local, world_size=per_node, worker=worker, num_workers=num_workers,
-                               even=even)
+        mine = node_fragments(
+            np.stack([fixed, np.zeros_like(fixed), lengths], axis=1),
+            node=node,
+            nodes=self.nodes,
+            ranks_per_node=per_node,
+            even=even,
+        )
+        mine = mine[
+            np.random.default_rng([self.seed, epoch, node, 0x6E6F6465]).permutation(len(mine))
+        ]
+        return fragment_pieces(
+            mine, rank=local, world_size=per_node, worker=worker, num_workers=num_workers, even=even
+        )

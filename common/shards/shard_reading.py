@@ -9,8 +9,8 @@ group of a Parquet file), its shard pinned in the cache only meanwhile; download
 Adapt here: nothing; the dataset sets every field.
 Trade-off: a mixed block is read whole when first drawn (memory: `INTERLEAVE` blocks), so a
 reader's lazy iteration within a block is not kept.
-Copy with: common/caches/packed_strings.py, common/sampling/sharding.py, common/shards/shard_mixing.py.
-"""
+Copy with: common/caches/packed_strings.py, common/sampling/sharding.py,
+  common/shards/shard_mixing.py."""
 
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ class ShardReading:
                 if length is not None:
                     start, skip = start + skip, 0
             if self.cache is not None:  # the next shards, then the next epoch's first ones
-                self.cache.prefetch(self.shards[s] for s, _, _ in after[k + 1 : k + 1 + self.cache.depth])
+                self.cache.prefetch(
+                    self.shards[s] for s, _, _ in after[k + 1 : k + 1 + self.cache.depth]
+                )
             items = self.read(shard, start, stop)
             if skip:  # a piece of unknown length: read past what was done
                 items, skip = drop(items, skip)
@@ -72,19 +74,40 @@ class ShardReading:
                 break
             yield item
         if got != want:
-            raise ValueError(f"read_shard({self.shards[shard]!r}, {start}, {start + want}) gave "
-                             f"{'more' if got > want else got} samples where the range holds {want} "
-                             "(`shard_lengths` says how many each shard holds): a stale length, or a reader that "
-                             "ignores `start`/`stop`?")
+            raise ValueError(
+                f"read_shard({self.shards[shard]!r}, {start}, {start + want}) gave "
+                f"{'more' if got > want else got} samples where the range holds {want} "
+                "(`shard_lengths` says how many each shard holds): a stale length, or a reader "
+                "that ignores `start`/`stop`?"
+            )
 
-    def schedule(self, pieces: list[Piece], *, seed: Sequence[int], piece: float | None = None,
-                 draws_needed: int | None = None):
+    def schedule(
+        self,
+        pieces: list[Piece],
+        *,
+        seed: Sequence[int],
+        piece: float | None = None,
+        draws_needed: int | None = None,
+    ):
         pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
-        return mixing_schedule(pieces, block_starts=self.block_starts, seed=seed, window=self.window,
-                               piece_samples=piece, draws_needed=draws_needed)
+        return mixing_schedule(
+            pieces,
+            block_starts=self.block_starts,
+            seed=seed,
+            window=self.window,
+            piece_samples=piece,
+            draws_needed=draws_needed,
+        )
 
-    def mixed(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list], *, seed: Sequence[int],
-              piece: float | None = None) -> Iterator:
+    def mixed(
+        self,
+        pieces: list[Piece],
+        skip: int,
+        upcoming: Callable[[], list],
+        *,
+        seed: Sequence[int],
+        piece: float | None = None,
+    ) -> Iterator:
         """The samples in the order of `mixing_schedule`, after the first `skip`; with a cache,
         each shard new to the epoch starts the downloads of the next ones."""
         schedule = self.schedule(pieces, seed=seed, piece=piece)
@@ -94,8 +117,12 @@ class ShardReading:
         order = need_order(schedule, skip)
         pins = _Pins(self, schedule, skip)
         try:
-            yield from mixed_samples(schedule, skip, pins.read_block,
-                                     lambda at: self._prefetch_after(at, order, upcoming))
+            yield from mixed_samples(
+                schedule,
+                skip,
+                pins.read_block,
+                lambda at: self._prefetch_after(at, order, upcoming),
+            )
         finally:
             pins.close()
 
@@ -103,11 +130,15 @@ class ShardReading:
         """The samples `[start, stop)` of `shard` (from `path`, a pinned copy, if given; else
         pinned meanwhile), reversed (taken from the end with `pop`)."""
         with contextlib.ExitStack() as held:
-            items = list(self._read_path(self._path(shard, held) if path is None else path, start, stop))
+            items = list(
+                self._read_path(self._path(shard, held) if path is None else path, start, stop)
+            )
         if len(items) != stop - start:
-            raise ValueError(f"read_shard({self.shards[shard]!r}, {start}, {stop}) gave {len(items)} samples where "
-                             f"the range holds {stop - start} (`shard_lengths` says how many each shard holds): a "
-                             "stale length, or a reader that ignores `start`/`stop`?")
+            raise ValueError(
+                f"read_shard({self.shards[shard]!r}, {start}, {stop}) gave {len(items)} samples "
+                f"where the range holds {stop - start} (`shard_lengths` says how many each shard "
+                "holds): a stale length, or a reader that ignores `start`/`stop`?"
+            )
         items.reverse()
         return items
 
@@ -141,7 +172,8 @@ class ShardReading:
         return stop - start
 
     def _path(self, shard: int, held: contextlib.ExitStack):
-        """Where to read `shard` from: its URL, or its copy in the cache, pinned until `held` closes."""
+        """Where to read `shard` from: its URL, or its copy in the cache, pinned until `held`
+        closes."""
         url = self.shards[shard]
         if self.cache is None:
             return url
@@ -168,18 +200,26 @@ class _Pins:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        sharing = (1 if info is None else info.num_workers) * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        sharing = (1 if info is None else info.num_workers) * int(
+            os.environ.get("LOCAL_WORLD_SIZE", "1") or 1
+        )
         self.reading, self.budget = reading, reading.cache.max_bytes // (4 * max(1, sharing))
         blocks = np.unique(schedule.draws[skip:])
         shards, counts = np.unique(schedule.shards[blocks], return_counts=True)
-        self.left = dict(zip(shards.tolist(), counts.tolist(), strict=True))  # blocks still to read per shard
+        self.left = dict(
+            zip(shards.tolist(), counts.tolist(), strict=True)
+        )  # blocks still to read per shard
         self.held: dict[int, tuple[contextlib.ExitStack, object, int]] = {}
         self.bytes = 0
 
     def read_block(self, shard: int, start: int, stop: int) -> list:
         self.left[shard] -= 1
-        if shard not in self.held and self.left[shard] > 0 and self.bytes < self.budget \
-                and self.reading.cache.used_bytes() <= self.reading.cache.max_bytes // 2:  # room to spare
+        if (
+            shard not in self.held
+            and self.left[shard] > 0
+            and self.bytes < self.budget
+            and self.reading.cache.used_bytes() <= self.reading.cache.max_bytes // 2
+        ):  # room to spare
             stack = contextlib.ExitStack()
             path = self.reading._path(shard, stack)
             size = _file_size(path)
@@ -189,7 +229,9 @@ class _Pins:
             else:
                 stack.close()
         entry = self.held.get(shard)
-        items = self.reading.read_block(shard, start, stop, path=None if entry is None else entry[1])
+        items = self.reading.read_block(
+            shard, start, stop, path=None if entry is None else entry[1]
+        )
         if entry is not None and not self.left[shard]:
             self._release(shard)
         return items
@@ -227,9 +269,14 @@ def takes_range(fn) -> bool:
     """`read_shard(path, start, stop)`: a second and third positional parameter, required or
     named `start` and `stop` (a reader's optional settings in those places are not a range)."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return False
-    return len(params) >= 3 and all(p.default is p.empty or p.name == name
-                                    for p, name in zip(params[1:3], ("start", "stop"), strict=True))
+    return len(params) >= 3 and all(
+        p.default is p.empty or p.name == name
+        for p, name in zip(params[1:3], ("start", "stop"), strict=True)
+    )

@@ -24,17 +24,25 @@ import numpy as np
 
 from recipes.common.shards.shard_mixing import Schedule, skip_counts
 
-Ranges = tuple[np.ndarray, np.ndarray, np.ndarray]  # shards, starts, stops (int64, one entry a range)
+Ranges = tuple[
+    np.ndarray, np.ndarray, np.ndarray
+]  # shards, starts, stops (int64, one entry a range)
 
 
-def consumer_ranges(pieces: Sequence[tuple[int, int, int]], schedule: Schedule | None, skip: int) -> tuple[Ranges, Ranges]:
+def consumer_ranges(
+    pieces: Sequence[tuple[int, int, int]], schedule: Schedule | None, skip: int
+) -> tuple[Ranges, Ranges]:
     """`(the ranges of a consumer's plan, the ranges of its first skip samples)`: the first
     `skip` draws of its mixing `schedule`, each block's first samples; without one, its pieces
     (known stops) read front to back."""
     array = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
     planned = (array[:, 0], array[:, 1], array[:, 2])
     if schedule is not None:
-        return planned, (schedule.shards, schedule.starts, schedule.starts + skip_counts(schedule, skip))
+        return planned, (
+            schedule.shards,
+            schedule.starts,
+            schedule.starts + skip_counts(schedule, skip),
+        )
     shards, starts, stops = [], [], []
     for shard, start, stop in pieces:
         if skip <= 0:
@@ -47,7 +55,9 @@ def consumer_ranges(pieces: Sequence[tuple[int, int, int]], schedule: Schedule |
     return planned, tuple(np.asarray(x, dtype=np.int64) for x in (shards, starts, stops))
 
 
-def rest_fragments(shard_lengths: np.ndarray, order: np.ndarray, consumers: Sequence[tuple[Ranges, Ranges]]) -> np.ndarray:
+def rest_fragments(
+    shard_lengths: np.ndarray, order: np.ndarray, consumers: Sequence[tuple[Ranges, Ranges]]
+) -> np.ndarray:
     """The samples the old consumers were to read and did not: int64 `[F, 3]` (shard, start,
     stop), ordered by the first consumer whose plan holds each sample, then by the shard's place
     in the epoch's `order`, then by sample.

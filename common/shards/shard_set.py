@@ -1,9 +1,11 @@
-"""`ShardSet`: shards in open formats (WebDataset tar, Parquet), local or on object storage, read back.
+"""`ShardSet`: shards in open formats (WebDataset tar, Parquet), local or on object storage, read
+back.
 
 Use when: a dataset lives in a few large files on S3/GCS/HTTP or a shared disk and must be read
-exactly once per epoch over ranks and workers: `ShardSet.open(url).dataset(cache=PrefetchCache(...))`
-reads them as a `ShardedIterableDataset`; `shard_writer.py` writes them (`write_shards`) or
-indexes shards other tools wrote (`index_shards`: `webdataset.ShardWriter`, Parquet exports).
+exactly once per epoch over ranks and workers:
+`ShardSet.open(url).dataset(cache=PrefetchCache(...))` reads them as a `ShardedIterableDataset`;
+`shard_writer.py` writes them (`write_shards`) or indexes shards other tools wrote (`index_shards`:
+`webdataset.ShardWriter`, Parquet exports).
 Cost: fetches the index once, then each consumer's shards (or sample ranges: tar member
 offsets, Parquet row groups).
 Adapt here: nothing; the index's name is `shard_checks.INDEX_NAME`.
@@ -55,7 +57,9 @@ from recipes.common.shards.sharded_dataset import ShardedIterableDataset
 
 __all__ = ["ShardFormatError", "ShardIndexError", "ShardSet"]
 
-STREAM_BLOCK_BYTES = 4 * 2**20  # a ranged request per block when streaming: latency amortised over ~4 MiB
+STREAM_BLOCK_BYTES = (
+    4 * 2**20
+)  # a ranged request per block when streaming: latency amortised over ~4 MiB
 
 
 class ShardSet:
@@ -75,8 +79,11 @@ class ShardSet:
         self.columns = index.get("columns")
         # per shard, its samples' xxh3-64s (tar) or its row groups' x columns' (Parquet); None for a
         # v1 index (its samples are not checked byte for byte)
-        self.checksums = None if index.get("version", VERSION) < 2 else [
-            np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
+        self.checksums = (
+            None
+            if index.get("version", VERSION) < 2
+            else [np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
+        )
 
     @classmethod
     def open(cls, url: str | os.PathLike, storage_options: dict | None = None) -> ShardSet:
@@ -93,10 +100,14 @@ class ShardSet:
             with fsspec.open(path, "rb", **(storage_options or {})) as f:
                 index = json.loads(f.read())
         except FileNotFoundError:
-            raise ShardIndexError(f"{path} does not exist: write the shards with write_shards(), or index shards "
-                                  "written by another tool with index_shards() (`recipes shards index`).") from None
+            raise ShardIndexError(
+                f"{path} does not exist: write the shards with write_shards(), or index shards "
+                "written by another tool with index_shards() (`recipes shards index`)."
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
-            raise ShardIndexError(f"{path} is damaged ({error}); rebuild it with index_shards().") from None
+            raise ShardIndexError(
+                f"{path} is damaged ({error}); rebuild it with index_shards()."
+            ) from None
         check_index(index, path)
         check_versioned(index, path)
         return cls(url, index, storage_options)
@@ -105,49 +116,95 @@ class ShardSet:
         return int(self.lengths.sum())
 
     def __repr__(self) -> str:
-        return f"ShardSet({self.url!r}, {self.format}, {len(self.entries)} shards, {len(self)} samples)"
+        return (
+            f"ShardSet({self.url!r}, {self.format}, {len(self.entries)} shards, "
+            f"{len(self)} samples)"
+        )
 
-    def read(self, shard: int, start: int = 0, stop: int | None = None, *, path: str | None = None,
-             decode: bool = True, columns: Sequence[str] | None = None, verified: bool = False):
+    def read(
+        self,
+        shard: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        path: str | None = None,
+        decode: bool = True,
+        columns: Sequence[str] | None = None,
+        verified: bool = False,
+    ):
         """The samples `[start, stop)` of shard `shard`, from `path` (a local copy) or its URL.
         A local file is checked against the index first (size, and sha256 once per process and
         file version, unless `verified`: a copy `PrefetchCache.get(url, sha256=)` checked);
         any read must yield the samples the index promises.
 
-        Every sample is checked against the index's checksums (xxh3-64) before it is yielded (a v2 index), on
-        every path: a local file, a cached copy, a remote object read by ranges.
+        Every sample is checked against the index's checksums (xxh3-64) before it is yielded (a v2
+        index), on every path: a local file, a cached copy, a remote object read by ranges.
 
         Raises:
             ShardFormatError: a shard that differs from its index (damaged, or rewritten since
                 the index was read: its size, sha256, a sample's checksum, offset or count), or a
                 field that does not decode (naming the key and the field).
-            ShardIndexError: (a ShardFormatError) a tar offset of the range that starts no key's header.
+            ShardIndexError: (a ShardFormatError) a tar offset of the range that starts no key's
+                header.
         """
         entry = self.entries[shard]
         source = path if path is not None else self.urls[shard]
         options = None if path is not None else self.storage_options
         local = "://" not in str(source) or str(source).startswith("file://")
         if local:
-            check_local_shard(str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified)
+            check_local_shard(
+                str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified
+            )
         url, crcs = self.urls[shard], None if self.checksums is None else self.checksums[shard]
         if self.format == "tar":
             offsets = entry.get("offsets")
-            check = None if offsets is None else tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
-            items = read_tar(source, start, stop, offsets=offsets, end=entry.get("end"), check=check,
-                             storage_options=options)
+            check = (
+                None
+                if offsets is None
+                else tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
+            )
+            items = read_tar(
+                source,
+                start,
+                stop,
+                offsets=offsets,
+                end=entry.get("end"),
+                check=check,
+                storage_options=options,
+            )
             items = (decode_sample(s, url) for s in items) if decode else items
         else:
             check = parquet_group_check(url, self.columns, None if crcs is None else crcs.tolist())
-            items = read_parquet(source, start, stop, columns=columns, row_groups=entry["row_groups"], check=check,
-                                 storage_options=options)
+            items = read_parquet(
+                source,
+                start,
+                stop,
+                columns=columns,
+                row_groups=entry["row_groups"],
+                check=check,
+                storage_options=options,
+            )
             items = (decode_sample(r, url) for r in items) if decode else items
-        want = max(0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start)
+        want = max(
+            0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start
+        )
         return counted(items, want, url)
 
-    def dataset(self, *, cache=None, shuffle: bool = True, seed: int = 0, even: bool = True,
-                split: str = "samples", decode: bool = True, columns: Sequence[str] | None = None,
-                transform=None, rank: int | None = None, world_size: int | None = None,
-                shuffle_window: int = WINDOW) -> ShardedIterableDataset:
+    def dataset(
+        self,
+        *,
+        cache=None,
+        shuffle: bool = True,
+        seed: int = 0,
+        even: bool = True,
+        split: str = "samples",
+        decode: bool = True,
+        columns: Sequence[str] | None = None,
+        transform=None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle_window: int = WINDOW,
+    ) -> ShardedIterableDataset:
         """A `ShardedIterableDataset` over the shards: the epoch's shuffled shards concatenated
         and cut into one contiguous sample range per rank and worker (`split="samples"`, read
         through the index: tar offsets, Parquet row groups), so each sample comes once per
@@ -162,11 +219,21 @@ class ShardSet:
         their offsets) from local or cached shards, in blocks of about `STREAM_BLOCK_BYTES`
         from streamed ones; Parquet by row group. The order is a function of `(seed, epoch)`
         and the ranks, so a resume is exact and reads nothing it skips."""
-        return ShardedIterableDataset(self.urls, _ShardReader(self, cache, decode, columns, transform),
-                                      shard_lengths=self.lengths, shuffle=shuffle, seed=seed, even=even,
-                                      rank=rank, world_size=world_size, cache=cache, split=split,
-                                      shard_sha256=[e.get("sha256") for e in self.entries],
-                                      shuffle_window=shuffle_window, blocks=self._blocks(cache))
+        return ShardedIterableDataset(
+            self.urls,
+            _ShardReader(self, cache, decode, columns, transform),
+            shard_lengths=self.lengths,
+            shuffle=shuffle,
+            seed=seed,
+            even=even,
+            rank=rank,
+            world_size=world_size,
+            cache=cache,
+            split=split,
+            shard_sha256=[e.get("sha256") for e in self.entries],
+            shuffle_window=shuffle_window,
+            blocks=self._blocks(cache),
+        )
 
     def _blocks(self, cache) -> _Blocks | None:
         streamed = cache is None and "://" in self.url and not self.url.startswith("file://")
@@ -181,7 +248,8 @@ class _Blocks:
 
     def __init__(self, shards: ShardSet, streamed: bool):
         self.shards, self.streamed = shards, streamed
-        self.name = f"{shards.format}-{'streamed' if streamed else 'local'}"  # for the loader state's settings
+        # for the loader state's settings
+        self.name = f"{shards.format}-{'streamed' if streamed else 'local'}"
 
     def __call__(self, shard: int) -> np.ndarray:
         entry = self.shards.entries[shard]
@@ -209,6 +277,13 @@ class _ShardReader:
         shard = self.by_path[str(path)]
         local = None if str(path) == self.shards.urls[shard] else str(path)
         # a cached copy: the dataset read it through `cache.pinned(url, sha256=)`, which checked it
-        items = self.shards.read(shard, start, stop, path=local, decode=self.decode, columns=self.columns,
-                                 verified=local is not None)
+        items = self.shards.read(
+            shard,
+            start,
+            stop,
+            path=local,
+            decode=self.decode,
+            columns=self.columns,
+            verified=local is not None,
+        )
         return items if self.transform is None else map(self.transform, items)

@@ -76,10 +76,18 @@ SHARD_NAME = "shard-{:06d}.{}"
 FORMATS = ("tar", "parquet")
 
 
-def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str = "tar",
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, storage_options: dict | None = None,
-                 distributed: bool = False, progress: bool = True, shuffle: bool = True,
-                 seed: int = 0) -> ShardSet:
+def write_shards(
+    samples: Iterable[dict],
+    url: str | os.PathLike,
+    *,
+    format: str = "tar",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    storage_options: dict | None = None,
+    distributed: bool = False,
+    progress: bool = True,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> ShardSet:
     """Writes `samples` as shards of about `shard_bytes` under `url` (a folder or an fsspec URL
     such as `s3://bucket/set`), then the index; returns the `ShardSet`.
 
@@ -87,8 +95,8 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
         samples: dicts in WebDataset's convention (`"__key__"` plus fields keyed by extension:
             `"jpg"`: bytes, `"cls"`: int, `"txt"`: str, `"json"`: dict; a value other than bytes
             only under a field that reads back as its type: `recipes.common.shards.shard_samples`).
-            For Parquet each field is a column, its type set by the first sample. With `distributed`, a sequence
-            (`len` and indexing) that every rank holds the same.
+            For Parquet each field is a column, its type set by the first sample. With
+            `distributed`, a sequence (`len` and indexing) that every rank holds the same.
         format: "tar" (WebDataset) or "parquet".
         shard_bytes: a shard is closed before the sample that would take it past this size
             (a single larger sample makes a shard of its own).
@@ -118,10 +126,14 @@ def write_shards(samples: Iterable[dict], url: str | os.PathLike, *, format: str
     if rank == 0:  # a rewrite: no reader may take the old index while its shards are replaced
         writer.remove_index()
     if distributed:
-        if not isinstance(samples, Sequence) and not (hasattr(samples, "__len__") and hasattr(samples, "__getitem__")):
-            raise TypeError("write_shards(distributed=True) needs a sequence of samples (len and indexing), the same "
-                            "on every rank, so that each rank can write its shards; got a "
-                            f"{type(samples).__name__}.")
+        if not isinstance(samples, Sequence) and not (
+            hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
+        ):
+            raise TypeError(
+                "write_shards(distributed=True) needs a sequence of samples (len and indexing), "
+                "the same on every rank, so that each rank can write its shards; got a "
+                f"{type(samples).__name__}."
+            )
         entries = writer.write_distributed(samples, world, rank, progress)
     else:
         entries = writer.write_stream(samples, progress)
@@ -160,9 +172,11 @@ class _Writer:
             self.schema = parquet_schema(sample, key)
         names = set(self.schema.names)
         if set(sample) != names:
-            raise ShardFormatError(f"sample {key!r} has fields {sorted(set(sample) - {'__key__'})}, but the first "
-                                   f"sample set the columns {sorted(names - {'__key__'})}; every Parquet row has the "
-                                   "same columns.")
+            raise ShardFormatError(
+                f"sample {key!r} has fields {sorted(set(sample) - {'__key__'})}, but the first "
+                f"sample set the columns {sorted(names - {'__key__'})}; every Parquet row has the "
+                "same columns."
+            )
         row = {"__key__": key}
         size = len(key)
         for field in self.schema.names[1:]:
@@ -170,9 +184,11 @@ class _Writer:
             expected = str(self.schema.field(field).type)
             kind = {bytes: "binary", str: "string", int: "int64", float: "double"}[type(value)]
             if kind != expected:
-                raise ShardFormatError(f"sample {key!r}, field {field!r}: a {type(sample[field]).__name__} where the "
-                                       f"first sample set the column's type to {expected}; every row's field must "
-                                       "have the column's type (convert it before writing).")
+                raise ShardFormatError(
+                    f"sample {key!r}, field {field!r}: a {type(sample[field]).__name__} where the "
+                    f"first sample set the column's type to {expected}; every row's field must "
+                    "have the column's type (convert it before writing)."
+                )
             size += len(value) if isinstance(value, (bytes, str)) else 8
         return row, size, key
 
@@ -210,10 +226,15 @@ class _Writer:
                 sizes[int(i)] = nbytes
         bounds = _boundaries(sizes, self.shard_bytes)
         written = {}
-        with tqdm(total=n, disable=not progress or rank != 0, desc="writing shards", unit="sample") as bar:
+        with tqdm(
+            total=n, disable=not progress or rank != 0, desc="writing shards", unit="sample"
+        ) as bar:
             for s in range(rank, len(bounds) - 1, world):
                 lo, hi = int(bounds[s]), int(bounds[s + 1])
-                pending = [(key, encoded) for encoded, _, key in (self.encode(samples[i], i) for i in range(lo, hi))]
+                pending = [
+                    (key, encoded)
+                    for encoded, _, key in (self.encode(samples[i], i) for i in range(lo, hi))
+                ]
                 written[s] = self.write_shard(s, pending)
                 bar.update((hi - lo) * world)
         entries = {}
@@ -225,18 +246,24 @@ class _Writer:
         keys = [key for key, _ in pending]
         if len(set(keys)) != len(keys):
             twice = next(k for k in keys if keys.count(k) > 1)
-            raise ShardFormatError(f"key {twice!r} appears twice in shard {number}; keys must be unique (readers "
-                                   "group a sample's files by key).")
+            raise ShardFormatError(
+                f"key {twice!r} appears twice in shard {number}; keys must be unique (readers "
+                "group a sample's files by key)."
+            )
         name = SHARD_NAME.format(number, self.format)
         entry: dict[str, Any] = {"name": name, "samples": len(pending)}
         if self.format == "tar":
-            offsets = np.cumsum([0] + [len(blob) for _, blob in pending[:-1]]).tolist() if pending else []
+            offsets = (
+                np.cumsum([0] + [len(blob) for _, blob in pending[:-1]]).tolist() if pending else []
+            )
             members = b"".join(blob for _, blob in pending)
             data = members + tar_end(len(members))
             entry["offsets"], entry["end"] = [int(o) for o in offsets], len(members)
             entry[SUMS] = [xxhash.xxh3_64_intdigest(blob) for _, blob in pending]
         else:
-            self.schema = parquet_schema({}, "") if self.schema is None else self.schema  # an empty write
+            self.schema = (
+                parquet_schema({}, "") if self.schema is None else self.schema
+            )  # an empty write
             data = parquet_shard([row for _, row in pending], self.schema)
             entry["row_groups"], entry[SUMS], _ = parquet_digests(data)
         entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
@@ -278,15 +305,22 @@ class _Writer:
                     pass
 
     def publish_index(self, entries: list[dict]) -> None:
-        index = {"format": FORMAT, "version": VERSION, "shard_format": self.format,
-                 "samples": int(sum(e["samples"] for e in entries)), "shards": entries}
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "shard_format": self.format,
+            "samples": int(sum(e["samples"] for e in entries)),
+            "shards": entries,
+        }
         if self.schema is not None:
             index["columns"] = [[f.name, str(f.type)] for f in self.schema]
         elif self.format == "parquet":  # index_shards: others' files, one schema
             index["columns"] = entries[0].pop("columns") if entries else []
             if any(e.pop("columns", index["columns"]) != index["columns"] for e in entries):
-                raise ShardFormatError(f"the Parquet files under {self.url} have different columns; an index "
-                                       "describes one schema. Index each schema's files apart.")
+                raise ShardFormatError(
+                    f"the Parquet files under {self.url} have different columns; an index "
+                    "describes one schema. Index each schema's files apart."
+                )
         self.publish(INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
 
 
@@ -332,8 +366,13 @@ def _remove_if_dead(path: str) -> None:
         return
 
 
-def index_shards(urls: Sequence[str], *, url: str | None = None, storage_options: dict | None = None,
-                 progress: bool = True) -> ShardSet:
+def index_shards(
+    urls: Sequence[str],
+    *,
+    url: str | None = None,
+    storage_options: dict | None = None,
+    progress: bool = True,
+) -> ShardSet:
     """Indexes existing shards (tars in WebDataset's layout, or Parquet files) by one scan each
     and writes `index.json` into their folder (or `url`); returns the `ShardSet`.
 
@@ -347,25 +386,38 @@ def index_shards(urls: Sequence[str], *, url: str | None = None, storage_options
     urls = [os.fspath(u) for u in urls]
     if not urls:
         raise ValueError("index_shards() needs at least one shard URL.")
-    formats = {"parquet" if u.endswith(".parquet") else "tar" if u.endswith(".tar") else None for u in urls}
+    formats = {
+        "parquet" if u.endswith(".parquet") else "tar" if u.endswith(".tar") else None for u in urls
+    }
     if None in formats or len(formats) != 1:
-        raise ValueError(f"index_shards() takes .tar or .parquet shards of one format; got {sorted(map(str, formats))}.")
+        raise ValueError(
+            "index_shards() takes .tar or .parquet shards of one format; got "
+            f"{sorted(map(str, formats))}."
+        )
     folders = {u.rsplit("/", 1)[0] for u in urls}
-    folder = (url or (folders.pop() if len(folders) == 1 else None))
+    folder = url or (folders.pop() if len(folders) == 1 else None)
     if folder is None:
-        raise ValueError(f"the shards are in {len(folders)} folders, but an index names its shards relative to "
-                         "its own folder: move (or copy) them into one folder and index them there.")
+        raise ValueError(
+            f"the shards are in {len(folders)} folders, but an index names its shards relative to "
+            "its own folder: move (or copy) them into one folder and index them there."
+        )
     folder = folder.rstrip("/")
     if any(u.rsplit("/", 1)[0] != folder for u in urls):
-        raise ValueError(f"every shard must be in {folder}, the index's folder (it names shards relative to it).")
+        raise ValueError(
+            f"every shard must be in {folder}, the index's folder (it names shards relative to it)."
+        )
     shard_format = formats.pop()
     entries = []
     for u in tqdm(urls, disable=not progress, desc="indexing shards", unit="shard"):
         entry: dict[str, Any] = {"name": u.rsplit("/", 1)[1]}
-        if shard_format == "tar":  # the headers, then every byte once: sha256 and each sample's xxh3-64
+        if (
+            shard_format == "tar"
+        ):  # the headers, then every byte once: sha256 and each sample's xxh3-64
             entry["samples"], entry["offsets"], entry["end"] = scan_tar(u, storage_options)
             with fsspec.open(u, "rb", **(storage_options or {})) as f:
-                entry["bytes"], entry["sha256"], entry[SUMS] = file_digests(f, [*entry["offsets"], entry["end"]])
+                entry["bytes"], entry["sha256"], entry[SUMS] = file_digests(
+                    f, [*entry["offsets"], entry["end"]]
+                )
         else:
             with fsspec.open(u, "rb", **(storage_options or {})) as f:
                 entry["bytes"], entry["sha256"], _ = file_digests(f, [])

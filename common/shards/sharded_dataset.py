@@ -105,39 +105,65 @@ class ShardedIterableDataset(IterableDataset):
         blocks: int | Callable[[int], Sequence[int]] | None = None,
     ):
         if not isinstance(shuffle_window, int) or shuffle_window < 0:
-            raise ValueError(f"`shuffle_window` must be a non-negative int, but is {shuffle_window!r} instead.")
+            raise ValueError(
+                f"`shuffle_window` must be a non-negative int, but is {shuffle_window!r} instead."
+            )
         if isinstance(blocks, int) and blocks < 1:
-            raise ValueError(f"`blocks` must be a positive int or a callable, but is {blocks!r} instead.")
+            raise ValueError(
+                f"`blocks` must be a positive int or a callable, but is {blocks!r} instead."
+            )
         self.shuffle_window, self.blocks = shuffle_window, blocks
         if split not in ("auto", "samples"):
             raise ValueError(f"`split` must be 'auto' or 'samples', but is {split!r} instead.")
         if split == "samples" and shard_lengths is None:
-            raise ValueError("split='samples' needs `shard_lengths` (the samples per shard) to cut sample ranges.")
+            raise ValueError(
+                "split='samples' needs `shard_lengths` (the samples per shard) to cut sample "
+                "ranges."
+            )
         self.split = split
         self.shard_sha256 = None if shard_sha256 is None else list(shard_sha256)
         self.shards = PackedStrings(shards)
         if len(self.shards) == 0:
             raise ValueError("`shards` is empty; pass at least one shard.")
         self.read_shard = read_shard
-        self.shard_lengths = None if shard_lengths is None else np.asarray(shard_lengths, dtype=np.int64)
-        if self.shard_lengths is not None and (self.shard_lengths.shape != (len(self.shards),)
-                                               or (self.shard_lengths < 0).any()):
-            raise ValueError(f"`shard_lengths` must hold one non-negative count per shard ({len(self.shards)}).")
+        self.shard_lengths = (
+            None if shard_lengths is None else np.asarray(shard_lengths, dtype=np.int64)
+        )
+        if self.shard_lengths is not None and (
+            self.shard_lengths.shape != (len(self.shards),) or (self.shard_lengths < 0).any()
+        ):
+            raise ValueError(
+                f"`shard_lengths` must hold one non-negative count per shard ({len(self.shards)})."
+            )
         world, here = distributed_world()
         self.world_size = world if world_size is None else world_size
         self.rank = here if rank is None else rank
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"`rank` must be in [0, {self.world_size}), but is {self.rank!r} instead.")
+            raise ValueError(
+                f"`rank` must be in [0, {self.world_size}), but is {self.rank!r} instead."
+            )
         if even and self.world_size > 1 and self.shard_lengths is None:
-            raise ValueError("even=True under DDP needs `shard_lengths` to give every rank the same number of "
-                             "samples; pass shard_lengths= (or even=False if your loop tolerates uneven ranks).")
+            raise ValueError(
+                "even=True under DDP needs `shard_lengths` to give every rank the same number of "
+                "samples; pass shard_lengths= (or even=False if your loop tolerates uneven ranks)."
+            )
         self.shuffle, self.seed, self.even, self.cache = shuffle, seed, even, cache
-        # node-affine with a cache (one per node): the nodes of torchrun's LOCAL_WORLD_SIZE ranks each
+        # node-affine with a cache (one per node): the nodes of torchrun's LOCAL_WORLD_SIZE ranks
+        # each
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        self.nodes = self.world_size // per_node if cache is not None and shuffle and self.shard_lengths is not None \
-            and per_node and self.world_size % per_node == 0 else 1
+        self.nodes = (
+            self.world_size // per_node
+            if cache is not None
+            and shuffle
+            and self.shard_lengths is not None
+            and per_node
+            and self.world_size % per_node == 0
+            else 1
+        )
         self._ranged = takes_range(read_shard)
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()  # reaches persistent workers
+        self._epoch = torch.zeros(
+            1, dtype=torch.int64
+        ).share_memory_()  # reaches persistent workers
         self._workers_seen = torch.zeros(1, dtype=torch.int64).share_memory_()  # written by workers
 
     def set_epoch(self, epoch: int) -> None:
@@ -167,7 +193,9 @@ class ShardedIterableDataset(IterableDataset):
             orders = [[p[0] for p in self.plan(self.epoch, w, max(workers, 1))] for w in consumers]
         rounds = itertools.zip_longest(*orders)
         firsts = dict.fromkeys(self.shards[s] for r in rounds for s in r if s is not None)
-        return self.cache.prefetch(list(firsts)[: max(self.cache.depth, workers) * (2 if self.mixes else 1)])
+        return self.cache.prefetch(
+            list(firsts)[: max(self.cache.depth, workers) * (2 if self.mixes else 1)]
+        )
 
     @property
     def epoch(self) -> int:
@@ -179,15 +207,28 @@ class ShardedIterableDataset(IterableDataset):
         if getattr(self, "_shards_crc", None) is None:
             data = self.shards.data.tobytes() + self.shards.offsets.tobytes()
             lengths = b"" if self.shard_lengths is None else self.shard_lengths.tobytes()
-            self._shards_crc = (f"{zlib.crc32(data):08x}", None if self.shard_lengths is None
-                                else f"{zlib.crc32(lengths):08x}")
-        settings = {"num_shards": len(self.shards), "shards": self._shards_crc[0],
-                    "shard_lengths": self._shards_crc[1], "shuffle": self.shuffle, "seed": self.seed, "even": self.even}
+            self._shards_crc = (
+                f"{zlib.crc32(data):08x}",
+                None if self.shard_lengths is None else f"{zlib.crc32(lengths):08x}",
+            )
+        settings = {
+            "num_shards": len(self.shards),
+            "shards": self._shards_crc[0],
+            "shard_lengths": self._shards_crc[1],
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "even": self.even,
+        }
         if self.split != "auto":  # states saved before `split` existed still match "auto"
             settings["split"] = self.split
         if self.mixes:  # the sample order (states of shard-order reading do not match)
-            settings["mixing"] = {"order": ORDER_VERSION, "window": self.shuffle_window, "start": START,
-                                  "interleave": INTERLEAVE, "blocks": self._blocks_key()}
+            settings["mixing"] = {
+                "order": ORDER_VERSION,
+                "window": self.shuffle_window,
+                "start": START,
+                "interleave": INTERLEAVE,
+                "blocks": self._blocks_key(),
+            }
         return settings
 
     def _blocks_key(self):
@@ -212,24 +253,52 @@ class ShardedIterableDataset(IterableDataset):
         the epoch's shards (`shard_plan.py`), or of an elastic resume's rest (`resume_after`)."""
         rest = getattr(self, "_rest", None)
         if rest is not None and rest[0] == epoch:
-            return fragment_pieces(rest[2], rank=self.rank, world_size=self.world_size, worker=worker,
-                                   num_workers=num_workers, even=self.even)
-        return self._rules().pieces(epoch, rank=self.rank, world_size=self.world_size, worker=worker,
-                                    num_workers=num_workers)
+            return fragment_pieces(
+                rest[2],
+                rank=self.rank,
+                world_size=self.world_size,
+                worker=worker,
+                num_workers=num_workers,
+                even=self.even,
+            )
+        return self._rules().pieces(
+            epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker=worker,
+            num_workers=num_workers,
+        )
 
     def _rules(self) -> ShardPlan:
-        return ShardPlan(len(self.shards), self.shard_lengths, self.shuffle, self.seed, self.even, self.split, self.nodes)
+        return ShardPlan(
+            len(self.shards),
+            self.shard_lengths,
+            self.shuffle,
+            self.seed,
+            self.even,
+            self.split,
+            self.nodes,
+        )
 
     # ---- resuming ----------------------------------------------------------------------
     @property
     def reshapes(self) -> bool:
         """Whether a resume on another shape deals the epoch's rest over the new ranks and workers
-        (`resume_after(reshaped=)`, with `shard_lengths`); else new ranks replay old ranks' rests."""
+        (`resume_after(reshaped=)`, with `shard_lengths`); else new ranks replay old ranks' rests.
+        """
         return self.shard_lengths is not None
 
-    def resume_after(self, batches_done: int, *, batch_size: int | None, drop_last: bool = False,
-                     num_workers: int = 0, interleave: bool = False, world_size: int | None = None,
-                     reshaped: Sequence[Sequence[int]] | None = None) -> ShardedIterableDataset:
+    def resume_after(
+        self,
+        batches_done: int,
+        *,
+        batch_size: int | None,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        interleave: bool = False,
+        world_size: int | None = None,
+        reshaped: Sequence[Sequence[int]] | None = None,
+    ) -> ShardedIterableDataset:
         """A copy whose next epoch starts after the first `batches_done` batches that a
         DataLoader with these settings yields (`StatefulLoader` calls it).
 
@@ -246,18 +315,28 @@ class ShardedIterableDataset(IterableDataset):
         `r % world_size == rank` (the new ranks stay equal when the new count divides the old).
 
         Reshaped (`reshapes`): `reshaped` lists the epoch's earlier shapes `(ranks, workers,
-        batches each rank received, nodes)`, oldest first; the copy's epoch is what no rank received in
-        them (`shard_reshape.py`), split and mixed over these ranks and `num_workers` workers as
+        batches each rank received, nodes)`, oldest first; the copy's epoch is what no rank received
+        in them (`shard_reshape.py`), split and mixed over these ranks and `num_workers` workers as
         an epoch is (`even`: at most `world_size - 1` repeat); `batches_done` counts this shape's.
         """
         resumed = copy.copy(self)
         if reshaped:
-            resumed._rest = (self.epoch, len(reshaped), self._rest_fragments(self.epoch, reshaped, batch_size, drop_last))
+            resumed._rest = (
+                self.epoch,
+                len(reshaped),
+                self._rest_fragments(self.epoch, reshaped, batch_size, drop_last),
+            )
         if world_size is not None and world_size != self.world_size:
             if world_size <= 0:
                 raise ValueError(f"`world_size` must be positive, but is {world_size!r} instead.")
             interleave = True
-        resumed._resume = (int(batches_done), batch_size, bool(drop_last), max(1, int(num_workers)), interleave)
+        resumed._resume = (
+            int(batches_done),
+            batch_size,
+            bool(drop_last),
+            max(1, int(num_workers)),
+            interleave,
+        )
         resumed._resume_world = world_size if world_size is not None else self.world_size
         return resumed
 
@@ -268,15 +347,23 @@ class ShardedIterableDataset(IterableDataset):
         batches = []
         for w in range(workers):
             n = self._plan_samples(self.plan(epoch, w, workers))
-            batches.append(None if n is None else (n // per_batch if drop_last else -(-n // per_batch)))
-        if None in batches:  # unknown lengths: one worker made every batch; several may have run out
-            return ([done * per_batch], 0) if workers == 1 else \
-                self._replayed_position(epoch, done, per_batch, drop_last, workers)
+            batches.append(
+                None if n is None else (n // per_batch if drop_last else -(-n // per_batch))
+            )
+        if (
+            None in batches
+        ):  # unknown lengths: one worker made every batch; several may have run out
+            return (
+                ([done * per_batch], 0)
+                if workers == 1
+                else self._replayed_position(epoch, done, per_batch, drop_last, workers)
+            )
         skipped, first = round_robin_position(batches, done)
         return [s * per_batch for s in skipped], first
 
-    def _replayed_position(self, epoch: int, done: int, per_batch: int, drop_last: bool,
-                           workers: int) -> tuple[list[int], int]:
+    def _replayed_position(
+        self, epoch: int, done: int, per_batch: int, drop_last: bool, workers: int
+    ) -> tuple[list[int], int]:
         """Without `shard_lengths`: the workers' streams read in the DataLoader's round-robin
         (a worker that runs out leaves it) up to `done` batches, to find each one's position.
         Exact, at the cost of reading the epoch's first `done` batches (in every worker)."""
@@ -306,7 +393,9 @@ class ShardedIterableDataset(IterableDataset):
             total += stop - start
         return total
 
-    def _rest_fragments(self, epoch: int, segments, batch_size: int | None, drop_last: bool) -> np.ndarray:
+    def _rest_fragments(
+        self, epoch: int, segments, batch_size: int | None, drop_last: bool
+    ) -> np.ndarray:
         """What no consumer received in the epoch's earlier `segments` (`resume_after`)."""
         rest = None
         for generation, (world, workers, batches, *nodes) in enumerate(segments):
@@ -318,8 +407,15 @@ class ShardedIterableDataset(IterableDataset):
                 former._rest = None if rest is None else (epoch, generation, rest)
                 former._resume = (int(batches), batch_size, bool(drop_last), workers, False)
                 for w, skip in enumerate(former._resume_position(epoch)[0]):
-                    pieces = [(a, b, int(self.shard_lengths[a]) if c is None else c) for a, b, c in former.plan(epoch, w, workers)]
-                    mixing = former._schedule(epoch, w, workers, pieces, draws_needed=skip) if former.mixes else None
+                    pieces = [
+                        (a, b, int(self.shard_lengths[a]) if c is None else c)
+                        for a, b, c in former.plan(epoch, w, workers)
+                    ]
+                    mixing = (
+                        former._schedule(epoch, w, workers, pieces, draws_needed=skip)
+                        if former.mixes
+                        else None
+                    )
                     consumers.append(consumer_ranges(pieces, mixing, skip))
             rest = rest_fragments(self.shard_lengths, self.order(epoch), consumers)
         return rest
@@ -328,8 +424,10 @@ class ShardedIterableDataset(IterableDataset):
         """The mixing's seed (and in an elastic resume's rest the samples a piece stands for)."""
         rest = getattr(self, "_rest", None)
         if rest is not None and rest[0] == epoch:
-            return {"seed": (self.seed, epoch, self.rank, worker, rest[1]),
-                    "piece": float(self.shard_lengths.mean()) if len(self.shard_lengths) else None}
+            return {
+                "seed": (self.seed, epoch, self.rank, worker, rest[1]),
+                "piece": float(self.shard_lengths.mean()) if len(self.shard_lengths) else None,
+            }
         return {"seed": (self.seed, epoch, self.rank, worker)}
 
     # ---- iteration ---------------------------------------------------------------------
@@ -342,7 +440,9 @@ class ShardedIterableDataset(IterableDataset):
             yield from self._stream(epoch, worker, num_workers)
             return
         old_world = getattr(self, "_resume_world", self.world_size)
-        if old_world != self.world_size:  # other ranks than the interrupted epoch: replay their rests
+        if (
+            old_world != self.world_size
+        ):  # other ranks than the interrupted epoch: replay their rests
             for old_rank in range(self.rank, old_world, self.world_size):
                 former = copy.copy(self)
                 former.rank, former.world_size = old_rank, old_world
@@ -361,7 +461,9 @@ class ShardedIterableDataset(IterableDataset):
     def _stream(self, epoch: int, worker: int, num_workers: int, skip: int = 0) -> Iterator:
         """The samples of consumer (rank, worker) in `epoch`, after the first `skip`."""
         pieces = self.plan(epoch, worker, num_workers)
-        upcoming = (lambda: self.plan(epoch + 1, worker, num_workers)) if self.cache is not None else list
+        upcoming = (
+            (lambda: self.plan(epoch + 1, worker, num_workers)) if self.cache is not None else list
+        )
         reading = self._reading()
         if self.mixes:
             yield from reading.mixed(pieces, skip, upcoming, **self._mixing(epoch, worker))
@@ -372,16 +474,37 @@ class ShardedIterableDataset(IterableDataset):
     def mixes(self) -> bool:
         """Whether samples mix (`shuffle` with a window, `shard_lengths`, and a ranged `read_shard`
         or explicit `blocks`); otherwise each shard is read front to back."""
-        return bool(self.shuffle and self.shuffle_window and self.shard_lengths is not None
-                    and (self._ranged or self.blocks is not None))
+        return bool(
+            self.shuffle
+            and self.shuffle_window
+            and self.shard_lengths is not None
+            and (self._ranged or self.blocks is not None)
+        )
 
     def _reading(self) -> ShardReading:
-        return ShardReading(self.shards, self.read_shard, self._ranged, self.shard_lengths, self.cache,
-                            self.shard_sha256, self.blocks, self.shuffle_window)
+        return ShardReading(
+            self.shards,
+            self.read_shard,
+            self._ranged,
+            self.shard_lengths,
+            self.cache,
+            self.shard_sha256,
+            self.blocks,
+            self.shuffle_window,
+        )
 
-    def _schedule(self, epoch: int, worker: int, num_workers: int = 1, pieces: list[Piece] | None = None, draws_needed=None):
+    def _schedule(
+        self,
+        epoch: int,
+        worker: int,
+        num_workers: int = 1,
+        pieces: list[Piece] | None = None,
+        draws_needed=None,
+    ):
         pieces = self.plan(epoch, worker, num_workers) if pieces is None else pieces
-        return self._reading().schedule(pieces, **self._mixing(epoch, worker), draws_needed=draws_needed)
+        return self._reading().schedule(
+            pieces, **self._mixing(epoch, worker), draws_needed=draws_needed
+        )
 
     def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
         """The rest of an interrupted epoch in the order its DataLoader would have yielded it:

@@ -61,8 +61,12 @@ class LoaderRecipe:
     def memory_estimate(self, sample_bytes: int) -> int:
         """`estimate_loader_memory` for these settings and samples of `sample_bytes`."""
         s = self.settings
-        return estimate_loader_memory(num_workers=s["num_workers"], batch_size=s["batch_size"],
-                                      sample_bytes=sample_bytes, prefetch_factor=s.get("prefetch_factor"))
+        return estimate_loader_memory(
+            num_workers=s["num_workers"],
+            batch_size=s["batch_size"],
+            sample_bytes=sample_bytes,
+            prefetch_factor=s.get("prefetch_factor"),
+        )
 
     def __str__(self) -> str:
         lines = [f"profile: {self.profile}"]
@@ -97,7 +101,9 @@ def profile_settings(
         ValueError: for an unknown profile.
     """
     if profile not in PROFILES:
-        raise ValueError(f"`profile` must be one of {', '.join(PROFILES)}, but is {profile!r} instead.")
+        raise ValueError(
+            f"`profile` must be one of {', '.join(PROFILES)}, but is {profile!r} instead."
+        )
     res = resources if resources is not None else detect_resources()
     ranks = local_world_size if local_world_size is not None else local_world_size_from_env()
     if cuda_available is None:
@@ -129,10 +135,16 @@ def _auto(res: Resources, ranks: int, sample_bytes: int | None, cuda: bool) -> L
     budget = loader_memory_budget(res, local_world_size=ranks)
     if estimate <= budget:
         production = _workers_profile("production", res, ranks, sample_bytes, cuda)
-        why = f"auto: production's in-flight estimate {estimate / 2**20:.0f} MiB fits the budget {budget / 2**20:.0f} MiB"
+        why = (
+            f"auto: production's in-flight estimate {estimate / 2**20:.0f} MiB fits the budget "
+            f"{budget / 2**20:.0f} MiB"
+        )
         return _with_reason(production, "profile", why)
     memory = _workers_profile("memory", res, ranks, sample_bytes, cuda)
-    why = f"auto: production's in-flight estimate {estimate / 2**20:.0f} MiB exceeds the budget {budget / 2**20:.0f} MiB"
+    why = (
+        f"auto: production's in-flight estimate {estimate / 2**20:.0f} MiB exceeds the budget "
+        f"{budget / 2**20:.0f} MiB"
+    )
     return _with_reason(memory, "profile", why)
 
 
@@ -173,7 +185,9 @@ def _workers_profile(
     pin = pin_allowed and cuda
     settings["pin_memory"] = pin
     if not pin_allowed:
-        reasons["pin_memory"] = "off for text: small int batches copy fast, pinning costs more than it saves"
+        reasons["pin_memory"] = (
+            "off for text: small int batches copy fast, pinning costs more than it saves"
+        )
     else:
         reasons["pin_memory"] = "on: CUDA is available" if cuda else "off: no CUDA device"
     return LoaderRecipe(profile, settings, reasons)

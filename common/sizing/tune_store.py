@@ -54,11 +54,14 @@ def machine_key(res=None) -> str:
     from recipes.common.sizing.sizing import local_world_size_from_env
 
     res = res if res is not None else detect_resources()
-    return f"{socket.gethostname()}|cpus={res.cpus}|gpus={res.gpus}|ranks={local_world_size_from_env()}"
+    ranks = local_world_size_from_env()
+    return f"{socket.gethostname()}|cpus={res.cpus}|gpus={res.gpus}|ranks={ranks}"
 
 
 def _path(dataset, res=None) -> Path:
-    digest = hashlib.sha256(f"v{FORMAT_VERSION}\n{dataset_key(dataset)}\n{machine_key(res)}".encode()).hexdigest()
+    digest = hashlib.sha256(
+        f"v{FORMAT_VERSION}\n{dataset_key(dataset)}\n{machine_key(res)}".encode()
+    ).hexdigest()
     return tune_dir() / f"{digest[:32]}.json"
 
 
@@ -68,11 +71,18 @@ def save_tuned(dataset, settings: dict[str, Any], measured: dict[str, Any]) -> P
 
     path = _path(dataset)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"version": FORMAT_VERSION, "dataset": dataset_key(dataset), "machine": machine_key(),
-              "settings": dict(settings), "samples_per_s": measured["samples_per_s"],
-              "wait_fraction": measured.get("wait_fraction"), "peak_bytes": measured.get("peak_bytes"),
-              "reason": getattr(settings, "reason", None), "step": getattr(settings, "step", None),
-              "when": time.strftime("%Y-%m-%d %H:%M")}
+    record = {
+        "version": FORMAT_VERSION,
+        "dataset": dataset_key(dataset),
+        "machine": machine_key(),
+        "settings": dict(settings),
+        "samples_per_s": measured["samples_per_s"],
+        "wait_fraction": measured.get("wait_fraction"),
+        "peak_bytes": measured.get("peak_bytes"),
+        "reason": getattr(settings, "reason", None),
+        "step": getattr(settings, "step", None),
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+    }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     write_synced(tmp, json.dumps(record, indent=1).encode())
     os.replace(tmp, path)
@@ -90,6 +100,8 @@ def load_tuned(dataset, res=None) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("version") != FORMAT_VERSION:
         return None
-    if record.get("dataset") != dataset_key(dataset) or not isinstance(record.get("settings"), dict):
+    if record.get("dataset") != dataset_key(dataset) or not isinstance(
+        record.get("settings"), dict
+    ):
         return None
     return record

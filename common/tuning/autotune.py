@@ -1,4 +1,5 @@
-"""`autotune`: measure the loader's paths, `num_workers` x `prefetch_factor` on this machine, keep the cheapest that feeds the step.
+"""`autotune`: measure the loader's paths, `num_workers` x `prefetch_factor` on this machine, keep
+the cheapest that feeds the step.
 
 Use when: the GPU waits for data and you do not know how many workers the data needs, or
 whether threads of this process, threads of a child process or workers feed your step. The
@@ -11,11 +12,12 @@ every setting is measured again in reverse order and the better of its two runs 
 A dataset that makes batches in threads (`thread_batches()`) has its thread paths measured
 first: threads of this process and of one child process (`path="threads"`, `"isolated"`);
 beside your real step (`step=`), whose Python holds the GIL, they differ (`recipes bench step`).
-With a step, the step alone is measured too (on the first batch, twice). Memory is the peak PSS of the main process and its workers during each trial.
-Adapt here: `_worker_counts`, `GAIN` (what counts as "helping"), `WAIT_TARGET`.
-Trade-off: trials are short, so figures carry ~5-10% noise (the second round keeps one burst
-of background work from deciding); a dataset whose cost changes over an epoch (cache warming)
-is tuned as it is now. Results are stored per dataset, batch size and machine, and `make_loader` reuses them.
+With a step, the step alone is measured too (on the first batch, twice). Memory is the peak PSS of
+the main process and its workers during each trial. Adapt here: `_worker_counts`, `GAIN` (what
+counts as "helping"), `WAIT_TARGET`. Trade-off: trials are short, so figures carry ~5-10% noise (the
+second round keeps one burst of background work from deciding); a dataset whose cost changes over an
+epoch (cache warming) is tuned as it is now. Results are stored per dataset, batch size and machine,
+and `make_loader` reuses them.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
   common/loading/batch_ring.py, common/loading/epoch_read_ahead.py,
   common/loading/isolated_loader.py, common/loading/loader.py, common/loading/loader_path.py,
@@ -54,24 +56,37 @@ class TuneResult(dict):
     paths, or `num_workers`, `prefetch_factor`, `persistent_workers`), with every trial in
     `.trials`, the chosen one in `.chosen` and the table in `.table()`."""
 
-    def __init__(self, settings: dict[str, Any], trials: list[dict[str, Any]], reason: str,
-                 chosen: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        trials: list[dict[str, Any]],
+        reason: str,
+        chosen: dict[str, Any] | None = None,
+    ):
         super().__init__(settings)
         self.trials = trials
         self.reason = reason
         self.chosen = chosen
-        self.step: str | None = None  # what the trials ran beside, in words (stored with the result)
+        self.step: str | None = (
+            None  # what the trials ran beside, in words (stored with the result)
+        )
 
     def table(self) -> str:
-        lines = ["| path | workers | prefetch | samples/s | data wait | of the step alone | peak memory (MiB) | chosen |",
-                 "|:---|---:|---:|---:|---:|---:|---:|:---:|"]
+        lines = [
+            "| path | workers | prefetch | samples/s | data wait | of the step alone | peak "
+            "memory (MiB) | chosen |",
+            "|:---|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
         for t in self.trials:
             mark = "yes" if self.chosen is not None and _key(t) == _key(self.chosen) else ""
             wait = "-" if t["wait_fraction"] is None else f"{t['wait_fraction']:.0%}"
             workers = "-" if t["path"] != "workers" else t["num_workers"]
             kept = "-" if t.get("kept") is None else f"{t['kept']:.0%}"
-            lines.append(f"| {t['path']} | {workers} | {t['prefetch_factor'] or '-'} | {t['samples_per_s']:,.1f} | "
-                         f"{wait} | {kept} | {t['peak_bytes'] / 2**20:,.0f} | {mark} |")
+            lines.append(
+                f"| {t['path']} | {workers} | {t['prefetch_factor'] or '-'} | "
+                f"{t['samples_per_s']:,.1f} | {wait} | {kept} | {t['peak_bytes'] / 2**20:,.0f} | "
+                f"{mark} |"
+            )
         return "\n".join(lines) + f"\n\n{self.reason}"
 
 
@@ -95,9 +110,10 @@ def autotune(
     processes first). With `step(batch)` (your real training step) or `step_seconds` (a
     simulated one), the cheapest setting whose data wait is under 10% and that keeps the step
     at 90% of its rate alone or more wins (threads of the loop's process slow the step itself
-    when both need the GIL, which no data wait shows); when none does, the fastest. Settings whose peak memory exceeds `memory_budget` are never chosen. A
-    dataset with thread paths (`thread_batches()` true) has them measured too: threads of this
-    process and of one child process (`path="threads"`, `"isolated"`) before the workers.
+    when both need the GIL, which no data wait shows); when none does, the fastest. Settings whose
+    peak memory exceeds `memory_budget` are never chosen. A dataset with thread paths
+    (`thread_batches()` true) has them measured too: threads of this process and of one child
+    process (`path="threads"`, `"isolated"`) before the workers.
 
     Args:
         dataset: a map-style or iterable Dataset.
@@ -123,7 +139,9 @@ def autotune(
     from recipes.common.sizing.sizing import local_world_size_from_env
 
     res = detect_resources()
-    limit = max_workers if max_workers is not None else max(1, res.cpus // local_world_size_from_env())
+    limit = (
+        max_workers if max_workers is not None else max(1, res.cpus // local_world_size_from_env())
+    )
     deadline = time.monotonic() + max_seconds
     stepper = step if step is not None else (_sleeper(step_seconds) if step_seconds > 0 else None)
     trials: list[dict[str, Any]] = []
@@ -131,15 +149,29 @@ def autotune(
     alone = [0.0]  # the step's own rate (samples/s) without a loader, the best of its measures
 
     def trial(workers: int, prefetch: int | None, path: str = "workers") -> dict[str, Any]:
-        row = _trial(dataset, batch_size, collate_fn, workers, prefetch, stepper, seconds_per_trial, path, sample)
+        row = _trial(
+            dataset,
+            batch_size,
+            collate_fn,
+            workers,
+            prefetch,
+            stepper,
+            seconds_per_trial,
+            path,
+            sample,
+        )
         trials.append(row)
         if stepper is not None and not alone[0]:
             alone[0] = _step_alone(stepper, sample[0], seconds_per_trial / 2)
         _kept(trials, alone[0])
         if log is not None:
-            log(f"{_label(row)}: {row['samples_per_s']:,.1f} samples/s, "
-                f"wait {row['wait_fraction'] if row['wait_fraction'] is None else round(row['wait_fraction'], 3)}, "
-                f"peak {row['peak_bytes'] / 2**20:,.0f} MiB")
+            wait = row["wait_fraction"]
+            if wait is not None:
+                wait = round(wait, 3)
+            log(
+                f"{_label(row)}: {row['samples_per_s']:,.1f} samples/s, wait {wait}, "
+                f"peak {row['peak_bytes'] / 2**20:,.0f} MiB"
+            )
         return row
 
     paths = _thread_paths(dataset)
@@ -172,8 +204,19 @@ def autotune(
     for row in reversed(list(trials)):
         if time.monotonic() > deadline:
             break
-        _merge(row, _trial(dataset, batch_size, collate_fn, row["num_workers"], row["prefetch_factor"], stepper,
-                           seconds_per_trial, row["path"]))
+        _merge(
+            row,
+            _trial(
+                dataset,
+                batch_size,
+                collate_fn,
+                row["num_workers"],
+                row["prefetch_factor"],
+                stepper,
+                seconds_per_trial,
+                row["path"],
+            ),
+        )
     if stepper is not None and time.monotonic() <= deadline:
         alone[0] = max(alone[0], _step_alone(stepper, sample[0], seconds_per_trial / 2))
     _kept(trials, alone[0])
@@ -184,27 +227,53 @@ def autotune(
     if once:  # max_seconds ran out before the second round reached them
         reason += f" ({once} of {len(trials)} settings measured once: max_seconds ran out)"
     result = TuneResult(_settings(chosen, batch_size, bool(paths)), trials, reason, chosen)
-    result.step = (f"the step {getattr(step, '__name__', type(step).__name__)}()" if step is not None else
-                   f"a simulated step of {step_seconds * 1000:g} ms" if step_seconds > 0 else None)
+    result.step = (
+        f"the step {getattr(step, '__name__', type(step).__name__)}()"
+        if step is not None
+        else f"a simulated step of {step_seconds * 1000:g} ms"
+        if step_seconds > 0
+        else None
+    )
     if _over(chosen, memory_budget):
-        warnings.warn(f"autotune: no setting fits the memory budget of {memory_budget / 2**20:,.0f} MiB; the one "
-                      f"with the lowest peak ({chosen['peak_bytes'] / 2**20:,.0f} MiB) is returned and not stored.",
-                      LoaderWarning, stacklevel=2)
+        warnings.warn(
+            f"autotune: no setting fits the memory budget of {memory_budget / 2**20:,.0f} MiB; the "
+            f"one with the lowest peak ({chosen['peak_bytes'] / 2**20:,.0f} MiB) is returned and "
+            "not stored.",
+            LoaderWarning,
+            stacklevel=2,
+        )
     elif store and cut and chosen["path"] == "workers":
-        warnings.warn("autotune: max_seconds allowed one trial (0 workers) only; the result is not stored, so "
-                      "make_loader keeps its own sizing. Give it more time.", LoaderWarning, stacklevel=2)
+        warnings.warn(
+            "autotune: max_seconds allowed one trial (0 workers) only; the result is not stored, "
+            "so make_loader keeps its own sizing. Give it more time.",
+            LoaderWarning,
+            stacklevel=2,
+        )
     elif store:
         save_tuned(dataset, result, chosen)
     return result
 
 
-def _trial(dataset, batch_size, collate_fn, workers, prefetch, stepper, seconds, path="workers",
-           sample: list | None = None) -> dict[str, Any]:
-    """One setting measured beside `stepper`; its first batch goes to `sample` when that is empty."""
+def _trial(
+    dataset,
+    batch_size,
+    collate_fn,
+    workers,
+    prefetch,
+    stepper,
+    seconds,
+    path="workers",
+    sample: list | None = None,
+) -> dict[str, Any]:
+    """One setting measured beside `stepper`; its first batch goes to `sample` when that is
+    empty."""
     from recipes.common.loading.loader import make_loader
 
-    kwargs: dict[str, Any] = {"num_workers": workers, "tuned": False} if path == "workers" else \
-        {"path": path, "tuned": False}
+    kwargs: dict[str, Any] = (
+        {"num_workers": workers, "tuned": False}
+        if path == "workers"
+        else {"path": path, "tuned": False}
+    )
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     if workers:
@@ -229,11 +298,19 @@ def _trial(dataset, batch_size, collate_fn, workers, prefetch, stepper, seconds,
         elapsed = time.perf_counter() - start
         batches.close()
         close = getattr(loader, "close", None)
-        if close is not None:  # the isolated path's child, the thread pool: gone before the next trial
+        if (
+            close is not None
+        ):  # the isolated path's child, the thread pool: gone before the next trial
             close()
         del loader
-    return {"path": path, "num_workers": workers, "prefetch_factor": prefetch, "samples_per_s": samples / elapsed,
-            "wait_fraction": wait / elapsed if stepper is not None else None, "peak_bytes": memory.peak}
+    return {
+        "path": path,
+        "num_workers": workers,
+        "prefetch_factor": prefetch,
+        "samples_per_s": samples / elapsed,
+        "wait_fraction": wait / elapsed if stepper is not None else None,
+        "peak_bytes": memory.peak,
+    }
 
 
 def _step_alone(stepper, batch, seconds: float) -> float:
@@ -255,7 +332,8 @@ def _kept(trials: list[dict[str, Any]], alone: float) -> None:
 
 
 def _merge(row: dict[str, Any], again: dict[str, Any]) -> None:
-    """`again` folded into `row`: the faster run's rate and wait, the higher peak (memory is a limit)."""
+    """`again` folded into `row`: the faster run's rate and wait, the higher peak (memory is a
+    limit)."""
     if again["samples_per_s"] > row["samples_per_s"]:
         row.update(samples_per_s=again["samples_per_s"], wait_fraction=again["wait_fraction"])
     row["peak_bytes"] = max(row["peak_bytes"], again["peak_bytes"])
@@ -298,8 +376,11 @@ def _fed(row: dict[str, Any]) -> bool:
     """The loop waits under 10% of its time for data, and keeps 90% of its step's rate alone
     or more (no step: never fed)."""
     kept = row.get("kept")
-    return (row["wait_fraction"] is not None and row["wait_fraction"] < WAIT_TARGET
-            and (kept is None or kept >= 1 - WAIT_TARGET))
+    return (
+        row["wait_fraction"] is not None
+        and row["wait_fraction"] < WAIT_TARGET
+        and (kept is None or kept >= 1 - WAIT_TARGET)
+    )
 
 
 def _over(row: dict[str, Any], budget: int | None) -> bool:
@@ -338,7 +419,9 @@ def _thread_paths(dataset) -> list[str]:
 
 
 def _choose(trials: list[dict[str, Any]], with_step: bool, budget: int | None) -> dict[str, Any]:
-    fitting = [t for t in trials if not _over(t, budget)] or [min(trials, key=lambda t: t["peak_bytes"])]
+    fitting = [t for t in trials if not _over(t, budget)] or [
+        min(trials, key=lambda t: t["peak_bytes"])
+    ]
     if with_step:
         fed = [t for t in fitting if _fed(t)]
         if fed:
@@ -351,7 +434,9 @@ def _settings(row: dict[str, Any], batch_size: int, with_path: bool) -> dict[str
     if row["path"] != "workers":
         return {"batch_size": batch_size, "path": row["path"]}
     settings: dict[str, Any] = {"batch_size": batch_size, "num_workers": row["num_workers"]}
-    if with_path:  # the dataset could take threads: make_loader's "auto" is told it measured workers
+    if (
+        with_path
+    ):  # the dataset could take threads: make_loader's "auto" is told it measured workers
         settings["path"] = "workers"
     if row["num_workers"]:
         settings.update(prefetch_factor=row["prefetch_factor"], persistent_workers=True)
@@ -361,14 +446,20 @@ def _settings(row: dict[str, Any], batch_size: int, with_path: bool) -> dict[str
 def _reason(row: dict[str, Any], with_step: bool, budget: int | None) -> str:
     rate = f"{row['samples_per_s']:,.1f} samples/s"
     if with_step and _fed(row):
-        kept = "" if row.get("kept") is None else f", the step at {row['kept']:.0%} of its rate alone"
-        why = (f"the cheapest setting whose data wait is under {WAIT_TARGET:.0%} ({row['wait_fraction']:.1%}"
-               f"{kept}), {rate}")
+        kept = (
+            "" if row.get("kept") is None else f", the step at {row['kept']:.0%} of its rate alone"
+        )
+        why = (
+            f"the cheapest setting whose data wait is under {WAIT_TARGET:.0%} "
+            f"({row['wait_fraction']:.1%}{kept}), {rate}"
+        )
     else:
         why = f"the cheapest setting within {GAIN - 1:.0%} of the fastest rate, {rate}"
     if budget is not None and _over(row, budget):
-        why += (f"; no setting fits the memory budget of {budget / 2**20:,.0f} MiB: the lowest peak, "
-                f"{row['peak_bytes'] / 2**20:,.0f} MiB")
+        why += (
+            f"; no setting fits the memory budget of {budget / 2**20:,.0f} MiB: the lowest peak, "
+            f"{row['peak_bytes'] / 2**20:,.0f} MiB"
+        )
     elif budget is not None:
         why += f", within the memory budget of {budget / 2**20:,.0f} MiB"
     return f"autotune: {_label(row)}, {why}"
@@ -381,11 +472,15 @@ def _sleeper(seconds: float) -> Callable[[Any], None]:
     return step
 
 
-def _check(batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget, max_workers) -> None:
+def _check(
+    batch_size, step_seconds, seconds_per_trial, max_seconds, memory_budget, max_workers
+) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, but is {batch_size!r} instead.")
     if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
-        raise ValueError(f"`max_workers` must be a non-negative integer, but is {max_workers!r} instead.")
+        raise ValueError(
+            f"`max_workers` must be a non-negative integer, but is {max_workers!r} instead."
+        )
     if step_seconds < 0:
         raise ValueError(f"`step_seconds` must be non-negative, but is {step_seconds!r} instead.")
     for name, value in (("seconds_per_trial", seconds_per_trial), ("max_seconds", max_seconds)):

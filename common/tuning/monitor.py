@@ -14,8 +14,8 @@ synchronises (no `loss.item()`, no logging) shows step time in the next `next()`
 `profile_trace` shows the exact timeline.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
   common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
-  common/remote/ranged_download.py, common/remote/retries.py, common/tuning/probes.py,
-  common/tuning/monitor_plot.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/remote/ranged_download.py, common/remote/retries.py, common/tuning/monitor_plot.py,
+  common/tuning/probes.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -54,14 +54,25 @@ class LoaderMonitor:
         ...     for images, targets in monitor:
         ...         step(images, targets)
         ...     print(monitor.report())
-        >>> monitor.plot("timeline.png")  # or .svg: needs matplotlib (pip install "loader-recipes[plot]")
+        >>> monitor.plot("timeline.png")  # or .svg; matplotlib: pip install "loader-recipes[plot]"
     """
 
-    def __init__(self, loader, *, warn_batch_seconds: float = 1.0, warn_memory_growth: float = 0.20,
-                 warn_wait_fraction: float = 0.20, sample_seconds: float = 5.0,
-                 warn_first_batch_seconds: float = 10.0):
-        for name, value in (("warn_batch_seconds", warn_batch_seconds), ("warn_memory_growth", warn_memory_growth),
-                            ("warn_wait_fraction", warn_wait_fraction), ("sample_seconds", sample_seconds)):
+    def __init__(
+        self,
+        loader,
+        *,
+        warn_batch_seconds: float = 1.0,
+        warn_memory_growth: float = 0.20,
+        warn_wait_fraction: float = 0.20,
+        sample_seconds: float = 5.0,
+        warn_first_batch_seconds: float = 10.0,
+    ):
+        for name, value in (
+            ("warn_batch_seconds", warn_batch_seconds),
+            ("warn_memory_growth", warn_memory_growth),
+            ("warn_wait_fraction", warn_wait_fraction),
+            ("sample_seconds", sample_seconds),
+        ):
             if not value > 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
         self.loader = loader
@@ -97,7 +108,9 @@ class LoaderMonitor:
                     epoch.step_s += asked - handed_back if epoch.batches else 0.0
                     break
                 except RuntimeError:
-                    self._sample(epoch, iterator)  # record the deaths behind "worker exited unexpectedly"
+                    self._sample(
+                        epoch, iterator
+                    )  # record the deaths behind "worker exited unexpectedly"
                     raise
                 got = time.perf_counter()
                 self.timeline.open(asked, got, epoch.index)
@@ -143,7 +156,9 @@ class LoaderMonitor:
             epoch.gpu_util.append(gpu[0])
             epoch.gpu_memory = max(epoch.gpu_memory or 0, gpu[1])
 
-    def _close(self, epoch: _Epoch, begin: float, net_before: int | None, caches_before: dict) -> None:
+    def _close(
+        self, epoch: _Epoch, begin: float, net_before: int | None, caches_before: dict
+    ) -> None:
         epoch.seconds = time.perf_counter() - begin
         net = _net_bytes()
         epoch.net_bytes = None if net is None or net_before is None else net - net_before
@@ -177,14 +192,35 @@ class LoaderMonitor:
         proportion of each source in the latest epoch's samples, by name; None without one).
         """
         if not self.epochs:
-            return {"epochs": 0, "batches": 0, "samples": 0, "seconds": 0.0, "samples_per_s": 0.0,
-                    "wait_fraction": 0.0, "wait_fraction_with_start": 0.0, "max_batch_s": 0.0}
+            return {
+                "epochs": 0,
+                "batches": 0,
+                "samples": 0,
+                "seconds": 0.0,
+                "samples_per_s": 0.0,
+                "wait_fraction": 0.0,
+                "wait_fraction_with_start": 0.0,
+                "max_batch_s": 0.0,
+            }
         last = self.epochs[-1]
-        total = {key: sum(e[key] for e in self.epochs)
-                 for key in ("batches", "samples", "seconds", "wait_s", "step_s", "steady_wait_s", "steady_s")}
+        total = {
+            key: sum(e[key] for e in self.epochs)
+            for key in (
+                "batches",
+                "samples",
+                "seconds",
+                "wait_s",
+                "step_s",
+                "steady_wait_s",
+                "steady_s",
+            )
+        }
         out = {key: value for key, value in last.items() if key not in total}
         out.update(
-            epochs=len(self.epochs), batches=total["batches"], samples=total["samples"], seconds=total["seconds"],
+            epochs=len(self.epochs),
+            batches=total["batches"],
+            samples=total["samples"],
+            seconds=total["seconds"],
             samples_per_s=total["samples"] / total["seconds"] if total["seconds"] > 0 else 0.0,
             wait_fraction=_ratio(total["steady_wait_s"], total["steady_s"]),
             wait_fraction_with_start=_ratio(total["wait_s"], total["wait_s"] + total["step_s"]),
@@ -200,17 +236,22 @@ class LoaderMonitor:
 
     def report(self) -> str:
         """A Markdown table, one row per epoch."""
-        lines = ["| epoch | samples/s | data wait | first batch (s) | max batch (s) | batch CV | "
-                 "main RSS (MiB) | workers USS (MiB) | growth | deaths | /dev/shm (MiB) | GPU util | net (MiB) |",
-                 "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines = [
+            "| epoch | samples/s | data wait | first batch (s) | max batch (s) | batch CV | main "
+            "RSS (MiB) | workers USS (MiB) | growth | deaths | /dev/shm (MiB) | GPU util | net "
+            "(MiB) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for i, e in enumerate(self.epochs):
             growth = "-" if e["memory_growth"] is None else f"{e['memory_growth']:+.0%}"
             gpu = "-" if e["gpu_util"] is None else f"{e['gpu_util']:.0f}%"
             lines.append(
-                f"| {i} | {e['samples_per_s']:,.1f} | {e['wait_fraction']:.0%} | {e['first_batch_s']:.2f} | "
-                f"{e['max_batch_s']:.2f} | {e['batch_time_cv']:.2f} | {_mib(e['main_rss_bytes'])} | "
-                f"{_mib(e['workers_uss_bytes'])} | {growth} | {e['worker_deaths']} | {_mib(e['shm_used_bytes'])} | "
-                f"{gpu} | {_mib(e['net_bytes_recv'])} |")
+                f"| {i} | {e['samples_per_s']:,.1f} | {e['wait_fraction']:.0%} | "
+                f"{e['first_batch_s']:.2f} | {e['max_batch_s']:.2f} | {e['batch_time_cv']:.2f} | "
+                f"{_mib(e['main_rss_bytes'])} | {_mib(e['workers_uss_bytes'])} | {growth} | "
+                f"{e['worker_deaths']} | {_mib(e['shm_used_bytes'])} | {gpu} | "
+                f"{_mib(e['net_bytes_recv'])} |"
+            )
         return "\n".join(lines)
 
 
@@ -261,23 +302,35 @@ class _Epoch:
         mean = sum(steady) / len(steady) if steady else 0.0
         var = sum((w - mean) ** 2 for w in steady) / len(steady) if steady else 0.0
         return {
-            "batches": self.batches, "samples": self.samples, "seconds": self.seconds,
+            "batches": self.batches,
+            "samples": self.samples,
+            "seconds": self.seconds,
             "samples_per_s": self.samples / self.seconds if self.seconds > 0 else 0.0,
             "steady_samples_per_s": _ratio(self.samples - self.first_items, steady_s),
-            "wait_s": self.wait_s, "step_s": self.step_s, "steady_wait_s": steady_wait, "steady_s": steady_s,
+            "wait_s": self.wait_s,
+            "step_s": self.step_s,
+            "steady_wait_s": steady_wait,
+            "steady_s": steady_s,
             "wait_fraction": _ratio(steady_wait, steady_s),
             "wait_fraction_with_start": _ratio(self.wait_s, self.wait_s + self.step_s),
             "first_batch_s": self.first_batch_s,
             "max_batch_s": max(steady, default=self.waits[0] if self.waits else 0.0),
             "batch_time_cv": math.sqrt(var) / mean if mean > 0 else 0.0,
-            "main_rss_bytes": self.main_rss, "workers": self.workers,
-            "workers_uss_bytes": self.workers_uss or None, "workers_pss_bytes": self.workers_pss or None,
-            "per_worker": [{"pid": pid, "uss_bytes": uss, "pss_bytes": pss}
-                           for pid, (uss, pss) in sorted(self.per_worker.items())],
-            "worker_deaths": len(self.deaths), "worker_exit_codes": [code for _, code in self.deaths],
+            "main_rss_bytes": self.main_rss,
+            "workers": self.workers,
+            "workers_uss_bytes": self.workers_uss or None,
+            "workers_pss_bytes": self.workers_pss or None,
+            "per_worker": [
+                {"pid": pid, "uss_bytes": uss, "pss_bytes": pss}
+                for pid, (uss, pss) in sorted(self.per_worker.items())
+            ],
+            "worker_deaths": len(self.deaths),
+            "worker_exit_codes": [code for _, code in self.deaths],
             "shm_used_bytes": self.shm_used,
             "gpu_util": sum(self.gpu_util) / len(self.gpu_util) if self.gpu_util else None,
-            "gpu_memory_bytes": self.gpu_memory, "net_bytes_recv": self.net_bytes, "prefetch": prefetch,
+            "gpu_memory_bytes": self.gpu_memory,
+            "net_bytes_recv": self.net_bytes,
+            "prefetch": prefetch,
         }
 
 
@@ -289,21 +342,40 @@ def _realised_mixture(loader, samples: int) -> dict[str, float] | None:
     current = getattr(getattr(inner, "_passes", None), "current", None)
     skip = int(getattr(current, "skip", 0) or 0)  # batches of the epoch a resume skipped
     batch_sampler = getattr(inner, "batch_sampler", None)
-    for candidate in (batch_sampler, getattr(batch_sampler, "sampler", None), getattr(inner, "sampler", None)):
+    for candidate in (
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        getattr(inner, "sampler", None),
+    ):
         if hasattr(candidate, "source_counts"):
             if getattr(candidate, "batch_size", None) is not None and candidate is batch_sampler:
-                # a batch sampler resumes by itself: this pass's batches begin at its global position
-                mine = [int(i) for b in candidate._batch_plan(candidate.epoch, candidate._begin)[skip:] for i in b]
-                found = np.bincount(candidate.source_of(mine[:samples]), minlength=len(candidate.names))
+                # a batch sampler resumes by itself: this pass's batches begin at its global
+                # position
+                mine = [
+                    int(i)
+                    for b in candidate._batch_plan(candidate.epoch, candidate._begin)[skip:]
+                    for i in b
+                ]
+                found = np.bincount(
+                    candidate.source_of(mine[:samples]), minlength=len(candidate.names)
+                )
                 counts = {name: int(c) for name, c in zip(candidate.names, found, strict=True)}
             else:
-                counts = candidate.source_counts(samples, start=skip * int(getattr(inner, "batch_size", None) or 1))
+                counts = candidate.source_counts(
+                    samples, start=skip * int(getattr(inner, "batch_size", None) or 1)
+                )
             break
         mixture = getattr(candidate, "mixture", None)
         if hasattr(mixture, "source_of") and hasattr(candidate, "_plan"):  # mixed, then bucketed
-            begin = int(getattr(candidate, "_begin", 0))  # a bucketing sampler resumes by itself too
-            mine = [int(i) for batch in candidate._plan(candidate.epoch, begin)[skip:] for i in batch][:samples]
-            found = np.bincount(mixture.source_of(mine), minlength=len(mixture.names)) if mine else []
+            begin = int(
+                getattr(candidate, "_begin", 0)
+            )  # a bucketing sampler resumes by itself too
+            mine = [
+                int(i) for batch in candidate._plan(candidate.epoch, begin)[skip:] for i in batch
+            ][:samples]
+            found = (
+                np.bincount(mixture.source_of(mine), minlength=len(mixture.names)) if mine else []
+            )
             counts = {name: int(c) for name, c in zip(mixture.names, found, strict=False)}
             break
     else:
@@ -318,41 +390,57 @@ def _diagnose(row: dict[str, Any], monitor: LoaderMonitor) -> list[str]:
     out = []
     threads = getattr(monitor.loader, "read_ahead_threads", None)
     if row["batches"] > 1 and row["wait_fraction"] > monitor.warn_wait_fraction:
-        fix = (f"Likely cause: the {threads} thread(s) of the thread path (ThreadLoader) cannot make batches as fast "
-               "as the step uses them, or their work holds the GIL. Fix: a decoded cache (build_image_cache, "
-               "build_token_cache) if there is none, more CPUs for this rank, or make_loader(..., path='workers') "
-               "with `recipes tune` for work that is Python per item." if threads is not None else
-               "Likely cause: too few workers for the decode cost, or slow storage. Fix: `recipes tune` / "
-               "autotune() for num_workers and prefetch_factor, a decoded cache (build_image_cache, "
-               "build_token_cache), or PrefetchCache for remote data.")
+        fix = (
+            f"Likely cause: the {threads} thread(s) of the thread path (ThreadLoader) cannot make "
+            "batches as fast as the step uses them, or their work holds the GIL. Fix: a decoded "
+            "cache (build_image_cache, build_token_cache) if there is none, more CPUs for this "
+            "rank, or make_loader(..., path='workers') with `recipes tune` for work that is "
+            "Python per item."
+            if threads is not None
+            else "Likely cause: too few workers for the decode cost, or slow storage. Fix: "
+            "`recipes tune` / autotune() for num_workers and prefetch_factor, a decoded cache "
+            "(build_image_cache, build_token_cache), or PrefetchCache for remote data."
+        )
         out.append(
             f"epoch {n}: the loop waited for data {row['wait_fraction']:.0%} of the time "
-            f"(threshold {monitor.warn_wait_fraction:.0%}); the step is starved. {fix}")
+            f"(threshold {monitor.warn_wait_fraction:.0%}); the step is starved. {fix}"
+        )
     if row["max_batch_s"] > monitor.warn_batch_seconds and row["batches"] > 1:
         out.append(
             f"epoch {n}: a batch took {row['max_batch_s']:.2f} s to arrive (threshold "
-            f"{monitor.warn_batch_seconds:.2f} s; batch-time CV {row['batch_time_cv']:.2f}). Likely cause: "
-            "a slow read (remote storage, a huge or corrupt file) or a straggling worker. Fix: "
-            "PrefetchCache for remote shards, a higher prefetch_factor (ThreadLoader: `prefetch`) to absorb "
-            "jitter, or check the files the slow indices map to.")
+            f"{monitor.warn_batch_seconds:.2f} s; batch-time CV {row['batch_time_cv']:.2f}). "
+            "Likely cause: a slow read (remote storage, a huge or corrupt file) or a straggling "
+            "worker. Fix: PrefetchCache for remote shards, a higher prefetch_factor "
+            "(ThreadLoader: `prefetch`) to absorb jitter, or check the files the slow indices map "
+            "to."
+        )
     if row["first_batch_s"] > monitor.warn_first_batch_seconds:
         out.append(
             f"epoch {n}: the first batch took {row['first_batch_s']:.1f} s (threshold "
-            f"{monitor.warn_first_batch_seconds:.1f} s). Likely cause: workers started with spawn or "
-            "forkserver re-import torch, or a heavy dataset constructor. Fix: the fork start method "
-            "(make_loader's default) and persistent_workers=True.")
+            f"{monitor.warn_first_batch_seconds:.1f} s). Likely cause: workers started with spawn "
+            "or forkserver re-import torch, or a heavy dataset constructor. Fix: the fork start "
+            "method (make_loader's default) and persistent_workers=True."
+        )
     growth = row["memory_growth"]
     if growth is not None and growth > monitor.warn_memory_growth:
         out.append(
             f"epoch {n}: loader memory grew {growth:.0%} since the last epoch (threshold "
-            f"{monitor.warn_memory_growth:.0%}). Likely cause: forked workers touching Python lists or "
-            "dicts of the index (copy-on-read), or a per-worker cache without a bound. Fix: keep the "
-            "index in numpy arrays or PackedStrings, bound caches.")
+            f"{monitor.warn_memory_growth:.0%}). Likely cause: forked workers touching Python "
+            "lists or dicts of the index (copy-on-read), or a per-worker cache without a bound. "
+            "Fix: keep the index in numpy arrays or PackedStrings, bound caches."
+        )
     for code in row["worker_exit_codes"]:
-        cause = ("killed by SIGKILL, usually the out-of-memory killer" if code == -9 else
-                 "a bus error, usually a full /dev/shm" if code == -7 else f"exit code {code}")
-        out.append(f"epoch {n}: a DataLoader worker died ({cause}). Fix: fewer workers, "
-                   "prefetch_factor=1, profile='memory', or a larger /dev/shm (docker --shm-size).")
+        cause = (
+            "killed by SIGKILL, usually the out-of-memory killer"
+            if code == -9
+            else "a bus error, usually a full /dev/shm"
+            if code == -7
+            else f"exit code {code}"
+        )
+        out.append(
+            f"epoch {n}: a DataLoader worker died ({cause}). Fix: fewer workers, "
+            "prefetch_factor=1, profile='memory', or a larger /dev/shm (docker --shm-size)."
+        )
     return out
 
 
@@ -387,7 +475,9 @@ class _quiet:
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
-        return kind is not None and issubclass(kind, (OSError, RuntimeError, AttributeError, ValueError))
+        return kind is not None and issubclass(
+            kind, (OSError, RuntimeError, AttributeError, ValueError)
+        )
 
 
 def _ratio(part: float, whole: float) -> float:

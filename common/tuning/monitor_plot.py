@@ -41,7 +41,9 @@ class StepTimeline:
     def __init__(self, max_rows: int = MAX_ROWS, max_readings: int = MAX_READINGS):
         for name, value in (("max_rows", max_rows), ("max_readings", max_readings)):
             if value < 2 or value % 2:
-                raise ValueError(f"`{name}` must be an even number of at least 2, but is {value!r} instead.")
+                raise ValueError(
+                    f"`{name}` must be an even number of at least 2, but is {value!r} instead."
+                )
         self.start = np.zeros(max_rows)  # seconds from the first request to the row's first request
         self.wait = np.zeros(max_rows)  # summed over the row's steps
         self.compute = np.zeros(max_rows)
@@ -113,9 +115,13 @@ class StepTimeline:
         if self.rows:
             counts[-1] = self._in_row
         return TimelineData(
-            start_s=self.start[: self.rows].copy(), steps=counts, wait_s=self.wait[: self.rows] / np.maximum(counts, 1),
-            compute_s=self.compute[: self.rows] / np.maximum(counts, 1), memory=self.memory[: self.readings].copy(),
-            epoch_starts=list(self.epoch_starts))
+            start_s=self.start[: self.rows].copy(),
+            steps=counts,
+            wait_s=self.wait[: self.rows] / np.maximum(counts, 1),
+            compute_s=self.compute[: self.rows] / np.maximum(counts, 1),
+            memory=self.memory[: self.readings].copy(),
+            epoch_starts=list(self.epoch_starts),
+        )
 
 
 @dataclass
@@ -134,23 +140,32 @@ class TimelineData:
 
     def totals(self) -> dict[str, float]:
         """Steps and summed seconds: what the chart's metadata carries."""
-        return {"steps": int(self.steps.sum()), "wait_s": float((self.wait_s * self.steps).sum()),
-                "compute_s": float((self.compute_s * self.steps).sum()), "rows": len(self.steps)}
+        return {
+            "steps": int(self.steps.sum()),
+            "wait_s": float((self.wait_s * self.steps).sum()),
+            "compute_s": float((self.compute_s * self.steps).sum()),
+            "rows": len(self.steps),
+        }
 
 
 def import_pyplot():
-    """matplotlib's pyplot on the file-only Agg backend, or an ImportError that says how to install it."""
+    """matplotlib's pyplot on the file-only Agg backend, or an ImportError that says how to install
+    it."""
     try:
         import matplotlib
     except ImportError as error:
-        raise ImportError('Plotting needs matplotlib: pip install "loader-recipes[plot]"') from error
+        raise ImportError(
+            'Plotting needs matplotlib: pip install "loader-recipes[plot]"'
+        ) from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def plot_timeline(timeline: StepTimeline, path: str | Path, *, x: str = "time", title: str | None = None) -> TimelineData:
+def plot_timeline(
+    timeline: StepTimeline, path: str | Path, *, x: str = "time", title: str | None = None
+) -> TimelineData:
     """Draws `timeline` to `path` (.png or .svg, by its suffix) and returns the data drawn.
 
     Top: each step's compute and data wait stacked (ms), with main and worker memory (MiB) on a
@@ -171,10 +186,19 @@ def plot_timeline(timeline: StepTimeline, path: str | Path, *, x: str = "time", 
         raise ValueError("The timeline has no steps yet: iterate the monitor before plotting it.")
     plt = import_pyplot()
     first_step = np.concatenate([[0], np.cumsum(data.steps)[:-1]])
-    busy = np.divide(data.compute_s, data.compute_s + data.wait_s, out=np.zeros_like(data.compute_s),
-                     where=data.compute_s + data.wait_s > 0) * 100
+    busy = (
+        np.divide(
+            data.compute_s,
+            data.compute_s + data.wait_s,
+            out=np.zeros_like(data.compute_s),
+            where=data.compute_s + data.wait_s > 0,
+        )
+        * 100
+    )
     if x == "time":  # each step from its start to its end, then nothing until the next one starts
-        ends = data.start_s + (data.wait_s + data.compute_s) * data.steps  # (a gap between epochs is no step's)
+        ends = (
+            data.start_s + (data.wait_s + data.compute_s) * data.steps
+        )  # (a gap between epochs is no step's)
         xs = np.column_stack([data.start_s, ends]).ravel()
         gaps = np.zeros_like(data.compute_s)
         compute_ms = np.column_stack([data.compute_s, gaps]).ravel() * 1e3
@@ -184,10 +208,19 @@ def plot_timeline(timeline: StepTimeline, path: str | Path, *, x: str = "time", 
         xs = np.append(first_step, data.steps.sum())
         compute_ms, wait_ms = np.append(data.compute_s, 0) * 1e3, np.append(data.wait_s, 0) * 1e3
         busy_line = np.append(busy, busy[-1])
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 5.5), height_ratios=[3, 1],
-                                      layout="constrained")
+    fig, (top, bottom) = plt.subplots(
+        2, 1, sharex=True, figsize=(10, 5.5), height_ratios=[3, 1], layout="constrained"
+    )
     top.fill_between(xs, 0, compute_ms, step="post", color="#4c72b0", label="compute", linewidth=0)
-    top.fill_between(xs, compute_ms, compute_ms + wait_ms, step="post", color="#dd8452", label="data wait", linewidth=0)
+    top.fill_between(
+        xs,
+        compute_ms,
+        compute_ms + wait_ms,
+        step="post",
+        color="#dd8452",
+        label="data wait",
+        linewidth=0,
+    )
     top.set_ylabel("ms per step")
     _draw_memory(top, data, None if x == "time" else first_step)
     bottom.step(xs, busy_line, where="post", color="#4c72b0", linewidth=0.8)
@@ -195,14 +228,26 @@ def plot_timeline(timeline: StepTimeline, path: str | Path, *, x: str = "time", 
     bottom.set_ylabel("busy %")
     bottom.set_xlabel("seconds since the first batch was asked for" if x == "time" else "step")
     for step in data.epoch_starts[1:]:
-        at = data.start_s[min(np.searchsorted(first_step, step, side="right") - 1, len(data.start_s) - 1)] \
-            if x == "time" else step
+        at = (
+            data.start_s[
+                min(np.searchsorted(first_step, step, side="right") - 1, len(data.start_s) - 1)
+            ]
+            if x == "time"
+            else step
+        )
         for axes in (top, bottom):
             axes.axvline(at, color="grey", linestyle=":", linewidth=0.8)
     totals = data.totals()
-    share = totals["wait_s"] / (totals["wait_s"] + totals["compute_s"]) if totals["wait_s"] + totals["compute_s"] else 0
+    share = (
+        totals["wait_s"] / (totals["wait_s"] + totals["compute_s"])
+        if totals["wait_s"] + totals["compute_s"]
+        else 0
+    )
     stride = f", {data.steps[0]} steps per point" if data.steps[0] > 1 else ""
-    stats = f"{totals['steps']:,} steps; data wait {share:.0%} of wait + compute, the first step included{stride}"
+    stats = (
+        f"{totals['steps']:,} steps; data wait {share:.0%} of wait + compute, "
+        f"the first step included{stride}"
+    )
     top.set_title(f"{title}\n{stats}" if title else stats, fontsize="medium", loc="left")
     save_figure(fig, path, {"timeline": totals})
     plt.close(fig)
@@ -216,8 +261,15 @@ def _draw_memory(axes, data: TimelineData, first_step: np.ndarray | None) -> Non
         axes.figure.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
         return
     seconds, main, workers = data.memory.T
-    where = seconds if first_step is None else first_step[
-        np.clip(np.searchsorted(data.start_s, seconds, side="right") - 1, 0, len(data.steps) - 1)]
+    where = (
+        seconds
+        if first_step is None
+        else first_step[
+            np.clip(
+                np.searchsorted(data.start_s, seconds, side="right") - 1, 0, len(data.steps) - 1
+            )
+        ]
+    )
     twin = axes.twinx()
     twin.plot(where, main / 2**20, color="#55a868", marker=".", label="main RSS (MiB)")
     if workers.any():
@@ -225,8 +277,13 @@ def _draw_memory(axes, data: TimelineData, first_step: np.ndarray | None) -> Non
     twin.set_ylabel("MiB")
     twin.set_ylim(0, max(main.max(), workers.max()) / 2**20 * 1.15 or 1)
     handles = axes.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    axes.figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize="small",
-                       frameon=False)
+    axes.figure.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncols=len(handles),
+        fontsize="small",
+        frameon=False,
+    )
 
 
 def save_figure(fig, path: Path, payload: dict) -> None:

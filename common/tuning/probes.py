@@ -81,7 +81,7 @@ def prefetch_caches(loader) -> list:
     for holder in (dataset, getattr(dataset, "dataset", None)):
         if holder is None:
             continue
-        for value in (vars(holder).values() if hasattr(holder, "__dict__") else ()):
+        for value in vars(holder).values() if hasattr(holder, "__dict__") else ():
             if isinstance(value, PrefetchCache) and id(value) not in seen:
                 seen.add(id(value))
                 found.append(value)

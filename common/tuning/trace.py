@@ -16,8 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def profile_trace(loader, path: str | os.PathLike, *, steps: int = 20,
-                  step: Callable[[object], object] | None = None) -> Path:
+def profile_trace(
+    loader,
+    path: str | os.PathLike,
+    *,
+    steps: int = 20,
+    step: Callable[[object], object] | None = None,
+) -> Path:
     """Profiles `steps` batches of `loader` (and `step(batch)` on each) into a Chrome trace.
 
     Args:

@@ -38,8 +38,11 @@ def _close_held_after_fork() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_FORK_LOCK.acquire, after_in_parent=_FORK_LOCK.release,
-                        after_in_child=_close_held_after_fork)
+    os.register_at_fork(
+        before=_FORK_LOCK.acquire,
+        after_in_parent=_FORK_LOCK.release,
+        after_in_child=_close_held_after_fork,
+    )
 
 
 def open_held(path, flags: int) -> tuple[int, object]:

@@ -74,8 +74,15 @@ def watched_iterator(loader, build):
     fork replaced before the iterator is returned. `loader`'s settings as they were after."""
     if not StartWatch.applies(loader):
         return build()
-    watch, init_fn, context = StartWatch(loader.num_workers), loader.worker_init_fn, loader.multiprocessing_context
-    loader.worker_init_fn, loader.multiprocessing_context = _Started(watch.flags, init_fn), _WatchedFork()  # as workers start
+    watch, init_fn, context = (
+        StartWatch(loader.num_workers),
+        loader.worker_init_fn,
+        loader.multiprocessing_context,
+    )
+    loader.worker_init_fn, loader.multiprocessing_context = (
+        _Started(watch.flags, init_fn),
+        _WatchedFork(),
+    )  # as workers start
     try:
         iterator = build()
     finally:
@@ -93,7 +100,8 @@ class StartWatch:
 
     @staticmethod
     def applies(loader) -> bool:
-        """Workers by fork on Linux (where /proc shows a stopped process): the case that can stick."""
+        """Workers by fork on Linux (where /proc shows a stopped process): the case that can
+        stick."""
         if loader.num_workers <= 0 or not sys.platform.startswith("linux"):
             return False
         context = loader.multiprocessing_context or multiprocessing.get_context()
@@ -115,9 +123,13 @@ class StartWatch:
                 time.sleep(0.002)
                 continue
             if replaced >= REPLACEMENTS:
-                warnings.warn(f"DataLoader workers {silent} have not started after {seconds:g} s and "
-                              f"{replaced} replacements; left as they are (a machine this loaded needs "
-                              "fewer workers).", LoaderWarning, stacklevel=4)
+                warnings.warn(
+                    f"DataLoader workers {silent} have not started after {seconds:g} s and "
+                    f"{replaced} replacements; left as they are (a machine this loaded needs "
+                    "fewer workers).",
+                    LoaderWarning,
+                    stacklevel=4,
+                )
                 return replaced
             for i in silent:
                 replaced += self._replace(iterator, i, seconds)
@@ -132,8 +144,12 @@ class StartWatch:
             if time.monotonic() >= deadline:
                 if not self._killed_if_silent(process, 0):
                     return True
-                warnings.warn(f"The isolated loader's child (pid {process.pid}) had not started {seconds:g} s after "
-                              f"its fork ({_WHY}); started again.", LoaderWarning, stacklevel=4)
+                warnings.warn(
+                    f"The isolated loader's child (pid {process.pid}) had not started {seconds:g} "
+                    f"s after its fork ({_WHY}); started again.",
+                    LoaderWarning,
+                    stacklevel=4,
+                )
                 return False
             time.sleep(0.002)
         return True
@@ -163,14 +179,19 @@ class StartWatch:
         if registered:
             signal_handling._set_worker_pids(id(iterator), tuple(w.pid for w in iterator._workers))
         if killed:
-            warnings.warn(f"DataLoader worker {i} (pid {old.pid}) had not started {seconds:g} s after its fork "
-                          f"({_WHY}); replaced by pid {new.pid} with the same indices and seed, no batch lost.",
-                          LoaderWarning, stacklevel=5)
+            warnings.warn(
+                f"DataLoader worker {i} (pid {old.pid}) had not started {seconds:g} s after its "
+                f"fork ({_WHY}); replaced by pid {new.pid} with the same indices and seed, no "
+                "batch lost.",
+                LoaderWarning,
+                stacklevel=5,
+            )
         return int(killed)
 
 
 def _until_stopped(pid: int, seconds: float = 1.0) -> None:
-    """Waits (up to `seconds`) until /proc shows `pid` stopped, so its flag is read after its last write."""
+    """Waits (up to `seconds`) until /proc shows `pid` stopped, so its flag is read after its last
+    write."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:

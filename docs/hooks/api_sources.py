@@ -26,7 +26,9 @@ def stage_sources(root: Path, target: Path) -> Path:
     package.mkdir(parents=True)
     shutil.copy2(root / "recipes" / "__init__.py", package / "__init__.py")
     for domain in DOMAINS:
-        shutil.copytree(root / domain, package / domain, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            root / domain, package / domain, ignore=shutil.ignore_patterns("__pycache__")
+        )
     return target
 
 

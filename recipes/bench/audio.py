@@ -20,12 +20,20 @@ BENCH_VERSION = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, default=None, help="a folder of audio files (default: generated)")
+    parser.add_argument(
+        "--data", type=Path, default=None, help="a folder of audio files (default: generated)"
+    )
     parser.add_argument("--chunk-seconds", type=float, default=4.0)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
-    parser.add_argument("--baseline-items", type=int, default=48, help="items the (slow) baseline reads")
-    parser.add_argument("--no-memory", action="store_true", help="skip the 1- vs 30-minute memory check")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)"
+    )
+    parser.add_argument(
+        "--baseline-items", type=int, default=48, help="items the (slow) baseline reads"
+    )
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the 1- vs 30-minute memory check"
+    )
 
 
 class WholeFileWindows:
@@ -79,7 +87,11 @@ def ensure_data() -> tuple[Path, Path, Path]:
         make_audio_files(root / "one_minute", count=1, seconds=60.0, seed=2)
         make_audio_files(root / "thirty_minutes", count=1, seconds=1800.0, seed=3)
         (root / ".complete").touch()
-    return root / "long", root / "one_minute" / "audio_0000.flac", root / "thirty_minutes" / "audio_0000.flac"
+    return (
+        root / "long",
+        root / "one_minute" / "audio_0000.flac",
+        root / "thirty_minutes" / "audio_0000.flac",
+    )
 
 
 def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseline_items=48):
@@ -96,21 +108,40 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
 
     def loader(dataset):
-        return DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0),
-                          num_workers=workers, collate_fn=pad_collate, worker_init_fn=worker_init if workers else None)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+            num_workers=workers,
+            collate_fn=pad_collate,
+            worker_init_fn=worker_init if workers else None,
+        )
 
     with tempfile.TemporaryDirectory(prefix="recipes-bench-mel-") as tmp:
         start = time.perf_counter()
-        cache = build_spectrogram_cache(chunked, Path(tmp) / "cache", num_workers=workers, progress=False)
+        cache = build_spectrogram_cache(
+            chunked, Path(tmp) / "cache", num_workers=workers, progress=False
+        )
         build_seconds = time.perf_counter() - start
         rows = [
-            measure("whole file + slice + mel (baseline)", loader(WholeFileWindows(chunked, features)),
-                    max_items=baseline_items),
+            measure(
+                "whole file + slice + mel (baseline)",
+                loader(WholeFileWindows(chunked, features)),
+                max_items=baseline_items,
+            ),
             measure("ChunkedAudioDataset + mel on the fly", loader(OnTheFly(chunked, features))),
             measure("SpectrogramCache, DataLoader workers", loader(cache)),
-            measure("SpectrogramCache, threads (make_loader's path)", ThreadLoader(
-                cache, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(0),
-                collate_fn=pad_collate)),
+            measure(
+                "SpectrogramCache, threads (make_loader's path)",
+                ThreadLoader(
+                    cache,
+                    batch_size=batch_size,
+                    shuffle=True,
+                    generator=torch.Generator().manual_seed(0),
+                    collate_fn=pad_collate,
+                ),
+            ),
         ]
     return rows, build_seconds, len(chunked)
 
@@ -124,8 +155,13 @@ def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
 
     out = {}
     for kind in ("baseline", "chunked"):
-        code = f"from recipes.bench.audio import _probe; _probe({str(path)!r}, {chunk_seconds!r}, {kind!r})"
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        code = (
+            "from recipes.bench.audio import _probe; "
+            f"_probe({str(path)!r}, {chunk_seconds!r}, {kind!r})"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
         out[kind] = json.loads(result.stdout.strip().splitlines()[-1])
     return out
 
@@ -137,7 +173,9 @@ def _probe(path: str, chunk_seconds: float, kind: str) -> None:
 
     chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
-    reader = WholeFileWindows(chunked, features) if kind == "baseline" else OnTheFly(chunked, features)
+    reader = (
+        WholeFileWindows(chunked, features) if kind == "baseline" else OnTheFly(chunked, features)
+    )
     OnTheFly(chunked, features)[0]  # warm up allocators and the mel filterbank
     print(peak_rss_growth(lambda: reader[len(chunked) // 2]))
 
@@ -153,20 +191,47 @@ def run(args: argparse.Namespace) -> int:
     else:
         folder, short, long = ensure_data()
     workers = smart_num_workers() if args.workers is None else args.workers
-    rows, build_seconds, count = compare(folder, chunk_seconds=args.chunk_seconds, batch_size=args.batch_size,
-                                         workers=workers, baseline_items=args.baseline_items)
-    show_table(f"audio: {count} windows of {args.chunk_seconds:g} s from {folder}, batch {args.batch_size}, "
-               f"{workers} workers (baseline: first {rows[0].items} items)", rows, unit="items/s", plot=plot)
-    print(f"\nspectrogram cache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} items/s, one-off)")
+    rows, build_seconds, count = compare(
+        folder,
+        chunk_seconds=args.chunk_seconds,
+        batch_size=args.batch_size,
+        workers=workers,
+        baseline_items=args.baseline_items,
+    )
+    show_table(
+        f"audio: {count} windows of {args.chunk_seconds:g} s from {folder}, batch "
+        f"{args.batch_size}, {workers} workers (baseline: first {rows[0].items} items)",
+        rows,
+        unit="items/s",
+        plot=plot,
+    )
+    print(
+        f"\nspectrogram cache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} items/s, "
+        "one-off)"
+    )
     if short is not None and not args.no_memory:
-        print("\n| peak memory growth reading one window | 1-minute file (MiB) | 30-minute file (MiB) |")
+        print(
+            "\n| peak memory growth reading one window | 1-minute file (MiB) | 30-minute file "
+            "(MiB) |"
+        )
         print("|---|---:|---:|")
-        one, thirty = memory_per_item(short, args.chunk_seconds), memory_per_item(long, args.chunk_seconds)
+        one, thirty = (
+            memory_per_item(short, args.chunk_seconds),
+            memory_per_item(long, args.chunk_seconds),
+        )
         names = {"baseline": "whole file (baseline)", "chunked": "ChunkedAudioDataset"}
         for key, name in names.items():
             print(f"| {name} | {one[key] / 2**20:,.1f} | {thirty[key] / 2**20:,.1f} |")
-        write_chart(Chart("audio-memory", "audio: peak memory growth reading one window of a 30-minute file",
-                          "MiB", tuple(names.values()), tuple(thirty[k] / 2**20 for k in names)), plot)
+        write_chart(
+            Chart(
+                "audio-memory",
+                "audio: peak memory growth reading one window of a 30-minute file",
+                "MiB",
+                tuple(names.values()),
+                tuple(thirty[k] / 2**20 for k in names),
+            ),
+            plot,
+        )
     return 0
 
 
@@ -193,26 +258,47 @@ def train_setup(args, device):
     step = _audio_step(model_name, device)
     workers = smart_num_workers() if args.workers is None else args.workers
     start = time.perf_counter()
-    cache = build_spectrogram_cache(chunked, tempfile.mkdtemp(prefix="recipes-train-bench-mel-"), progress=False)
+    cache = build_spectrogram_cache(
+        chunked, tempfile.mkdtemp(prefix="recipes-train-bench-mel-"), progress=False
+    )
     build = time.perf_counter() - start
     overrides = {} if args.workers is None else {"num_workers": args.workers}
     common = dict(batch_size=batch, shuffle=True, drop_last=True, collate_fn=pad_collate)
-    plain = DataLoader(WholeFileWindows(chunked, features), num_workers=workers, persistent_workers=workers > 0,
-                       worker_init_fn=worker_init if workers else None, pin_memory=cuda, **common)
+    plain = DataLoader(
+        WholeFileWindows(chunked, features),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        worker_init_fn=worker_init if workers else None,
+        pin_memory=cuda,
+        **common,
+    )
 
     def to_device(b):
         mels = b["inputs"].to(device, non_blocking=True)
         return mels, torch.arange(len(mels), device=device) % 10  # throughput only: any labels do
 
     resident = to_device(next(iter(DataLoader(cache, **common))))
-    notes = [f"{len(chunked)} windows of 4 s from {folder}, batch {batch}; spectrogram cache built in {build:.1f} s "
-             "(one-off)"]
-    return TrainSetup("windows", step, lambda b: len(b[0]), resident,
-                      [("whole file + slice + mel (plain)", plain, to_device),
-                       ("ChunkedAudioDataset + mel, make_loader", make_loader(OnTheFly(chunked, features), **common,
-                                                                             **overrides), to_device),
-                       ("SpectrogramCache, make_loader", make_loader(cache, **common, **overrides), to_device)],
-                      model_name, notes)
+    notes = [
+        f"{len(chunked)} windows of 4 s from {folder}, batch {batch}; spectrogram cache built in "
+        f"{build:.1f} s (one-off)"
+    ]
+    return TrainSetup(
+        "windows",
+        step,
+        lambda b: len(b[0]),
+        resident,
+        [
+            ("whole file + slice + mel (plain)", plain, to_device),
+            (
+                "ChunkedAudioDataset + mel, make_loader",
+                make_loader(OnTheFly(chunked, features), **common, **overrides),
+                to_device,
+            ),
+            ("SpectrogramCache, make_loader", make_loader(cache, **common, **overrides), to_device),
+        ],
+        model_name,
+        notes,
+    )
 
 
 def _audio_step(name: str, device):
@@ -223,11 +309,15 @@ def _audio_step(name: str, device):
         raise ValueError(f"`--model` for audio must be cnn or tiny, but is {name!r} instead.")
     layers, channels = [], 1
     for width in widths[name]:
-        layers += [torch.nn.Conv2d(channels, width, 3, stride=2, padding=1), torch.nn.BatchNorm2d(width),
-                   torch.nn.ReLU()]
+        layers += [
+            torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
+            torch.nn.BatchNorm2d(width),
+            torch.nn.ReLU(),
+        ]
         channels = width
-    model = torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                                torch.nn.Linear(channels, 10)).to(device)
+    model = torch.nn.Sequential(
+        *layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(channels, 10)
+    ).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     autocast = device.type == "cuda"
 

@@ -51,13 +51,25 @@ def run(args: argparse.Namespace) -> int:
         rows.append((name, sum(growth) / len(growth)))
     del paths
     base = rows[0][1]
-    heading = f"common: worker memory growth over one pass ({args.paths:,} paths, {args.workers} forked workers)"
+    heading = (
+        f"common: worker memory growth over one pass ({args.paths:,} paths, "
+        f"{args.workers} forked workers)"
+    )
     print(f"\n## {heading}\n")
     print("| index layout | USS growth per worker (MiB) | vs baseline |")
     print("|---|---:|---:|")
     for name, growth in rows:
         ratio = growth / base if base > 0 else float("nan")
         print(f"| {name} | {growth / 2**20:,.1f} | {ratio:.3f}x |")
-    write_chart(Chart("common-worker-memory", heading, "USS growth per worker (MiB)", tuple(n for n, _ in rows),
-                      tuple(g / 2**20 for _, g in rows), ratio_format="{:.3f}x"), getattr(args, "plot", None))
+    write_chart(
+        Chart(
+            "common-worker-memory",
+            heading,
+            "USS growth per worker (MiB)",
+            tuple(n for n, _ in rows),
+            tuple(g / 2**20 for _, g in rows),
+            ratio_format="{:.3f}x",
+        ),
+        getattr(args, "plot", None),
+    )
     return 0

@@ -42,32 +42,68 @@ def train_setup(args, device):
     cache = build_token_cache(texts, tokenizer, folder, max_length=seq_len, progress=False)
     build = time.perf_counter() - start
     overrides = {} if args.workers is None else {"num_workers": args.workers}
-    sampler = LengthBucketSampler(cache.lengths, max_tokens=rows * seq_len, pad_to_multiple_of=8, seed=0)
-    bucketed = make_loader(cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id,
-                           return_labels=True), **overrides)
-    packed = packed_loader(cache, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_token_id, **overrides)
+    sampler = LengthBucketSampler(
+        cache.lengths, max_tokens=rows * seq_len, pad_to_multiple_of=8, seed=0
+    )
+    bucketed = make_loader(
+        cache,
+        batch_sampler=sampler,
+        collate_fn=PadCollate(tokenizer.pad_token_id, return_labels=True),
+        **overrides,
+    )
+    packed = packed_loader(
+        cache, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_token_id, **overrides
+    )
 
     def padded_to_device(b):
-        ids, real = b["input_ids"].to(device, non_blocking=True), b["attention_mask"].to(device, non_blocking=True)
+        ids, real = (
+            b["input_ids"].to(device, non_blocking=True),
+            b["attention_mask"].to(device, non_blocking=True),
+        )
         t = ids.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-        return {"input_ids": ids, "position_ids": torch.arange(t, device=device).expand_as(ids),
-                "mask": causal & real.bool()[:, None, None, :], "labels": b["labels"].to(device, non_blocking=True),
-                "real": int(b["lengths"].sum())}
+        return {
+            "input_ids": ids,
+            "position_ids": torch.arange(t, device=device).expand_as(ids),
+            "mask": causal & real.bool()[:, None, None, :],
+            "labels": b["labels"].to(device, non_blocking=True),
+            "real": int(b["lengths"].sum()),
+        }
 
     def packed_to_device(b):
         position_ids = b["position_ids"].to(device, non_blocking=True)
-        return {"input_ids": b["input_ids"].to(device, non_blocking=True), "position_ids": position_ids,
-                "mask": document_attention_mask(position_ids), "labels": b["labels"].to(device, non_blocking=True),
-                "real": int(b["num_tokens"])}
+        return {
+            "input_ids": b["input_ids"].to(device, non_blocking=True),
+            "position_ids": position_ids,
+            "mask": document_attention_mask(position_ids),
+            "labels": b["labels"].to(device, non_blocking=True),
+            "real": int(b["num_tokens"]),
+        }
 
-    resident = packed_to_device(next(iter(packed_loader(cache, seq_len=seq_len, batch_size=rows, num_workers=0))))
-    notes = [f"{len(texts):,} generated texts, T={seq_len}, B={rows} (bucketing: max_tokens {rows * seq_len}); "
-             f"token cache built in {build:.1f} s (one-off). Rates count real tokens only."]
-    return TrainSetup("tokens", step, lambda b: b["real"], resident,
-                      [("TokenCache + LengthBucketSampler + PadCollate (bucketed padding)", bucketed, padded_to_device),
-                       (f"packed_loader (T={seq_len}, document mask)", packed, packed_to_device)],
-                      model_name, notes)
+    resident = packed_to_device(
+        next(iter(packed_loader(cache, seq_len=seq_len, batch_size=rows, num_workers=0)))
+    )
+    notes = [
+        f"{len(texts):,} generated texts, T={seq_len}, B={rows} (bucketing: max_tokens "
+        f"{rows * seq_len}); token cache built in {build:.1f} s (one-off). Rates count real tokens "
+        "only."
+    ]
+    return TrainSetup(
+        "tokens",
+        step,
+        lambda b: b["real"],
+        resident,
+        [
+            (
+                "TokenCache + LengthBucketSampler + PadCollate (bucketed padding)",
+                bucketed,
+                padded_to_device,
+            ),
+            (f"packed_loader (T={seq_len}, document mask)", packed, packed_to_device),
+        ],
+        model_name,
+        notes,
+    )
 
 
 def _lm_step(name: str, vocab: int, max_len: int, device):
@@ -82,12 +118,20 @@ def _lm_step(name: str, vocab: int, max_len: int, device):
             super().__init__()
             self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
             self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+            )
 
         def forward(self, x, mask):
             b, t, _ = x.shape
-            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
-            x = x + self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, dim))
+            q, k, v = (
+                self.qkv(self.norm1(x)).view(b, t, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            )
+            x = x + self.out(
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                .transpose(1, 2)
+                .reshape(b, t, dim)
+            )
             return x + self.mlp(self.norm2(x))
 
     class Decoder(torch.nn.Module):
@@ -110,7 +154,9 @@ def _lm_step(name: str, vocab: int, max_len: int, device):
     def step(batch):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = model(batch["input_ids"], batch["position_ids"], batch["mask"])
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten())
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten()
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -14,8 +14,16 @@ import time
 from pathlib import Path
 
 
-def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: int, pad_to_multiple_of: int,
-                repeat: int = 5):
+def compare_mix(
+    texts,
+    tokenizer,
+    folder: Path,
+    *,
+    max_length: int,
+    max_tokens: int,
+    pad_to_multiple_of: int,
+    repeat: int = 5,
+):
     """One source (a token cache of every text, bucketed) against the same texts as two token
     caches (the halves) mixed 0.5 / 0.5 then bucketed (`MixtureSources` + `MixtureSampler` +
     `LengthBucketSampler(mixture=)`), epochs of the same length through make_loader; returns
@@ -27,30 +35,57 @@ def compare_mix(texts, tokenizer, folder: Path, *, max_length: int, max_tokens: 
     from recipes.nlp import PadCollate, build_token_cache
 
     half = len(texts) // 2
-    whole = build_token_cache(texts, tokenizer, folder / "all", max_length=max_length, progress=False)
-    parts = [build_token_cache(texts[:half], tokenizer, folder / "a", max_length=max_length, progress=False),
-             build_token_cache(texts[half:], tokenizer, folder / "b", max_length=max_length, progress=False)]
+    whole = build_token_cache(
+        texts, tokenizer, folder / "all", max_length=max_length, progress=False
+    )
+    parts = [
+        build_token_cache(
+            texts[:half], tokenizer, folder / "a", max_length=max_length, progress=False
+        ),
+        build_token_cache(
+            texts[half:], tokenizer, folder / "b", max_length=max_length, progress=False
+        ),
+    ]
     sources = MixtureSources(parts)
     lengths = np.concatenate([np.asarray(p.lengths) for p in parts])
     collate = PadCollate(0, pad_to_multiple_of=pad_to_multiple_of)
 
     def single():
-        sampler = LengthBucketSampler(np.asarray(whole.lengths), max_tokens=max_tokens,
-                                      pad_to_multiple_of=pad_to_multiple_of, seed=1)
+        sampler = LengthBucketSampler(
+            np.asarray(whole.lengths),
+            max_tokens=max_tokens,
+            pad_to_multiple_of=pad_to_multiple_of,
+            seed=1,
+        )
         return make_loader(whole, batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
     def mixed():
-        mix = MixtureSampler({"first half": len(parts[0]), "second half": len(parts[1])},
-                             {"first half": 0.5, "second half": 0.5}, num_samples=len(texts), stop="never", seed=2,
-                             num_replicas=1, rank=0)
-        sampler = LengthBucketSampler(lengths, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of, seed=1,
-                                      mixture=mix)
+        mix = MixtureSampler(
+            {"first half": len(parts[0]), "second half": len(parts[1])},
+            {"first half": 0.5, "second half": 0.5},
+            num_samples=len(texts),
+            stop="never",
+            seed=2,
+            num_replicas=1,
+            rank=0,
+        )
+        sampler = LengthBucketSampler(
+            lengths,
+            max_tokens=max_tokens,
+            pad_to_multiple_of=pad_to_multiple_of,
+            seed=1,
+            mixture=mix,
+        )
         return make_loader(sources, batch_sampler=sampler, collate_fn=collate, num_workers=0), mix
 
     count = _real_tokens
-    rows = best_interleaved(lambda: measure("one source: LengthBucketSampler", single(), counter=count),
-                            lambda: measure("two sources: MixtureSampler + LengthBucketSampler(mixture=)",
-                                            mixed()[0], counter=count), repeat=repeat)
+    rows = best_interleaved(
+        lambda: measure("one source: LengthBucketSampler", single(), counter=count),
+        lambda: measure(
+            "two sources: MixtureSampler + LengthBucketSampler(mixture=)", mixed()[0], counter=count
+        ),
+        repeat=repeat,
+    )
     mix = mixed()[1]
     start = time.perf_counter()
     for epoch in range(5):
@@ -88,8 +123,13 @@ def mix_state_sizes(samples: int = 1_000_000, batch: int = 1000) -> tuple[int, i
 
     sizes = [samples // 2, 3 * samples]
     mix = MixtureSampler(sizes, [0.5, 0.5], num_samples=samples, stop="never", seed=0)
-    loader = make_loader(ConcatDataset([Ints(n) for n in sizes]), batch_size=batch, sampler=mix, num_workers=0,
-                         collate_fn=torch.tensor)
+    loader = make_loader(
+        ConcatDataset([Ints(n) for n in sizes]),
+        batch_size=batch,
+        sampler=mix,
+        num_workers=0,
+        collate_fn=torch.tensor,
+    )
     iterator = iter(loader)
     next(iterator)
     first = len(json.dumps(loader.state_dict()))
@@ -101,23 +141,49 @@ def mix_state_sizes(samples: int = 1_000_000, batch: int = 1000) -> tuple[int, i
 def run_mix(args, texts, tokenizer, workers) -> int:
 
     with tempfile.TemporaryDirectory(prefix="recipes-bench-mix-") as tmp:
-        rows, draw = compare_mix(list(texts), tokenizer, Path(tmp), max_length=args.max_length,
-                                 max_tokens=args.max_tokens, pad_to_multiple_of=args.pad_to_multiple_of)
+        rows, draw = compare_mix(
+            list(texts),
+            tokenizer,
+            Path(tmp),
+            max_length=args.max_length,
+            max_tokens=args.max_tokens,
+            pad_to_multiple_of=args.pad_to_multiple_of,
+        )
     from recipes.bench.harness.bench_charts import Chart, write_chart
 
     single, mixed = rows
-    heading = (f"nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, MixtureSources) mixed "
-               f"0.5 / 0.5, max_tokens {args.max_tokens}, make_loader (no workers: the sampler's cost is in the loop)")
+    heading = (
+        f"nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, "
+        f"MixtureSources) mixed 0.5 / 0.5, max_tokens {args.max_tokens}, make_loader (no workers: "
+        "the sampler's cost is in the loop)"
+    )
     print(f"\n## {heading}\n")
     print("| loader | real tokens/s | vs one source | first batch (s) |\n|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / single.items_per_s:.3f}x | "
-              f"{row.first_batch_seconds:.3f} |")
-    write_chart(Chart("nlp-mixture", heading, "real tokens/s", tuple(r.name for r in rows),
-                      tuple(r.items_per_s for r in rows), ratio_format="{:.3f}x"), getattr(args, "plot", None))
+        print(
+            f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / single.items_per_s:.3f}x "
+            f"| {row.first_batch_seconds:.3f} |"
+        )
+    write_chart(
+        Chart(
+            "nlp-mixture",
+            heading,
+            "real tokens/s",
+            tuple(r.name for r in rows),
+            tuple(r.items_per_s for r in rows),
+            ratio_format="{:.3f}x",
+        ),
+        getattr(args, "plot", None),
+    )
     epoch_seconds = single.seconds
-    print(f"\nmixing overhead: {1 - mixed.items_per_s / single.items_per_s:+.2%} of the loader's rate; the epoch's "
-          f"plan draw {draw * 1000:.1f} ms per epoch ({draw / epoch_seconds:.2%} of one source's epoch time)")
+    print(
+        f"\nmixing overhead: {1 - mixed.items_per_s / single.items_per_s:+.2%} of the loader's "
+        f"rate; the epoch's plan draw {draw * 1000:.1f} ms per epoch ({draw / epoch_seconds:.2%} "
+        "of one source's epoch time)"
+    )
     first, last = mix_state_sizes()
-    print(f"loader state (JSON) after 1 batch: {first:,} bytes; after 1,000,000 samples: {last:,} bytes")
+    print(
+        f"loader state (JSON) after 1 batch: {first:,} bytes; after 1,000,000 samples: {last:,} "
+        "bytes"
+    )
     return 0

@@ -52,7 +52,9 @@ class _ShapeCounter:
         return self.real / self.slots if self.slots else 0.0
 
 
-def compare_pack(texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_length=512, workers=1):
+def compare_pack(
+    texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_length=512, workers=1
+):
     """Packing against bucketing, flattening and random padded batches, all from one token cache
     with the same DataLoader settings; every layout gets about `rows * seq_len` token slots
     per batch (random batches: `batch_size` samples). Returns [(Measurement, _ShapeCounter)]."""
@@ -66,26 +68,55 @@ def compare_pack(texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_l
     from recipes.nlp import PadCollate, build_token_cache, packed_loader
 
     hf_logging.set_verbosity_error()
-    common = dict(num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None)
+    common = dict(
+        num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None
+    )
     out = []
     with tempfile.TemporaryDirectory(prefix="recipes-bench-pack-") as folder:
-        cache = build_token_cache(texts, tokenizer, Path(folder) / "cache", max_length=max_length, progress=False)
+        cache = build_token_cache(
+            texts, tokenizer, Path(folder) / "cache", max_length=max_length, progress=False
+        )
         mean = float(cache.lengths.mean())
         per_batch = max(1, round(rows * seq_len / mean))
         shuffled = dict(shuffle=True, generator=torch.Generator().manual_seed(0))
         loaders = [
-            (f"random batches of {batch_size} + DataCollatorWithPadding (baseline)",
-             DataLoader(_AsLists(cache), batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer),
-                        **shuffled, **common)),
-            (f"LengthBucketSampler(max_tokens={rows * seq_len}) + PadCollate",
-             DataLoader(cache, batch_sampler=LengthBucketSampler(cache.lengths, max_tokens=rows * seq_len,
-                                                                 pad_to_multiple_of=8, seed=0),
-                        collate_fn=PadCollate(tokenizer.pad_token_id), **common)),
-            (f"DataCollatorWithFlattening, random batches of {per_batch} (one row each)",
-             DataLoader(_AsLists(cache), batch_size=per_batch, collate_fn=DataCollatorWithFlattening(),
-                        **shuffled, **common)),
-            (f"packed_loader(seq_len={seq_len}, batch_size={rows})",
-             packed_loader(cache, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_token_id, **common)),
+            (
+                f"random batches of {batch_size} + DataCollatorWithPadding (baseline)",
+                DataLoader(
+                    _AsLists(cache),
+                    batch_size=batch_size,
+                    collate_fn=DataCollatorWithPadding(tokenizer),
+                    **shuffled,
+                    **common,
+                ),
+            ),
+            (
+                f"LengthBucketSampler(max_tokens={rows * seq_len}) + PadCollate",
+                DataLoader(
+                    cache,
+                    batch_sampler=LengthBucketSampler(
+                        cache.lengths, max_tokens=rows * seq_len, pad_to_multiple_of=8, seed=0
+                    ),
+                    collate_fn=PadCollate(tokenizer.pad_token_id),
+                    **common,
+                ),
+            ),
+            (
+                f"DataCollatorWithFlattening, random batches of {per_batch} (one row each)",
+                DataLoader(
+                    _AsLists(cache),
+                    batch_size=per_batch,
+                    collate_fn=DataCollatorWithFlattening(),
+                    **shuffled,
+                    **common,
+                ),
+            ),
+            (
+                f"packed_loader(seq_len={seq_len}, batch_size={rows})",
+                packed_loader(
+                    cache, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_token_id, **common
+                ),
+            ),
         ]
         for name, loader in loaders:
             counter = _ShapeCounter()
@@ -94,19 +125,35 @@ def compare_pack(texts, tokenizer, *, seq_len=2048, rows=8, batch_size=32, max_l
 
 
 def run_pack(args, texts, tokenizer, workers) -> int:
-    results = compare_pack(texts, tokenizer, seq_len=args.seq_len, rows=args.rows, batch_size=args.batch_size,
-                           max_length=args.max_length, workers=workers)
+    results = compare_pack(
+        texts,
+        tokenizer,
+        seq_len=args.seq_len,
+        rows=args.rows,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        workers=workers,
+    )
     from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
 
     base = results[0][0].items_per_s
-    heading = (f"nlp packing: {len(texts):,} texts, max_length {args.max_length}, T={args.seq_len}, "
-               f"B={args.rows}, {workers} workers")
+    heading = (
+        f"nlp packing: {len(texts):,} texts, max_length {args.max_length}, T={args.seq_len}, "
+        f"B={args.rows}, {workers} workers"
+    )
     print(f"\n## {heading}\n")
-    print("| loader | real tokens/s | vs baseline | fill (real / slots) | batch shapes per epoch | first batch (s) |")
+    print(
+        "| loader | real tokens/s | vs baseline | fill (real / slots) | batch shapes per epoch | "
+        "first batch (s) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for row, counter in results:
-        print(f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / base:.2f}x | {counter.fill:.1%} | "
-              f"{len(counter.shapes):,} | {row.first_batch_seconds:.2f} |")
-    write_chart(chart_of_rows("nlp-packing", heading, [row for row, _ in results], unit="real tokens/s"),
-                getattr(args, "plot", None))
+        print(
+            f"| {row.name} | {row.items_per_s:,.0f} | {row.items_per_s / base:.2f}x | "
+            f"{counter.fill:.1%} | {len(counter.shapes):,} | {row.first_batch_seconds:.2f} |"
+        )
+    write_chart(
+        chart_of_rows("nlp-packing", heading, [row for row, _ in results], unit="real tokens/s"),
+        getattr(args, "plot", None),
+    )
     return 0

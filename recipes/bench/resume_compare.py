@@ -53,11 +53,20 @@ SITUATIONS = {
     "c": Situation("mid-epoch 2, persistent", 2, TAKEN, persistent=True),
     "d": Situation("saved after the loop over epoch 0 ended", 0, "ended"),
     "e": Situation("saved after the last batch, before StopIteration", 0, "end"),
-    "f": Situation("DistributedSampler(2 ranks, rank 0) + set_epoch, saved after epoch 0", 0, "ended",
-                   sampler="distributed"),
+    "f": Situation(
+        "DistributedSampler(2 ranks, rank 0) + set_epoch, saved after epoch 0",
+        0,
+        "ended",
+        sampler="distributed",
+    ),
     "g": Situation("mid-epoch 0, resumed with 0 workers (saved with 2)", 0, TAKEN, workers_after=0),
-    "h": Situation("user RandomSampler(generator=g), mid-epoch 1, persistent", 1, TAKEN, persistent=True,
-                   sampler="user"),
+    "h": Situation(
+        "user RandomSampler(generator=g), mid-epoch 1, persistent",
+        1,
+        TAKEN,
+        persistent=True,
+        sampler="user",
+    ),
 }
 
 
@@ -130,11 +139,15 @@ def _round_trip(state: dict) -> tuple[dict, str | None]:
     except (TypeError, ValueError) as error:
         return copy.deepcopy(state), f"not JSON ({error}): deep-copied"
     if back != state:
-        return copy.deepcopy(state), "not JSON (a round trip changes it: tuples or non-string keys): deep-copied"
+        return copy.deepcopy(
+            state
+        ), "not JSON (a round trip changes it: tuples or non-string keys): deep-copied"
     return back, None
 
 
-def _interrupted(loader: str, situation: Situation, notes: list[str]) -> list[list[tuple[int, ...]]]:
+def _interrupted(
+    loader: str, situation: Situation, notes: list[str]
+) -> list[list[tuple[int, ...]]]:
     """The run that saves, rebuilds and resumes: the batches each pass of the loop received
     (the resumed epoch, then one more, so that a shortened or skipped next epoch shows)."""
     first = _build(loader, situation, 2)
@@ -170,8 +183,10 @@ def _compare(received, reference, outcome: Outcome) -> None:
         outcome.lost += lost
         if got != want:
             outcome.order = False
-            outcome.notes.append(f"epoch {epoch}: {len(got)} of {len(want)} batches, {repeated} repeated, "
-                                 f"{lost} lost{'' if repeated or lost else ', other order'}")
+            outcome.notes.append(
+                f"epoch {epoch}: {len(got)} of {len(want)} batches, {repeated} repeated, "
+                f"{lost} lost{'' if repeated or lost else ', other order'}"
+            )
 
 
 def _describe(error: BaseException) -> str:
@@ -193,8 +208,11 @@ def run_situation(loader: str, key: str) -> Outcome:
             _compare(received, _reference(loader, situation, len(received)), outcome)
         except Exception as error:  # noqa: BLE001 - a loader that refuses a situation is a result
             outcome.error = _describe(error)
-    for message in dict.fromkeys(str(w.message).strip().splitlines()[0][:160] for w in caught
-                                 if not issubclass(w.category, DeprecationWarning)):
+    for message in dict.fromkeys(
+        str(w.message).strip().splitlines()[0][:160]
+        for w in caught
+        if not issubclass(w.category, DeprecationWarning)
+    ):
         outcome.notes.append(f"warning: {message}")
     return outcome
 
@@ -209,16 +227,24 @@ def compare_resume(loaders=None, situations=None) -> dict[tuple[str, str], Outco
     if loaders is None:
         loaders = [name for name in LOADERS if name == "recipes" or torchdata_available()]
     if "torchdata" in loaders and not torchdata_available():
-        raise ImportError('The torchdata column needs torchdata: pip install --no-deps "torchdata==0.11.*"')
-    return {(loader, key): run_situation(loader, key) for key in (situations or SITUATIONS) for loader in loaders}
+        raise ImportError(
+            'The torchdata column needs torchdata: pip install --no-deps "torchdata==0.11.*"'
+        )
+    return {
+        (loader, key): run_situation(loader, key)
+        for key in (situations or SITUATIONS)
+        for loader in loaders
+    }
 
 
 def format_table(results: dict[tuple[str, str], Outcome]) -> str:
     """The markdown table (cells: repeated/lost/order), then a note per cell that needs one."""
     loaders = list(dict.fromkeys(loader for loader, _ in results))
     keys = list(dict.fromkeys(key for _, key in results))
-    lines = ["| situation | " + " | ".join(f"{name}: repeated/lost/order" for name in loaders) + " |",
-             "|---|" + "---|" * len(loaders)]
+    lines = [
+        "| situation | " + " | ".join(f"{name}: repeated/lost/order" for name in loaders) + " |",
+        "|---|" + "---|" * len(loaders),
+    ]
     for key in keys:
         cells = " | ".join(results[loader, key].cell() for loader in loaders)
         lines.append(f"| ({key}) {SITUATIONS[key].title} | {cells} |")
@@ -237,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--situations", default=",".join(SITUATIONS), help="keys of SITUATIONS, comma-separated")
+    parser.add_argument(
+        "--situations", default=",".join(SITUATIONS), help="keys of SITUATIONS, comma-separated"
+    )
     keys = [key.strip() for key in parser.parse_args(argv).situations.split(",") if key.strip()]
     unknown = [key for key in keys if key not in SITUATIONS]
     if unknown:
@@ -250,9 +278,14 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"torchdata {torchdata.__version__}")
     else:
-        print('torchdata is not installed: recipes column only (pip install --no-deps "torchdata==0.11.*")')
-    print(f"map-style dataset of {N} ints, batch_size {BATCH}, 2 workers; counted per epoch against an "
-          "uninterrupted run of the same seed, over the epochs up to the one after the resume\n")
+        print(
+            "torchdata is not installed: recipes column only (pip install --no-deps "
+            '"torchdata==0.11.*")'
+        )
+    print(
+        f"map-style dataset of {N} ints, batch_size {BATCH}, 2 workers; counted per epoch against "
+        "an uninterrupted run of the same seed, over the epochs up to the one after the resume\n"
+    )
     print(format_table(results))
 
 

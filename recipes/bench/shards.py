@@ -34,18 +34,28 @@ import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--images", type=int, default=800, help="generated JPEGs (the vision bench's)")
+    parser.add_argument(
+        "--images", type=int, default=800, help="generated JPEGs (the vision bench's)"
+    )
     parser.add_argument("--shard-mb", type=float, default=8.0, help="shard size in MiB (default 8)")
-    parser.add_argument("--latency", type=float, default=0.02, help="seconds per request (default 20 ms)")
-    parser.add_argument("--bandwidth", type=float, default=16.0, help="MB/s per connection (default 16)")
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
+    parser.add_argument(
+        "--latency", type=float, default=0.02, help="seconds per request (default 20 ms)"
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, default=16.0, help="MB/s per connection (default 16)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)"
+    )
 
 
 def _have(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def write_rows(root: Path, out: Path, shard_bytes: int, repeat: int = 3) -> tuple[list[tuple[str, float, str]], list[str]]:
+def write_rows(
+    root: Path, out: Path, shard_bytes: int, repeat: int = 3
+) -> tuple[list[tuple[str, float, str]], list[str]]:
     """`(name, samples/s, output)` for each writer, one process each, and notes. Ours and
     webdataset's are the best of `repeat` writes, taken in turns: a write lasts a fraction of a
     second, and how long an fsync waits depends on what else the disk is flushing."""
@@ -73,7 +83,9 @@ def write_rows(root: Path, out: Path, shard_bytes: int, repeat: int = 3) -> tupl
             folder = out / ("wds" if last else f".wds-{turn}")
             folder.mkdir()
             start = time.perf_counter()
-            with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxsize=shard_bytes, verbose=0) as sink:
+            with wds.ShardWriter(
+                str(folder / "shard-%06d.tar"), maxsize=shard_bytes, verbose=0
+            ) as sink:
                 for sample in samples:
                     sink.write(sample)
             best["wds"] = max(best["wds"], n / (time.perf_counter() - start))
@@ -87,8 +99,15 @@ def write_rows(root: Path, out: Path, shard_bytes: int, repeat: int = 3) -> tupl
         import litdata
 
         start = time.perf_counter()
-        litdata.optimize(fn=_LitSample(samples), inputs=list(range(n)), output_dir=str(out / "lit"),
-                         chunk_bytes=shard_bytes, num_workers=1, verbose=False, start_method="fork")
+        litdata.optimize(
+            fn=_LitSample(samples),
+            inputs=list(range(n)),
+            output_dir=str(out / "lit"),
+            chunk_bytes=shard_bytes,
+            num_workers=1,
+            verbose=False,
+            start_method="fork",
+        )
         rows.append(("LitData optimize (1 worker)", n / (time.perf_counter() - start), "lit"))
     else:
         notes.append("LitData rows left out: pip install litdata")
@@ -108,7 +127,8 @@ class _LitSample:
 
 
 class _Epochs:
-    """An epoch of a DataLoader (batches of 64) over `dataset`, `set_epoch(epoch)` first when it has one."""
+    """An epoch of a DataLoader (batches of 64) over `dataset`, `set_epoch(epoch)` first when it has
+    one."""
 
     def __init__(self, make, epoch: int = 0):
         self.make, self.epoch = make, epoch
@@ -122,7 +142,8 @@ class _Epochs:
 
 
 def count_samples(batch) -> int:
-    """Samples in a collated batch of sample dicts (ours and webdataset's `__key__`, LitData's `key`)."""
+    """Samples in a collated batch of sample dicts (ours and webdataset's `__key__`, LitData's
+    `key`)."""
     return len(batch["__key__"] if "__key__" in batch else batch["key"])
 
 
@@ -137,35 +158,67 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
 
     def measure(name, batches):
         return measure_items(name, batches, counter=count_samples)
+
     from recipes.testing_servers import LocalHTTPServer, s3_store_process
 
-    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
-                   and p.parts[len(out.parts)] in ("ours", "lit"))
-    settings = dict(batch_size=64, num_workers=workers, worker_init_fn=worker_init if workers else None)
+    names = sorted(
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if p.is_file() and p.parts[len(out.parts)] in ("ours", "lit")
+    )
+    settings = dict(
+        batch_size=64, num_workers=workers, worker_init_fn=worker_init if workers else None
+    )
     rows = []
-    with s3_store_process(out, names, bucket="bench", latency=latency, bandwidth=bandwidth) as options, \
-            tempfile.TemporaryDirectory(prefix="recipes-bench-shards-") as tmp, contextlib.ExitStack() as stack:
+    with (
+        s3_store_process(
+            out, names, bucket="bench", latency=latency, bandwidth=bandwidth
+        ) as options,
+        tempfile.TemporaryDirectory(prefix="recipes-bench-shards-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
         shards = ShardSet.open("s3://bench/ours", storage_options=options)
-        cache = PrefetchCache(Path(tmp) / "prefetch", max_bytes=4 * sum(e["bytes"] for e in shards.entries),
-                              storage_options=options)
+        cache = PrefetchCache(
+            Path(tmp) / "prefetch",
+            max_bytes=4 * sum(e["bytes"] for e in shards.entries),
+            storage_options=options,
+        )
         cache.connect(shards.urls[0])  # the client's setup, timed apart (as the peers' are)
         ours = shards.dataset(cache=cache, seed=0)
-        rows.append(measure("recipes ShardSet + PrefetchCache over S3, epoch 1",
-                            _Epochs(lambda: DataLoader(ours, **settings))))
-        in_order_cache = PrefetchCache(Path(tmp) / "prefetch-in-order", max_bytes=cache.max_bytes,
-                                       storage_options=options)
+        rows.append(
+            measure(
+                "recipes ShardSet + PrefetchCache over S3, epoch 1",
+                _Epochs(lambda: DataLoader(ours, **settings)),
+            )
+        )
+        in_order_cache = PrefetchCache(
+            Path(tmp) / "prefetch-in-order", max_bytes=cache.max_bytes, storage_options=options
+        )
         in_order_cache.connect(shards.urls[0])
         in_order = shards.dataset(cache=in_order_cache, seed=0, shuffle_window=0)
-        rows.append(measure("recipes ShardSet + PrefetchCache over S3, epoch 1, shard order only",
-                            _Epochs(lambda: DataLoader(in_order, **settings))))
+        rows.append(
+            measure(
+                "recipes ShardSet + PrefetchCache over S3, epoch 1, shard order only",
+                _Epochs(lambda: DataLoader(in_order, **settings)),
+            )
+        )
         if (out / "wds").exists():
             import webdataset as wds
 
-            server = stack.enter_context(LocalHTTPServer(out / "wds", latency=latency, bandwidth=bandwidth))
+            server = stack.enter_context(
+                LocalHTTPServer(out / "wds", latency=latency, bandwidth=bandwidth)
+            )
             urls = [server.url(p.name) for p in sorted((out / "wds").glob("*.tar"))]
-            rows.append(measure("webdataset.WebDataset over HTTP (curl), epoch 1",
-                                _Epochs(lambda: DataLoader(wds.WebDataset(urls, shardshuffle=False, empty_check=False),
-                                                           **settings))))
+            rows.append(
+                measure(
+                    "webdataset.WebDataset over HTTP (curl), epoch 1",
+                    _Epochs(
+                        lambda: DataLoader(
+                            wds.WebDataset(urls, shardshuffle=False, empty_check=False), **settings
+                        )
+                    ),
+                )
+            )
         lit = None
         if (out / "lit").exists():
             import litdata
@@ -174,32 +227,66 @@ def read_rows(out: Path, *, latency: float, bandwidth: float, workers: int, repe
             # LitData downloads through obstore, which refuses plain-HTTP endpoints unless told;
             # the store here is moto on loopback (for the benchmark only)
             if isinstance(getattr(lit_downloader, "_OBSTORE_CLIENT_OPTIONS", None), dict):
-                lit_downloader._OBSTORE_CLIENT_OPTIONS = {**lit_downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": True}
-            lit_options = {"endpoint_url": options["client_kwargs"]["endpoint_url"], "aws_access_key_id": "testing",
-                           "aws_secret_access_key": "testing", "region_name": "us-east-1"}
-            lit = litdata.StreamingDataset("s3://bench/lit", storage_options=lit_options,
-                                           cache_dir=str(Path(tmp) / "litcache"))
-            rows.append(measure("LitData StreamingDataset over S3, epoch 1", _Epochs(
-                lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))
+                lit_downloader._OBSTORE_CLIENT_OPTIONS = {
+                    **lit_downloader._OBSTORE_CLIENT_OPTIONS,
+                    "allow_http": True,
+                }
+            lit_options = {
+                "endpoint_url": options["client_kwargs"]["endpoint_url"],
+                "aws_access_key_id": "testing",
+                "aws_secret_access_key": "testing",
+                "region_name": "us-east-1",
+            }
+            lit = litdata.StreamingDataset(
+                "s3://bench/lit", storage_options=lit_options, cache_dir=str(Path(tmp) / "litcache")
+            )
+            rows.append(
+                measure(
+                    "LitData StreamingDataset over S3, epoch 1",
+                    _Epochs(
+                        lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers)
+                    ),
+                )
+            )
         local = ShardSet.open(out / "ours").dataset(seed=0)
         local_in_order = ShardSet.open(out / "ours").dataset(seed=0, shuffle_window=0)
         unchecked_set = ShardSet.open("s3://bench/ours", storage_options=options)
         unchecked_local_set = ShardSet.open(out / "ours")
-        unchecked_set.checksums = unchecked_local_set.checksums = None  # the bench's switch: checks off
+        unchecked_set.checksums = unchecked_local_set.checksums = (
+            None  # the bench's switch: checks off
+        )
         unchecked = unchecked_set.dataset(cache=cache, seed=0)
         unchecked_local = unchecked_local_set.dataset(seed=0)
-        second = [lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2",
-                                  _Epochs(lambda: DataLoader(ours, **settings), epoch=1)),
-                  lambda: measure("recipes ShardSet from local disk", _Epochs(lambda: DataLoader(local, **settings))),
-                  lambda: measure("recipes ShardSet from local disk, shard order only",
-                                  _Epochs(lambda: DataLoader(local_in_order, **settings))),
-                  lambda: measure("recipes ShardSet + PrefetchCache over S3, epoch 2, checksums off",
-                                  _Epochs(lambda: DataLoader(unchecked, **settings), epoch=1)),
-                  lambda: measure("recipes ShardSet from local disk, checksums off",
-                                  _Epochs(lambda: DataLoader(unchecked_local, **settings)))]
+        second = [
+            lambda: measure(
+                "recipes ShardSet + PrefetchCache over S3, epoch 2",
+                _Epochs(lambda: DataLoader(ours, **settings), epoch=1),
+            ),
+            lambda: measure(
+                "recipes ShardSet from local disk", _Epochs(lambda: DataLoader(local, **settings))
+            ),
+            lambda: measure(
+                "recipes ShardSet from local disk, shard order only",
+                _Epochs(lambda: DataLoader(local_in_order, **settings)),
+            ),
+            lambda: measure(
+                "recipes ShardSet + PrefetchCache over S3, epoch 2, checksums off",
+                _Epochs(lambda: DataLoader(unchecked, **settings), epoch=1),
+            ),
+            lambda: measure(
+                "recipes ShardSet from local disk, checksums off",
+                _Epochs(lambda: DataLoader(unchecked_local, **settings)),
+            ),
+        ]
         if lit is not None:
-            second.append(lambda: measure("LitData StreamingDataset over S3, epoch 2", _Epochs(
-                lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers))))
+            second.append(
+                lambda: measure(
+                    "LitData StreamingDataset over S3, epoch 2",
+                    _Epochs(
+                        lambda: litdata.StreamingDataLoader(lit, batch_size=64, num_workers=workers)
+                    ),
+                )
+            )
         rows += best_interleaved(*second, repeat=repeat)
     return rows
 
@@ -216,22 +303,45 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="recipes-bench-shards-") as tmp:
         out = Path(tmp)
         written, notes = write_rows(root, out, shard_bytes)
-        heading = f"shards: writing {args.images} JPEGs from {root} as {args.shard_mb:g} MiB shards, one process"
+        heading = (
+            f"shards: writing {args.images} JPEGs from {root} as {args.shard_mb:g} MiB shards, "
+            "one process"
+        )
         print(f"\n## {heading}\n")
         print("| writer | samples/s | vs write_shards |\n|---|---:|---:|")
         for name, rate, _ in written:
             print(f"| {name} | {rate:,.0f} | {rate / written[0][1]:.2f}x |")
-        write_chart(Chart("shards-write", heading, "samples/s", tuple(w[0] for w in written),
-                          tuple(w[1] for w in written)), getattr(args, "plot", None))
-        rows = read_rows(out, latency=args.latency, bandwidth=args.bandwidth * 2**20, workers=workers)
+        write_chart(
+            Chart(
+                "shards-write",
+                heading,
+                "samples/s",
+                tuple(w[0] for w in written),
+                tuple(w[1] for w in written),
+            ),
+            getattr(args, "plot", None),
+        )
+        rows = read_rows(
+            out, latency=args.latency, bandwidth=args.bandwidth * 2**20, workers=workers
+        )
         mixing, iid = quality_rows(root, out, workers)
-    show_table(f"shards: reading them back, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} MB/s per "
-               f"connection, {workers} workers, batches of 64 (webdataset's row is the baseline)", rows,
-               unit="samples/s", whole_epoch=True, baseline=1 if len(rows) > 3 else 0,
-               plot=getattr(args, "plot", None), name="shards-read")
-    show_quality(mixing, iid, f"shards: shuffle quality, {args.images} JPEGs of 10 classes listed in sorted order, "
-                              f"written as a stream as the README does, read with the defaults, {workers} workers, "
-                              f"batches of {BATCH}, epochs 1 and 2")
+    show_table(
+        f"shards: reading them back, {args.latency * 1000:.0f} ms per request, {args.bandwidth:g} "
+        f"MB/s per connection, {workers} workers, batches of 64 (webdataset's row is the baseline)",
+        rows,
+        unit="samples/s",
+        whole_epoch=True,
+        baseline=1 if len(rows) > 3 else 0,
+        plot=getattr(args, "plot", None),
+        name="shards-read",
+    )
+    show_quality(
+        mixing,
+        iid,
+        f"shards: shuffle quality, {args.images} JPEGs of 10 classes listed in sorted order, "
+        f"written as a stream as the README does, read with the defaults, {workers} workers, "
+        f"batches of {BATCH}, epochs 1 and 2",
+    )
     for note in notes:
         print(f"\n{note}")
     return 0
@@ -268,7 +378,9 @@ def batch_mix(batches) -> tuple[float, float]:
 def iid_mix(labels, rounds: int = 200, seed: int = 0) -> tuple[float, float]:
     rng = np.random.default_rng(seed)
     full = len(labels) // BATCH * BATCH
-    runs = [batch_mix(rng.permutation(labels)[:full].reshape(-1, BATCH).tolist()) for _ in range(rounds)]
+    runs = [
+        batch_mix(rng.permutation(labels)[:full].reshape(-1, BATCH).tolist()) for _ in range(rounds)
+    ]
     return float(np.mean([r[0] for r in runs])), float(np.mean([r[1] for r in runs]))
 
 
@@ -283,10 +395,20 @@ def quality_rows(root: Path, out: Path, workers: int) -> tuple[list[tuple], tupl
     labels = [label for _, label in samples.files]
     rows = []
     for k, (name, shard_bytes, shuffle, window) in enumerate(CONFIGS):
-        shards = write_shards(iter(samples), out / f"mix-{k}", shard_bytes=shard_bytes, shuffle=shuffle,
-                              progress=False)
+        shards = write_shards(
+            iter(samples),
+            out / f"mix-{k}",
+            shard_bytes=shard_bytes,
+            shuffle=shuffle,
+            progress=False,
+        )
         ds = shards.dataset(shuffle=True, shuffle_window=window, transform=label_of)
-        loader = DataLoader(ds, batch_size=BATCH, num_workers=workers, worker_init_fn=worker_init if workers else None)
+        loader = DataLoader(
+            ds,
+            batch_size=BATCH,
+            num_workers=workers,
+            worker_init_fn=worker_init if workers else None,
+        )
         epochs = []
         for epoch in range(2):
             ds.set_epoch(epoch)
@@ -299,9 +421,16 @@ def quality_rows(root: Path, out: Path, workers: int) -> tuple[list[tuple], tupl
 def show_quality(rows, iid, heading: str) -> None:
     iid_distinct, iid_majority = iid
     print(f"\n## {heading}\n")
-    print("| shards written and read | shards | distinct classes per batch | vs i.i.d. | majority share | vs i.i.d. "
-          "| epochs differ |\n|---|---:|---:|---:|---:|---:|---|")
+    print(
+        "| shards written and read | shards | distinct classes per batch | vs i.i.d. | majority "
+        "share | vs i.i.d. | epochs differ |\n|---|---:|---:|---:|---:|---:|---|"
+    )
     for name, count, distinct, majority, differ in rows:
-        print(f"| {name} | {count} | {distinct:.1f} | {distinct / iid_distinct:.0%} | {majority:.0%} | "
-              f"{majority / iid_majority:.2f}x | {'yes' if differ else 'no'} |")
-    print(f"| i.i.d. permutation of the same labels | | {iid_distinct:.1f} | 100% | {iid_majority:.0%} | 1.00x | yes |")
+        print(
+            f"| {name} | {count} | {distinct:.1f} | {distinct / iid_distinct:.0%} | {majority:.0%} "
+            f"| {majority / iid_majority:.2f}x | {'yes' if differ else 'no'} |"
+        )
+    print(
+        f"| i.i.d. permutation of the same labels | | {iid_distinct:.1f} | 100% | "
+        f"{iid_majority:.0%} | 1.00x | yes |"
+    )

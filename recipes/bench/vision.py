@@ -22,12 +22,23 @@ BENCH_VERSION = 3  # bump when the generated data changes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, default=None, help="an ImageFolder root (instead of --set)")
-    parser.add_argument("--set", choices=("generated", "photos", "both"), default="both", help="built-in data: "
-                        "smooth JPEGs of one size, photo-like ones (recipes.testing_photos), or both")
-    parser.add_argument("--images", type=int, default=800, help="images to generate (built-in sets only)")
+    parser.add_argument(
+        "--data", type=Path, default=None, help="an ImageFolder root (instead of --set)"
+    )
+    parser.add_argument(
+        "--set",
+        choices=("generated", "photos", "both"),
+        default="both",
+        help="built-in data: "
+        "smooth JPEGs of one size, photo-like ones (recipes.testing_photos), or both",
+    )
+    parser.add_argument(
+        "--images", type=int, default=800, help="images to generate (built-in sets only)"
+    )
     parser.add_argument("--image-size", default="500x375", help="WxH of the generated set's images")
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="DataLoader workers (default: smart_num_workers)"
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--repeat", type=int, default=2, help="epochs per loader; the best is kept")
@@ -43,7 +54,9 @@ def default_data_root(images: int, image_size: tuple[int, int], kind: str = "gen
     return base / f"vision-v{BENCH_VERSION}-{images}{suffix}"
 
 
-def ensure_data(images: int, image_size: tuple[int, int] = (500, 375), kind: str = "generated") -> Path:
+def ensure_data(
+    images: int, image_size: tuple[int, int] = (500, 375), kind: str = "generated"
+) -> Path:
     """The built-in ImageFolder of `images` images (10 classes), built once and reused: the
     generated set (`make_image_folder`) or, with kind="photos", the photographic one."""
     from recipes.testing import make_image_folder, make_photo_folder
@@ -63,14 +76,23 @@ def _parse_size(text: str) -> tuple[int, int]:
     try:
         width, height = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"`--image-size` must look like 500x375, but is {text!r} instead.") from None
+        raise ValueError(
+            f"`--image-size` must look like 500x375, but is {text!r} instead."
+        ) from None
     if width <= 0 or height <= 0:
         raise ValueError(f"`--image-size` must be positive, but is {text!r} instead.")
     return width, height
 
 
-def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
-            peers: bool = True):
+def compare(
+    root: Path,
+    *,
+    size: int = 224,
+    batch_size: int = 32,
+    workers: int = 1,
+    repeat: int = 2,
+    peers: bool = True,
+):
     """Measures the baseline, the decode-only limit, cold and warm loaders (DataLoader workers
     and make_loader's defaults) and, when installed, LitData's raw uint8 path on `root`;
     returns (rows, build seconds, notes)."""
@@ -83,10 +105,16 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     from recipes.common import make_loader, worker_init
     from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 
-    settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=torch.cuda.is_available(),
-                    worker_init_fn=worker_init if workers else None)
-    baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
-        [T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]))
+    settings = dict(
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=torch.cuda.is_available(),
+        worker_init_fn=worker_init if workers else None,
+    )
+    baseline = torchvision.datasets.ImageFolder(
+        root,
+        transform=T.Compose([T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]),
+    )
     from recipes.bench.harness.peers import litdata_available, litdata_eval_loader
 
     cold = ImageFolderFast(root, size=size)
@@ -94,33 +122,63 @@ def compare(root: Path, *, size: int = 224, batch_size: int = 32, workers: int =
     with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as cache_dir:
         start = time.perf_counter()
         warm = ImageFolderFast(root, size=size)
-        build_image_cache(warm, cache_dir, num_workers=workers, progress=False)  # with the eval view
+        build_image_cache(
+            warm, cache_dir, num_workers=workers, progress=False
+        )  # with the eval view
         build_seconds = time.perf_counter() - start
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
         loaders = [
             ("torchvision ImageFolder + PIL (baseline)", DataLoader(baseline, **settings)),
-            (f"decode only: libjpeg-turbo at the DCT scale used, {threads} threads (limit)",
-             _DecodeOnly(cold, batch_size, threads)),
-            ("ImageFolderFast cold (decode), DataLoader workers", DataLoader(
-                ImageFolderFast(root, size=size), collate_fn=uint8_collate, **settings)),
-            ("ImageFolderFast cold (decode), make_loader defaults (threads)", make_loader(cold, batch_size=batch_size)),
-            ("ImageFolderFast warm (eval view), DataLoader workers",
-             DataLoader(warm, collate_fn=uint8_collate, **settings)),
-            ("ImageFolderFast warm (eval view), make_loader defaults (threads)",
-             make_loader(warm, batch_size=batch_size)),
+            (
+                f"decode only: libjpeg-turbo at the DCT scale used, {threads} threads (limit)",
+                _DecodeOnly(cold, batch_size, threads),
+            ),
+            (
+                "ImageFolderFast cold (decode), DataLoader workers",
+                DataLoader(ImageFolderFast(root, size=size), collate_fn=uint8_collate, **settings),
+            ),
+            (
+                "ImageFolderFast cold (decode), make_loader defaults (threads)",
+                make_loader(cold, batch_size=batch_size),
+            ),
+            (
+                "ImageFolderFast warm (eval view), DataLoader workers",
+                DataLoader(warm, collate_fn=uint8_collate, **settings),
+            ),
+            (
+                "ImageFolderFast warm (eval view), make_loader defaults (threads)",
+                make_loader(warm, batch_size=batch_size),
+            ),
         ]
         if peers and litdata_available():
             samples = list(zip(cold.paths, cold.targets.tolist(), strict=True))
-            loaders.append((f"LitData StreamingDataset, raw uint8 256 px centre squares, {max(workers, 1)} workers "
-                            "(optimize not timed)",
-                            litdata_eval_loader(samples, Path(cache_dir) / "litdata", size=size,
-                                                batch_size=batch_size, workers=max(workers, 1))))
+            loaders.append(
+                (
+                    f"LitData StreamingDataset, raw uint8 256 px centre squares, {max(workers, 1)} "
+                    "workers (optimize not timed)",
+                    litdata_eval_loader(
+                        samples,
+                        Path(cache_dir) / "litdata",
+                        size=size,
+                        batch_size=batch_size,
+                        workers=max(workers, 1),
+                    ),
+                )
+            )
         elif peers:
             notes.append("LitData row left out: `pip install litdata` to measure it side by side.")
-        rows = best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders),
-                                repeat=repeat)
-        notes.append(cost_breakdown(warm, ImageFolderFast(root, size=size, train=True, cache_dir=cache_dir),
-                                    batch_size))
+        rows = best_interleaved(
+            *(functools.partial(measure, name, loader) for name, loader in loaders), repeat=repeat
+        )
+        notes.append(
+            cost_breakdown(
+                warm, ImageFolderFast(root, size=size, train=True, cache_dir=cache_dir), batch_size
+            )
+        )
     return rows, build_seconds, notes
 
 
@@ -140,14 +198,20 @@ class _DecodeOnly:
 
         data, header = read_image_file(self.dataset.paths[index])
         box = eval_box(header.height, header.width, self.dataset.resolution, self.dataset.CROP_PCT)
-        return decode_image(data, reduce=dct_reduction((box[2], box[3]), self.dataset.resolution), header=header,
-                            strict=False).shape[0]
+        return decode_image(
+            data,
+            reduce=dct_reduction((box[2], box[3]), self.dataset.resolution),
+            header=header,
+            strict=False,
+        ).shape[0]
 
     def __iter__(self):
         from concurrent.futures import ThreadPoolExecutor
 
         n = len(self.dataset)
-        with ThreadPoolExecutor(self.threads) as pool:  # no barrier between batches: every thread stays busy
+        with ThreadPoolExecutor(
+            self.threads
+        ) as pool:  # no barrier between batches: every thread stays busy
             done = 0
             for done, _ in enumerate(pool.map(self._decode, range(n)), 1):
                 if done % self.batch_size == 0:
@@ -221,18 +285,28 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
             crop = rows[:, left : left + bw]
             crop = np.ascontiguousarray(crop) if bw != iw else crop  # as ImageCache.read_crop
             flip = i % 2 == 1  # half the crops are mirrored
-            image = resize_uint8(crop, (h, w), out=None if flip else batch[0])  # into the row, as the thread path
+            image = resize_uint8(
+                crop, (h, w), out=None if flip else batch[0]
+            )  # into the row, as the thread path
             t4 = time.perf_counter()
             if flip:
-                _opencv().flip(image.permute(1, 2, 0).numpy(), 1, dst=batch[0].permute(1, 2, 0).numpy())
+                _opencv().flip(
+                    image.permute(1, 2, 0).numpy(), 1, dst=batch[0].permute(1, 2, 0).numpy()
+                )
             t5 = time.perf_counter()
             for key, seconds in zip(spent, (t1 - t0, t3 - t2, t4 - t3, t5 - t4), strict=True):
                 spent[key] += seconds
         handover = {}
-        for name, loader in (("DataLoader worker (1, shared-memory batch)",
-                              DataLoader(_EmptyBatches(n, batch_size, h, w), batch_size=None, num_workers=1)),
-                             ("thread (ThreadLoader future)",
-                              ThreadLoader(_EmptyBatches(n, batch_size, h, w), batch_size=1, threads=1))):
+        for name, loader in (
+            (
+                "DataLoader worker (1, shared-memory batch)",
+                DataLoader(_EmptyBatches(n, batch_size, h, w), batch_size=None, num_workers=1),
+            ),
+            (
+                "thread (ThreadLoader future)",
+                ThreadLoader(_EmptyBatches(n, batch_size, h, w), batch_size=1, threads=1),
+            ),
+        ):
             best = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
@@ -242,13 +316,19 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
     finally:
         torch.set_num_threads(torch_threads)
     us = {key: 1e6 * value / n for key, value in spent.items()}
-    lines = ["| per image, one thread | us |", "|---|---:|",
-             f"| eval: read the eval view row (`preadv`) | {us['view']:,.0f} |",
-             f"| train: read the crop's rows (`preadv`) | {us['rows']:,.0f} |",
-             f"| train: resize the crop into the batch row (antialiased bilinear) | {us['resize']:,.0f} |",
-             f"| train: mirror into the row (half the crops; averaged over all) | {us['copy']:,.0f} |"]
-    lines += [f"| hand-over of a batch of {batch_size}, per image: {name} | {1e6 * value:,.0f} |"
-              for name, value in handover.items()]
+    lines = [
+        "| per image, one thread | us |",
+        "|---|---:|",
+        f"| eval: read the eval view row (`preadv`) | {us['view']:,.0f} |",
+        f"| train: read the crop's rows (`preadv`) | {us['rows']:,.0f} |",
+        f"| train: resize the crop into the batch row (antialiased bilinear) | {us['resize']:,.0f} "
+        "|",
+        f"| train: mirror into the row (half the crops; averaged over all) | {us['copy']:,.0f} |",
+    ]
+    lines += [
+        f"| hand-over of a batch of {batch_size}, per image: {name} | {1e6 * value:,.0f} |"
+        for name, value in handover.items()
+    ]
     return "\n".join(lines)
 
 
@@ -259,24 +339,49 @@ def run(args: argparse.Namespace) -> int:
     from recipes.common import smart_num_workers
 
     kinds = ("generated", "photos") if args.set == "both" else (args.set,)
-    sets = [("your data", args.data)] if args.data else [
-        (kind, ensure_data(args.images, _parse_size(args.image_size), kind)) for kind in kinds]
+    sets = (
+        [("your data", args.data)]
+        if args.data
+        else [
+            (kind, ensure_data(args.images, _parse_size(args.image_size), kind)) for kind in kinds
+        ]
+    )
     workers = smart_num_workers() if args.workers is None else args.workers
     for name, root in sets:
-        rows, build_seconds, notes = compare(root, size=args.size, batch_size=args.batch_size, workers=workers,
-                                             repeat=args.repeat)
+        rows, build_seconds, notes = compare(
+            root, size=args.size, batch_size=args.batch_size, workers=workers, repeat=args.repeat
+        )
         count = rows[0].items
-        show_table(f"vision, {name} set: {count} images from {root}, {args.size}px eval, batch {args.batch_size}, "
-                   f"{workers} workers", rows, unit="images/s", plot=args.plot, name=f"vision-eval-{slug(name)}")
-        print(f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)")
+        show_table(
+            f"vision, {name} set: {count} images from {root}, {args.size}px eval, batch "
+            f"{args.batch_size}, {workers} workers",
+            rows,
+            unit="images/s",
+            plot=args.plot,
+            name=f"vision-eval-{slug(name)}",
+        )
+        print(
+            f"\ncache build: {build_seconds:.1f} s ({count / build_seconds:,.0f} images/s, one-off)"
+        )
         for note in notes:
             print(f"\n{note}")
         with tempfile.TemporaryDirectory(prefix="recipes-bench-cache-") as warm_dir:
-            train_rows = compare_train(root, size=args.size, batch_size=args.batch_size, workers=workers,
-                                       repeat=args.repeat, warm_dir=warm_dir)
-        show_table(f"vision train, {name} set: random-resized crops + flips, {args.size}px, batch {args.batch_size}, "
-                   f"{workers} workers (img/s per worker = rate / {max(workers, 1)})", train_rows, unit="images/s",
-                   plot=args.plot, name=f"vision-train-{slug(name)}")
+            train_rows = compare_train(
+                root,
+                size=args.size,
+                batch_size=args.batch_size,
+                workers=workers,
+                repeat=args.repeat,
+                warm_dir=warm_dir,
+            )
+        show_table(
+            f"vision train, {name} set: random-resized crops + flips, {args.size}px, batch "
+            f"{args.batch_size}, {workers} workers (img/s per worker = rate / {max(workers, 1)})",
+            train_rows,
+            unit="images/s",
+            plot=args.plot,
+            name=f"vision-train-{slug(name)}",
+        )
     return 0
 
 
@@ -315,22 +420,44 @@ def train_setup(args, device):
     step = _vision_step(model_name, device)
     workers = smart_num_workers() if args.workers is None else args.workers
     dtype = torch.bfloat16 if cuda else torch.float32
-    normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True)
+    normalize = DeviceNormalize(
+        IMAGENET_MEAN, IMAGENET_STD, device=device, dtype=dtype, channels_last=True
+    )
     overrides = {} if args.workers is None else {"num_workers": args.workers}
 
     def to_device(b):
         return normalize(b[0], b[1])
 
     def plain_to_device(b):
-        return (b[0].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last),
-                b[1].to(device, non_blocking=True))
+        return (
+            b[0].to(device, non_blocking=True).contiguous(memory_format=torch.channels_last),
+            b[1].to(device, non_blocking=True),
+        )
 
-    plain = torchvision.datasets.ImageFolder(root, transform=T.Compose([
-        T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
-    plain_loader = DataLoader(plain, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
-                              pin_memory=cuda, persistent_workers=workers > 0,
-                              worker_init_fn=worker_init if workers else None)
-    common = dict(batch_size=batch, shuffle=True, drop_last=True, collate_fn=uint8_collate, **overrides)
+    plain = torchvision.datasets.ImageFolder(
+        root,
+        transform=T.Compose(
+            [
+                T.RandomResizedCrop(size),
+                T.RandomHorizontalFlip(),
+                T.ToTensor(),
+                T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            ]
+        ),
+    )
+    plain_loader = DataLoader(
+        plain,
+        batch_size=batch,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=cuda,
+        persistent_workers=workers > 0,
+        worker_init_fn=worker_init if workers else None,
+    )
+    common = dict(
+        batch_size=batch, shuffle=True, drop_last=True, collate_fn=uint8_collate, **overrides
+    )
     cold = ImageFolderFast(root, size=size, train=True)
     warm = ImageFolderFast(root, size=size, train=True)
     cache_dir = tempfile.mkdtemp(prefix="recipes-train-bench-")
@@ -338,19 +465,40 @@ def train_setup(args, device):
     build_image_cache(warm, cache_dir, progress=False)
     build = time.perf_counter() - start
     decoder = "region decode" if region_decode_available() else "whole-image decode"
-    loaders = [("torchvision ImageFolder + PIL (plain)", plain_loader, plain_to_device),
-               (f"ImageFolderFast cold ({decoder}), make_loader", make_loader(cold, **common), to_device),
-               ("ImageFolderFast warm (cache), make_loader (threads unless --workers)", make_loader(warm, **common),
-                to_device),
-               *((f"ImageFolderFast warm (cache), make_loader path='{p}' ({where})", make_loader(warm, **common, path=p),
-                  to_device) for p, where in (("threads", "in this process"), ("isolated", "threads of a child process"))),
-               ("ImageFolderFast warm (cache), DeviceCropLoader (4 threads, crops on the device)",
-                DeviceCropLoader(warm, batch_size=batch, drop_last=True, device=device, dtype=dtype), lambda b: b)]
+    loaders = [
+        ("torchvision ImageFolder + PIL (plain)", plain_loader, plain_to_device),
+        (f"ImageFolderFast cold ({decoder}), make_loader", make_loader(cold, **common), to_device),
+        (
+            "ImageFolderFast warm (cache), make_loader (threads unless --workers)",
+            make_loader(warm, **common),
+            to_device,
+        ),
+        *(
+            (
+                f"ImageFolderFast warm (cache), make_loader path='{p}' ({where})",
+                make_loader(warm, **common, path=p),
+                to_device,
+            )
+            for p, where in (
+                ("threads", "in this process"),
+                ("isolated", "threads of a child process"),
+            )
+        ),
+        (
+            "ImageFolderFast warm (cache), DeviceCropLoader (4 threads, crops on the device)",
+            DeviceCropLoader(warm, batch_size=batch, drop_last=True, device=device, dtype=dtype),
+            lambda b: b,
+        ),
+    ]
     if cuda:
         encoded = ImageFolderFast(root, size=size, train=True, decode="gpu")
-        loaders.append(("ImageFolderFast decode='gpu' (bytes from workers), GpuDecode (nvJPEG)",
-                        make_loader(encoded, **{**common, "collate_fn": encoded_collate}),
-                        GpuDecode(encoded, device=device, dtype=dtype)))
+        loaders.append(
+            (
+                "ImageFolderFast decode='gpu' (bytes from workers), GpuDecode (nvJPEG)",
+                make_loader(encoded, **{**common, "collate_fn": encoded_collate}),
+                GpuDecode(encoded, device=device, dtype=dtype),
+            )
+        )
     if args.autotune:
         from recipes.common import autotune
 
@@ -360,15 +508,33 @@ def train_setup(args, device):
                 torch.cuda.synchronize()
 
         for name, ds in (("cold", cold), ("warm", warm)):
-            tuned = autotune(ds, batch_size=batch, collate_fn=uint8_collate, step=tuned_step, max_seconds=args.autotune_seconds,
-                             seconds_per_trial=3.0, store=False)
-            loaders.append((f"ImageFolderFast {name}, autotuned", make_loader(
-                ds, **tuned, shuffle=True, drop_last=True, collate_fn=uint8_collate), to_device))
+            tuned = autotune(
+                ds,
+                batch_size=batch,
+                collate_fn=uint8_collate,
+                step=tuned_step,
+                max_seconds=args.autotune_seconds,
+                seconds_per_trial=3.0,
+                store=False,
+            )
+            loaders.append(
+                (
+                    f"ImageFolderFast {name}, autotuned",
+                    make_loader(
+                        ds, **tuned, shuffle=True, drop_last=True, collate_fn=uint8_collate
+                    ),
+                    to_device,
+                )
+            )
     with torch.no_grad():
-        images, targets = next(iter(make_loader(warm, batch_size=batch, collate_fn=uint8_collate, num_workers=0)))
+        images, targets = next(
+            iter(make_loader(warm, batch_size=batch, collate_fn=uint8_collate, num_workers=0))
+        )
     resident = normalize(images, targets)
-    notes = [f"{len(cold)} JPEGs under {root}, {size}px train crops, batch {batch}; decoded cache built in "
-             f"{build:.1f} s ({len(cold) / build:,.0f} images/s, one-off)"]
+    notes = [
+        f"{len(cold)} JPEGs under {root}, {size}px train crops, batch {batch}; decoded cache built "
+        f"in {build:.1f} s ({len(cold) / build:,.0f} images/s, one-off)"
+    ]
     return TrainSetup("images", step, lambda b: len(b[0]), resident, loaders, model_name, notes)
 
 
@@ -378,13 +544,20 @@ def _vision_step(name: str, device):
 
     if name == "tiny":
         model = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32, 10),
+        )
     elif name in ("resnet50", "resnet18"):
         model = getattr(torchvision.models, name)(weights=None, num_classes=1000)
     else:
-        raise ValueError(f"`--model` for vision must be resnet50, resnet18 or tiny, but is {name!r} instead.")
+        raise ValueError(
+            f"`--model` for vision must be resnet50, resnet18 or tiny, but is {name!r} instead."
+        )
     model = model.to(device, memory_format=torch.channels_last).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     autocast = device.type == "cuda"

@@ -14,8 +14,16 @@ import functools
 from pathlib import Path
 
 
-def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers: int = 1, repeat: int = 2,
-                  device: str | None = None, warm_dir: str | None = None):
+def compare_train(
+    root: Path,
+    *,
+    size: int = 224,
+    batch_size: int = 32,
+    workers: int = 1,
+    repeat: int = 2,
+    device: str | None = None,
+    warm_dir: str | None = None,
+):
     """Train-mode rows on `root`: torchvision RandomResizedCrop + flip (baseline), ImageFolderFast
     decoding whole images, decoding only the crop (region decode, when available), on CUDA
     `decode="gpu"` with `GpuDecode` (synchronised per batch) and, with `warm_dir`, crops from a
@@ -38,17 +46,38 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
     from recipes.vision.decoding.region_decode import region_decode_available
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = dict(batch_size=batch_size, num_workers=workers, pin_memory=device == "cuda",
-                    worker_init_fn=worker_init if workers else None)
-    baseline = torchvision.datasets.ImageFolder(root, transform=T.Compose(
-        [T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()]))
-    loaders = [("torchvision RandomResizedCrop + PIL (baseline)", DataLoader(baseline, **settings)),
-               ("ImageFolderFast train, whole-image decode", DataLoader(
-                   ImageFolderFast(root, size=size, train=True, region_decode=False), collate_fn=uint8_collate,
-                   **settings))]
+    settings = dict(
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=device == "cuda",
+        worker_init_fn=worker_init if workers else None,
+    )
+    baseline = torchvision.datasets.ImageFolder(
+        root,
+        transform=T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.PILToTensor()]),
+    )
+    loaders = [
+        ("torchvision RandomResizedCrop + PIL (baseline)", DataLoader(baseline, **settings)),
+        (
+            "ImageFolderFast train, whole-image decode",
+            DataLoader(
+                ImageFolderFast(root, size=size, train=True, region_decode=False),
+                collate_fn=uint8_collate,
+                **settings,
+            ),
+        ),
+    ]
     if region_decode_available():
-        loaders.append(("ImageFolderFast train, region decode (crop only)", DataLoader(
-            ImageFolderFast(root, size=size, train=True, region_decode=True), collate_fn=uint8_collate, **settings)))
+        loaders.append(
+            (
+                "ImageFolderFast train, region decode (crop only)",
+                DataLoader(
+                    ImageFolderFast(root, size=size, train=True, region_decode=True),
+                    collate_fn=uint8_collate,
+                    **settings,
+                ),
+            )
+        )
     if device == "cuda":
         gpu = ImageFolderFast(root, size=size, train=True, decode="gpu")
         to_images = GpuDecode(gpu, device=device, dtype=torch.bfloat16)
@@ -59,16 +88,28 @@ def compare_train(root: Path, *, size: int = 224, batch_size: int = 32, workers:
                 torch.cuda.synchronize()
                 yield images, targets
 
-        loaders.append(("decode='gpu' + GpuDecode (bytes from workers, nvJPEG)",
-                        _Reiterable(DataLoader(gpu, collate_fn=encoded_collate, **settings), decoded)))
+        loaders.append(
+            (
+                "decode='gpu' + GpuDecode (bytes from workers, nvJPEG)",
+                _Reiterable(DataLoader(gpu, collate_fn=encoded_collate, **settings), decoded),
+            )
+        )
     if warm_dir is not None:  # crops over the cached whole images
         warm = ImageFolderFast(root, size=size, train=True)
         build_image_cache(warm, warm_dir, num_workers=workers, progress=False)
-        loaders += [("ImageFolderFast train warm (cache), DataLoader workers",
-                     DataLoader(warm, collate_fn=uint8_collate, shuffle=True, **settings)),
-                    ("ImageFolderFast train warm (cache), make_loader defaults (threads)",
-                     make_loader(warm, batch_size=batch_size, shuffle=True))]
-    return best_interleaved(*(functools.partial(measure, name, loader) for name, loader in loaders), repeat=repeat)
+        loaders += [
+            (
+                "ImageFolderFast train warm (cache), DataLoader workers",
+                DataLoader(warm, collate_fn=uint8_collate, shuffle=True, **settings),
+            ),
+            (
+                "ImageFolderFast train warm (cache), make_loader defaults (threads)",
+                make_loader(warm, batch_size=batch_size, shuffle=True),
+            ),
+        ]
+    return best_interleaved(
+        *(functools.partial(measure, name, loader) for name, loader in loaders), repeat=repeat
+    )
 
 
 class _Reiterable:

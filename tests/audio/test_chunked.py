@@ -22,7 +22,7 @@ def _expected_windows(paths, chunk, hop, last):
         c, h = round(chunk * rate), round(hop * rate)
         start = 0
         while start + c <= total:
-            out.append((f, start, data[start:start + c].T, c))
+            out.append((f, start, data[start : start + c].T, c))
             start += h
         last_end = start - h + c if start > 0 else 0
         if start < total and last_end < total and last != "drop":
@@ -63,7 +63,9 @@ def test_index_lives_in_numpy_arrays(audio_files):
 
 
 def test_stereo_to_mono_and_kept_channels(tmp_path):
-    [path] = make_audio_files(tmp_path, count=1, seconds=2.0, channels=2, format="WAV", subtype="FLOAT")
+    [path] = make_audio_files(
+        tmp_path, count=1, seconds=2.0, channels=2, format="WAV", subtype="FLOAT"
+    )
     data, _ = sf.read(path, dtype="float32")
     mono, _ = ChunkedAudioDataset([path], chunk_seconds=1.0)[1]
     np.testing.assert_allclose(mono.numpy()[0], data[16000:32000].mean(axis=1), atol=1e-7)
@@ -71,7 +73,9 @@ def test_stereo_to_mono_and_kept_channels(tmp_path):
     assert stereo.shape == (2, 16000)
 
 
-@pytest.mark.parametrize("fmt, subtype", [("WAV", "PCM_16"), ("WAV", "FLOAT"), ("OGG", "VORBIS"), ("FLAC", "PCM_24")])
+@pytest.mark.parametrize(
+    "fmt, subtype", [("WAV", "PCM_16"), ("WAV", "FLOAT"), ("OGG", "VORBIS"), ("FLAC", "PCM_24")]
+)
 def test_formats_and_subtypes(tmp_path, fmt, subtype):
     [path] = make_audio_files(tmp_path, count=1, seconds=3.0, format=fmt, subtype=subtype)
     ds = ChunkedAudioDataset([path], chunk_seconds=1.0)
@@ -87,7 +91,9 @@ def test_resampling_matches_torchaudio_and_caches_the_kernel(tmp_path):
     wave, info = ds[1]  # the second window of the 22.05 kHz file
     assert wave.shape == (1, 16000) and info["frames"] == 16000
     source, _ = sf.read(paths[0], dtype="float32")
-    expected = torchaudio.functional.resample(torch.from_numpy(source[22050:44100])[None], 22050, 16000)
+    expected = torchaudio.functional.resample(
+        torch.from_numpy(source[22050:44100])[None], 22050, 16000
+    )
     torch.testing.assert_close(wave, expected)
     ds[0], ds[2], ds[3]
     assert list(ds._resamplers) == [22050]  # one kernel, reused
@@ -97,7 +103,9 @@ def test_resampling_matches_torchaudio_and_caches_the_kernel(tmp_path):
 def test_different_rates_without_sample_rate_is_an_error(tmp_path):
     paths = make_audio_files(tmp_path / "a", count=1, seconds=1.0, sample_rate=8000)
     paths += make_audio_files(tmp_path / "b", count=1, seconds=1.0, sample_rate=16000)
-    with pytest.raises(ValueError, match="different sample rates.*8000 Hz.*16000 Hz.*pass sample_rate="):
+    with pytest.raises(
+        ValueError, match="different sample rates.*8000 Hz.*16000 Hz.*pass sample_rate="
+    ):
         ChunkedAudioDataset(paths)
 
 
@@ -137,7 +145,9 @@ def test_a_corrupt_header_rate_is_refused_at_index_time(tmp_path):
     with pytest.raises(AudioDecodeError, match=r"audio_0001.wav.*16,209,442 Hz.*corrupt"):
         ChunkedAudioDataset([good, corrupt], chunk_seconds=0.5, sample_rate=16000)
     _with_wav_rate(corrupt, 44_101)  # plausible, but resampling to 16 kHz needs a 2.7 GB kernel
-    with pytest.raises(AudioDecodeError, match=r"audio_0001.wav.*44,101 Hz to 16,000 Hz.*MiB kernel"):
+    with pytest.raises(
+        AudioDecodeError, match=r"audio_0001.wav.*44,101 Hz to 16,000 Hz.*MiB kernel"
+    ):
         ChunkedAudioDataset([good, corrupt], chunk_seconds=0.5, sample_rate=16000)
 
 

@@ -13,7 +13,7 @@ def test_pads_waveforms_and_reports_valid_frames(audio_files):
     assert out["lengths"].tolist() == [w.shape[-1] for w, _ in items]
     for row, (w, _) in enumerate(items):
         assert torch.equal(out["inputs"][row, :, : w.shape[-1]], w)
-        assert (out["inputs"][row, :, w.shape[-1]:] == 0).all()
+        assert (out["inputs"][row, :, w.shape[-1] :] == 0).all()
     assert out["file"].tolist() == [info["file"] for _, info in items]
 
 

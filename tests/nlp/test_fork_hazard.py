@@ -26,13 +26,16 @@ SCRIPT = textwrap.dedent("""
     loader = make_loader(Tokenizing(), profile="text", num_workers=2, batch_size=50,
                          multiprocessing_context="fork", timeout=60)
     batches = list(loader)
-    print("tokenized", len(batches), "parallelism off in workers:", all(bool(b[:, 1].all()) for b in batches))
+    off = all(bool(b[:, 1].all()) for b in batches)
+    print("tokenized", len(batches), "parallelism off in workers:", off)
 """)
 
 
 @pytest.mark.slow  # 8 s
 def test_forked_workers_tokenize_after_the_parent_used_parallelism():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # completed (no deadlock), and worker_init switched tokenizers parallelism off in the workers
     assert "tokenized 8 parallelism off in workers: True" in out.stdout

@@ -34,7 +34,15 @@ def _pieces_of(sampler, batches):
     for k, batch in enumerate(batches):
         rows, pieces = np.divmod(np.asarray(batch, dtype=np.int64), p)
         for r, piece in zip(rows.tolist(), pieces.tolist(), strict=True):
-            out.append((int(sampler.piece_doc[piece]), int(sampler.piece_start[piece]), int(sampler.piece_len[piece]), k, r))
+            out.append(
+                (
+                    int(sampler.piece_doc[piece]),
+                    int(sampler.piece_start[piece]),
+                    int(sampler.piece_len[piece]),
+                    k,
+                    r,
+                )
+            )
     return out
 
 
@@ -65,7 +73,9 @@ def test_every_token_once_in_static_batches_equal_to_the_cache(cache):
     expected = []
     for i in range(len(cache)):
         ids = cache[i]["input_ids"].tolist()
-        expected.extend(ids[s : s + 64] for s in range(0, len(ids), 64))  # long documents: 64-token pieces
+        expected.extend(
+            ids[s : s + 64] for s in range(0, len(ids), 64)
+        )  # long documents: 64-token pieces
     assert sorted(got) == sorted(expected)
     assert real == int(cache.lengths.sum())
 
@@ -85,9 +95,17 @@ def test_seq_lens_and_cu_seqlens_describe_the_rows(cache):
 
 
 def test_workers_give_the_same_batches(cache):
-    plain = [b["input_ids"] for b in packed_loader(cache, seq_len=64, batch_size=4, num_workers=0, seed=1)]
-    forked = [b["input_ids"] for b in packed_loader(cache, seq_len=64, batch_size=4, num_workers=2, seed=1)]
-    assert len(plain) == len(forked) and all(torch.equal(a, b) for a, b in zip(plain, forked, strict=False))
+    plain = [
+        b["input_ids"]
+        for b in packed_loader(cache, seq_len=64, batch_size=4, num_workers=0, seed=1)
+    ]
+    forked = [
+        b["input_ids"]
+        for b in packed_loader(cache, seq_len=64, batch_size=4, num_workers=2, seed=1)
+    ]
+    assert len(plain) == len(forked) and all(
+        torch.equal(a, b) for a, b in zip(plain, forked, strict=False)
+    )
 
 
 def test_epochs_differ_and_repeat_from_the_seed(cache):
@@ -103,8 +121,14 @@ def test_epochs_differ_and_repeat_from_the_seed(cache):
 def test_long_documents_split_or_refused():
     lengths = [10, 300, 5]
     sampler = PackedBatchSampler(lengths, seq_len=128, batch_size=2, shuffle=False)
-    assert sorted(zip(sampler.piece_doc.tolist(), sampler.piece_start.tolist(), sampler.piece_len.tolist(), strict=False)) == [
-        (0, 0, 10), (1, 0, 128), (1, 128, 128), (1, 256, 44), (2, 0, 5)]
+    assert sorted(
+        zip(
+            sampler.piece_doc.tolist(),
+            sampler.piece_start.tolist(),
+            sampler.piece_len.tolist(),
+            strict=False,
+        )
+    ) == [(0, 0, 10), (1, 0, 128), (1, 128, 128), (1, 256, 44), (2, 0, 5)]
     with pytest.raises(ValueError, match=r"document 1 has 300 tokens.*split_long=True"):
         PackedBatchSampler(lengths, seq_len=128, batch_size=2, split_long=False)
 
@@ -120,14 +144,19 @@ def test_resume_through_the_loader_state(cache):
     resumed = packed_loader(cache, seq_len=64, batch_size=2, num_workers=0, seed=5)
     resumed.load_state_dict(state)
     rest = [b["input_ids"] for b in resumed]
-    assert len(rest) == len(full) - 3 and all(torch.equal(a, b) for a, b in zip(rest, full[3:], strict=False))
+    assert len(rest) == len(full) - 3 and all(
+        torch.equal(a, b) for a, b in zip(rest, full[3:], strict=False)
+    )
     other = packed_loader(cache, seq_len=128, batch_size=2, num_workers=0, seed=5)
     with pytest.raises(ValueError, match=r"seq_len=64 \(saved\) vs 128.*same data and settings"):
         other.batch_sampler.load_state_dict(state["sampler"])
 
 
 def test_collate_rejects_overfull_rows():
-    items = [{"input_ids": torch.ones(40, dtype=torch.int64), "row": 0}, {"input_ids": torch.ones(30, dtype=torch.int64), "row": 0}]
+    items = [
+        {"input_ids": torch.ones(40, dtype=torch.int64), "row": 0},
+        {"input_ids": torch.ones(30, dtype=torch.int64), "row": 0},
+    ]
     with pytest.raises(ValueError, match="row 0 holds 70 tokens"):
         PackCollate(64, 2)(items)
 
@@ -137,10 +166,19 @@ lengths_st = st.lists(st.integers(0, 300), min_size=1, max_size=120)
 
 
 @settings(max_examples=30, deadline=None)
-@given(lengths=lengths_st, seq_len=st.sampled_from([16, 64, 128]), batch_size=st.integers(1, 5),
-       window=st.integers(1, 8), seed=st.integers(0, 3))
-def test_pieces_cover_every_token_exactly_once_and_fit_their_rows(lengths, seq_len, batch_size, window, seed):
-    sampler = PackedBatchSampler(lengths, seq_len=seq_len, batch_size=batch_size, window=window, seed=seed)
+@given(
+    lengths=lengths_st,
+    seq_len=st.sampled_from([16, 64, 128]),
+    batch_size=st.integers(1, 5),
+    window=st.integers(1, 8),
+    seed=st.integers(0, 3),
+)
+def test_pieces_cover_every_token_exactly_once_and_fit_their_rows(
+    lengths, seq_len, batch_size, window, seed
+):
+    sampler = PackedBatchSampler(
+        lengths, seq_len=seq_len, batch_size=batch_size, window=window, seed=seed
+    )
     pieces = _pieces_of(sampler, list(sampler))
     covered = {}
     for doc, start, length, _, _ in pieces:
@@ -148,7 +186,9 @@ def test_pieces_cover_every_token_exactly_once_and_fit_their_rows(lengths, seq_l
     for doc, n in enumerate(lengths):
         spans = sorted(covered.get(doc, []))
         assert sum(length for _, length in spans) == n  # every token, once
-        assert [s for s, _ in spans] == list(range(0, n, seq_len))[: len(spans)]  # contiguous pieces
+        assert [s for s, _ in spans] == list(range(0, n, seq_len))[
+            : len(spans)
+        ]  # contiguous pieces
         assert len(spans) == (math.ceil(n / seq_len) if n else 0)  # split only when longer than T
     rows = {}
     for _, _, length, k, r in pieces:
@@ -159,9 +199,21 @@ def test_pieces_cover_every_token_exactly_once_and_fit_their_rows(lengths, seq_l
 
 @settings(max_examples=40, deadline=None)
 @given(lengths=lengths_st, world=st.integers(2, 4), drop_last=st.booleans(), seed=st.integers(0, 3))
-def test_ranks_get_equal_counts_and_are_disjoint_apart_from_bounded_padding(lengths, world, drop_last, seed):
-    samplers = [PackedBatchSampler(lengths, seq_len=64, batch_size=2, num_replicas=world, rank=r, seed=seed,
-                                   drop_last=drop_last) for r in range(world)]
+def test_ranks_get_equal_counts_and_are_disjoint_apart_from_bounded_padding(
+    lengths, world, drop_last, seed
+):
+    samplers = [
+        PackedBatchSampler(
+            lengths,
+            seq_len=64,
+            batch_size=2,
+            num_replicas=world,
+            rank=r,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        for r in range(world)
+    ]
     plans = [list(s) for s in samplers]
     assert len({len(p) for p in plans}) == 1
     total = len(samplers[0].global_batches())
@@ -172,20 +224,34 @@ def test_ranks_get_equal_counts_and_are_disjoint_apart_from_bounded_padding(leng
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=lengths_st, before=st.integers(1, 3), after=st.integers(1, 3), stop=st.integers(0, 6),
-       seed=st.integers(0, 3))
-def test_resume_is_the_uninterrupted_rest_on_any_number_of_ranks(lengths, before, after, stop, seed):
+@given(
+    lengths=lengths_st,
+    before=st.integers(1, 3),
+    after=st.integers(1, 3),
+    stop=st.integers(0, 6),
+    seed=st.integers(0, 3),
+)
+def test_resume_is_the_uninterrupted_rest_on_any_number_of_ranks(
+    lengths, before, after, stop, seed
+):
     kwargs = dict(seq_len=64, batch_size=2, seed=seed)
-    first = [PackedBatchSampler(lengths, num_replicas=before, rank=r, **kwargs) for r in range(before)]
+    first = [
+        PackedBatchSampler(lengths, num_replicas=before, rank=r, **kwargs) for r in range(before)
+    ]
     steps = min(stop, len(first[0]))
     for s in first:
         it = iter(s)
         for _ in range(steps):
             next(it)
     state = first[0].state_dict()
-    done = [tuple(b) for r in range(before)
-            for b in list(PackedBatchSampler(lengths, num_replicas=before, rank=r, **kwargs))[:steps]]
-    second = [PackedBatchSampler(lengths, num_replicas=after, rank=r, **kwargs) for r in range(after)]
+    done = [
+        tuple(b)
+        for r in range(before)
+        for b in list(PackedBatchSampler(lengths, num_replicas=before, rank=r, **kwargs))[:steps]
+    ]
+    second = [
+        PackedBatchSampler(lengths, num_replicas=after, rank=r, **kwargs) for r in range(after)
+    ]
     for s in second:
         s.load_state_dict(json.loads(json.dumps(state)))
     rest = [tuple(b) for s in second for b in s]
@@ -197,7 +263,9 @@ def test_resume_is_the_uninterrupted_rest_on_any_number_of_ranks(lengths, before
     repeats = taken - len(plan) if taken > len(plan) else (-left) % after
     extra = [plan[i % len(plan)] for i in range(repeats)] if plan else []
     assert len({len(list(s)) for s in second}) == 1  # equal counts on the new ranks
-    assert Counter(done + rest) == Counter(plan + extra)  # every batch once, repeats only as padding
+    assert Counter(done + rest) == Counter(
+        plan + extra
+    )  # every batch once, repeats only as padding
 
 
 # ---- a tiny causal transformer: packed logits equal each document alone ----------------------
@@ -208,18 +276,32 @@ class TinyCausalLM(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab, dim)
         self.pos = torch.nn.Embedding(max_len, dim)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.ModuleDict({"qkv": torch.nn.Linear(dim, 3 * dim), "out": torch.nn.Linear(dim, dim),
-                                 "norm1": torch.nn.LayerNorm(dim), "norm2": torch.nn.LayerNorm(dim),
-                                 "mlp": torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                                            torch.nn.Linear(4 * dim, dim))})
-            for _ in range(layers))
+            torch.nn.ModuleDict(
+                {
+                    "qkv": torch.nn.Linear(dim, 3 * dim),
+                    "out": torch.nn.Linear(dim, dim),
+                    "norm1": torch.nn.LayerNorm(dim),
+                    "norm2": torch.nn.LayerNorm(dim),
+                    "mlp": torch.nn.Sequential(
+                        torch.nn.Linear(dim, 4 * dim),
+                        torch.nn.GELU(),
+                        torch.nn.Linear(4 * dim, dim),
+                    ),
+                }
+            )
+            for _ in range(layers)
+        )
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, input_ids, position_ids, mask):
         x = self.embed(input_ids) + self.pos(position_ids)
         b, t, d = x.shape
         for block in self.blocks:
-            q, k, v = block["qkv"](block["norm1"](x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            q, k, v = (
+                block["qkv"](block["norm1"](x))
+                .view(b, t, 3, self.heads, d // self.heads)
+                .permute(2, 0, 3, 1, 4)
+            )
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             x = x + block["out"](attn.transpose(1, 2).reshape(b, t, d))
             x = x + block["mlp"](block["norm2"](x))
@@ -228,25 +310,41 @@ class TinyCausalLM(torch.nn.Module):
 
 def test_packed_logits_equal_each_document_alone(cache):
     torch.manual_seed(0)
-    model = TinyCausalLM(vocab=int(max(int(cache[i]["input_ids"].max()) for i in range(len(cache)) if cache.lengths[i])) + 1)
+    model = TinyCausalLM(
+        vocab=int(
+            max(int(cache[i]["input_ids"].max()) for i in range(len(cache)) if cache.lengths[i])
+        )
+        + 1
+    )
     model.eval()
     batch = next(iter(packed_loader(cache, seq_len=128, batch_size=3, num_workers=0, seed=2)))
     with torch.no_grad():
-        packed = model(batch["input_ids"], batch["position_ids"], document_attention_mask(batch["position_ids"]))
+        packed = model(
+            batch["input_ids"],
+            batch["position_ids"],
+            document_attention_mask(batch["position_ids"]),
+        )
         checked = 0
         for r in range(batch["input_ids"].shape[0]):
             start = 0
             for length in [x for x in batch["seq_lens"][r].tolist() if x]:
                 ids = batch["input_ids"][r : r + 1, start : start + length]
-                alone = model(ids, torch.arange(length)[None], torch.ones(length, length, dtype=torch.bool).tril())
-                torch.testing.assert_close(packed[r : r + 1, start : start + length], alone, atol=1e-5, rtol=1e-4)
+                alone = model(
+                    ids,
+                    torch.arange(length)[None],
+                    torch.ones(length, length, dtype=torch.bool).tril(),
+                )
+                torch.testing.assert_close(
+                    packed[r : r + 1, start : start + length], alone, atol=1e-5, rtol=1e-4
+                )
                 start += length
                 checked += 1
     assert checked > 3
     # without the mask, documents after the first in a row do see their neighbours
     with torch.no_grad():
-        leaky = model(batch["input_ids"], batch["position_ids"],
-                      torch.ones(128, 128, dtype=torch.bool).tril())
+        leaky = model(
+            batch["input_ids"], batch["position_ids"], torch.ones(128, 128, dtype=torch.bool).tril()
+        )
     assert not torch.allclose(leaky, packed, atol=1e-3)
 
 

@@ -24,37 +24,65 @@ def _ids(cache):
 @pytest.fixture
 def parquet_shards(corpus, tmp_path):
     pytest.importorskip("pyarrow")
-    return write_shards(({"__key__": f"k{i}", "text": t} for i, t in enumerate(corpus)), tmp_path / "pq",
-                        format="parquet", shard_bytes=4000, progress=False, shuffle=False)
+    return write_shards(
+        ({"__key__": f"k{i}", "text": t} for i, t in enumerate(corpus)),
+        tmp_path / "pq",
+        format="parquet",
+        shard_bytes=4000,
+        progress=False,
+        shuffle=False,
+    )
 
 
-def test_a_parquet_shard_set_its_folder_and_a_glob_of_its_shards_are_the_texts(corpus, tokenizer, tmp_path,
-                                                                                parquet_shards):
+def test_a_parquet_shard_set_its_folder_and_a_glob_of_its_shards_are_the_texts(
+    corpus, tokenizer, tmp_path, parquet_shards
+):
     assert len(parquet_shards.entries) > 2  # several shards, read in order
     expected = _direct(tokenizer, corpus)
-    sources = [parquet_shards, tmp_path / "pq", str(tmp_path / "pq") + "/", str(tmp_path / "pq" / "*.parquet")]
+    sources = [
+        parquet_shards,
+        tmp_path / "pq",
+        str(tmp_path / "pq") + "/",
+        str(tmp_path / "pq" / "*.parquet"),
+    ]
     for n, source in enumerate(sources):
-        cache = build_token_cache(source, tokenizer, tmp_path / f"c{n}", progress=False, batch_size=64)
+        cache = build_token_cache(
+            source, tokenizer, tmp_path / f"c{n}", progress=False, batch_size=64
+        )
         assert _ids(cache) == expected, source
     assert cache.header["source"].endswith("*.parquet")
 
 
 def test_a_tar_shard_set_reads_its_text_field(corpus, tokenizer, tmp_path):
-    shards = write_shards(({"__key__": f"k{i}", "txt": t, "cls": i} for i, t in enumerate(corpus)), tmp_path / "tar",
-                          shard_bytes=20_000, progress=False, shuffle=False)
+    shards = write_shards(
+        ({"__key__": f"k{i}", "txt": t, "cls": i} for i, t in enumerate(corpus)),
+        tmp_path / "tar",
+        shard_bytes=20_000,
+        progress=False,
+        shuffle=False,
+    )
     assert len(shards.entries) > 1
     cache = build_token_cache(shards, tokenizer, tmp_path / "c", progress=False, text_field="txt")
     assert _ids(cache) == _direct(tokenizer, corpus)
-    with pytest.raises(ValueError, match=r"sample 'k0': no field 'text' \(found \['cls', 'txt'\]\); pass text_field="):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 'k0': no field 'text' \(found \['cls', 'txt'\]\); pass text_field=",
+    ):
         build_token_cache(shards, tokenizer, tmp_path / "d", progress=False)
 
 
 def test_a_missing_parquet_column_is_named_before_any_read(tokenizer, tmp_path, parquet_shards):
-    with pytest.raises(ValueError, match=r"no column 'body' \(their columns: \['__key__', 'text'\]\)"):
-        build_token_cache(parquet_shards, tokenizer, tmp_path / "c", progress=False, text_field="body")
+    with pytest.raises(
+        ValueError, match=r"no column 'body' \(their columns: \['__key__', 'text'\]\)"
+    ):
+        build_token_cache(
+            parquet_shards, tokenizer, tmp_path / "c", progress=False, text_field="body"
+        )
 
 
-def test_remote_shards_are_keyed_on_the_index_and_checked_when_read(corpus, tokenizer, tmp_path, parquet_shards):
+def test_remote_shards_are_keyed_on_the_index_and_checked_when_read(
+    corpus, tokenizer, tmp_path, parquet_shards
+):
     with LocalHTTPServer(tmp_path / "pq") as server:
         remote = ShardSet.open(server.url("").rstrip("/"))
         cache = build_token_cache(remote, tokenizer, tmp_path / "c", progress=False)
@@ -62,7 +90,9 @@ def test_remote_shards_are_keyed_on_the_index_and_checked_when_read(corpus, toke
         stamp = (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns
         # the same set, local: the same key (names and URLs are not in it), reused
         again = build_token_cache(parquet_shards, tokenizer, tmp_path / "c", progress=False)
-        assert (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns == stamp and again.fingerprint == cache.fingerprint
+        assert (
+            tmp_path / "c" / "tokens.bin"
+        ).stat().st_mtime_ns == stamp and again.fingerprint == cache.fingerprint
         shard = tmp_path / "pq" / parquet_shards.entries[1]["name"]
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, other bytes, index unchanged
@@ -75,10 +105,18 @@ def test_remote_shards_are_keyed_on_the_index_and_checked_when_read(corpus, toke
 
 def test_a_changed_index_rebuilds(corpus, tokenizer, tmp_path, parquet_shards):
     first = build_token_cache(tmp_path / "pq", tokenizer, tmp_path / "c", progress=False)
-    write_shards(({"__key__": f"k{i}", "text": t} for i, t in enumerate(corpus[::-1])), tmp_path / "pq",
-                 format="parquet", shard_bytes=4000, progress=False, shuffle=False)
+    write_shards(
+        ({"__key__": f"k{i}", "text": t} for i, t in enumerate(corpus[::-1])),
+        tmp_path / "pq",
+        format="parquet",
+        shard_bytes=4000,
+        progress=False,
+        shuffle=False,
+    )
     second = build_token_cache(tmp_path / "pq", tokenizer, tmp_path / "c", progress=False)
-    assert second.fingerprint != first.fingerprint and _ids(second) == _direct(tokenizer, corpus[::-1])
+    assert second.fingerprint != first.fingerprint and _ids(second) == _direct(
+        tokenizer, corpus[::-1]
+    )
 
 
 def test_shards_without_their_index_are_refused(tokenizer, tmp_path, parquet_shards):
@@ -106,7 +144,9 @@ def test_a_folder_a_glob_and_a_list_of_paths_of_text_files(corpus, tokenizer, tm
     expected = _direct(tokenizer, texts)
     paths = [folder / "a.txt", folder / "b.jsonl", folder / "c.parquet"]
     for n, source in enumerate([folder, str(folder / "*.*"), paths]):
-        cache = build_token_cache(source, tokenizer, tmp_path / f"c{n}", progress=False, batch_size=32)
+        cache = build_token_cache(
+            source, tokenizer, tmp_path / f"c{n}", progress=False, batch_size=32
+        )
         assert _ids(cache) == expected, source
     reordered = build_token_cache(paths[::-1], tokenizer, tmp_path / "r", progress=False)
     assert _ids(reordered) == _direct(tokenizer, parts[2] + parts[1] + parts[0])
@@ -116,7 +156,9 @@ def test_a_folder_a_glob_and_a_list_of_paths_of_text_files(corpus, tokenizer, tm
 def test_a_folder_or_glob_without_text_files_says_so(tokenizer, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"no \.txt, \.jsonl or \.parquet files in it \(1 other entries\)"):
+    with pytest.raises(
+        ValueError, match=r"no \.txt, \.jsonl or \.parquet files in it \(1 other entries\)"
+    ):
         build_token_cache(tmp_path / "empty", tokenizer, tmp_path / "c", progress=False)
     with pytest.raises(ValueError, match="no .txt, .jsonl or .parquet files match"):
         build_token_cache(str(tmp_path / "*.jsonl"), tokenizer, tmp_path / "c", progress=False)
@@ -124,7 +166,9 @@ def test_a_folder_or_glob_without_text_files_says_so(tokenizer, tmp_path):
         build_token_cache(tmp_path / "missing-folder", tokenizer, tmp_path / "c", progress=False)
 
 
-def test_a_list_of_existing_paths_as_strings_is_refused_never_tokenized(tokenizer, tmp_path, parquet_shards):
+def test_a_list_of_existing_paths_as_strings_is_refused_never_tokenized(
+    tokenizer, tmp_path, parquet_shards
+):
     paths = [str(tmp_path / "pq" / e["name"]) for e in parquet_shards.entries]
     for texts in (paths, paths[:1], [str(tmp_path / "pq")]):
         with pytest.raises(ValueError, match=r"all existing paths .*pass them as `pathlib.Path`s"):
@@ -146,10 +190,17 @@ def test_cli_takes_a_shard_folder(corpus, tokenizer, tmp_path, parquet_shards):
     from recipes.cli import main
 
     tokenizer.save_pretrained(tmp_path / "tok")
-    assert main(["cache", "nlp", str(tmp_path / "pq"), str(tmp_path / "tok"), str(tmp_path / "c")]) == 0
+    assert (
+        main(["cache", "nlp", str(tmp_path / "pq"), str(tmp_path / "tok"), str(tmp_path / "c")])
+        == 0
+    )
     stamp = (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns
-    cache = build_token_cache(parquet_shards, tokenizer, tmp_path / "c", progress=False)  # the same key: reused
-    assert (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns == stamp and _ids(cache) == _direct(tokenizer, corpus)
+    cache = build_token_cache(
+        parquet_shards, tokenizer, tmp_path / "c", progress=False
+    )  # the same key: reused
+    assert (tmp_path / "c" / "tokens.bin").stat().st_mtime_ns == stamp and _ids(cache) == _direct(
+        tokenizer, corpus
+    )
 
 
 def _replace_shard(folder, name):
@@ -160,13 +211,18 @@ def _replace_shard(folder, name):
     pq.write_table(pa.table({"__key__": ["x"], "text": ["not the shard's text"]}), folder / name)
 
 
-def test_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer, tmp_path, parquet_shards):
-    # review B4: a glob, a list of `Path`s or one path of shards is read through the set, every sample checked
+def test_shard_files_named_alone_are_read_through_their_index(
+    corpus, tokenizer, tmp_path, parquet_shards
+):
+    # review B4: a glob, a list of `Path`s or one path of shards is read through the set, every
+    # sample checked
     name = parquet_shards.entries[1]["name"]
     paths = [tmp_path / "pq" / e["name"] for e in parquet_shards.entries]
     cache = build_token_cache(paths[1], tokenizer, tmp_path / "one", progress=False)
     first, second = (int(n) for n in parquet_shards.lengths[:2])
-    assert _ids(cache) == _direct(tokenizer, corpus[first : first + second])  # the shard's texts, checked
+    assert _ids(cache) == _direct(
+        tokenizer, corpus[first : first + second]
+    )  # the shard's texts, checked
     _replace_shard(tmp_path / "pq", name)
     sources = [str(tmp_path / "pq" / "*.parquet"), paths, paths[1], str(paths[1])]
     for n, source in enumerate(sources):
@@ -175,15 +231,24 @@ def test_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer,
 
 
 def test_tar_shard_files_named_alone_are_read_through_their_index(corpus, tokenizer, tmp_path):
-    shards = write_shards(({"__key__": f"k{i}", "txt": t} for i, t in enumerate(corpus)), tmp_path / "tar",
-                          shard_bytes=20_000, progress=False, shuffle=False)
+    shards = write_shards(
+        ({"__key__": f"k{i}", "txt": t} for i, t in enumerate(corpus)),
+        tmp_path / "tar",
+        shard_bytes=20_000,
+        progress=False,
+        shuffle=False,
+    )
     paths = [tmp_path / "tar" / e["name"] for e in shards.entries]
     for n, source in enumerate([str(tmp_path / "tar" / "*.tar"), paths]):
-        cache = build_token_cache(source, tokenizer, tmp_path / f"c{n}", progress=False, text_field="txt")
+        cache = build_token_cache(
+            source, tokenizer, tmp_path / f"c{n}", progress=False, text_field="txt"
+        )
         assert _ids(cache) == _direct(tokenizer, corpus)
 
 
 def test_a_damaged_index_beside_shard_files_is_refused(tokenizer, tmp_path, parquet_shards):
     (tmp_path / "pq" / "index.json").write_text("{not json")
     with pytest.raises(ShardIndexError, match="damaged"):
-        build_token_cache(str(tmp_path / "pq" / "*.parquet"), tokenizer, tmp_path / "c", progress=False)
+        build_token_cache(
+            str(tmp_path / "pq" / "*.parquet"), tokenizer, tmp_path / "c", progress=False
+        )

@@ -1,4 +1,5 @@
-"""Run under torchrun (2 gloo processes): ImageFolderFast with DistributedSampler and make_loader."""
+"""Run under torchrun (2 gloo processes): ImageFolderFast with DistributedSampler and
+make_loader."""
 
 import hashlib
 import json
@@ -23,7 +24,9 @@ def main(root: str, report: str) -> None:
         sampler.set_epoch(epoch)
         seen, steps = [], 0
         for images, _ in loader:
-            seen += [hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest() for image in images]
+            seen += [
+                hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest() for image in images
+            ]
             step = torch.tensor([1.0])
             dist.all_reduce(step)  # one collective per step: unequal batch counts would hang here
             steps += 1
@@ -31,12 +34,23 @@ def main(root: str, report: str) -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, epochs)
     if rank == 0:
-        every = {hashlib.sha1(ds[i][0].contiguous().numpy().tobytes()).hexdigest() for i in range(len(ds))}
+        every = {
+            hashlib.sha1(ds[i][0].contiguous().numpy().tobytes()).hexdigest()
+            for i in range(len(ds))
+        }
         result = {
-            "disjoint": all(not set(gathered[0][e]["seen"]) & set(gathered[1][e]["seen"]) for e in range(2)),
-            "covered": all(set(gathered[0][e]["seen"]) | set(gathered[1][e]["seen"]) == every for e in range(2)),
-            "equal_steps": all(gathered[0][e]["steps"] == gathered[1][e]["steps"] for e in range(2)),
-            "reshuffled": all(gathered[r][0]["seen"] != gathered[r][1]["seen"] for r in range(world)),
+            "disjoint": all(
+                not set(gathered[0][e]["seen"]) & set(gathered[1][e]["seen"]) for e in range(2)
+            ),
+            "covered": all(
+                set(gathered[0][e]["seen"]) | set(gathered[1][e]["seen"]) == every for e in range(2)
+            ),
+            "equal_steps": all(
+                gathered[0][e]["steps"] == gathered[1][e]["steps"] for e in range(2)
+            ),
+            "reshuffled": all(
+                gathered[r][0]["seen"] != gathered[r][1]["seen"] for r in range(world)
+            ),
         }
         with open(report, "w") as f:
             json.dump(result, f)

@@ -22,8 +22,19 @@ def photos(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("photos"), classes=3, per_class=6, seed=12)
 
 
-@pytest.mark.parametrize("region", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'))])
+@pytest.mark.parametrize(
+    "region",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not region_decode_available(),
+                reason='needs nvImageCodec (pip install "loader-recipes[roi]")',
+            ),
+        ),
+    ],
+)
 def test_make_loader_decodes_in_threads_what_workers_decode(photos, region):
     """Eval at 224 px decodes 500x375 files at full DCT scale, through the region decoder when
     asked: 4 threads share nvImageCodec (one decoder per thread) and libjpeg's stderr check."""
@@ -32,8 +43,12 @@ def test_make_loader_decodes_in_threads_what_workers_decode(photos, region):
     assert isinstance(loader, ThreadLoader)
     assert "decod" in loader.recipe.reasons["path"]
     loader = ThreadLoader(ds, batch_size=5, threads=4)
-    workers = DataLoader(ImageFolderFast(photos, size=224, region_decode=region), batch_size=5, num_workers=2,
-                         collate_fn=uint8_collate)
+    workers = DataLoader(
+        ImageFolderFast(photos, size=224, region_decode=region),
+        batch_size=5,
+        num_workers=2,
+        collate_fn=uint8_collate,
+    )
     for _ in range(2):  # the first pass checks each file (strict), the second decodes unchecked
         batches = 0
         for (a, ta), (b, tb) in zip(loader, workers, strict=True):
@@ -43,19 +58,41 @@ def test_make_loader_decodes_in_threads_what_workers_decode(photos, region):
         assert batches == 4
 
 
-@pytest.mark.parametrize("region", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'))])
+@pytest.mark.parametrize(
+    "region",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not region_decode_available(),
+                reason='needs nvImageCodec (pip install "loader-recipes[roi]")',
+            ),
+        ),
+    ],
+)
 def test_train_batches_depend_on_the_seed_not_the_threads(photos, region):
     """At 128 px most crops are region decodes (DCT scale 1 or 2): one nvImageCodec decoder
     shared by threads returned other pixels and "Broken promise" errors."""
+
     def epoch(threads):
-        loader = ThreadLoader(ImageFolderFast(photos, size=128, train=True, region_decode=region), batch_size=4,
-                              shuffle=True, seed=9, threads=threads, generator=torch.Generator().manual_seed(1))
+        loader = ThreadLoader(
+            ImageFolderFast(photos, size=128, train=True, region_decode=region),
+            batch_size=4,
+            shuffle=True,
+            seed=9,
+            threads=threads,
+            generator=torch.Generator().manual_seed(1),
+        )
         return [batch for _ in range(2) for batch in loader]
 
     one, three = epoch(1), epoch(4)
-    assert len(one) == 10 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one, three, strict=True))
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(one, epoch(1)[::-1], strict=True))  # not one crop for all
+    assert len(one) == 10 and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one, three, strict=True)
+    )
+    assert not all(
+        torch.equal(a[0], b[0]) for a, b in zip(one, epoch(1)[::-1], strict=True)
+    )  # not one crop for all
 
 
 def test_cold_thread_crops_follow_torchvision(tmp_path, monkeypatch):
@@ -80,7 +117,9 @@ def test_cold_thread_crops_follow_torchvision(tmp_path, monkeypatch):
 
 def test_threads_raise_naming_the_file_and_skip_counts(tmp_path, mutated, damaged, kinds):  # noqa: F811
     root = _tree(tmp_path, {**kinds, **mutated})
-    names = [os.path.basename(p)[: -len(".jpg")].replace("_", " ") for p in ImageFolderFast(root).paths]
+    names = [
+        os.path.basename(p)[: -len(".jpg")].replace("_", " ") for p in ImageFolderFast(root).paths
+    ]
     first_bad = next(i for i, n in enumerate(names) if n in damaged)
     ds = ImageFolderFast(root, size=64)
     with pytest.raises(ImageDecodeError, match=rf"index {first_bad}\).*strict=False"):
@@ -105,11 +144,23 @@ def test_a_collate_function_of_the_users_keeps_the_batch_draws(photos, tmp_path,
         build_image_cache(ds, tmp_path, num_workers=0, progress=False)
 
     def epoch(threads, **kwargs):
-        loader = ThreadLoader(ds, batch_size=4, shuffle=True, seed=9, threads=threads,
-                              generator=torch.Generator().manual_seed(1), **kwargs)
+        loader = ThreadLoader(
+            ds,
+            batch_size=4,
+            shuffle=True,
+            seed=9,
+            threads=threads,
+            generator=torch.Generator().manual_seed(1),
+            **kwargs,
+        )
         return [batch for batch in loader]
 
     mine = epoch(1, collate_fn=lambda items: uint8_collate(items))
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(mine, epoch(3), strict=True))
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(mine, epoch(3, collate_fn=lambda items: uint8_collate(items)),
-                                                         strict=True))
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(mine, epoch(3), strict=True)
+    )
+    assert all(
+        torch.equal(a[0], b[0])
+        for a, b in zip(mine, epoch(3, collate_fn=lambda items: uint8_collate(items)), strict=True)
+    )

@@ -42,12 +42,16 @@ def test_extensions_and_is_valid_file_like_torchvision(tmp_path):
     for cls in ("b", "a"):
         (tmp_path / cls).mkdir()
         for name in ("x.jpg", "y.PNG", "z.txt", "w.jpeg"):
-            cv2.imwrite(str(tmp_path / cls / name), np.zeros((4, 4, 3), np.uint8)) if not name.endswith(".txt") \
-                else (tmp_path / cls / name).write_text("no")
+            cv2.imwrite(
+                str(tmp_path / cls / name), np.zeros((4, 4, 3), np.uint8)
+            ) if not name.endswith(".txt") else (tmp_path / cls / name).write_text("no")
     for kwargs in ({}, {"extensions": (".png",)}, {"is_valid_file": lambda p: p.endswith("x.jpg")}):
         ours = ImageFolderFast(tmp_path, **kwargs)
-        ref = torchvision.datasets.ImageFolder(tmp_path, **kwargs) if kwargs.get("extensions") is None \
+        ref = (
+            torchvision.datasets.ImageFolder(tmp_path, **kwargs)
+            if kwargs.get("extensions") is None
             else torchvision.datasets.DatasetFolder(tmp_path, loader=None, **kwargs)
+        )
         assert ours.samples == ref.samples, kwargs
 
 
@@ -98,7 +102,9 @@ def test_non_square_size(image_tree):
 def test_invalid_arguments(image_tree):
     with pytest.raises(ValueError, match="`size` must be a positive int"):
         ImageFolderFast(image_tree, size=0)
-    with pytest.raises(ValueError, match="`on_error` must be 'raise' or 'skip', but is 'ignore' instead."):
+    with pytest.raises(
+        ValueError, match="`on_error` must be 'raise' or 'skip', but is 'ignore' instead."
+    ):
         ImageFolderFast(image_tree, on_error="ignore")
     with pytest.raises(IndexError, match="out of range"):
         ImageFolderFast(image_tree)[99]
@@ -157,7 +163,7 @@ def _mode_files(tmp_path):
         "cmyk.jpg": _pil_bytes(rgb.convert("CMYK"), "JPEG", quality=90),
         "progressive.jpg": _pil_bytes(rgb, "JPEG", quality=90, progressive=True),
     }
-    gray16 = (np.asarray(rgb.convert("L")).astype(np.uint16) * 257)
+    gray16 = np.asarray(rgb.convert("L")).astype(np.uint16) * 257
     files["gray16.png"] = cv2.imencode(".png", gray16)[1].tobytes()
     (tmp_path / "m").mkdir()
     for name, data in files.items():
@@ -185,8 +191,15 @@ def test_all_modes_come_out_rgb_like_pil(tmp_path):
 def _png_header(width, height):
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     chunk = b"IHDR" + ihdr
-    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk
-            + struct.pack(">I", zlib.crc32(chunk)) + struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND")))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + struct.pack(">I", len(ihdr))
+        + chunk
+        + struct.pack(">I", zlib.crc32(chunk))
+        + struct.pack(">I", 0)
+        + b"IEND"
+        + struct.pack(">I", zlib.crc32(b"IEND"))
+    )
 
 
 def _jpeg_header(width, height):
@@ -225,7 +238,9 @@ def test_skip_replaces_with_the_next_good_image_and_counts(own_tree):
     paths = [p for p, _ in ds.samples]
     bad = sorted(i for i, p in enumerate(paths) if any(p.endswith(n) for n in BAD_FILES))
     clean = ImageFolderFast(own_tree, size=64)
-    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=uint8_collate, worker_init_fn=worker_init)
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, collate_fn=uint8_collate, worker_init_fn=worker_init
+    )
     images = torch.cat([b[0] for b in loader])
     assert len(images) == len(ds)  # the epoch keeps its length
     for i in range(len(ds)):
@@ -251,8 +266,13 @@ def test_train_crops_differ_flip_and_are_seeded(image_tree):
 
 def test_train_augmentations_differ_across_workers(image_tree):
     ds = ImageFolderFast(image_tree, size=64, train=True)
-    loader = DataLoader(torch.utils.data.Subset(ds, [0, 0, 0, 0]), batch_size=1, num_workers=2,
-                        worker_init_fn=worker_init, collate_fn=uint8_collate)
+    loader = DataLoader(
+        torch.utils.data.Subset(ds, [0, 0, 0, 0]),
+        batch_size=1,
+        num_workers=2,
+        worker_init_fn=worker_init,
+        collate_fn=uint8_collate,
+    )
     batches = [b[0][0] for b in loader]
     assert not torch.equal(batches[0], batches[1])  # worker 0 and worker 1
 
@@ -267,6 +287,12 @@ def test_transform_runs_on_the_uint8_tensor(image_tree):
 def test_pickles_and_workers_match_main_process(image_tree):
     ds = pickle.loads(pickle.dumps(ImageFolderFast(image_tree, size=64)))
     main = torch.stack([ds[i][0] for i in range(len(ds))])
-    loader = DataLoader(ds, batch_size=5, num_workers=2, collate_fn=uint8_collate, worker_init_fn=worker_init,
-                        multiprocessing_context="spawn")
+    loader = DataLoader(
+        ds,
+        batch_size=5,
+        num_workers=2,
+        collate_fn=uint8_collate,
+        worker_init_fn=worker_init,
+        multiprocessing_context="spawn",
+    )
     assert torch.equal(torch.cat([b[0] for b in loader]), main)

@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow  # a long run (5 s): in the full suite (CI); the default run keeps headroom
 def test_parent_opencv_threads_then_forked_workers_decode(image_tree):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(image_tree)], capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(image_tree)], capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "decoded 12 threads [1]" in out.stdout  # completed; single-threaded inside workers

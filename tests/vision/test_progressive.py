@@ -16,8 +16,14 @@ def test_schedule():
     assert set(got) <= {128, 160, 192, 224}
 
 
-@pytest.mark.parametrize("kwargs, name", [({"start": 0}, "start"), ({"step": -32}, "step"),
-                                          ({"start_epoch": 5, "end_epoch": 2}, "end_epoch")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"start": 0}, "start"),
+        ({"step": -32}, "step"),
+        ({"start_epoch": 5, "end_epoch": 2}, "end_epoch"),
+    ],
+)
 def test_schedule_validation(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}` must"):
         ProgressiveResolution(**kwargs)
@@ -26,8 +32,14 @@ def test_schedule_validation(kwargs, name):
 def test_resolution_change_reaches_persistent_workers(image_tree):
     ds = ImageFolderFast(image_tree, size=128, train=True)
     schedule = ProgressiveResolution(start=64, end=128, start_epoch=0, end_epoch=2, step=32)
-    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True,
-                        collate_fn=uint8_collate, worker_init_fn=worker_init)
+    loader = DataLoader(
+        ds,
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        collate_fn=uint8_collate,
+        worker_init_fn=worker_init,
+    )
     sizes = []
     for epoch in range(3):
         schedule.apply(ds, epoch)  # in the main process, after the workers exist
@@ -38,9 +50,14 @@ def test_resolution_change_reaches_persistent_workers(image_tree):
 def test_low_resolution_decodes_at_a_coarser_dct_scale(image_tree, monkeypatch):
     seen = []
     real = decode_box_module.decode_image
-    monkeypatch.setattr(decode_box_module, "decode_image",
-                        lambda data, *, reduce=1, **kw: seen.append(reduce) or real(data, reduce=reduce, **kw))
-    ds = ImageFolderFast(image_tree, size=224, region_decode=False)  # the DCT scale alone (see test_region_decode)
+    monkeypatch.setattr(
+        decode_box_module,
+        "decode_image",
+        lambda data, *, reduce=1, **kw: seen.append(reduce) or real(data, reduce=reduce, **kw),
+    )
+    ds = ImageFolderFast(
+        image_tree, size=224, region_decode=False
+    )  # the DCT scale alone (see test_region_decode)
     ds[0]
     ds.set_resolution(128)
     ds[0]

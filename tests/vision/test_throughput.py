@@ -23,7 +23,6 @@ def in_one_of(rounds: int, measure, check):
                 raise
 
 
-
 @pytest.fixture(scope="module")
 def bench_tree(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("bench"), classes=4, per_class=40, seed=2)
@@ -36,18 +35,30 @@ def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
         baseline, decode_only, cold, cold_threads, warm, threads = (row.items_per_s for row in rows)
         assert all(row.items == 160 for row in rows)
         assert cold > baseline and cold_threads > baseline, rows
-        # make_loader's defaults decode in threads on every core; the worker path leaves one to the loop
+        # make_loader's defaults decode in threads on every core; the worker path leaves one to the
+        # loop
         assert cold_threads > cold and decode_only > cold_threads, rows
         assert "resize the crop" in notes[0] and "hand-over" in notes[0]
         assert warm >= 3 * baseline, rows
         # make_loader's defaults on the cache: eval-view rows read by threads (measured ~40x here)
         assert threads >= 8 * baseline and threads > warm, rows
 
-    in_one_of(3, lambda: compare(bench_tree, size=224, batch_size=16, workers=1, repeat=3,  # best of 3, in turns
-                                 peers=False), check)
+    in_one_of(
+        3,
+        lambda: compare(
+            bench_tree,
+            size=224,
+            batch_size=16,
+            workers=1,
+            repeat=3,  # best of 3, in turns
+            peers=False,
+        ),
+        check,
+    )
 
 
-@pytest.mark.slow  # a long run (12 s): the train rows of `recipes bench vision`; the eval rows run in the fast tier
+# a long run (12 s): the train rows of `recipes bench vision`; the eval rows run in the fast tier
+@pytest.mark.slow
 def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree, tmp_path):
     from recipes.bench.vision_train import compare_train
     from recipes.vision.decoding.region_decode import region_decode_available
@@ -66,19 +77,31 @@ def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree,
             # a conservative floor against a regression, on a noisy 2-core machine.
             assert rows[2].items_per_s >= 0.9 * whole, rows
 
-    in_one_of(3, lambda: compare_train(bench_tree, size=224, batch_size=16, workers=1, repeat=3,  # best of 3, in turns
-                                       device="cpu", warm_dir=tmp_path), check)
+    in_one_of(
+        3,
+        lambda: compare_train(
+            bench_tree,
+            size=224,
+            batch_size=16,
+            workers=1,
+            repeat=3,  # best of 3, in turns
+            device="cpu",
+            warm_dir=tmp_path,
+        ),
+        check,
+    )
 
 
 @pytest.mark.slow  # a long run (about 40 s with the set's generation): in the full suite (CI)
 def test_on_photographs_the_cold_thread_path_nears_the_decode_limit_and_beats_workers(tmp_path):
     """Issue #30 on the photographic set: `make_loader`'s choice for cold decoding (threads)
     is the faster path (the rule validated by evidence) and reaches >= 70% of the decode-only
-    limit. Measured 81.8% and 4.48x torchvision at 720 images (docs/benchmarks.md); the baseline floor here
-    is a conservative guard against a regression on a noisy 2-core machine."""
+    limit. Measured 81.8% and 4.48x torchvision at 720 images (docs/benchmarks.md); the baseline
+    floor here is a conservative guard against a regression on a noisy 2-core machine."""
     from recipes.testing import make_photo_folder
 
     root = make_photo_folder(tmp_path / "photos", images=192, classes=4, seed=3)
+
     def check(measured):
         rows = measured[0]
         baseline, decode_only, cold_workers, cold_threads = (row.items_per_s for row in rows[:4])
@@ -86,5 +109,10 @@ def test_on_photographs_the_cold_thread_path_nears_the_decode_limit_and_beats_wo
         assert cold_threads > cold_workers, rows
         assert cold_threads >= 2 * baseline, rows
 
-    in_one_of(3, lambda: compare(root, size=224, batch_size=16, workers=1, repeat=3, peers=False),  # best of 3
-              check)
+    in_one_of(
+        3,
+        lambda: compare(
+            root, size=224, batch_size=16, workers=1, repeat=3, peers=False
+        ),  # best of 3
+        check,
+    )

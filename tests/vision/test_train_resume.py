@@ -10,16 +10,29 @@ import torch
 from recipes.common import make_loader
 from recipes.vision import ImageFolderFast
 
-PATHS = [{"path": "workers", "num_workers": 2}, {"path": "workers", "num_workers": 0}, {"path": "threads"}]
+PATHS = [
+    {"path": "workers", "num_workers": 2},
+    {"path": "workers", "num_workers": 0},
+    {"path": "threads"},
+]
 
 
 def _loader(root, options):
-    return make_loader(ImageFolderFast(root, size=48, train=True), batch_size=4, shuffle=True,
-                       generator=torch.Generator().manual_seed(3), **options)
+    return make_loader(
+        ImageFolderFast(root, size=48, train=True),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        **options,
+    )
 
 
-@pytest.mark.parametrize("options", PATHS, ids=lambda o: f"{o['path']}-{o.get('num_workers', 'default')}")
-@pytest.mark.parametrize("cut", [pytest.param(0, marks=pytest.mark.slow), 1])  # epoch 1: its start, one batch in
+@pytest.mark.parametrize(
+    "options", PATHS, ids=lambda o: f"{o['path']}-{o.get('num_workers', 'default')}"
+)
+@pytest.mark.parametrize(
+    "cut", [pytest.param(0, marks=pytest.mark.slow), 1]
+)  # epoch 1: its start, one batch in
 def test_a_resumed_epoch_draws_the_crops_the_uninterrupted_one_drew(image_tree, options, cut):
     loader = _loader(image_tree, options)
     list(loader)  # epoch 0
@@ -38,8 +51,11 @@ def test_a_resumed_epoch_draws_the_crops_the_uninterrupted_one_drew(image_tree, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"path": "workers", "num_workers": 2, "persistent_workers": True},
-                                     {"path": "threads"}], ids=["workers-persistent", "threads"])
+@pytest.mark.parametrize(
+    "options",
+    [{"path": "workers", "num_workers": 2, "persistent_workers": True}, {"path": "threads"}],
+    ids=["workers-persistent", "threads"],
+)
 def test_on_photographs_a_resume_in_epoch_2_draws_the_uninterrupted_crops(tmp_path, options):
     """The same on the photographic set (every JPEG kind, sizes from thumbnails to megapixels,
     so every DCT scale and region decode), resumed three batches into epoch 2 of persistent
@@ -49,8 +65,13 @@ def test_on_photographs_a_resume_in_epoch_2_draws_the_uninterrupted_crops(tmp_pa
     root = make_photo_folder(tmp_path / "photos", images=24, classes=3, seed=4)
 
     def loader():
-        return make_loader(ImageFolderFast(root, size=64, train=True), batch_size=4, shuffle=True,
-                           generator=torch.Generator().manual_seed(5), **options)
+        return make_loader(
+            ImageFolderFast(root, size=64, train=True),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+            **options,
+        )
 
     first = loader()
     list(first), list(first)  # epochs 0 and 1

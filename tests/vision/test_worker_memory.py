@@ -51,10 +51,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a long run: 11 epochs in a fresh interpreter (test_monitor.py warns on growth in the fast tier)
+# a long run: 11 epochs in a fresh interpreter (test_monitor.py warns on growth in the fast tier)
+@pytest.mark.slow
 def test_worker_uss_is_flat_from_epoch_2_to_10(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     uss = json.loads(done.stdout.strip().splitlines()[-1])
     growth = uss[10] / uss[2] - 1

@@ -43,18 +43,28 @@ def uint8_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tens
     first = batch[0][0]
     for position, (image, _) in enumerate(batch):
         if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8:
-            raise TypeError(f"uint8_collate: item {position} is {type(image).__name__} "
-                            f"{getattr(image, 'dtype', '')}, expected a uint8 tensor.")
+            raise TypeError(
+                f"uint8_collate: item {position} is {type(image).__name__} "
+                f"{getattr(image, 'dtype', '')}, expected a uint8 tensor."
+            )
         if image.shape != first.shape:
-            raise TypeError(f"uint8_collate: item {position} has shape {tuple(image.shape)} but item 0 "
-                            f"has {tuple(first.shape)}; all images in a batch must share a size.")
+            raise TypeError(
+                f"uint8_collate: item {position} has shape {tuple(image.shape)} but item 0 "
+                f"has {tuple(first.shape)}; all images in a batch must share a size."
+            )
     targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
     rows = [image for image, _ in batch]
     whole = _batch_of_rows(rows)
-    if whole is not None:  # the dataset already filled one batch tensor (ImageFolderFast.__getitems__)
+    if (
+        whole is not None
+    ):  # the dataset already filled one batch tensor (ImageFolderFast.__getitems__)
         return whole, targets
     channels, _, width = first.shape
-    channels_last = first.stride() == (1, width * channels, channels)  # keep the items' layout: no transposes
+    channels_last = first.stride() == (
+        1,
+        width * channels,
+        channels,
+    )  # keep the items' layout: no transposes
     images = new_uint8_batch(len(batch), *first.shape, channels_last=channels_last)
     for position, image in enumerate(rows):
         copy_image(images[position], image)
@@ -66,12 +76,19 @@ def _batch_of_rows(rows: list[torch.Tensor]) -> torch.Tensor | None:
     storage = rows[0].untyped_storage()
     channels, height, width = rows[0].shape
     per_image = channels * height * width
-    if storage.nbytes() != per_image * len(rows) or rows[0].stride() != (1, width * channels, channels):
+    if storage.nbytes() != per_image * len(rows) or rows[0].stride() != (
+        1,
+        width * channels,
+        channels,
+    ):
         return None
     start = storage.data_ptr()
     for position, row in enumerate(rows):
-        if (row.untyped_storage().data_ptr() != start or row.data_ptr() != start + position * per_image
-                or row.stride() != rows[0].stride()):
+        if (
+            row.untyped_storage().data_ptr() != start
+            or row.data_ptr() != start + position * per_image
+            or row.stride() != rows[0].stride()
+        ):
             return None
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     return flat.view(len(rows), height, width, channels).permute(0, 3, 1, 2)
@@ -95,10 +112,19 @@ class DeviceNormalize:
         ...     images, targets = normalize(images, targets)
     """
 
-    def __init__(self, mean: Sequence[float], std: Sequence[float], *, device, dtype=torch.float32,
-                 channels_last: bool = False):
+    def __init__(
+        self,
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        device,
+        dtype=torch.float32,
+        channels_last: bool = False,
+    ):
         if len(mean) != len(std):
-            raise ValueError(f"`mean` and `std` must have the same length, but have {len(mean)} and {len(std)}.")
+            raise ValueError(
+                f"`mean` and `std` must have the same length, but have {len(mean)} and {len(std)}."
+            )
         if any(s <= 0 for s in std):
             raise ValueError(f"`std` must be positive, but is {tuple(std)} instead.")
         self.device = torch.device(device)
@@ -106,14 +132,20 @@ class DeviceNormalize:
         self.channels_last = channels_last
         std_t = torch.tensor(std, dtype=torch.float32)
         self.scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1).to(self.device, dtype)
-        self.shift = (-torch.tensor(mean, dtype=torch.float32) / std_t).view(1, -1, 1, 1).to(self.device, dtype)
+        self.shift = (
+            (-torch.tensor(mean, dtype=torch.float32) / std_t)
+            .view(1, -1, 1, 1)
+            .to(self.device, dtype)
+        )
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor | None = None):
         if images.dtype != torch.uint8:
             raise TypeError(f"DeviceNormalize expects a uint8 batch, but got {images.dtype}.")
         x = images.to(self.device, non_blocking=True)
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
-        x = torch.addcmul(self.shift, x.to(self.dtype), self.scale).contiguous(memory_format=memory_format)
+        x = torch.addcmul(self.shift, x.to(self.dtype), self.scale).contiguous(
+            memory_format=memory_format
+        )
         if targets is None:
             return x
         return x, targets.to(self.device, non_blocking=True)

@@ -1,4 +1,5 @@
-"""DeviceCropLoader: warm epochs from the decoded cache with no worker processes, cropped on the device.
+"""DeviceCropLoader: warm epochs from the decoded cache with no worker processes, cropped on the
+device.
 
 Use when: `ImageFolderFast` reads a decoded cache (`build_image_cache`) and the GPU still waits.
 A DataLoader moves each batch through a fresh shared-memory segment (created and faulted in by
@@ -14,10 +15,10 @@ Cost: per image one `preadv` of h*w*3 bytes in a thread (the GIL is released dur
 read); per batch one host-to-device copy of B*M*M*3 bytes and four kernels. No IPC, no
 per-batch allocation on the host, no pickling.
 Adapt here: `MEAN`/`STD`, `threads`, or subclass and override `boxes` for other crops.
-Eval with an eval view (`recipes.vision.cache.eval_view`) copies its rows as they are: torchvision's pixels.
-Trade-off: whole padded slots cross to the device (M*M instead of size*size bytes per image,
-4x at max_side = 2 x size). Pixels match the CPU path's `resize_uint8` within ~0.3 grey
-levels on average.
+Eval with an eval view (`recipes.vision.cache.eval_view`) copies its rows as they are: torchvision's
+pixels. Trade-off: whole padded slots cross to the device (M*M instead of size*size bytes per image,
+4x at max_side = 2 x size). Pixels match the CPU path's `resize_uint8` within ~0.3 grey levels on
+average.
 Copy with: vision/batches/batch_buffers.py, vision/batches/device.py, vision/decoding/crop.py,
   vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
@@ -55,7 +56,8 @@ class DeviceCropLoader:
 
     Example:
         >>> build_image_cache(train_set, "/nvme/cache")
-        >>> loader = DeviceCropLoader(train_set, batch_size=256, sampler=DistributedSampler(train_set))
+        >>> sampler = DistributedSampler(train_set)
+        >>> loader = DeviceCropLoader(train_set, batch_size=256, sampler=sampler)
         >>> for epoch in range(epochs):
         ...     loader.set_epoch(epoch)
         ...     for images, targets in loader:
@@ -65,28 +67,46 @@ class DeviceCropLoader:
     MEAN = IMAGENET_MEAN
     STD = IMAGENET_STD
 
-    def __init__(self, dataset, *, batch_size: int, sampler=None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32,
-                 threads: int = 4):
+    def __init__(
+        self,
+        dataset,
+        *,
+        batch_size: int,
+        sampler=None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.float32,
+        threads: int = 4,
+    ):
         if getattr(dataset, "cache", None) is None:
-            raise ValueError("DeviceCropLoader reads the decoded cache, but the dataset has none attached: run "
-                             "build_image_cache(dataset, cache_dir) first (or `recipes cache vision`).")
+            raise ValueError(
+                "DeviceCropLoader reads the decoded cache, but the dataset has none attached: run "
+                "build_image_cache(dataset, cache_dir) first (or `recipes cache vision`)."
+            )
         if dataset.transform is not None:
-            raise ValueError("DeviceCropLoader cannot apply the dataset's uint8 `transform` (crops happen on the "
-                             "device); apply it to the returned batch instead, or use make_loader.")
+            raise ValueError(
+                "DeviceCropLoader cannot apply the dataset's uint8 `transform` (crops happen on "
+                "the device); apply it to the returned batch instead, or use make_loader."
+            )
         for name, value in (("batch_size", batch_size), ("threads", threads)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, but is {value!r} instead.")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("DeviceCropLoader: device='cuda' but CUDA is not available here; pass "
-                               "device='cpu' (crops on the CPU) or use make_loader for CPU training.")
+            raise RuntimeError(
+                "DeviceCropLoader: device='cuda' but CUDA is not available here; pass "
+                "device='cpu' (crops on the CPU) or use make_loader for CPU training."
+            )
         self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
         self.shuffle, self.seed, self.drop_last, self.dtype = shuffle, seed, drop_last, dtype
         self.threads, self.epoch = threads, 0
         std = torch.tensor(self.STD, dtype=torch.float32)
         self._scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1).to(self.device)
-        self._shift = (-torch.tensor(self.MEAN, dtype=torch.float32) / std).view(1, -1, 1, 1).to(self.device)
+        self._shift = (
+            (-torch.tensor(self.MEAN, dtype=torch.float32) / std).view(1, -1, 1, 1).to(self.device)
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """A new order (and new crops) for `epoch`; passed on to the sampler."""
@@ -113,14 +133,20 @@ class DeviceCropLoader:
             batches.pop()
         cache = self.dataset.cache
         view = self._view()  # eval with an eval view: its rows, already torchvision's crops
-        labels = np.asarray(cache.labels)  # opens the cache file in this process before the threads do
-        buffers = [_Buffer(self.batch_size, cache.max_side, self.device) for _ in range(self.threads + 1)]
+        labels = np.asarray(
+            cache.labels
+        )  # opens the cache file in this process before the threads do
+        buffers = [
+            _Buffer(self.batch_size, cache.max_side, self.device) for _ in range(self.threads + 1)
+        ]
         pending: collections.deque = collections.deque()
         with ThreadPoolExecutor(self.threads, thread_name_prefix="device-crop") as pool:
             for k, indices in enumerate(batches):
                 buffer = buffers[k % len(buffers)]
                 buffer.wait_until_free()  # its previous batch's copy to the device has finished
-                pending.append((k, indices, buffer, pool.submit(_read, cache, indices, buffer.host, view)))
+                pending.append(
+                    (k, indices, buffer, pool.submit(_read, cache, indices, buffer.host, view))
+                )
                 if len(pending) > self.threads:
                     yield self._finish(*pending.popleft(), labels)
             while pending:
@@ -152,22 +178,43 @@ class DeviceCropLoader:
         crop at the current resolution."""
         ds = self.dataset
         if ds.train:
-            boxes = np.array([random_resized_box(int(h), int(w), rng, ds.SCALE, ds.RATIO) for h, w in shapes])
+            boxes = np.array(
+                [random_resized_box(int(h), int(w), rng, ds.SCALE, ds.RATIO) for h, w in shapes]
+            )
             return boxes, rng.random(len(shapes)) < 0.5
         out = ds.resolution
-        return np.array([eval_box(int(h), int(w), out, ds.CROP_PCT) for h, w in shapes]), np.zeros(len(shapes), bool)
+        return np.array([eval_box(int(h), int(w), out, ds.CROP_PCT) for h, w in shapes]), np.zeros(
+            len(shapes), bool
+        )
 
 
-def crop_resize(images: torch.Tensor, boxes: np.ndarray, out: tuple[int, int], flips: np.ndarray) -> torch.Tensor:
+def crop_resize(
+    images: torch.Tensor, boxes: np.ndarray, out: tuple[int, int], flips: np.ndarray
+) -> torch.Tensor:
     """Crops `boxes` (top, left, height, width) of `uint8 [B, M, M, 3]` images and resizes each
     to `out`, on the images' device: `float [B, 3, H, W]` in 0..255, rounded like a uint8 resize."""
     from torchvision.ops import roi_align
 
     x = images.permute(0, 3, 1, 2).float()
     b = torch.as_tensor(boxes, dtype=torch.float32)
-    rois = torch.stack([torch.arange(len(b), dtype=torch.float32), b[:, 1], b[:, 0], b[:, 1] + b[:, 3],
-                        b[:, 0] + b[:, 2]], dim=1).to(x.device, non_blocking=True)
-    y = roi_align(x.contiguous(), rois, output_size=tuple(out), spatial_scale=1.0, sampling_ratio=-1, aligned=True)
+    rois = torch.stack(
+        [
+            torch.arange(len(b), dtype=torch.float32),
+            b[:, 1],
+            b[:, 0],
+            b[:, 1] + b[:, 3],
+            b[:, 0] + b[:, 2],
+        ],
+        dim=1,
+    ).to(x.device, non_blocking=True)
+    y = roi_align(
+        x.contiguous(),
+        rois,
+        output_size=tuple(out),
+        spatial_scale=1.0,
+        sampling_ratio=-1,
+        aligned=True,
+    )
     if flips.any():
         mask = torch.as_tensor(flips).to(y.device, non_blocking=True).view(-1, 1, 1, 1)
         y = torch.where(mask, y.flip(-1), y)

@@ -39,14 +39,19 @@ def encoded_collate(batch: list[tuple[dict, int]]) -> dict[str, torch.Tensor]:
     (`data`, `offsets`), `boxes [B, 4]` (top, left, height, width in source pixels), `flips`,
     `jpeg`, `indices`, the output `size` and `targets`."""
     items, targets = zip(*batch, strict=True)
-    offsets = torch.tensor([0, *itertools.accumulate(len(item["data"]) for item in items)], dtype=torch.int64)
-    return {"data": torch.cat([item["data"] for item in items]), "offsets": offsets,
-            "boxes": torch.stack([item["box"] for item in items]),
-            "flips": torch.tensor([item["flip"] for item in items]),
-            "jpeg": torch.tensor([item["jpeg"] for item in items]),
-            "indices": torch.tensor([item["index"] for item in items], dtype=torch.int64),
-            "size": torch.tensor(items[0]["size"], dtype=torch.int64),
-            "targets": torch.tensor(targets, dtype=torch.int64)}
+    offsets = torch.tensor(
+        [0, *itertools.accumulate(len(item["data"]) for item in items)], dtype=torch.int64
+    )
+    return {
+        "data": torch.cat([item["data"] for item in items]),
+        "offsets": offsets,
+        "boxes": torch.stack([item["box"] for item in items]),
+        "flips": torch.tensor([item["flip"] for item in items]),
+        "jpeg": torch.tensor([item["jpeg"] for item in items]),
+        "indices": torch.tensor([item["index"] for item in items], dtype=torch.int64),
+        "size": torch.tensor(items[0]["size"], dtype=torch.int64),
+        "targets": torch.tensor(targets, dtype=torch.int64),
+    }
 
 
 class GpuDecode:
@@ -73,13 +78,19 @@ class GpuDecode:
     MEAN = IMAGENET_MEAN
     STD = IMAGENET_STD
 
-    def __init__(self, dataset, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, dataset, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32
+    ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("GpuDecode: device='cuda' but CUDA is not available here; decode on the CPU "
-                               "instead (ImageFolderFast(decode='cpu'), the default, with make_loader).")
+            raise RuntimeError(
+                "GpuDecode: device='cuda' but CUDA is not available here; decode on the CPU "
+                "instead (ImageFolderFast(decode='cpu'), the default, with make_loader)."
+            )
         self.dataset = dataset
-        self._normalize = DeviceNormalize(self.MEAN, self.STD, device=self.device, dtype=dtype, channels_last=True)
+        self._normalize = DeviceNormalize(
+            self.MEAN, self.STD, device=self.device, dtype=dtype, channels_last=True
+        )
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = batch["offsets"].tolist()
@@ -88,15 +99,21 @@ class GpuDecode:
         out = tuple(batch["size"].tolist())
         result = torch.empty((len(images), 3, *out), dtype=torch.float32, device=self.device)
         for row, (image, (top, left, h, w), flip) in enumerate(
-                zip(images, batch["boxes"].tolist(), batch["flips"].tolist(), strict=True)):
+            zip(images, batch["boxes"].tolist(), batch["flips"].tolist(), strict=True)
+        ):
             crop = image[None, :, top : top + h, left : left + w].float()
-            resized = torch.nn.functional.interpolate(crop, size=out, mode="bilinear", antialias=True,
-                                                      align_corners=False)[0]
+            resized = torch.nn.functional.interpolate(
+                crop, size=out, mode="bilinear", antialias=True, align_corners=False
+            )[0]
             result[row] = resized.flip(-1) if flip else resized
-        crops = result.round_().clamp_(0, 255).to(torch.uint8)  # the CPU path's uint8 crops, on the device
+        crops = (
+            result.round_().clamp_(0, 255).to(torch.uint8)
+        )  # the CPU path's uint8 crops, on the device
         return self._normalize(crops, batch["targets"])
 
-    def decode(self, encoded: list[torch.Tensor], jpeg: list[bool], indices: list[int]) -> list[torch.Tensor]:
+    def decode(
+        self, encoded: list[torch.Tensor], jpeg: list[bool], indices: list[int]
+    ) -> list[torch.Tensor]:
         """`uint8 [3, H, W]` RGB images on the device: JPEGs in one batched device decode, the
         rest (and what the device decoder rejects) on the CPU."""
         from torchvision.io import ImageReadMode, decode_jpeg
@@ -105,7 +122,9 @@ class GpuDecode:
         wanted = [i for i, is_jpeg in enumerate(jpeg) if is_jpeg]
         if wanted:
             try:
-                decoded = decode_jpeg([encoded[i] for i in wanted], mode=ImageReadMode.RGB, device=self.device)
+                decoded = decode_jpeg(
+                    [encoded[i] for i in wanted], mode=ImageReadMode.RGB, device=self.device
+                )
             except RuntimeError:  # one bad apple fails the batch call: retry one by one
                 decoded = [self._one(encoded[i]) for i in wanted]
             for i, image in zip(wanted, decoded, strict=True):
@@ -125,6 +144,10 @@ class GpuDecode:
 
     def _fallback(self, data: torch.Tensor, index: int) -> torch.Tensor:
         """The CPU path's decoder (same pixels, same `ImageDecodeError`)."""
-        array = decode_image(data.numpy().tobytes(), path=self.dataset.paths[index], index=index,
-                             strict=getattr(self.dataset, "strict", True))
+        array = decode_image(
+            data.numpy().tobytes(),
+            path=self.dataset.paths[index],
+            index=index,
+            strict=getattr(self.dataset, "strict", True),
+        )
         return torch.from_numpy(array).permute(2, 0, 1).to(self.device, non_blocking=True)

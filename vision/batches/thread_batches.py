@@ -36,8 +36,9 @@ from recipes.vision.batches.batch_buffers import trim_heap
 from recipes.vision.cache.cached_batches import fill_cached_batch
 
 
-def read_batch(dataset, indices: list[int], rng: np.random.Generator, *,
-               pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def read_batch(
+    dataset, indices: list[int], rng: np.random.Generator, *, pin_memory: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`read_batch(indices, rng)`: `(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`,
     what `uint8_collate` returns for the same items, crops and flips drawn from `rng`, from the
     cache when one is attached, else decoded from the files; safe to call from several threads
@@ -45,25 +46,37 @@ def read_batch(dataset, indices: list[int], rng: np.random.Generator, *,
     torch's caching host allocator (blocks are reused once their copies to the device are
     done): no second copy into pinned memory."""
     if not dataset.thread_batches():
-        raise ValueError("read_batch makes batches in threads, which a `transform` (Python per item) or "
-                         "decode='gpu' rule out; use DataLoader workers (make_loader(..., path='workers')).")
-    indices = [resolve_index(i, len(dataset), f"the {len(dataset)} images under {dataset.root}") for i in indices]
+        raise ValueError(
+            "read_batch makes batches in threads, which a `transform` (Python per item) or "
+            "decode='gpu' rule out; use DataLoader workers (make_loader(..., path='workers'))."
+        )
+    indices = [
+        resolve_index(i, len(dataset), f"the {len(dataset)} images under {dataset.root}")
+        for i in indices
+    ]
     h, w = dataset.resolution
     shape = (len(indices), h, w, 3)
-    made = None if pin_memory else slot_tensor(shape, torch.uint8)  # in the isolated loader's slot: no copy
-    batch = (made if made is not None else torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)).permute(
-        0, 3, 1, 2)
+    made = (
+        None if pin_memory else slot_tensor(shape, torch.uint8)
+    )  # in the isolated loader's slot: no copy
+    batch = (
+        made if made is not None else torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
+    ).permute(0, 3, 1, 2)
     if dataset.cache is None:
         targets = np.empty(len(indices), np.int64)
         for row, index in enumerate(indices):  # resized into the row (no transform on this path)
             _, targets[row] = dataset.read_item(index, rng, into=batch[row])
         trim_heap()  # decode buffers fragment the heap (batch_buffers.trim_heap)
         return batch, torch.from_numpy(targets)
-    fill_cached_batch(dataset.cache, dataset.eval_view, dataset.crop_settings(), indices, rng, batch)
+    fill_cached_batch(
+        dataset.cache, dataset.eval_view, dataset.crop_settings(), indices, rng, batch
+    )
     return batch, torch.from_numpy(np.asarray(dataset.cache.labels[indices], dtype=np.int64))
 
 
-def read_items(dataset, indices: list[int], rng: np.random.Generator) -> list[tuple[torch.Tensor, int]]:
+def read_items(
+    dataset, indices: list[int], rng: np.random.Generator
+) -> list[tuple[torch.Tensor, int]]:
     """`read_batch`'s items, `(image, target)` each (rows of one batch tensor), for a collate
     function of the user's on the thread path: the same draws from `rng`."""
     images, targets = read_batch(dataset, indices, rng)
@@ -78,7 +91,21 @@ def read_ahead_key(dataset) -> tuple:
     paths make the next epoch's first batches ahead while it stays the same; called from the
     pool's threads too (as each read ahead starts and ends): cheap, no side effects. A subclass
     whose batches depend on more adds it here."""
-    cache = dataset.cache  # its labels are the cached path's: checked as the targets are (pseudo-labelling)
-    return (type(dataset), dataset.root, dataset.crop_settings(), ByIdentity(cache), dataset.cache_dir,
-            dataset.on_error, dataset.strict, dataset.max_side, dataset.region_decode, dataset.decode,
-            dataset.transform is None, zlib.crc32(dataset.targets), None if cache is None else zlib.crc32(cache.labels))
+    cache = (
+        dataset.cache
+    )  # its labels are the cached path's: checked as the targets are (pseudo-labelling)
+    return (
+        type(dataset),
+        dataset.root,
+        dataset.crop_settings(),
+        ByIdentity(cache),
+        dataset.cache_dir,
+        dataset.on_error,
+        dataset.strict,
+        dataset.max_side,
+        dataset.region_decode,
+        dataset.decode,
+        dataset.transform is None,
+        zlib.crc32(dataset.targets),
+        None if cache is None else zlib.crc32(cache.labels),
+    )

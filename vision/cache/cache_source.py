@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # the opened cache handed back by `use_cache`; image_cache.py never imports this file
+if (
+    TYPE_CHECKING
+):  # the opened cache handed back by `use_cache`; image_cache.py never imports this file
     from recipes.vision.cache.image_cache import ImageCache
 
 
@@ -32,7 +34,8 @@ class CacheSource(Protocol):
         root: the folder its files are under (the cache records it, and names stale caches by it).
         max_side: the longer side, at most, of each stored image.
         train: False for an eval dataset, whose build also stores the eval view of its resolution.
-        CROP_PCT: the eval crop (`Resize(size / CROP_PCT)` + `CenterCrop(size)`), which names the view.
+        CROP_PCT: the eval crop (`Resize(size / CROP_PCT)` + `CenterCrop(size)`), which names the
+            view.
     """
 
     root: str

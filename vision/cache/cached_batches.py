@@ -38,24 +38,41 @@ def eval_view_of(cache: ImageCache, size: tuple[int, int], crop_pct: float) -> E
     (`cache.checks.verify`); None without one. A missing or damaged view warns, naming it and
     how to rebuild it: eval items then come from the whole images, about 5x slower, with other
     pixels. A dataset opens it once per resolution and process (`ImageFolderFast.eval_view`)."""
-    view, why = find_eval_view(cache.path, cache.fingerprint, cache.count, size, crop_pct, ImageCacheError,
-                               cache.checks.verify)
+    view, why = find_eval_view(
+        cache.path,
+        cache.fingerprint,
+        cache.count,
+        size,
+        crop_pct,
+        ImageCacheError,
+        cache.checks.verify,
+    )
     if view is None:
-        warnings.warn(f"No usable eval view {view_name(size, crop_pct)} in {cache.path}: {why}. Eval "
-                      "items are resized from the whole cached images instead: about 5x slower, and pixels "
-                      "~1.6 grey levels from torchvision's (the view's). Rebuild it with build_image_cache(dataset) "
-                      f"on this eval dataset (train=False, size={size}), or `recipes cache vision ROOT "
-                      f"CACHE_DIR --size {size[0]}` for a square size.", stacklevel=4)  # the dataset's caller
+        warnings.warn(
+            f"No usable eval view {view_name(size, crop_pct)} in {cache.path}: {why}. Eval items "
+            "are resized from the whole cached images instead: about 5x slower, and pixels ~1.6 "
+            "grey levels from torchvision's (the view's). Rebuild it with "
+            f"build_image_cache(dataset) on this eval dataset (train=False, size={size}), or "
+            f"`recipes cache vision ROOT CACHE_DIR --size {size[0]}` for a square size.",
+            stacklevel=4,
+        )  # the dataset's caller
     return view
 
 
-def read_cached_item(cache: ImageCache, view: EvalView | None, crops: CropSettings, index: int,
-                     rng: np.random.Generator) -> torch.Tensor:
+def read_cached_item(
+    cache: ImageCache,
+    view: EvalView | None,
+    crops: CropSettings,
+    index: int,
+    rng: np.random.Generator,
+) -> torch.Tensor:
     """Cached image `index` cut as `crops` says, not flipped: uint8 `[3, H, W]`, a row of `view`
     when given, else only the crop's rows read and resized (a train crop drawn from `rng`)."""
     out = crops.size
     if view is not None:
-        return torch.from_numpy(view.read_into(np.empty((*out, 3), np.uint8), index)).permute(2, 0, 1)
+        return torch.from_numpy(view.read_into(np.empty((*out, 3), np.uint8), index)).permute(
+            2, 0, 1
+        )
     h, w = (int(v) for v in cache.shapes[index])
     if crops.train:  # relative to the whole image: torchvision's distribution on the original
         box = random_resized_box(h, w, rng, crops.scale, crops.ratio)
@@ -64,8 +81,14 @@ def read_cached_item(cache: ImageCache, view: EvalView | None, crops: CropSettin
     return cache.read_crop(index, box, out)
 
 
-def fill_cached_batch(cache: ImageCache, view: EvalView | None, crops: CropSettings, indices: list[int],
-                      rng: np.random.Generator, batch: torch.Tensor) -> torch.Tensor:
+def fill_cached_batch(
+    cache: ImageCache,
+    view: EvalView | None,
+    crops: CropSettings,
+    indices: list[int],
+    rng: np.random.Generator,
+    batch: torch.Tensor,
+) -> torch.Tensor:
     """Fills `batch` (uint8 `[B, 3, H, W]`, channels-last, H x W = `crops.size`) with the cached
     items of `indices`: rows of `view` when given, else crops of the whole images, drawing each
     train item's crop, then its flip, from `rng`; returns `batch`."""
@@ -83,6 +106,10 @@ def fill_cached_batch(cache: ImageCache, view: EvalView | None, crops: CropSetti
             box = eval_box(h, w, size, crops.crop_pct)
         if scratch is None:
             scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)
-        mirror = crops.train and rng.random() < 0.5  # drawn after its box, as the worker path draws them
-        cache.read_crop(index, box, size, scratch=scratch, out=batch[row], mirror=mirror)  # into the row
+        mirror = (
+            crops.train and rng.random() < 0.5
+        )  # drawn after its box, as the worker path draws them
+        cache.read_crop(
+            index, box, size, scratch=scratch, out=batch[row], mirror=mirror
+        )  # into the row
     return batch

@@ -17,8 +17,9 @@ the whole images until `build_image_cache` adds that view.
 
 Files, beside the cache's own in `images-<fingerprint[:24]>/`:
   eval-<h>x<w>-crop<pct>.bin    uint8 N x h x w x 3, image i at byte i * h * w * 3
-  eval-<h>x<w>-crop<pct>.sums   uint64 x N, image i's checksum (`recipes.common.caches.cache_checks`)
-  eval-<h>x<w>-crop<pct>.json   {"format", "version", "fingerprint", "count", "size", "crop_pct",
+  eval-<h>x<w>-crop<pct>.sums   uint64 x N, image i's checksum
+  (`recipes.common.caches.cache_checks`) eval-<h>x<w>-crop<pct>.json   {"format", "version",
+  "fingerprint", "count", "size", "crop_pct",
                                  "checksum", "sums_checksum", "header_sha256"}
 They are written into a temp folder (`.<name>.<host>.<pid>.<random>.tmp`, swept when its
 builder on this host is dead; in a distributed build each rank writes its block there as a
@@ -91,8 +92,16 @@ def eval_image(decoded: np.ndarray, size: tuple[int, int], crop_pct: float):
     return resized[:, top : top + size[0], left : left + size[1]]
 
 
-def eval_record_of(path: str, data: bytes, header: ImageHeader, size: tuple[int, int], crop_pct: float, *,
-                   index: int | None, strict: bool):
+def eval_record_of(
+    path: str,
+    data: bytes,
+    header: ImageHeader,
+    size: tuple[int, int],
+    crop_pct: float,
+    *,
+    index: int | None,
+    strict: bool,
+):
     """What an eval view stores for an encoded image: `eval_image` of a full decode of `data`.
 
     Raises:
@@ -109,10 +118,19 @@ class EvalView:
     """An opened eval view: `read_into(out, i)` fills `out` (uint8 `[h, w, 3]`, C-contiguous)
     with image `i` in one `preadv`, checked by `checks` (`checks.verify` says when)."""
 
-    def __init__(self, folder: Path, name: str, size: tuple[int, int], count: int, error: type[Exception],
-                 checks: ItemChecks):
+    def __init__(
+        self,
+        folder: Path,
+        name: str,
+        size: tuple[int, int],
+        count: int,
+        error: type[Exception],
+        checks: ItemChecks,
+    ):
         self.path, self.size, self.count, self.checks = folder / f"{name}.bin", size, count, checks
-        self._rows = LazyMap(self.path, np.uint8, (count, size[0], size[1], 3), mode="c", error=error)
+        self._rows = LazyMap(
+            self.path, np.uint8, (count, size[0], size[1], 3), mode="c", error=error
+        )
 
     def read_into(self, out: np.ndarray, index: int) -> np.ndarray:
         """Raises: the cache's error: the row differs from its checksum (a damaged view)."""
@@ -125,15 +143,29 @@ class EvalView:
         return f"EvalView({str(self.path)!r}, n={self.count}, size={self.size})"
 
 
-def open_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, int], crop_pct: float,
-                   error: type[Exception], verify: VerifyMode = "first_read") -> EvalView | None:
+def open_eval_view(
+    folder: Path,
+    fingerprint: str,
+    count: int,
+    size: tuple[int, int],
+    crop_pct: float,
+    error: type[Exception],
+    verify: VerifyMode = "first_read",
+) -> EvalView | None:
     """The view of `size` in the cache `folder`, or None when there is none that matches
     (`find_eval_view` says why)."""
     return find_eval_view(folder, fingerprint, count, size, crop_pct, error, verify)[0]
 
 
-def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, int], crop_pct: float,
-                   error: type[Exception], verify: VerifyMode = "first_read") -> tuple[EvalView | None, str]:
+def find_eval_view(
+    folder: Path,
+    fingerprint: str,
+    count: int,
+    size: tuple[int, int],
+    crop_pct: float,
+    error: type[Exception],
+    verify: VerifyMode = "first_read",
+) -> tuple[EvalView | None, str]:
     """`(view, "")`, or `(None, why)`: none, damaged (its header or sums file), for another
     cache, count or size, an older format, or a data file of another size."""
     name = view_name(size, crop_pct)
@@ -144,31 +176,60 @@ def find_eval_view(folder: Path, fingerprint: str, count: int, size: tuple[int, 
     except (OSError, ValueError) as why:
         return None, f"{name}.json is damaged ({why})"
     seal = header.pop("header_sha256", None) if isinstance(header, dict) else None
-    if not isinstance(header, dict) or (seal != _seal(header) and (seal or header.get("version") == FORMAT_VERSION)):
+    if not isinstance(header, dict) or (
+        seal != _seal(header) and (seal or header.get("version") == FORMAT_VERSION)
+    ):
         return None, f"{name}.json is damaged (its checksum differs from its content)"
     if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
-        return None, f"{name}.json is of an older format (v{header.get('version')}, expected v{FORMAT_VERSION})"
-    if (header.get("fingerprint"), header.get("count"), tuple(header.get("size", ()))) != (fingerprint, count,
-                                                                                            tuple(size)):
+        return (
+            None,
+            f"{name}.json is of an older format (v{header.get('version')}, expected "
+            f"v{FORMAT_VERSION})",
+        )
+    if (header.get("fingerprint"), header.get("count"), tuple(header.get("size", ()))) != (
+        fingerprint,
+        count,
+        tuple(size),
+    ):
         return None, f"{name}.json was built for another cache, count or size"
     try:
         if (folder / f"{name}.bin").stat().st_size != count * size[0] * size[1] * 3:
             return None, f"{name}.bin is truncated or of another size"
         sums = (folder / f"{name}.sums").read_bytes()
-        if f"{hasher(header['checksum'], error)(sums):016x}" != header.get("sums_checksum") or len(sums) != 8 * count:
+        if (
+            f"{hasher(header['checksum'], error)(sums):016x}" != header.get("sums_checksum")
+            or len(sums) != 8 * count
+        ):
             return None, f"{name}.sums is damaged (its checksum differs from the header's)"
     except (OSError, KeyError, error) as why:
         return None, f"{name} is incomplete or unreadable ({why})"
-    damage = recorded_damage(folder, (f"{name}.bin",))  # a read or `recipes cache verify` found damage
+    damage = recorded_damage(
+        folder, (f"{name}.bin",)
+    )  # a read or `recipes cache verify` found damage
     if damage is not None:
         return None, f"damaged: {damage}"
-    checks = ItemChecks(folder / f"{name}.bin", np.frombuffer(sums, "<u8"), header["checksum"], verify=verify,
-                        error=error, hint="build_image_cache() on an eval dataset of this size", label="image")
+    checks = ItemChecks(
+        folder / f"{name}.bin",
+        np.frombuffer(sums, "<u8"),
+        header["checksum"],
+        verify=verify,
+        error=error,
+        hint="build_image_cache() on an eval dataset of this size",
+        label="image",
+    )
     return EvalView(folder, name, tuple(size), count, error, checks), ""
 
 
-def build_eval_view(dataset: CacheSource, folder: Path, fingerprint: str, *, num_workers: int | None, progress: bool,
-                    error: type[Exception], ranks: BuildRanks | None = None) -> EvalView:
+def build_eval_view(
+    dataset: CacheSource,
+    folder: Path,
+    fingerprint: str,
+    *,
+    num_workers: int | None,
+    progress: bool,
+    error: type[Exception],
+    ranks: BuildRanks | None = None,
+) -> EvalView:
     """Decodes every image of an eval `dataset` (`eval_record(i)`: torchvision's eval pixels)
     into the view of its resolution in `folder`, atomically (see the module doc); a record of
     damage to the view it replaces (`damaged.json`) is removed with it. With `ranks` (a
@@ -181,7 +242,9 @@ def build_eval_view(dataset: CacheSource, folder: Path, fingerprint: str, *, num
     parts = None
     if ranks.leader:
         sweep_dead_temps(folder, "eval-*")  # left by a builder killed midway
-        parts = tempfile.mkdtemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=folder)
+        parts = tempfile.mkdtemp(
+            prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=folder
+        )
     parts = Path(ranks.from_leader(parts))
     try:
         checksum = ranks.gather(algorithm())[0]  # rank 0's, on every rank
@@ -198,18 +261,28 @@ def build_eval_view(dataset: CacheSource, folder: Path, fingerprint: str, *, num
     return view
 
 
-def _decode_block(dataset: CacheSource, parts: Path, ranks: BuildRanks, num_workers: int | None, progress: bool,
-                  checksum: str) -> None:
+def _decode_block(
+    dataset: CacheSource,
+    parts: Path,
+    ranks: BuildRanks,
+    num_workers: int | None,
+    progress: bool,
+    checksum: str,
+) -> None:
     """This rank's block of the eval images, in index order, into `data.part<rank>` (rows) and
     `sums.part<rank>` (their checksums)."""
     from tqdm import tqdm
 
     count = len(dataset)
     block = range(count * ranks.rank // ranks.world, count * (ranks.rank + 1) // ranks.world)
-    loader = build_loader(_EvalItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list)
+    loader = build_loader(
+        _EvalItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list
+    )
     hash_, sums, done = hasher(checksum), np.zeros(len(block), "<u8"), 0
-    with open(parts / f"data.part{ranks.rank}", "wb") as out, \
-            tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar:
+    with (
+        open(parts / f"data.part{ranks.rank}", "wb") as out,
+        tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar,
+    ):
         for images in loader:
             for image in images:
                 row = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
@@ -221,8 +294,15 @@ def _decode_block(dataset: CacheSource, parts: Path, ranks: BuildRanks, num_work
     write_synced(parts / f"sums.part{ranks.rank}", sums.tobytes())
 
 
-def _commit(dataset: CacheSource, folder: Path, fingerprint: str, parts: Path, world: int, checksum: str,
-            error: type[Exception]) -> None:
+def _commit(
+    dataset: CacheSource,
+    folder: Path,
+    fingerprint: str,
+    parts: Path,
+    world: int,
+    checksum: str,
+    error: type[Exception],
+) -> None:
     """A leader: every rank's parts joined into the view's files, then committed in `folder`."""
     size, count = dataset.resolution, len(dataset)
     name = view_name(size, dataset.CROP_PCT)
@@ -235,9 +315,16 @@ def _commit(dataset: CacheSource, folder: Path, fingerprint: str, parts: Path, w
                     shutil.copyfileobj(part, out, 1 << 24)
             out.flush()
             os.fsync(out.fileno())
-    header = {"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint, "count": count,
-              "size": list(size), "crop_pct": dataset.CROP_PCT, "checksum": checksum,
-              "sums_checksum": file_checksum(sums, checksum)}
+    header = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "count": count,
+        "size": list(size),
+        "crop_pct": dataset.CROP_PCT,
+        "checksum": checksum,
+        "sums_checksum": file_checksum(sums, checksum),
+    }
     write_synced(parts / "json", json.dumps({**header, "header_sha256": _seal(header)}).encode())
     # Another process may be committing the same view: the check and the commit happen under
     # the cache folder's lock, so a view that became valid meanwhile (and may be open in a
@@ -251,45 +338,91 @@ def _commit(dataset: CacheSource, folder: Path, fingerprint: str, parts: Path, w
             fsync_path(folder)
 
 
-def ensure_eval_view(dataset: CacheSource, cache: ImageCache, *, ranks: BuildRanks | None = None,
-                     num_workers: int | None, progress: bool, error: type[Exception]) -> None:
+def ensure_eval_view(
+    dataset: CacheSource,
+    cache: ImageCache,
+    *,
+    ranks: BuildRanks | None = None,
+    num_workers: int | None,
+    progress: bool,
+    error: type[Exception],
+) -> None:
     """After a cache build: the eval view of an eval `dataset`'s resolution in `cache`'s folder,
     unless a valid one is there; copied from a folder that holds one to those that lack it, or
     built by every rank of `ranks` when none holds it."""
     ranks = ranks or BuildRanks.alone()
     missing = None
     if ranks.leader:
-        missing = open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
-                                 error) is None
+        missing = (
+            open_eval_view(
+                cache.path,
+                cache.fingerprint,
+                cache.count,
+                dataset.resolution,
+                dataset.CROP_PCT,
+                error,
+            )
+            is None
+        )
     answers = ranks.gather(missing)
     holders = [r for r in ranks.leaders if not answers[r]]
     if len(holders) == len(ranks.leaders):
         return
     if not holders:
-        build_eval_view(dataset, cache.path, cache.fingerprint, num_workers=num_workers, progress=progress,
-                        error=error, ranks=ranks)
+        build_eval_view(
+            dataset,
+            cache.path,
+            cache.fingerprint,
+            num_workers=num_workers,
+            progress=progress,
+            error=error,
+            ranks=ranks,
+        )
         return
     if ranks.leader:
         _copy_view(dataset, cache, ranks, holders[0], needs=bool(missing), error=error)
     ranks.barrier()  # no rank reads its folder's view before it is in place
 
 
-def _copy_view(dataset: CacheSource, cache: ImageCache, ranks: BuildRanks, source: int, *, needs: bool,
-               error: type[Exception]) -> None:
+def _copy_view(
+    dataset: CacheSource,
+    cache: ImageCache,
+    ranks: BuildRanks,
+    source: int,
+    *,
+    needs: bool,
+    error: type[Exception],
+) -> None:
     """Leaders: `source`'s view files into each leader that lacks them, committed as a build's."""
     name = view_name(dataset.resolution, dataset.CROP_PCT)
     kinds = ("bin", "sums", "json")  # the header last: it commits the data
     if ranks.rank == source:
         ranks.send(source, [cache.path / f"{name}.{kind}" for kind in kinds])
         return
-    parts = Path(tempfile.mkdtemp(prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=cache.path)) \
-        if needs else None
+    parts = (
+        Path(
+            tempfile.mkdtemp(
+                prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=cache.path
+            )
+        )
+        if needs
+        else None
+    )
     try:
         ranks.send(source, [None if parts is None else parts / kind for kind in kinds])
         if parts is not None:
             with folder_lock(cache.path):
-                if open_eval_view(cache.path, cache.fingerprint, cache.count, dataset.resolution, dataset.CROP_PCT,
-                                  error) is None:
+                if (
+                    open_eval_view(
+                        cache.path,
+                        cache.fingerprint,
+                        cache.count,
+                        dataset.resolution,
+                        dataset.CROP_PCT,
+                        error,
+                    )
+                    is None
+                ):
                     for kind in kinds:
                         os.replace(parts / kind, cache.path / f"{name}.{kind}")
                     clear_damage(cache.path, f"{name}.bin")

@@ -1,4 +1,5 @@
-"""ImageCache: an opened decoded-image cache, every image of a dataset decoded once into one memory-mapped file.
+"""ImageCache: an opened decoded-image cache, every image of a dataset decoded once into one
+memory-mapped file.
 
 Use when: the CPU cannot decode fast enough and the decoded images fit on local disk. The
 decoded cache (`build_image_cache`): every image decoded once and stored whole, its aspect
@@ -67,8 +68,16 @@ class ImageCache:
     of `images.bin`; `checks` verifies it when read (`checks.verify` sets when).
     """
 
-    def __init__(self, path: Path, header: dict, shapes: np.ndarray, offsets: np.ndarray, labels: np.ndarray,
-                 sums: np.ndarray, verify: VerifyMode = "first_read"):
+    def __init__(
+        self,
+        path: Path,
+        header: dict,
+        shapes: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray,
+        sums: np.ndarray,
+        verify: VerifyMode = "first_read",
+    ):
         self.path, self.header = Path(path), header
         self.count, self.max_side = int(header["count"]), int(header["max_side"])
         self.fingerprint: str = header["fingerprint"]
@@ -76,17 +85,31 @@ class ImageCache:
         self.shapes, self.offsets = shapes, offsets
         self.labels = labels  # `int64 [N]`, checked against its checksum on open
         # images.bin truncated or replaced after this open: ImageCacheError where it is mapped next
-        self._images = LazyMap(self.path / "images.bin", np.uint8, (int(offsets[-1]),), error=ImageCacheError)
-        self.checks = ItemChecks(self.path / "images.bin", sums, header["checksum"], verify=verify,
-                                 error=ImageCacheError, hint=_BUILD_HINT, label="image")
+        self._images = LazyMap(
+            self.path / "images.bin", np.uint8, (int(offsets[-1]),), error=ImageCacheError
+        )
+        self.checks = ItemChecks(
+            self.path / "images.bin",
+            sums,
+            header["checksum"],
+            verify=verify,
+            error=ImageCacheError,
+            hint=_BUILD_HINT,
+            label="image",
+        )
 
     @staticmethod
     def folder_for(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
         return Path(cache_dir) / f"images-{fingerprint[:24]}"
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, fingerprint: str | None = None,
-             verify: VerifyMode = "first_read") -> ImageCache:
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        fingerprint: str | None = None,
+        verify: VerifyMode = "first_read",
+    ) -> ImageCache:
         """Opens and validates a cache folder (header, file sizes and checksums, offsets);
         `verify` says when an image is checked as it is read (`ImageCache.checks`).
 
@@ -95,10 +118,18 @@ class ImageCache:
                 another format version, or (with `fingerprint`) other inputs; says to rebuild.
         """
         path = Path(path)
-        header = read_header(path, fmt=FORMAT, version=FORMAT_VERSION, fingerprint=fingerprint,
-                             error=ImageCacheError, build_hint=_BUILD_HINT,
-                             fields=("fingerprint", "count", "max_side", "skipped", "checksum", "file_checksums"))
-        invalid = ImageCacheError(f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}.")
+        header = read_header(
+            path,
+            fmt=FORMAT,
+            version=FORMAT_VERSION,
+            fingerprint=fingerprint,
+            error=ImageCacheError,
+            build_hint=_BUILD_HINT,
+            fields=("fingerprint", "count", "max_side", "skipped", "checksum", "file_checksums"),
+        )
+        invalid = ImageCacheError(
+            f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}."
+        )
         try:
             count, max_side = int(header["count"]), int(header["max_side"])
             skipped = [int(i) for i in header["skipped"]]
@@ -110,14 +141,26 @@ class ImageCache:
         check_size(path / "shapes.bin", 8 * count, ImageCacheError)
         check_size(path / "offsets.bin", 8 * (count + 1), ImageCacheError)
         check_size(path / "checksums.bin", 8 * count, ImageCacheError)
-        read = functools.partial(read_checked, path, header=header, error=ImageCacheError, hint=_BUILD_HINT)
+        read = functools.partial(
+            read_checked, path, header=header, error=ImageCacheError, hint=_BUILD_HINT
+        )
         shapes, offsets = read("shapes.bin", "<i4").reshape(count, 2), read("offsets.bin", "<i8")
-        sums, labels, _ = read("checksums.bin", "<u8"), read("labels.bin", "<i8"), read("files.npy", np.uint8)
-        expected = np.concatenate(([0], np.cumsum(shapes[:, 0].astype(np.int64) * shapes[:, 1] * 3)))
+        sums, labels, _ = (
+            read("checksums.bin", "<u8"),
+            read("labels.bin", "<i8"),
+            read("files.npy", np.uint8),
+        )
+        expected = np.concatenate(
+            ([0], np.cumsum(shapes[:, 0].astype(np.int64) * shapes[:, 1] * 3))
+        )
         if (shapes < 1).any() or (shapes > max_side).any() or not np.array_equal(offsets, expected):
-            raise ImageCacheError(f"{path}/shapes.bin or offsets.bin is corrupt; rebuild it with {_BUILD_HINT}.")
+            raise ImageCacheError(
+                f"{path}/shapes.bin or offsets.bin is corrupt; rebuild it with {_BUILD_HINT}."
+            )
         check_size(path / "images.bin", int(offsets[-1]), ImageCacheError)
-        check_damage(path, ("images.bin",), ImageCacheError, _BUILD_HINT)  # a read found damage (not a view's)
+        check_damage(
+            path, ("images.bin",), ImageCacheError, _BUILD_HINT
+        )  # a read found damage (not a view's)
         return cls(path, header, shapes, offsets, labels, sums, verify)
 
     def read(self, index: int) -> np.ndarray:
@@ -150,9 +193,16 @@ class ImageCache:
             self.checks.check(index, *rows)
         return h, w
 
-    def read_crop(self, index: int, box: tuple[int, int, int, int], size: tuple[int, int], *,
-                  scratch: np.ndarray | None = None, out: torch.Tensor | None = None,
-                  mirror: bool = False) -> torch.Tensor:
+    def read_crop(
+        self,
+        index: int,
+        box: tuple[int, int, int, int],
+        size: tuple[int, int],
+        *,
+        scratch: np.ndarray | None = None,
+        out: torch.Tensor | None = None,
+        mirror: bool = False,
+    ) -> torch.Tensor:
         """The `box` (top, left, height, width) of image `index` resized to `size` (`resize_uint8`,
         flipped left to right with `mirror`): uint8 `[3, h, w]`, channels-last in memory, written
         into `out` when given (a batch row).
@@ -161,14 +211,22 @@ class ImageCache:
         reader thread at a time)."""
         top, left, bh, bw = box
         h, w = (int(v) for v in self.shapes[index])
-        first, count = (0, h) if self.checks.needed(index) else (top, bh)  # an image to check is read whole
+        first, count = (
+            (0, h) if self.checks.needed(index) else (top, bh)
+        )  # an image to check is read whole
         buffer = self._scratch(count * w * 3) if scratch is None else scratch[: count * w * 3]
-        rows = self.read_rows(index, first, count, buffer.reshape(count, w, 3))[top - first : top - first + bh]
+        rows = self.read_rows(index, first, count, buffer.reshape(count, w, 3))[
+            top - first : top - first + bh
+        ]
         crop = rows[:, left : left + bw]
-        if bw != w and (bh, bw) != tuple(size):  # torch's kernel is ~6% faster on contiguous rows than the copy costs
+        if bw != w and (bh, bw) != tuple(
+            size
+        ):  # torch's kernel is ~6% faster on contiguous rows than the copy costs
             crop = np.ascontiguousarray(crop)
         image = resize_uint8(crop, size, out=out, mirror=mirror)
-        if out is None and not mirror and (bh, bw) == tuple(size):  # a view of the scratch buffer, reused next read
+        if (
+            out is None and not mirror and (bh, bw) == tuple(size)
+        ):  # a view of the scratch buffer, reused next read
             image = image.permute(1, 2, 0).clone().permute(2, 0, 1)
         return image
 
@@ -198,9 +256,11 @@ class ImageCache:
         wrong = np.flatnonzero(stored != expected)
         if len(wrong):
             i = int(wrong[0])
-            raise ImageCacheError(f"{self.path}/labels.bin labels image {i} {int(stored[i])}, but the dataset's target "
-                                  f"for it is {int(expected[i])} ({len(wrong)} of {self.count} labels differ): the "
-                                  f"file is damaged. Rebuild it with {_BUILD_HINT}.")
+            raise ImageCacheError(
+                f"{self.path}/labels.bin labels image {i} {int(stored[i])}, but the dataset's "
+                f"target for it is {int(expected[i])} ({len(wrong)} of {self.count} labels "
+                f"differ): the file is damaged. Rebuild it with {_BUILD_HINT}."
+            )
 
     def __getstate__(self):
         return {**self.__dict__, "_scratch_buf": None, "_scratch_pid": None}

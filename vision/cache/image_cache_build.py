@@ -54,16 +54,24 @@ from recipes.vision.decoding.decode import dct_reduction, decode_image, resize_u
 from recipes.vision.decoding.image_header import ImageHeader
 
 
-def cache_inputs(paths, targets: np.ndarray, root: str, max_side: int) -> tuple[str, list[str], np.ndarray]:
+def cache_inputs(
+    paths, targets: np.ndarray, root: str, max_side: int
+) -> tuple[str, list[str], np.ndarray]:
     """`(fingerprint, relative paths, file table)` of a dataset's files (`stale_caches.stat_files`),
     under this format's version and decode settings (`max_side`, the resize, OpenCV's version)."""
     import cv2
 
-    return stat_files(paths, targets, root, f"v{FORMAT_VERSION}|max_side={max_side}|resize=bilinear-aa|cv2={cv2.__version__}")
+    return stat_files(
+        paths,
+        targets,
+        root,
+        f"v{FORMAT_VERSION}|max_side={max_side}|resize=bilinear-aa|cv2={cv2.__version__}",
+    )
 
 
-def decode_stored(data: bytes, header: ImageHeader, max_side: int, *, strict: bool, path: str,
-                  index: int) -> np.ndarray:
+def decode_stored(
+    data: bytes, header: ImageHeader, max_side: int, *, strict: bool, path: str, index: int
+) -> np.ndarray:
     """An image as the cache stores it: `uint8 [h, w, 3]`, C-contiguous, the whole image with
     its longer side at most `max_side`, decoded at the coarsest DCT scale that allows it.
 
@@ -71,15 +79,28 @@ def decode_stored(data: bytes, header: ImageHeader, max_side: int, *, strict: bo
         ImageDecodeError: a bad file (see `decode_image`).
     """
     h, w = stored_shape(header.height, header.width, max_side)
-    decoded = decode_image(data, reduce=dct_reduction((header.height, header.width), (h, w)), header=header,
-                           path=path, index=index, strict=strict)
+    decoded = decode_image(
+        data,
+        reduce=dct_reduction((header.height, header.width), (h, w)),
+        header=header,
+        path=path,
+        index=index,
+        strict=strict,
+    )
     if decoded.shape[:2] != (h, w):
         decoded = resize_uint8(decoded, (h, w)).permute(1, 2, 0).numpy()
     return np.ascontiguousarray(decoded)
 
 
-def attach_image_cache(cache_dir: Path, root: str, paths, targets: np.ndarray, max_side: int, *,
-                       use_cache: Callable[[ImageCache], None]) -> None:
+def attach_image_cache(
+    cache_dir: Path,
+    root: str,
+    paths,
+    targets: np.ndarray,
+    max_side: int,
+    *,
+    use_cache: Callable[[ImageCache], None],
+) -> None:
     """Opens the cache in `cache_dir` built from exactly these inputs and hands it to `use_cache`
     (a dataset's). Without one, or with one that is damaged or that `use_cache` refuses
     (`ImageCacheError`), it warns and hands over nothing: the dataset decodes from files. The
@@ -91,34 +112,50 @@ def attach_image_cache(cache_dir: Path, root: str, paths, targets: np.ndarray, m
     if cache_dir.is_dir():
         sweep_dead_temps(cache_dir, path.name)  # a build killed midway leaves its temp folder
     if not path.exists():
-        stale = find_stale_caches(cache_dir, os.path.abspath(root), fingerprint) if cache_dir.is_dir() else []
+        stale = (
+            find_stale_caches(cache_dir, os.path.abspath(root), fingerprint)
+            if cache_dir.is_dir()
+            else []
+        )
         if stale:
-            warnings.warn(f"Not using the image cache in {cache_dir}: it was built from other inputs "
-                          f"({describe_change(stale[-1], rels, table)}). Decoding from files, about 10x slower; "
-                          "rebuild with build_image_cache() or `recipes cache vision`, which replaces it.",
-                          stacklevel=3)  # the caller of ImageFolderFast(...)
+            warnings.warn(
+                f"Not using the image cache in {cache_dir}: it was built from other inputs "
+                f"({describe_change(stale[-1], rels, table)}). Decoding from files, about 10x "
+                "slower; rebuild with build_image_cache() or `recipes cache vision`, which "
+                "replaces it.",
+                stacklevel=3,
+            )  # the caller of ImageFolderFast(...)
         return
-    sweep_dead_temps(path, "eval-*")  # an eval-view build killed midway leaves its temp files in the cache
+    sweep_dead_temps(
+        path, "eval-*"
+    )  # an eval-view build killed midway leaves its temp files in the cache
     try:
         use_cache(ImageCache.open(path, fingerprint=fingerprint))
     except ImageCacheError as why:
         warnings.warn(f"Not using the image cache: {why} Decoding from files.", stacklevel=3)
 
 
-def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num_workers: int | None = None,
-                      progress: bool = True, distributed: bool | None = None) -> ImageCache:
+def build_image_cache(
+    dataset: CacheSource,
+    cache_dir: str | os.PathLike,
+    *,
+    num_workers: int | None = None,
+    progress: bool = True,
+    distributed: bool | None = None,
+) -> ImageCache:
     """Decodes every image of an `ImageFolderFast` once into a memory-mapped cache.
 
     Each whole image is stored with its aspect ratio, its longer side at most the dataset's
     `max_side` (decoded at the coarsest DCT scale that allows it), by DataLoader workers with a
     tqdm bar, into a temp folder renamed into place when complete. Train crops from the cache
     follow torchvision's `RandomResizedCrop` over the original image. For an eval dataset
-    (`train=False`) it also stores the eval view of its resolution (`recipes.vision.cache.eval_view`):
-    each image as torchvision's `Resize + CenterCrop` makes it from a full decode, to within a
-    grey level; eval items are then row copies. These are not the uncached file path's pixels,
-    which crops before it resizes (a mean ~2 grey levels apart, more at edges and on upscaled
-    small images). A valid cache (and view) is reused; one recorded damaged (`damaged.json`) is
-    rebuilt; caches of the same tree from other inputs are removed. The dataset then reads it.
+    (`train=False`) it also stores the eval view of its resolution
+    (`recipes.vision.cache.eval_view`): each image as torchvision's `Resize + CenterCrop` makes it
+    from a full decode, to within a grey level; eval items are then row copies. These are not the
+    uncached file path's pixels, which crops before it resizes (a mean ~2 grey levels apart, more at
+    edges and on upscaled small images). A valid cache (and view) is reused; one recorded damaged
+    (`damaged.json`) is rebuilt; caches of the same tree from other inputs are removed. The dataset
+    then reads it.
 
     Args:
         dataset: an `ImageFolderFast`.
@@ -142,21 +179,35 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
             the next good image is stored in its place and the index is recorded).
         TypeError: `dataset` is not an `ImageFolderFast` (a `ShardSet`, a path: see the message).
     """
-    if not hasattr(dataset, "cache_record"):  # issue 27: the cache is that dataset's, read back by it
-        raise TypeError(f"`dataset` must be an ImageFolderFast, but is {type(dataset).__name__} instead: the cache "
-                        "is read back by that dataset, by index, its labels checked against the dataset's targets. "
-                        "Image shards: decode per sample with ShardSet.dataset(transform=ShardImages(...)), or "
-                        "write their images to root/<class>/<key>.jpg and cache ImageFolderFast(root).")
-    fingerprint, _, table = cache_inputs(dataset.paths, dataset.targets, dataset.root, dataset.max_side)
+    if not hasattr(
+        dataset, "cache_record"
+    ):  # issue 27: the cache is that dataset's, read back by it
+        raise TypeError(
+            f"`dataset` must be an ImageFolderFast, but is {type(dataset).__name__} instead: the "
+            "cache is read back by that dataset, by index, its labels checked against the "
+            "dataset's targets. Image shards: decode per sample with "
+            "ShardSet.dataset(transform=ShardImages(...)), or write their images to "
+            "root/<class>/<key>.jpg and cache ImageFolderFast(root)."
+        )
+    fingerprint, _, table = cache_inputs(
+        dataset.paths, dataset.targets, dataset.root, dataset.max_side
+    )
     target = ImageCache.folder_for(cache_dir, fingerprint)
-    build = FolderBuild(target, distributed=distributed, inputs=fingerprint,  # every node's folder ends with it
-                        local={"root": os.path.abspath(dataset.root)})
-    if build.needed(lambda: ImageCache.open(target, fingerprint=fingerprint).check_labels(dataset.targets),
-                    ImageCacheError):
+    build = FolderBuild(
+        target,
+        distributed=distributed,
+        inputs=fingerprint,  # every node's folder ends with it
+        local={"root": os.path.abspath(dataset.root)},
+    )
+    if build.needed(
+        lambda: ImageCache.open(target, fingerprint=fingerprint).check_labels(dataset.targets),
+        ImageCacheError,
+    ):
         with build:
             checksum = build.gather(algorithm())[0]  # rank 0's, on every rank
-            shapes, labels, skipped, sums = _decode_part(dataset, build, num_workers, progress and build.rank == 0,
-                                                         hasher(checksum))
+            shapes, labels, skipped, sums = _decode_part(
+                dataset, build, num_workers, progress and build.rank == 0, hasher(checksum)
+            )
             write_synced(build.part("labels.bin"), labels.astype("<i8").tobytes())
             write_synced(build.part("shapes.bin"), shapes.astype("<i4").tobytes())
             write_synced(build.part("checksums.bin"), sums.tobytes())
@@ -164,24 +215,45 @@ def build_image_cache(dataset: CacheSource, cache_dir: str | os.PathLike, *, num
                 build.concat(name)
             skipped = sorted(i for part in build.gather(skipped) for i in part)
             if build.leader:  # in each folder (node-local disks: one per node)
-                shapes = np.fromfile(build.path / "shapes.bin", "<i4").reshape(-1, 2).astype(np.int64)
+                shapes = (
+                    np.fromfile(build.path / "shapes.bin", "<i4").reshape(-1, 2).astype(np.int64)
+                )
                 offsets = np.concatenate(([0], np.cumsum(shapes[:, 0] * shapes[:, 1] * 3)))
                 write_synced(build.path / "offsets.bin", offsets.astype("<i8").tobytes())
                 with open(build.path / "files.npy", "wb") as f:
                     np.save(f, table, allow_pickle=False)
-                table = file_checksums(build.path, ("labels.bin", "shapes.bin", "offsets.bin", "checksums.bin",
-                                                    "files.npy"), checksum)
-            build.publish({"format": FORMAT, "version": FORMAT_VERSION, "fingerprint": fingerprint,
-                           "count": len(dataset), "max_side": dataset.max_side, "skipped": skipped,
-                           "root": os.path.abspath(dataset.root), "checksum": checksum, "file_checksums": table})
+                table = file_checksums(
+                    build.path,
+                    ("labels.bin", "shapes.bin", "offsets.bin", "checksums.bin", "files.npy"),
+                    checksum,
+                )
+            build.publish(
+                {
+                    "format": FORMAT,
+                    "version": FORMAT_VERSION,
+                    "fingerprint": fingerprint,
+                    "count": len(dataset),
+                    "max_side": dataset.max_side,
+                    "skipped": skipped,
+                    "root": os.path.abspath(dataset.root),
+                    "checksum": checksum,
+                    "file_checksums": table,
+                }
+            )
     if build.leader:  # replaced, not left beside it
         for stale in find_stale_caches(Path(cache_dir), os.path.abspath(dataset.root), fingerprint):
             remove_cache(stale)
     cache = ImageCache.open(target, fingerprint=fingerprint)
     dataset.use_cache(cache)
     if not dataset.train:  # evaluation at this resolution serves rows of an eval view
-        ensure_eval_view(dataset, cache, ranks=build.ranks, num_workers=num_workers, progress=progress,
-                         error=ImageCacheError)
+        ensure_eval_view(
+            dataset,
+            cache,
+            ranks=build.ranks,
+            num_workers=num_workers,
+            progress=progress,
+            error=ImageCacheError,
+        )
     return cache
 
 
@@ -208,9 +280,13 @@ def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress:
     shapes, labels = np.zeros((len(block), 2), np.int64), np.zeros(len(block), np.int64)
     sums = np.zeros(len(block), "<u8")
     skipped: list[int] = []
-    loader = build_loader(_CacheItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list)
-    with open(build.part("images.bin"), "wb") as out, \
-            tqdm(total=len(dataset), disable=not progress, desc="decoding images", unit="img") as bar:
+    loader = build_loader(
+        _CacheItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list
+    )
+    with (
+        open(build.part("images.bin"), "wb") as out,
+        tqdm(total=len(dataset), disable=not progress, desc="decoding images", unit="img") as bar,
+    ):
         for batch in loader:  # items (index, image, target, skipped) in index order
             for index, array, target, skip in batch:
                 out.write(array.tobytes())

@@ -24,9 +24,12 @@ _FILES = np.dtype([("path", "<i8"), ("size", "<i8"), ("mtime", "<i8")])
 _LEGACY_MAGIC = b"RCPIMG01"  # format 1: one file `images-<fp>.bin` with a 4 KiB header
 
 
-def stat_files(paths, targets: np.ndarray, root: str, settings: str) -> tuple[str, list[str], np.ndarray]:
+def stat_files(
+    paths, targets: np.ndarray, root: str, settings: str
+) -> tuple[str, list[str], np.ndarray]:
     """`(fingerprint, relative paths, file table)` of a dataset's files: one `stat` per file.
-    The fingerprint is the sha256 of `settings` and the relative paths, sizes, mtimes and targets."""
+    The fingerprint is the sha256 of `settings` and the relative paths, sizes, mtimes and targets.
+    """
     import hashlib
     import os
 
@@ -35,7 +38,9 @@ def stat_files(paths, targets: np.ndarray, root: str, settings: str) -> tuple[st
     for path, target in zip(paths, targets.tolist(), strict=True):
         st = os.stat(path)
         rel = os.path.relpath(path, root)
-        digest.update(f"\n{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{target}".encode("utf-8", "surrogateescape"))
+        digest.update(
+            f"\n{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{target}".encode("utf-8", "surrogateescape")
+        )
         rels.append(rel)
         sizes.append(st.st_size)
         mtimes.append(st.st_mtime_ns)
@@ -47,8 +52,14 @@ def make_file_table(rel_paths: list[str], sizes: list[int], mtimes: list[int]) -
     import hashlib
 
     table = np.empty(len(rel_paths), _FILES)
-    table["path"] = [int.from_bytes(hashlib.blake2b(p.encode("utf-8", "surrogateescape"), digest_size=8).digest(),
-                                    "little", signed=True) for p in rel_paths]
+    table["path"] = [
+        int.from_bytes(
+            hashlib.blake2b(p.encode("utf-8", "surrogateescape"), digest_size=8).digest(),
+            "little",
+            signed=True,
+        )
+        for p in rel_paths
+    ]
     table["size"], table["mtime"] = sizes, mtimes
     return table
 
@@ -65,19 +76,30 @@ def find_stale_caches(cache_dir: Path, root: str, fingerprint: str) -> list[Path
             elif path.suffix == ".bin":
                 with open(path, "rb") as f:
                     raw = f.read(4096)
-                header = json.loads(raw[len(_LEGACY_MAGIC):].decode("utf-8")) if raw.startswith(_LEGACY_MAGIC) else {}
+                header = (
+                    json.loads(raw[len(_LEGACY_MAGIC) :].decode("utf-8"))
+                    if raw.startswith(_LEGACY_MAGIC)
+                    else {}
+                )
             else:
                 continue
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
-        if isinstance(header, dict) and header.get("root") == root and (
-                header.get("fingerprint") != fingerprint or not path.is_dir()):
+        if (
+            isinstance(header, dict)
+            and header.get("root") == root
+            and (header.get("fingerprint") != fingerprint or not path.is_dir())
+        ):
             found.append(path)
     return found
 
 
 def _sidecar(cache: Path) -> Path:
-    return cache / "files.npy" if cache.is_dir() else cache.with_name(cache.name.removesuffix(".bin") + ".files.npy")
+    return (
+        cache / "files.npy"
+        if cache.is_dir()
+        else cache.with_name(cache.name.removesuffix(".bin") + ".files.npy")
+    )
 
 
 def remove_cache(path: Path) -> None:
@@ -96,7 +118,10 @@ def describe_change(old_cache: Path, rel_paths: list[str], table: np.ndarray) ->
         old = np.load(_sidecar(old_cache), allow_pickle=False)
     except (OSError, ValueError):
         return f"{old_cache.name} was built from other inputs (no file list to compare)"
-    before = {int(h): (int(s), int(m)) for h, s, m in zip(old["path"], old["size"], old["mtime"], strict=True)}
+    before = {
+        int(h): (int(s), int(m))
+        for h, s, m in zip(old["path"], old["size"], old["mtime"], strict=True)
+    }
     added, changed = [], []
     for rel, (h, s, m) in zip(rel_paths, table.tolist(), strict=True):
         if h not in before:

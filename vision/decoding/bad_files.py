@@ -33,8 +33,15 @@ class BadFiles:
         self.where = where
         self.marks = torch.zeros(n, dtype=torch.uint8).share_memory_()
 
-    def load(self, index: int, load: Callable[[int], tuple], rng: np.random.Generator, *,
-             on_error: Literal["raise", "skip"], rewind: bool) -> tuple:
+    def load(
+        self,
+        index: int,
+        load: Callable[[int], tuple],
+        rng: np.random.Generator,
+        *,
+        on_error: Literal["raise", "skip"],
+        rewind: bool,
+    ) -> tuple:
         """`(*load(index), False)`; for a bad file, on_error="raise" raises its `ImageDecodeError`,
         "skip" gives `(*load(j), True)` for the next good index `j` after it (wrapping around),
         each bad one marked.

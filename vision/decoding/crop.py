@@ -45,9 +45,14 @@ def output_size(size) -> tuple[int, int]:
         ValueError: anything else, naming what it got."""
     if isinstance(size, int) and not isinstance(size, bool):
         size = (size, size)
-    if (not isinstance(size, tuple) or len(size) != 2
-            or not all(isinstance(v, int) and v > 0 for v in size)):
-        raise ValueError(f"`size` must be a positive int or an (h, w) tuple of them, but is {size!r} instead.")
+    if (
+        not isinstance(size, tuple)
+        or len(size) != 2
+        or not all(isinstance(v, int) and v > 0 for v in size)
+    ):
+        raise ValueError(
+            f"`size` must be a positive int or an (h, w) tuple of them, but is {size!r} instead."
+        )
     return size
 
 

@@ -124,8 +124,14 @@ def _turbo_decode(data: bytes, header: ImageHeader, reduce: int) -> np.ndarray |
     if _SIMPLEJPEG is False:
         return None
     try:
-        return _SIMPLEJPEG.decode_jpeg(data, colorspace="RGB", min_height=-(-header.height // reduce),
-                                       min_width=-(-header.width // reduce), min_factor=reduce, strict=True)
+        return _SIMPLEJPEG.decode_jpeg(
+            data,
+            colorspace="RGB",
+            min_height=-(-header.height // reduce),
+            min_width=-(-header.width // reduce),
+            min_factor=reduce,
+            strict=True,
+        )
     except (ValueError, OSError):
         return None
 
@@ -147,7 +153,8 @@ _SIMPLEJPEG = _load_simplejpeg()
 
 
 def _decode_with_pillow(data: bytes, path: str, index: int | None) -> np.ndarray:
-    """Fallback for what OpenCV's codecs refuse; Pillow raises on truncation (LOAD_TRUNCATED_IMAGES off)."""
+    """Fallback for what OpenCV's codecs refuse; Pillow raises on truncation (LOAD_TRUNCATED_IMAGES
+    off)."""
     from PIL import Image
 
     try:
@@ -160,8 +167,13 @@ def _decode_with_pillow(data: bytes, path: str, index: int | None) -> np.ndarray
         ) from None
 
 
-def resize_uint8(image: np.ndarray, size: tuple[int, int], *, out: torch.Tensor | None = None,
-                 mirror: bool = False) -> torch.Tensor:
+def resize_uint8(
+    image: np.ndarray,
+    size: tuple[int, int],
+    *,
+    out: torch.Tensor | None = None,
+    mirror: bool = False,
+) -> torch.Tensor:
     """Antialiased bilinear resize of an `[H, W, 3]` uint8 array to a `[3, h, w]` uint8 tensor,
     channels-last in memory: written into `out` when given (a row of a channels-last batch),
     else into a new tensor; a view of `image` when no resize is needed and no `out` is given.
@@ -200,7 +212,9 @@ def _resize_aa(tensor: torch.Tensor, size: tuple[int, int], out: torch.Tensor) -
     try:
         torch._C._nn._upsample_bilinear2d_aa(tensor, size, False, out=out)
     except (AttributeError, TypeError, RuntimeError):
-        out.copy_(torch.nn.functional.interpolate(tensor, size=size, mode="bilinear", antialias=True))
+        out.copy_(
+            torch.nn.functional.interpolate(tensor, size=size, mode="bilinear", antialias=True)
+        )
 
 
 def _opencv():

@@ -124,7 +124,9 @@ def _pillow_header(data: bytes, where: str) -> tuple[int, int, str]:
         with Image.open(io.BytesIO(data)) as image:
             return image.size[0], image.size[1], image.format or "?"
     except Image.DecompressionBombError as error:
-        raise ImageDecodeError(f"{where} is a decompression bomb ({error}); it was not decoded.") from None
+        raise ImageDecodeError(
+            f"{where} is a decompression bomb ({error}); it was not decoded."
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise ImageDecodeError(
             f"{where} is not a readable image ({type(error).__name__}: {error}); "
@@ -132,7 +134,9 @@ def _pillow_header(data: bytes, where: str) -> tuple[int, int, str]:
         ) from None
 
 
-def check_encoded(data: bytes, header: ImageHeader, *, path: str = "<bytes>", index: int | None = None) -> bool:
+def check_encoded(
+    data: bytes, header: ImageHeader, *, path: str = "<bytes>", index: int | None = None
+) -> bool:
     """The checks that need no decode, beyond `read_header`'s; returns whether it is a JPEG.
 
     Raises:
@@ -141,8 +145,8 @@ def check_encoded(data: bytes, header: ImageHeader, *, path: str = "<bytes>", in
     is_jpeg = header.format in ("JPEG", "MPO")
     if is_jpeg and not _ends_with_eoi(data) and not _eoi_after_first_scan(data):
         raise ImageDecodeError(
-            f"{_where(path, index)} is a truncated JPEG (no end-of-image marker after the last scan); "
-            "re-download it, or pass on_error='skip'."
+            f"{_where(path, index)} is a truncated JPEG (no end-of-image marker after the last "
+            "scan); re-download it, or pass on_error='skip'."
         )
     return is_jpeg
 

@@ -42,12 +42,18 @@ from recipes.vision.decoding.image_header import ImageDecodeError, _where
 # ---- libjpeg's warnings about damaged data (strict decoding) ---------------------------------
 # What libjpeg(-turbo) prints for data it recovered from. Other warnings (an unknown JFIF
 # revision, a bad ICC profile, which leave the pixels right) pass through to stderr.
-_DAMAGE = ("Corrupt JPEG data", "Premature end of JPEG file", "Inconsistent progression sequence",
-           "Invalid SOS parameters")
+_DAMAGE = (
+    "Corrupt JPEG data",
+    "Premature end of JPEG file",
+    "Inconsistent progression sequence",
+    "Invalid SOS parameters",
+)
 _HARMLESS = ("bad ICC marker",)
 
 
-def checked_by_libjpeg(decode: Callable[[], object], *, path: str = "<bytes>", index: int | None = None):
+def checked_by_libjpeg(
+    decode: Callable[[], object], *, path: str = "<bytes>", index: int | None = None
+):
     """`decode()`, with what libjpeg prints to stderr meanwhile read back: raises for damage.
 
     libjpeg's default error manager prints each warning (one line per decode) to fd 2. For
@@ -87,9 +93,9 @@ def checked_by_libjpeg(decode: Callable[[], object], *, path: str = "<bytes>", i
         os.write(2, others.encode())
     if damage:
         raise ImageDecodeError(
-            f"{_where(path, index)} has damaged JPEG data (libjpeg: {'; '.join(damage)}); the decoder would "
-            "return made-up pixels. Re-download or remove it, pass on_error='skip', or strict=False to "
-            "accept what the decoder recovers."
+            f"{_where(path, index)} has damaged JPEG data (libjpeg: {'; '.join(damage)}); the "
+            "decoder would return made-up pixels. Re-download or remove it, pass on_error='skip', "
+            "or strict=False to accept what the decoder recovers."
         )
     return result
 
@@ -120,6 +126,11 @@ class _StderrSink:
 
 
 _STDERR = _StderrSink()
-if hasattr(os, "register_at_fork"):  # no fork while a thread has fd 2 redirected (the child would inherit it)
-    os.register_at_fork(before=lambda: _STDERR.lock.acquire(), after_in_parent=lambda: _STDERR.lock.release(),
-                        after_in_child=_STDERR.after_fork_in_child)
+if hasattr(
+    os, "register_at_fork"
+):  # no fork while a thread has fd 2 redirected (the child would inherit it)
+    os.register_at_fork(
+        before=lambda: _STDERR.lock.acquire(),
+        after_in_parent=lambda: _STDERR.lock.release(),
+        after_in_child=_STDERR.after_fork_in_child,
+    )

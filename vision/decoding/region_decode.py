@@ -1,17 +1,17 @@
 """Region decode: only a JPEG's crop, by libjpeg-turbo's cropped decode through nvImageCodec.
 
 Use when: a crop keeps little of its JPEG and too much for a 1/2, 1/4 or 1/8 DCT-scaled decode
-(`ImageFolderFast(region_decode=)`). With nvImageCodec installed (`pip install "loader-recipes[roi]"`),
-a JPEG crop is decoded by libjpeg-turbo's cropped decode (`jpeg_crop_scanline` +
-`jpeg_skip_scanlines`, nvImageCodec's CPU backend, no GPU needed): rows below the crop are
-never read, and columns beside it skip the inverse DCT, upsampling and colour conversion. The
-pixels are identical to a full decode followed by the crop.
+(`ImageFolderFast(region_decode=)`). With nvImageCodec installed (`pip install
+"loader-recipes[roi]"`), a JPEG crop is decoded by libjpeg-turbo's cropped decode
+(`jpeg_crop_scanline` + `jpeg_skip_scanlines`, nvImageCodec's CPU backend, no GPU needed): rows
+below the crop are never read, and columns beside it skip the inverse DCT, upsampling and colour
+conversion. The pixels are identical to a full decode followed by the crop.
 Cost: rows above the crop are still entropy-decoded (a baseline JPEG has no random access), so
 the saving grows with how little of the image a crop keeps: measured 1.14x train img/s per
 worker on 500x375 photos. A strict decode reads the scan to its end (the rows below the crop
 too, `recipes.vision.decoding.decode`): about the cost of a whole decode.
-Adapt here: `_region_decoder` (one CPU thread per process and thread, sRGB, EXIF orientation ignored).
-Trade-off: needs nvImageCodec; for CMYK/YCCK JPEGs, other codecs, or a file it declines,
+Adapt here: `_region_decoder` (one CPU thread per process and thread, sRGB, EXIF orientation
+ignored). Trade-off: needs nvImageCodec; for CMYK/YCCK JPEGs, other codecs, or a file it declines,
 `decode_region` returns None and the caller decodes the whole image.
 Copy with: vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
   vision/decoding/jpeg_damage.py.
@@ -34,8 +34,9 @@ from recipes.vision.decoding.image_header import ImageDecodeError, check_encoded
 from recipes.vision.decoding.jpeg_damage import checked_by_libjpeg
 
 
-def decode_region(data: bytes, box: Box, *, strict: bool = True, path: str = "<bytes>",
-                  index: int | None = None) -> np.ndarray | None:
+def decode_region(
+    data: bytes, box: Box, *, strict: bool = True, path: str = "<bytes>", index: int | None = None
+) -> np.ndarray | None:
     """The RGB uint8 pixels `[h, w, 3]` of `box` (top, left, height, width) of a JPEG, decoded
     alone (libjpeg-turbo's cropped decode through nvImageCodec's CPU backend).
 
@@ -59,10 +60,16 @@ def decode_region(data: bytes, box: Box, *, strict: bool = True, path: str = "<b
         stream = codec.CodeStream(data)
         if stream.codec_name != "jpeg" or stream.num_channels not in (1, 3):
             return None  # CMYK/YCCK and other codecs: the full decode converts them as OpenCV does
-        if strict:  # whole rows (cropping columns costs nvImageCodec more than it saves) to the bottom
-            region = stream.get_sub_code_stream(region=codec.Region(top, 0, stream.height, stream.width))
+        if (
+            strict
+        ):  # whole rows (cropping columns costs nvImageCodec more than it saves) to the bottom
+            region = stream.get_sub_code_stream(
+                region=codec.Region(top, 0, stream.height, stream.width)
+            )
         else:
-            region = stream.get_sub_code_stream(region=codec.Region(top, left, top + height, left + width))
+            region = stream.get_sub_code_stream(
+                region=codec.Region(top, left, top + height, left + width)
+            )
 
         def run():
             image = dec.decode(region, params=params)
@@ -104,8 +111,11 @@ def _region_decoder():
     found = None
     try:
         codec = _import_nvimgcodec()
-        dec = codec.Decoder(device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
-                            backends=[codec.Backend(codec.BackendKind.CPU_ONLY)])
+        dec = codec.Decoder(
+            device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY,
+            max_num_cpu_threads=1,
+            backends=[codec.Backend(codec.BackendKind.CPU_ONLY)],
+        )
         params = codec.DecodeParams(apply_exif_orientation=False, color_spec=codec.SRGB)
         found = (codec, dec, params)
     except (ImportError, RuntimeError, AttributeError):
@@ -158,7 +168,9 @@ def _import_nvimgcodec():
 _REGION = threading.local()  # .decoder: (pid, (module, decoder, params) or None) of this thread
 
 
-def decode_box(dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int) -> np.ndarray:
+def decode_box(
+    dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int
+) -> np.ndarray:
     """`ImageFolderFast._decode_box`: decodes the whole image at the coarsest DCT scale that
     keeps `box` at least `out`, then crops it; or, when no DCT scale applies, only `box` (region
     decode). With the dataset's `strict`, a file's first decode is checked and marked in

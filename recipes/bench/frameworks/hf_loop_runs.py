@@ -20,7 +20,11 @@ def _burn(microseconds: float) -> None:
 
 
 def _item(i: int, total: int) -> dict:
-    return {"x": torch.tensor([i / total, (i % 7) / 7]), "labels": torch.tensor([float(i % 3)]), "idx": i}
+    return {
+        "x": torch.tensor([i / total, (i % 7) / 7]),
+        "labels": torch.tensor([float(i % 3)]),
+        "idx": i,
+    }
 
 
 class CostlyItems(Dataset):
@@ -41,7 +45,9 @@ class CostlyItems(Dataset):
         return _item(i, self.n)
 
 
-def read_costly_shard(name: str, start: int = 0, stop: int | None = None, *, size: int, total: int, item_us: float):
+def read_costly_shard(
+    name: str, start: int = 0, stop: int | None = None, *, size: int, total: int, item_us: float
+):
     """A virtual shard of `size` items (shard `name` holds items name * size ...)."""
     first = int(name) * size
     for i in range(first + start, first + (size if stop is None else stop)):
@@ -66,8 +72,13 @@ def _our_loader(kind: str, n: int, item_us: float, args):
 
     torch.manual_seed(0)
     shuffle = {"shuffle": True} if kind == "map" else {}
-    return make_loader(_dataset(kind, n, item_us), batch_size=args.batch_size, num_workers=args.workers,
-                       path="workers", **shuffle)
+    return make_loader(
+        _dataset(kind, n, item_us),
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        path="workers",
+        **shuffle,
+    )
 
 
 def _state_after(kind: str, n: int, batches: int, args) -> dict:
@@ -115,8 +126,14 @@ def _first_after_ours(accelerator, kind, n, state, args) -> float:
 def _first_after_skip(accelerator, kind, n, skip, args) -> float:
     torch.manual_seed(0)
     shuffle = {"shuffle": True} if kind == "map" else {}
-    prepared = accelerator.prepare_data_loader(DataLoader(_dataset(kind, n, args.item_us), batch_size=args.batch_size,
-                                                          num_workers=args.workers, **shuffle))
+    prepared = accelerator.prepare_data_loader(
+        DataLoader(
+            _dataset(kind, n, args.item_us),
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            **shuffle,
+        )
+    )
     return _time_first(lambda: iter(accelerator.skip_first_batches(prepared, skip)))
 
 
@@ -137,7 +154,9 @@ def _trainer_classes():
                     outer._asked = time.perf_counter()
 
                 def on_step_end(self, args, state, control, **k):
-                    control.should_training_stop = True  # one step: the resume's first batch is all we time
+                    control.should_training_stop = (
+                        True  # one step: the resume's first batch is all we time
+                    )
 
             self.add_callback(Clock())
 
@@ -153,12 +172,15 @@ def _trainer_classes():
 
 
 def _trainer(ours: bool, kind: str, n: int, item_us: float, training, args):
-    """A timing Trainer over our loader (`LoaderTrainerMixin`) or its own, without its printed logs."""
+    """A timing Trainer over our loader (`LoaderTrainerMixin`) or its own, without its printed
+    logs."""
     from transformers.trainer_callback import PrinterCallback
 
     timed, timed_loader = _trainer_classes()
     if ours:
-        trainer = timed_loader(model=Tiny(), args=training, train_loader=_our_loader(kind, n, item_us, args))
+        trainer = timed_loader(
+            model=Tiny(), args=training, train_loader=_our_loader(kind, n, item_us, args)
+        )
     else:
         trainer = timed(model=Tiny(), args=training, train_dataset=_dataset(kind, n, item_us))
     trainer.remove_callback(PrinterCallback)  # on when tqdm is off
@@ -169,9 +191,18 @@ def _trainer_args(folder: Path, kind: str, args, **extra):
     from transformers import TrainingArguments
 
     length = {"num_train_epochs": 1} if kind == "map" else {"max_steps": args.batches}
-    return TrainingArguments(output_dir=str(folder), per_device_train_batch_size=args.batch_size, use_cpu=True,
-                             report_to=[], logging_steps=10**9, disable_tqdm=True, seed=0,
-                             dataloader_num_workers=args.workers, **length, **extra)
+    return TrainingArguments(
+        output_dir=str(folder),
+        per_device_train_batch_size=args.batch_size,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=10**9,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=args.workers,
+        **length,
+        **extra,
+    )
 
 
 def _trainer_checkpoint(folder: Path, kind: str, n: int, args, ours: bool) -> Path:
@@ -190,8 +221,12 @@ def _trainer_first_after(base: Path, position: int, kind: str, n: int, args, our
     state["global_step"] = position
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     if ours:
-        write_loader_state(checkpoint, "train", _state_after(kind, n, position, args), rank=0, world_size=1)
-    trainer = _trainer(ours, kind, n, args.item_us, _trainer_args(run, kind, args, save_strategy="no"), args)
+        write_loader_state(
+            checkpoint, "train", _state_after(kind, n, position, args), rank=0, world_size=1
+        )
+    trainer = _trainer(
+        ours, kind, n, args.item_us, _trainer_args(run, kind, args, save_strategy="no"), args
+    )
     trainer.train(resume_from_checkpoint=str(checkpoint))
     if ours:
         trainer.train_loader.close()
@@ -203,13 +238,18 @@ def resume_rows(accelerator, args, folder: Path) -> list[list[str]]:
     positions = [max(1, round(float(p) * args.batches)) for p in args.positions.split(",")]
     rows = []
     for kind in ("map", "iterable"):
-        bases = {ours: _trainer_checkpoint(folder / f"{kind}-{ours}", kind, n, args, ours) for ours in (True, False)}
+        bases = {
+            ours: _trainer_checkpoint(folder / f"{kind}-{ours}", kind, n, args, ours)
+            for ours in (True, False)
+        }
         for position in positions:
             state = _state_after(kind, n, position, args)
-            cells = [_first_after_ours(accelerator, kind, n, state, args),
-                     _first_after_skip(accelerator, kind, n, position, args),
-                     _trainer_first_after(bases[True], position, kind, n, args, ours=True),
-                     _trainer_first_after(bases[False], position, kind, n, args, ours=False)]
+            cells = [
+                _first_after_ours(accelerator, kind, n, state, args),
+                _first_after_skip(accelerator, kind, n, position, args),
+                _trainer_first_after(bases[True], position, kind, n, args, ours=True),
+                _trainer_first_after(bases[False], position, kind, n, args, ours=False),
+            ]
             rows.append([kind, f"{position:,} of {args.batches:,}", *(f"{c:.3f}" for c in cells)])
     return rows
 
@@ -253,24 +293,39 @@ def _trainer_epoch(loader, folder: Path) -> float:
     class LoaderTrainer(LoaderTrainerMixin, Trainer):
         pass
 
-    training = TrainingArguments(output_dir=str(folder), num_train_epochs=1, use_cpu=True, report_to=[],
-                                 logging_steps=10**9, save_strategy="no", disable_tqdm=True, learning_rate=0.01,
-                                 max_grad_norm=0.0, optim="sgd")
+    training = TrainingArguments(
+        output_dir=str(folder),
+        num_train_epochs=1,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=10**9,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=0.01,
+        max_grad_norm=0.0,
+        optim="sgd",
+    )
     trainer = LoaderTrainer(model=Tiny(), args=training, train_loader=loader, callbacks=[Clock()])
     trainer.remove_callback(PrinterCallback)  # its printed logs, on when tqdm is off
     trainer.train()
     return clock["end"] - clock["begin"]
 
 
-def _loop_epoch(loop: str, accelerator, items: CostlyItems, workers: int, args, folder: Path, tag: str) -> float:
+def _loop_epoch(
+    loop: str, accelerator, items: CostlyItems, workers: int, args, folder: Path, tag: str
+) -> float:
     """Seconds of one epoch of `loop` (a key of `LOOPS`) over a fresh loader."""
     from recipes.common import make_loader
 
     torch.manual_seed(0)
-    loader = make_loader(items, batch_size=args.batch_size, shuffle=True, num_workers=workers, path="workers")
+    loader = make_loader(
+        items, batch_size=args.batch_size, shuffle=True, num_workers=workers, path="workers"
+    )
     if loop == "plain":
         model = Tiny()
-        took = _step_epoch(loader, model, torch.optim.SGD(model.parameters(), lr=0.01), torch.Tensor.backward)
+        took = _step_epoch(
+            loader, model, torch.optim.SGD(model.parameters(), lr=0.01), torch.Tensor.backward
+        )
     elif loop.startswith("accelerate"):
         took = _accelerate_epoch(accelerator, loader, f"loop-{tag}", glue=loop == "accelerate")
     else:
@@ -279,30 +334,62 @@ def _loop_epoch(loop: str, accelerator, items: CostlyItems, workers: int, args, 
     return took
 
 
-LOOPS = {"plain": "plain loop", "accelerate": "accelerate (`prepare_loader`)",
-         "accelerate-bare": "accelerate's step, the loader iterated bare (no glue)",
-         "trainer": "transformers Trainer (`LoaderTrainerMixin`)"}
+LOOPS = {
+    "plain": "plain loop",
+    "accelerate": "accelerate (`prepare_loader`)",
+    "accelerate-bare": "accelerate's step, the loader iterated bare (no glue)",
+    "trainer": "transformers Trainer (`LoaderTrainerMixin`)",
+}
 
 
 def throughput_rows(accelerator, args, folder: Path) -> list[list[str]]:
     """Per loop and kind of loader (items that wait, as on storage; items that compute): the
     best epoch's samples/s of `args.repeats`, taken in turns, against the plain loop's."""
     n = args.loop_batches * args.batch_size
-    # (items wait, cost per item, workers); "instant": the loop's own cost per step, items made in-process
-    kinds = {"waits (I/O-bound)": (True, args.loop_item_us, args.workers),
-             "computes (CPU-bound)": (False, args.loop_item_us, args.workers), "instant": (False, 0.0, 0)}
+    # (items wait, cost per item, workers); "instant": the loop's own cost per step, items made
+    # in-process
+    kinds = {
+        "waits (I/O-bound)": (True, args.loop_item_us, args.workers),
+        "computes (CPU-bound)": (False, args.loop_item_us, args.workers),
+        "instant": (False, 0.0, 0),
+    }
     best = {(kind, loop): float("inf") for kind in kinds for loop in LOOPS}
     for loop in LOOPS:  # a first epoch of each, not counted: first calls, allocator, page cache
-        _loop_epoch(loop, accelerator, CostlyItems(n // 4, args.loop_item_us), args.workers, args, folder, "warm-up")
-    for repeat in range(args.repeats):  # in turns, so that a slow spell of the machine hits every loop
+        _loop_epoch(
+            loop,
+            accelerator,
+            CostlyItems(n // 4, args.loop_item_us),
+            args.workers,
+            args,
+            folder,
+            "warm-up",
+        )
+    for repeat in range(
+        args.repeats
+    ):  # in turns, so that a slow spell of the machine hits every loop
         for kind, (wait, cost, workers) in kinds.items():
             for loop in LOOPS:
-                took = _loop_epoch(loop, accelerator, CostlyItems(n, cost, wait=wait), workers, args, folder,
-                                   f"{repeat}-{kind[:5]}")
+                took = _loop_epoch(
+                    loop,
+                    accelerator,
+                    CostlyItems(n, cost, wait=wait),
+                    workers,
+                    args,
+                    folder,
+                    f"{repeat}-{kind[:5]}",
+                )
                 best[kind, loop] = min(best[kind, loop], took)
-    return [[kind, label, f"{n / best[kind, loop]:,.0f}", f"{best[kind, 'plain'] / best[kind, loop]:.1%}",
-             f"{1000 * best['instant', loop] / args.loop_batches:.2f}"]
-            for kind in list(kinds)[:2] for loop, label in LOOPS.items()]
+    return [
+        [
+            kind,
+            label,
+            f"{n / best[kind, loop]:,.0f}",
+            f"{best[kind, 'plain'] / best[kind, loop]:.1%}",
+            f"{1000 * best['instant', loop] / args.loop_batches:.2f}",
+        ]
+        for kind in list(kinds)[:2]
+        for loop, label in LOOPS.items()
+    ]
 
 
 def glue_cost(accelerator, args) -> tuple[float, float]:
@@ -314,11 +401,17 @@ def glue_cost(accelerator, args) -> tuple[float, float]:
     best = [float("inf"), float("inf")]
     for _ in range(3):
         for wrapped in (False, True):
-            loader = make_loader(CostlyItems(args.loop_batches * args.batch_size, 0.0), batch_size=args.batch_size,
-                                 shuffle=True, num_workers=0)
+            loader = make_loader(
+                CostlyItems(args.loop_batches * args.batch_size, 0.0),
+                batch_size=args.batch_size,
+                shuffle=True,
+                num_workers=0,
+            )
             iterable = AcceleratedLoader(loader, accelerator=accelerator) if wrapped else loader
             start = time.perf_counter()
             for _batch in iterable:
                 pass
-            best[wrapped] = min(best[wrapped], (time.perf_counter() - start) / args.loop_batches * 1e6)
+            best[wrapped] = min(
+                best[wrapped], (time.perf_counter() - start) / args.loop_batches * 1e6
+            )
     return best[0], best[1]

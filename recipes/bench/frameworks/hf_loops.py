@@ -1,4 +1,5 @@
-"""`recipes bench hf`: our loaders inside Hugging Face Accelerate's loop and the transformers Trainer's.
+"""`recipes bench hf`: our loaders inside Hugging Face Accelerate's loop and the transformers
+Trainer's.
 
 Use when: checking what a restart costs in each framework (the time from resuming to the first
 batch, at several positions in an epoch: our loaders resume at once, the frameworks' own
@@ -29,20 +30,38 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=4000, help="batches per epoch")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--item-us", type=float, default=150.0, help="CPU time to make one item, in microseconds")
-    parser.add_argument("--loop-item-us", type=float, default=400.0,
-                        help="throughput: CPU time per item (the loader, in its workers, is the bottleneck)")
+    parser.add_argument(
+        "--item-us", type=float, default=150.0, help="CPU time to make one item, in microseconds"
+    )
+    parser.add_argument(
+        "--loop-item-us",
+        type=float,
+        default=400.0,
+        help="throughput: CPU time per item (the loader, in its workers, is the bottleneck)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers")
-    parser.add_argument("--positions", default="0.1,0.5,0.9", help="resume positions, as fractions of the epoch")
-    parser.add_argument("--loop-batches", type=int, default=600, help="batches per epoch of the throughput loops")
-    parser.add_argument("--repeats", type=int, default=5, help="throughput: epochs per loop, best taken, in turns")
-    parser.add_argument("--part", choices=["all", "resume", "loops"], default="all",
-                        help="only the resume table, or only the throughput table")
+    parser.add_argument(
+        "--positions", default="0.1,0.5,0.9", help="resume positions, as fractions of the epoch"
+    )
+    parser.add_argument(
+        "--loop-batches", type=int, default=600, help="batches per epoch of the throughput loops"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="throughput: epochs per loop, best taken, in turns"
+    )
+    parser.add_argument(
+        "--part",
+        choices=["all", "resume", "loops"],
+        default="all",
+        help="only the resume table, or only the throughput table",
+    )
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
+    ]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
@@ -61,20 +80,49 @@ def run(args: argparse.Namespace) -> int:
         folder = Path(tmp)
         if args.part in ("all", "resume"):
             resumed = resume_rows(accelerator, args, folder)
-            print(f"\n## hf_loops: time to the first batch after a resume (s), an epoch of {args.batches:,} batches "
-                  f"of {args.batch_size}, {args.item_us:g} us of CPU per item, {args.workers} workers\n")
-            print(_table(["data", "resumed after", "recipes + accelerate", "accelerate `skip_first_batches`",
-                          "recipes + Trainer", "Trainer's own data skip"], resumed))
+            print(
+                "\n## hf_loops: time to the first batch after a resume (s), an epoch of "
+                f"{args.batches:,} batches of {args.batch_size}, {args.item_us:g} us of CPU per "
+                f"item, {args.workers} workers\n"
+            )
+            print(
+                _table(
+                    [
+                        "data",
+                        "resumed after",
+                        "recipes + accelerate",
+                        "accelerate `skip_first_batches`",
+                        "recipes + Trainer",
+                        "Trainer's own data skip",
+                    ],
+                    resumed,
+                )
+            )
         if args.part in ("all", "loops"):
             loops = throughput_rows(accelerator, args, folder)
             direct, wrapped = glue_cost(accelerator, args)
-            print(f"\n## hf_loops: one epoch of {args.loop_batches:,} batches of {args.batch_size} "
-                  f"({args.loop_item_us:g} us per item, {args.workers} workers), the same loader in each loop, "
-                  f"best of {args.repeats} in turns\n")
-            print(_table(["the loader's items", "loop", "samples/s", "vs the plain loop",
-                          "the loop's own time per step (instant items, ms)"], loops))
-            print(f"\nThe glue's own cost: iterating the loader directly {direct:.0f} us per batch, through "
-                  f"AcceleratedLoader {wrapped:.0f} us per batch (instant items, no workers, best of 3).")
+            print(
+                f"\n## hf_loops: one epoch of {args.loop_batches:,} batches of {args.batch_size} "
+                f"({args.loop_item_us:g} us per item, {args.workers} workers), the same loader in "
+                f"each loop, best of {args.repeats} in turns\n"
+            )
+            print(
+                _table(
+                    [
+                        "the loader's items",
+                        "loop",
+                        "samples/s",
+                        "vs the plain loop",
+                        "the loop's own time per step (instant items, ms)",
+                    ],
+                    loops,
+                )
+            )
+            print(
+                f"\nThe glue's own cost: iterating the loader directly {direct:.0f} us per batch, "
+                f"through AcceleratedLoader {wrapped:.0f} us per batch (instant items, no workers, "
+                "best of 3)."
+            )
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`recipes bench lightning`: our loader inside Lightning's training loop against our own loop, and the time a resumed run waits for its first batch.
+"""`recipes bench lightning`: our loader inside Lightning's training loop against our own loop, and
+the time a resumed run waits for its first batch.
 
 Use when: checking what Lightning's loop costs a `make_loader` loader (samples/s of the same
 loader, model and step in our plain loop and in `Trainer.fit`, in turns), and that a resume
@@ -29,12 +30,20 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=2048, help="samples per epoch (throughput)")
-    parser.add_argument("--resume-samples", type=int, default=4096, help="samples per epoch (time to resume)")
+    parser.add_argument(
+        "--resume-samples", type=int, default=4096, help="samples per epoch (time to resume)"
+    )
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--item-us", type=float, default=1000.0,
-                        help="CPU microseconds per sample (1 ms: a small JPEG's decode and crop)")
+    parser.add_argument(
+        "--item-us",
+        type=float,
+        default=1000.0,
+        help="CPU microseconds per sample (1 ms: a small JPEG's decode and crop)",
+    )
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per turn (the first is not counted)")
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="epochs per turn (the first is not counted)"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="turns of each loop")
 
 
@@ -52,7 +61,9 @@ class _Work:
         import torch
 
         end = time.perf_counter() + self.item_us * 1e-6
-        values = torch.from_numpy(np.random.default_rng(index).standard_normal(256, dtype=np.float32))
+        values = torch.from_numpy(
+            np.random.default_rng(index).standard_normal(256, dtype=np.float32)
+        )
         while time.perf_counter() < end:
             pass
         return values, index
@@ -72,8 +83,12 @@ def _loss(model, batch):
 def _loader_kwargs(args, seed: int = 0) -> dict:
     import torch
 
-    return dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                generator=torch.Generator().manual_seed(seed))
+    return dict(
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def _loader(dataset, args, seed: int = 0):
@@ -130,8 +145,17 @@ def _module(first_step: list | None = None):
 def _trainer(epochs: int, callbacks=(), **kwargs):
     import lightning.pytorch as pl
 
-    return pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), **kwargs)
+    return pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
 
 
 def _lightning_rates(args) -> list[float]:
@@ -165,7 +189,10 @@ def _checkpoint(args, dataset, position: int, path: Path) -> None:
 
     class Save(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, index):
-            if (trainer.current_epoch, index + 1) in ((1, position), (0, len(trainer.train_dataloader) * (not position))):
+            if (trainer.current_epoch, index + 1) in (
+                (1, position),
+                (0, len(trainer.train_dataloader) * (not position)),
+            ):
                 trainer.save_checkpoint(path)
                 trainer.should_stop = True
 
@@ -199,7 +226,9 @@ def _resume_waits(args, positions: list[int], folder: Path) -> list[tuple[float,
         ours = _loader(dataset, args, seed=1)
         start = time.perf_counter()
         ours.load_state_dict(state)
-        ours.sampler.set_epoch(1)  # as the loop does: epoch 1 (position 0: the state is epoch 0's end)
+        ours.sampler.set_epoch(
+            1
+        )  # as the loop does: epoch 1 (position 0: the state is epoch 0's end)
         next(iter(ours))
         first_ours = time.perf_counter() - start
         ours.close()
@@ -209,8 +238,13 @@ def _resume_waits(args, positions: list[int], folder: Path) -> list[tuple[float,
         _trainer(2, [StopAtOnce()]).fit(_module(first), datamodule=resumed, ckpt_path=saved)
         resumed.loader.close()
         first_lightning = first[0] - start
-        baseline = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                              generator=torch.Generator().manual_seed(0))
+        baseline = DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            generator=torch.Generator().manual_seed(0),
+        )
         start = time.perf_counter()
         batches = iter(baseline)
         for _ in range(position + 1):  # drop the first p batches, read batch p
@@ -232,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*(does not have many workers|weights_only).*")
     import torch
 
-    torch.set_num_threads(1)  # the step's own threads would contend with the worker for 2 cores: both loops alike
+    torch.set_num_threads(
+        1
+    )  # the step's own threads would contend with the worker for 2 cores: both loops alike
     free = argparse.Namespace(**{**vars(args), "item_us": 0.0, "workers": 0})  # the loop alone
     rates: dict[str, tuple[list[float], list[float]]] = {"bound": ([], []), "free": ([], [])}
     turns: dict[str, list[float]] = {"bound": [], "free": []}  # each turn's ratio of median epochs
@@ -243,32 +279,62 @@ def run(args: argparse.Namespace) -> int:
             rates[key][1].extend(lightning)
             turns[key].append(statistics.median(lightning) / statistics.median(plain))
     best = {key: (max(plain), max(lightning)) for key, (plain, lightning) in rates.items()}
-    median = {key: (statistics.median(plain), statistics.median(lightning)) for key, (plain, lightning) in rates.items()}
+    median = {
+        key: (statistics.median(plain), statistics.median(lightning))
+        for key, (plain, lightning) in rates.items()
+    }
     ratio = {key: statistics.median(values) for key, values in turns.items()}
-    print(f"\n## lightning: {args.samples:,} samples, batch {args.batch_size}, a 256-256-10 MLP on CPU (1 thread), "
-          f"samples/s: best (median) of {len(rates['bound'][0])} epochs per loop, in {args.repeat} turns\n")
-    print(f"| loop | {args.item_us:g} us samples, {args.workers} workers (the loader's pace) "
-          "| no busy work, no workers (the loop's pace) |\n|---|---:|---:|")
-    for label, k in (("plain loop (our for-loop)", 0), ("Lightning loop (LoaderDataModule, Trainer.fit)", 1)):
-        print(f"| {label} | " + " | ".join(f"{best[key][k]:,.0f} ({median[key][k]:,.0f})" for key in ("bound", "free"))
-              + " |")
-    print("| ratio (Lightning / plain): median of the turns' (best epochs) | " + " | ".join(
-        f"{ratio[key]:.3f} ({best[key][1] / best[key][0]:.3f})" for key in ("bound", "free")) + " |")
-    per_step = {key: (1 / median[key][1] - 1 / median[key][0]) * args.batch_size * 1e6 for key in median}
+    print(
+        f"\n## lightning: {args.samples:,} samples, batch {args.batch_size}, a 256-256-10 MLP on "
+        f"CPU (1 thread), samples/s: best (median) of {len(rates['bound'][0])} epochs per loop, in "
+        f"{args.repeat} turns\n"
+    )
+    print(
+        f"| loop | {args.item_us:g} us samples, {args.workers} workers (the loader's pace) "
+        "| no busy work, no workers (the loop's pace) |\n|---|---:|---:|"
+    )
+    for label, k in (
+        ("plain loop (our for-loop)", 0),
+        ("Lightning loop (LoaderDataModule, Trainer.fit)", 1),
+    ):
+        print(
+            f"| {label} | "
+            + " | ".join(
+                f"{best[key][k]:,.0f} ({median[key][k]:,.0f})" for key in ("bound", "free")
+            )
+            + " |"
+        )
+    print(
+        "| ratio (Lightning / plain): median of the turns' (best epochs) | "
+        + " | ".join(
+            f"{ratio[key]:.3f} ({best[key][1] / best[key][0]:.3f})" for key in ("bound", "free")
+        )
+        + " |"
+    )
+    per_step = {
+        key: (1 / median[key][1] - 1 / median[key][0]) * args.batch_size * 1e6 for key in median
+    }
     verdict = "within" if ratio["bound"] >= 0.97 else "beyond"
-    print(f"\nAt the loader's pace Lightning's loop is {verdict} 3% of ours (median of the turns); at the loop's "
-          f"pace it costs {per_step['free']:,.0f} us per step more than our for-loop (median epochs).")
+    print(
+        f"\nAt the loader's pace Lightning's loop is {verdict} 3% of ours (median of the turns); "
+        f"at the loop's pace it costs {per_step['free']:,.0f} us per step more than our for-loop "
+        "(median epochs)."
+    )
     per_epoch = args.resume_samples // args.batch_size
     positions = [0, per_epoch // 2, per_epoch - max(1, per_epoch // 20)]
     with tempfile.TemporaryDirectory(prefix="recipes-bench-lightning-") as folder:
         waits = _resume_waits(args, positions, Path(folder))
-    print(f"\n## time to the first batch of a resumed run, epoch 1 of {per_epoch} batches "
-          f"({args.resume_samples:,} samples of {args.item_us:g} us, {args.workers} workers)\n")
+    print(
+        f"\n## time to the first batch of a resumed run, epoch 1 of {per_epoch} batches "
+        f"({args.resume_samples:,} samples of {args.item_us:g} us, {args.workers} workers)\n"
+    )
     print("| resumed at batch | " + " | ".join(str(p) for p in positions) + " |")
     print("|---|" + "---:|" * len(positions))
-    for label, column in (("ours: load_state_dict -> first batch (s)", 0),
-                          ("ours in Lightning: fit(ckpt_path) -> first step (s)", 1),
-                          ("skip by iterating: read and drop, then the batch (s)", 2)):
+    for label, column in (
+        ("ours: load_state_dict -> first batch (s)", 0),
+        ("ours in Lightning: fit(ckpt_path) -> first step (s)", 1),
+        ("skip by iterating: read and drop, then the batch (s)", 2),
+    ):
         print(f"| {label} | " + " | ".join(f"{w[column]:.2f}" for w in waits) + " |")
     return 0
 

@@ -41,7 +41,9 @@ class Chart:
 
 def chart_of_rows(name: str, title: str, rows: Sequence, *, unit: str, baseline: int = 0) -> Chart:
     """The chart of `measure`'s rows: each row's `items_per_s`, as `format_table` prints it."""
-    return Chart(name, title, unit, tuple(r.name for r in rows), tuple(r.items_per_s for r in rows), baseline)
+    return Chart(
+        name, title, unit, tuple(r.name for r in rows), tuple(r.items_per_s for r in rows), baseline
+    )
 
 
 def slug(text: str, limit: int = 64) -> str:
@@ -73,11 +75,14 @@ def prepare(folder: Path | None) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".recipes-plot-check-"):
             pass
     except OSError as error:
-        raise OSError(f"--plot {folder}: charts cannot be written there ({error}); pass a writable folder") from None
+        raise OSError(
+            f"--plot {folder}: charts cannot be written there ({error}); pass a writable folder"
+        ) from None
 
 
 def write_chart(chart: Chart, folder: Path | str | None) -> list[Path]:
-    """Draws `chart` to `folder/<chart.name>.png` and `.svg`; returns the paths ([] without a folder).
+    """Draws `chart` to `folder/<chart.name>.png` and `.svg`; returns the paths ([] without a
+    folder).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -86,10 +91,14 @@ def write_chart(chart: Chart, folder: Path | str | None) -> list[Path]:
     if folder is None:
         return []
     if not chart.names or len(chart.names) != len(chart.values):
-        raise ValueError(f"Chart {chart.name!r} needs one value per name, but has {len(chart.names)} names and "
-                         f"{len(chart.values)} values.")
+        raise ValueError(
+            f"Chart {chart.name!r} needs one value per name, but has {len(chart.names)} names and "
+            f"{len(chart.values)} values."
+        )
     if not 0 <= chart.baseline < len(chart.values):
-        raise ValueError(f"`baseline` must index a row of chart {chart.name!r}, but is {chart.baseline} instead.")
+        raise ValueError(
+            f"`baseline` must index a row of chart {chart.name!r}, but is {chart.baseline} instead."
+        )
     from recipes.common.tuning.monitor_plot import import_pyplot, save_figure
 
     plt = import_pyplot()
@@ -109,12 +118,18 @@ def _draw(plt, chart: Chart):
     axes.set_yticks(range(rows), [textwrap.fill(n, 44) for n in chart.names], fontsize="small")
     axes.invert_yaxis()  # the table's first row on top
     axes.set_xlabel(chart.unit)
-    axes.xaxis.set_major_formatter(lambda value, _: _number(value))  # 2,000,000 rather than 2.0 and "1e6"
+    axes.xaxis.set_major_formatter(
+        lambda value, _: _number(value)
+    )  # 2,000,000 rather than 2.0 and "1e6"
     axes.set_xlim(0, max(chart.values) * 1.3 if max(chart.values) > 0 else 1)
     for bar, value, ratio, i in zip(bars, chart.values, chart.ratios(), range(rows), strict=True):
         note = "baseline" if i == chart.baseline else chart.ratio_format.format(ratio)
-        axes.annotate(f" {_number(value)}  ({note})", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                      va="center", fontsize="small")
+        axes.annotate(
+            f" {_number(value)}  ({note})",
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            va="center",
+            fontsize="small",
+        )
     axes.set_title(textwrap.fill(chart.title, 100), fontsize="medium", loc="left")
     axes.spines[["top", "right"]].set_visible(False)
     return fig
@@ -143,7 +158,9 @@ def read_chart(path: Path | str) -> Chart:
             text = image.text.get("Description")
     payload = json.loads(text) if text else {}
     if "chart" not in payload:
-        raise ValueError(f"{path} carries no chart data (no JSON `chart` in its Description); write it with "
-                         "write_chart.")
+        raise ValueError(
+            f"{path} carries no chart data (no JSON `chart` in its Description); write it with "
+            "write_chart."
+        )
     data = payload["chart"]
     return Chart(**{**data, "names": tuple(data["names"]), "values": tuple(data["values"])})

@@ -27,14 +27,24 @@ from dataclasses import dataclass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--images", type=int, default=720, help="photographs in the set (default 720)")
+    parser.add_argument(
+        "--images", type=int, default=720, help="photographs in the set (default 720)"
+    )
     parser.add_argument("--size", type=int, default=224, help="train crop size (default 224)")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--batches", type=int, default=150, help="batches timed per run (default 150)")
-    parser.add_argument("--gil", default="0,2,5", help="ms of GIL held per step, comma-separated (default 0,2,5)")
-    parser.add_argument("--epoch-batches", type=int, default=None,
-                        help="epochs of this many batches, drawn with replacement from the set (default: the set's "
-                             "own epochs); a long epoch leaves out the drain at each epoch's end")
+    parser.add_argument(
+        "--batches", type=int, default=150, help="batches timed per run (default 150)"
+    )
+    parser.add_argument(
+        "--gil", default="0,2,5", help="ms of GIL held per step, comma-separated (default 0,2,5)"
+    )
+    parser.add_argument(
+        "--epoch-batches",
+        type=int,
+        default=None,
+        help="epochs of this many batches, drawn with replacement from the set (default: the set's "
+        "own epochs); a long epoch leaves out the drain at each epoch's end",
+    )
 
 
 @dataclass
@@ -45,7 +55,9 @@ class StepRow:
     alone: float
     of_ideal: float
     held: bool = True  # the step's CPU time holds the GIL (False: the same CPU off the GIL)
-    ceiling: float = 1.0  # of ideal: the cores over the loader's CPU alone and the step's together (an estimate)
+    ceiling: float = (
+        1.0  # of ideal: the cores over the loader's CPU alone and the step's together (an estimate)
+    )
 
 
 class SimulatedStep:
@@ -63,8 +75,12 @@ class SimulatedStep:
         import hashlib
 
         start = time.perf_counter()
-        end = time.thread_time() + self.gil_s  # a fixed amount of work: this thread's CPU time, which
-        while time.thread_time() < end:  # stops while another thread holds the GIL (a wall clock would not)
+        end = (
+            time.thread_time() + self.gil_s
+        )  # a fixed amount of work: this thread's CPU time, which
+        while (
+            time.thread_time() < end
+        ):  # stops while another thread holds the GIL (a wall clock would not)
             if not self.held:  # the loop's Python, above: kernel launches, the optimizer step
                 hashlib.sha256(self._BLOCK)
         left = self.total_s - (time.perf_counter() - start)
@@ -105,20 +121,37 @@ def loaders(dataset, batch_size: int, epoch_batches: int | None = None):
     def order():
         if epoch_batches is None:
             return {"shuffle": True}
-        return {"sampler": RandomSampler(dataset, replacement=True, num_samples=epoch_batches * batch_size,
-                                         generator=torch.Generator().manual_seed(0))}
+        return {
+            "sampler": RandomSampler(
+                dataset,
+                replacement=True,
+                num_samples=epoch_batches * batch_size,
+                generator=torch.Generator().manual_seed(0),
+            )
+        }
 
-    return [("make_loader default", make_loader(dataset, batch_size=batch_size, **order())),
-            ("isolated threads (path='isolated')", make_loader(dataset, batch_size=batch_size, **order(),
-                                                               path="isolated")),
-            ("in-process threads (path='threads')", make_loader(dataset, batch_size=batch_size, **order(),
-                                                                path="threads")),
-            ("2 worker processes (path='workers')", make_loader(dataset, batch_size=batch_size, **order(),
-                                                                num_workers=2, persistent_workers=True))]
+    return [
+        ("make_loader default", make_loader(dataset, batch_size=batch_size, **order())),
+        (
+            "isolated threads (path='isolated')",
+            make_loader(dataset, batch_size=batch_size, **order(), path="isolated"),
+        ),
+        (
+            "in-process threads (path='threads')",
+            make_loader(dataset, batch_size=batch_size, **order(), path="threads"),
+        ),
+        (
+            "2 worker processes (path='workers')",
+            make_loader(
+                dataset, batch_size=batch_size, **order(), num_workers=2, persistent_workers=True
+            ),
+        ),
+    ]
 
 
-def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
-            epoch_batches: int | None = None) -> tuple[list[StepRow], float, dict]:
+def measure(
+    dataset, *, batch_size: int, batches: int, gil_ms: list[float], epoch_batches: int | None = None
+) -> tuple[list[StepRow], float, dict]:
     """Rows of every path beside every step; (rows, step time in s, the paths' rates alone)."""
     made = loaders(dataset, batch_size, epoch_batches)
     alone = {name: rate(loader, None, batches, batch_size) for name, loader in made}
@@ -129,8 +162,12 @@ def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
         if name == "in-process threads (path='threads')":  # all its work is this process's CPU time
             cpu_per_batch = (time.process_time() - cpu) / (batches + 3)
     threads_alone = alone["in-process threads (path='threads')"]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    total_s = batch_size / threads_alone  # balanced: the step alone as fast as the thread path alone
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    total_s = (
+        batch_size / threads_alone
+    )  # balanced: the step alone as fast as the thread path alone
     resident = next(iter(made[2][1]))
     rows = []
     for gil, held in [(g, True) for g in gil_ms] + [(max(gil_ms), False)] * (max(gil_ms) > 0):
@@ -141,11 +178,15 @@ def measure(dataset, *, batch_size: int, batches: int, gil_ms: list[float],
         for _ in range(2):  # the best of two rounds, in turns
             for name, loader in made:
                 got[name] = max(got[name], rate(loader, step, batches, batch_size))
-        # The cores bound any path: a batch costs the loader's CPU and the step's, whoever holds the GIL.
-        # An estimate: the loader's CPU is measured alone, where its threads sleep and wake more often
-        # than on saturated cores (a path that yields the cores to the step can pass it by a few points).
+        # The cores bound any path: a batch costs the loader's CPU and the step's, whoever holds the
+        # GIL. An estimate: the loader's CPU is measured alone, where its threads sleep and wake
+        # more often than on saturated cores (a path that yields the cores to the step can pass it
+        # by a few points).
         ceiling = min(1.0, cores * batch_size / (cpu_per_batch + gil / 1000) / ideal)
-        rows += [StepRow(name, gil, got[name], step_rate, got[name] / ideal, held, ceiling) for name, _ in made]
+        rows += [
+            StepRow(name, gil, got[name], step_rate, got[name] / ideal, held, ceiling)
+            for name, _ in made
+        ]
     for _, loader in made:
         loader.close()
     return rows, total_s, alone
@@ -160,27 +201,49 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="recipes-bench-step-") as cache:
         dataset = ImageFolderFast(root, size=args.size, train=True)
         build_image_cache(dataset, cache, progress=False)
-        rows, total_s, alone = measure(dataset, batch_size=args.batch_size, batches=args.batches, gil_ms=gil_ms,
-                                       epoch_batches=args.epoch_batches)
+        rows, total_s, alone = measure(
+            dataset,
+            batch_size=args.batch_size,
+            batches=args.batches,
+            gil_ms=gil_ms,
+            epoch_batches=args.epoch_batches,
+        )
         reason = loaders(dataset, args.batch_size, args.epoch_batches)[0][1].recipe.reasons["path"]
-    epochs = (f"epochs of {args.epoch_batches} batches drawn with replacement" if args.epoch_batches else
-              f"epochs of {-(-args.images // args.batch_size)} batches")
-    print(f"\n## step: each path beside a simulated training step ({args.images} photographs, warm cache, train "
-          f"crops {args.size} px, batch {args.batch_size}, {epochs}, a {total_s * 1000:.1f} ms step)\n")
+    epochs = (
+        f"epochs of {args.epoch_batches} batches drawn with replacement"
+        if args.epoch_batches
+        else f"epochs of {-(-args.images // args.batch_size)} batches"
+    )
+    print(
+        f"\n## step: each path beside a simulated training step ({args.images} photographs, warm "
+        f"cache, train crops {args.size} px, batch {args.batch_size}, {epochs}, a "
+        f"{total_s * 1000:.1f} ms step)\n"
+    )
     print("| path | alone (img/s) |\n|---|---:|")
     for name, value in alone.items():
         print(f"| {name} | {value:,.0f} |")
-    print("\n| the step's CPU per step | path | beside the step (img/s) | step alone (img/s) | of ideal | "
-          "CPU ceiling (est.) |")
+    print(
+        "\n| the step's CPU per step | path | beside the step (img/s) | step alone (img/s) | of "
+        "ideal | CPU ceiling (est.) |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for r in rows:
-        what = f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, GIL held" if r.held else \
-            f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, off the GIL (the CPU alone)"
-        print(f"| {what} | {r.path} | {r.rate:,.0f} | {r.alone:,.0f} | {r.of_ideal:.0%} | {r.ceiling:.0%} |")
-    print("\nThe last rows spend the step's CPU with the GIL released: what is left between them and 100% is "
-          "the cores the step takes from the loader, not the GIL. The CPU ceiling estimates what the cores "
-          "allow any path, of ideal: cores x batch / (the thread path's CPU per batch alone + the step's CPU); "
-          "measured alone, the loader's CPU per batch includes wake-ups that saturated cores spare it, so a "
-          "path can pass the estimate by a few points.")
+        what = (
+            f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, GIL held"
+            if r.held
+            else f"{r.gil_ms:g} ms of {total_s * 1000:.1f}, off the GIL (the CPU alone)"
+        )
+        print(
+            f"| {what} | {r.path} | {r.rate:,.0f} | {r.alone:,.0f} | {r.of_ideal:.0%} | "
+            f"{r.ceiling:.0%} |"
+        )
+    print(
+        "\nThe last rows spend the step's CPU with the GIL released: what is left between them "
+        "and 100% is the cores the step takes from the loader, not the GIL. The CPU ceiling "
+        "estimates what the cores allow any path, of ideal: cores x batch / (the thread path's "
+        "CPU per batch alone + the step's CPU); measured alone, the loader's CPU per batch "
+        "includes wake-ups that saturated cores spare it, so a path can pass the estimate by a "
+        "few points."
+    )
     print(f"\nmake_loader's default: {reason}")
     return 0

@@ -98,8 +98,9 @@ def best_interleaved(*measurers, repeat: int = 5):
     return [max(results, key=lambda m: m.items_per_s) for results in runs]
 
 
-def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0,
-                 whole_epoch: bool = False) -> str:
+def format_table(
+    rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0, whole_epoch: bool = False
+) -> str:
     """A Markdown table of the rows with each rate's ratio to `rows[baseline]`; with
     `whole_epoch`, also each row's rate over the whole epoch, first batch included."""
     base = rows[baseline].items_per_s
@@ -121,8 +122,16 @@ def format_table(rows: list[Measurement], *, unit: str = "items/s", baseline: in
     return "\n".join(lines)
 
 
-def show_table(heading: str, rows: list[Measurement], *, unit: str = "items/s", baseline: int = 0,
-               whole_epoch: bool = False, plot: Path | None = None, name: str | None = None) -> None:
+def show_table(
+    heading: str,
+    rows: list[Measurement],
+    *,
+    unit: str = "items/s",
+    baseline: int = 0,
+    whole_epoch: bool = False,
+    plot: Path | None = None,
+    name: str | None = None,
+) -> None:
     """Prints `## heading` and `format_table(rows, ...)`; with a `plot` folder, also writes the
     rows' rates as a bar chart there (`recipes.bench.harness.bench_charts`), named `name` (by
     default the heading's part before its colon)."""

@@ -31,28 +31,44 @@ def _square(item):
     image = cv2.cvtColor(cv2.imread(path, cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
     h, w = image.shape[:2]
     scale = SQUARE / min(h, w)
-    image = cv2.resize(image, (max(SQUARE, round(w * scale)), max(SQUARE, round(h * scale))),
-                       interpolation=cv2.INTER_AREA)
+    image = cv2.resize(
+        image,
+        (max(SQUARE, round(w * scale)), max(SQUARE, round(h * scale))),
+        interpolation=cv2.INTER_AREA,
+    )
     h, w = image.shape[:2]
     top, left = (h - SQUARE) // 2, (w - SQUARE) // 2
-    return {"image": np.ascontiguousarray(image[top : top + SQUARE, left : left + SQUARE]), "label": int(label)}
+    return {
+        "image": np.ascontiguousarray(image[top : top + SQUARE, left : left + SQUARE]),
+        "label": int(label),
+    }
 
 
-def litdata_eval_loader(samples: list[tuple[str, int]], out_dir: Path, *, size: int, batch_size: int,
-                        workers: int):
+def litdata_eval_loader(
+    samples: list[tuple[str, int]], out_dir: Path, *, size: int, batch_size: int, workers: int
+):
     """LitData's raw uint8 path over `samples`: `optimize` to `out_dir` (2 processes), then a
     `StreamingDataLoader` over a `StreamingDataset` yielding the centre `size` crop."""
     import litdata
     import torch
 
-    litdata.optimize(fn=_square, inputs=list(samples), output_dir=str(out_dir), chunk_bytes="64MB", num_workers=2,
-                     verbose=False, start_method="fork")
+    litdata.optimize(
+        fn=_square,
+        inputs=list(samples),
+        output_dir=str(out_dir),
+        chunk_bytes="64MB",
+        num_workers=2,
+        verbose=False,
+        start_method="fork",
+    )
     offset = (SQUARE - size) // 2
 
     class Eval(litdata.StreamingDataset):
         def __getitem__(self, index):
             item = super().__getitem__(index)
-            image = torch.as_tensor(item["image"])[offset : offset + size, offset : offset + size].permute(2, 0, 1)
+            image = torch.as_tensor(item["image"])[
+                offset : offset + size, offset : offset + size
+            ].permute(2, 0, 1)
             return image, item["label"]
 
     dataset = Eval(str(out_dir))

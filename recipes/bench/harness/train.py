@@ -40,19 +40,49 @@ class TrainRow:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domain", choices=(*DOMAINS, "all"), default="vision")
-    parser.add_argument("--model", default=None, help="vision: resnet50|resnet18|tiny; nlp: bert-small|tiny; "
-                                                      "audio: cnn|tiny; lm: gpt-small|tiny (default: the large one on CUDA, tiny on CPU)")
-    parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="workers for every loader (default: make_loader's choice, the same for the baseline)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per loader (default 60 GPU, 8 CPU)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="vision: resnet50|resnet18|tiny; nlp: bert-small|tiny; "
+        "audio: cnn|tiny; lm: gpt-small|tiny (default: the large one on CUDA, tiny on CPU)",
+    )
+    parser.add_argument(
+        "--device", default=None, help="cuda, cpu, ... (default: cuda when available)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers for every loader (default: make_loader's choice, the same for the baseline)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps per loader (default 60 GPU, 8 CPU)"
+    )
     parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--size", type=int, default=None, help="vision crop size (default 224 GPU, 96 CPU)")
-    parser.add_argument("--images", type=int, default=None, help="vision images generated (default 6400 GPU, 320 CPU)")
-    parser.add_argument("--samples", type=int, default=None, help="nlp texts generated (default 50000 GPU, 2000 CPU)")
-    parser.add_argument("--autotune", action="store_true", help="add rows with autotuned workers (measured first)")
-    parser.add_argument("--autotune-seconds", type=float, default=90.0, help="each autotune sweep's budget")
-    parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the rows as JSON")
+    parser.add_argument(
+        "--size", type=int, default=None, help="vision crop size (default 224 GPU, 96 CPU)"
+    )
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        help="vision images generated (default 6400 GPU, 320 CPU)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="nlp texts generated (default 50000 GPU, 2000 CPU)",
+    )
+    parser.add_argument(
+        "--autotune", action="store_true", help="add rows with autotuned workers (measured first)"
+    )
+    parser.add_argument(
+        "--autotune-seconds", type=float, default=90.0, help="each autotune sweep's budget"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="OUT", help="write the rows as JSON"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,17 +100,34 @@ def run(args: argparse.Namespace) -> int:
         plot = getattr(args, "plot", None)
         rows, alone = measure_setup(setup, device, steps, plot=plot, prefix=f"train-{domain}")
         heading = _print(domain, setup, rows, alone, device, steps)
-        write_chart(Chart(f"train-{domain}", heading, f"{setup.unit}/s", ("model alone (batch resident on the device)",
-                          *(r.name for r in rows)), (alone, *(r.rate for r in rows)), ratio_format="{:.0%}"), plot)
-        results[domain] = {"model_alone": alone, "unit": setup.unit, "model": setup.model,
-                           "rows": [asdict(r) for r in rows], "notes": setup.notes}
+        write_chart(
+            Chart(
+                f"train-{domain}",
+                heading,
+                f"{setup.unit}/s",
+                ("model alone (batch resident on the device)", *(r.name for r in rows)),
+                (alone, *(r.rate for r in rows)),
+                ratio_format="{:.0%}",
+            ),
+            plot,
+        )
+        results[domain] = {
+            "model_alone": alone,
+            "unit": setup.unit,
+            "model": setup.model,
+            "rows": [asdict(r) for r in rows],
+            "notes": setup.notes,
+        }
     if args.json is not None:
-        args.json.write_text(json.dumps({"device": _device_name(device), "steps": steps, **results}, indent=1))
+        args.json.write_text(
+            json.dumps({"device": _device_name(device), "steps": steps, **results}, indent=1)
+        )
     return 0
 
 
-def measure_setup(setup: TrainSetup, device, steps: int, *, plot: Path | None = None,
-                  prefix: str = "train") -> tuple[list[TrainRow], float]:
+def measure_setup(
+    setup: TrainSetup, device, steps: int, *, plot: Path | None = None, prefix: str = "train"
+) -> tuple[list[TrainRow], float]:
     """The model alone, then each loader's row; with `plot`, each loader's run as a timeline
     chart `plot/<prefix>-<loader>-timeline.png` and `.svg` (`LoaderMonitor.plot`)."""
     from recipes.bench.harness.bench_charts import slug
@@ -89,7 +136,9 @@ def measure_setup(setup: TrainSetup, device, steps: int, *, plot: Path | None = 
     rows = []
     for name, loader, to_device in setup.loaders:
         timeline = None if plot is None else Path(plot) / f"{prefix}-{slug(name, 56)}-timeline"
-        rows.append(train_with(name, loader, to_device, setup, device, steps, before, timeline=timeline))
+        rows.append(
+            train_with(name, loader, to_device, setup, device, steps, before, timeline=timeline)
+        )
     # measured again once the loaders ran (the allocator, cuDNN and the caches warm): the faster
     # of the two; a first measurement alone was found slower than the step fed by a loader
     alone = max(before, model_alone(setup, device, steps))
@@ -115,8 +164,17 @@ def _steps_rate(setup: TrainSetup, device, steps: int) -> float:
     return setup.count(setup.resident) * steps / (time.perf_counter() - start)
 
 
-def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: int, alone: float, *,
-               timeline: Path | None = None) -> TrainRow:
+def train_with(
+    name: str,
+    loader,
+    to_device,
+    setup: TrainSetup,
+    device,
+    steps: int,
+    alone: float,
+    *,
+    timeline: Path | None = None,
+) -> TrainRow:
     """`steps` steps fed by `loader` (epochs repeat as needed), after one first step that is
     timed apart; the data wait and GPU utilisation come from `LoaderMonitor`, whose timeline
     is drawn to `timeline` + .png and .svg when given."""
@@ -140,11 +198,21 @@ def train_with(name: str, loader, to_device, setup: TrainSetup, device, steps: i
                     break
     rate = counted / (time.perf_counter() - start)
     for suffix in () if timeline is None else (".png", ".svg"):
-        monitor.plot(timeline.with_name(timeline.name + suffix), title=f"{name}: {setup.model} on {_device_name(device)}")
+        monitor.plot(
+            timeline.with_name(timeline.name + suffix),
+            title=f"{name}: {setup.model} on {_device_name(device)}",
+        )
     summary = monitor.summary()
-    return TrainRow(name, rate, rate / alone if alone else 0.0, summary["wait_fraction"],
-                    monitor.epochs[0]["first_batch_s"], getattr(loader, "num_workers", 0),
-                    summary.get("gpu_util"), done)
+    return TrainRow(
+        name,
+        rate,
+        rate / alone if alone else 0.0,
+        summary["wait_fraction"],
+        monitor.epochs[0]["first_batch_s"],
+        getattr(loader, "num_workers", 0),
+        summary.get("gpu_util"),
+        done,
+    )
 
 
 def _sync(device) -> None:
@@ -160,20 +228,29 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _print(domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, device, steps: int) -> str:
+def _print(
+    domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, device, steps: int
+) -> str:
     """Prints the domain's table; returns its heading."""
     import os
 
-    heading = (f"train/{domain}: {setup.model} on {_device_name(device)} ({os.cpu_count()} CPUs), "
-               f"{steps} steps per loader")
+    heading = (
+        f"train/{domain}: {setup.model} on {_device_name(device)} ({os.cpu_count()} CPUs), "
+        f"{steps} steps per loader"
+    )
     print(f"\n## {heading}\n")
     print(f"model alone (batch resident on the device): {alone:,.1f} {setup.unit}/s\n")
-    print(f"| loader | workers | {setup.unit}/s | of model alone | data wait | first batch (s) | GPU util |")
+    print(
+        f"| loader | workers | {setup.unit}/s | of model alone | data wait | first batch (s) | GPU "
+        "util |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         gpu = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}%"
-        print(f"| {r.name} | {r.workers} | {r.rate:,.1f} | {r.of_model:.0%} | {r.wait_fraction:.0%} | "
-              f"{r.first_batch_s:.2f} | {gpu} |")
+        print(
+            f"| {r.name} | {r.workers} | {r.rate:,.1f} | {r.of_model:.0%} | {r.wait_fraction:.0%} "
+            f"| {r.first_batch_s:.2f} | {gpu} |"
+        )
     for note in setup.notes:
         print(f"\n{note}")
     return heading

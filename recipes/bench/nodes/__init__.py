@@ -5,13 +5,11 @@ Use when: sizing a job on several nodes with local disks: what a build costs eac
 decodes, disk), against every rank building alone (recipes 0.1's default under torchrun), and
 how long a job resumed on another shape waits for its first batch.
 Cost: the photographic set (`--images`, made once into the bench data folder) and its bytes
-written as shards, then nine torchrun launches of `recipes/bench/nodes/job.py` on 127.0.0.1 (`recipes.testing_nodes`), each
-node in a temp folder of its own: a few minutes on 2 cores.
-Adapt here: `--images`, `--ranks` (per node).
-Trade-off: the simulated nodes share this machine's cores, so 2 nodes build in about the time 1
-node does, not half of it: the decodes and the disk are what carry over to a cluster, and the
-time shows what the exchange of parts costs beside them.
-"""
+written as shards, then nine torchrun launches of `recipes/bench/nodes/job.py` on 127.0.0.1
+(`recipes.testing_nodes`), each node in a temp folder of its own: a few minutes on 2 cores. Adapt
+here: `--images`, `--ranks` (per node). Trade-off: the simulated nodes share this machine's cores,
+so 2 nodes build in about the time 1 node does, not half of it: the decodes and the disk are what
+carry over to a cluster, and the time shows what the exchange of parts costs beside them."""
 
 from __future__ import annotations
 
@@ -25,11 +23,15 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--images", type=int, default=240, help="photographs in the eval set (default 240)")
+    parser.add_argument(
+        "--images", type=int, default=240, help="photographs in the eval set (default 240)"
+    )
     parser.add_argument("--ranks", type=int, default=2, help="ranks per node (default 2)")
 
 
-def _launch(folders: list[Path], spec: dict, ranks: int, *, lose_node_after: int | None = None) -> list[dict]:
+def _launch(
+    folders: list[Path], spec: dict, ranks: int, *, lose_node_after: int | None = None
+) -> list[dict]:
     """One run; with `lose_node_after`, node 1 is killed once rank 0 checkpointed at that step."""
     from recipes.bench.nodes import job
     from recipes.testing_nodes import kill_node, report, start_nodes, wait_nodes
@@ -56,13 +58,19 @@ def _lose_a_node(nodes, shared: Path, ranks: int, lose_node_after: int | None) -
         deadline = time.monotonic() + 600
         while len(list(shared.glob("rank*.json"))) < ranks:
             if time.monotonic() > deadline or any(n.process.poll() is not None for n in nodes):
-                raise RuntimeError("the run ended before its checkpoint:\n" + report(wait_nodes(nodes, 1)))
+                raise RuntimeError(
+                    "the run ended before its checkpoint:\n" + report(wait_nodes(nodes, 1))
+                )
             time.sleep(0.5)
         kill_node(nodes[1])
 
 
 def _work(folders: list[Path], what: str, run: str) -> int:
-    return sum(len(p.read_text().split()) for f in folders for p in (f / "counts").glob(f"{what}.build.{run}.*"))
+    return sum(
+        len(p.read_text().split())
+        for f in folders
+        for p in (f / "counts").glob(f"{what}.build.{run}.*")
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,34 +79,70 @@ def run(args: argparse.Namespace) -> int:
     per_rank = -(-args.images // (2 * args.ranks))  # images a rank reads in epoch 0 on 2 nodes
     stop = min(3, -(-per_rank // 8) - 1)  # a step of epoch 0 before its last batch
     if stop < 1:
-        raise SystemExit(f"recipes bench nodes: --images {args.images} gives each of 2 x {args.ranks} ranks a single "
-                         "batch of 8; give at least two batches a rank (--images 32 or more per rank).")
+        raise SystemExit(
+            f"recipes bench nodes: --images {args.images} gives each of 2 x {args.ranks} ranks a "
+            "single batch of 8; give at least two batches a rank (--images 32 or more per rank)."
+        )
     root = ensure_data(args.images, kind="photos")
-    base = {"kind": "images", "data": str(root.parent), "images": root.name, "epochs": 1, "batch": 8}
+    base = {
+        "kind": "images",
+        "data": str(root.parent),
+        "images": root.name,
+        "epochs": 1,
+        "batch": 8,
+    }
     rows, resumes = [], []
     with tempfile.TemporaryDirectory(prefix="recipes-bench-nodes-") as tmp:
         tmp = Path(tmp)
-        for name, nodes, alone in (("1 node", 1, False), ("2 nodes, every rank builds alone (0.1)", 2, True),
-                                   ("2 nodes, node-local disks", 2, False)):
-            folders = [tmp / name.replace(" ", "_").replace(",", "") / f"node{k}" for k in range(nodes)]
+        for name, nodes, alone in (
+            ("1 node", 1, False),
+            ("2 nodes, every rank builds alone (0.1)", 2, True),
+            ("2 nodes, node-local disks", 2, False),
+        ):
+            folders = [
+                tmp / name.replace(" ", "_").replace(",", "") / f"node{k}" for k in range(nodes)
+            ]
             run_name = f"build{len(rows)}"
-            reports = _launch(folders, {**base, "shared": str(tmp / "shared"), "run": run_name, "alone": alone},
-                              args.ranks)
+            reports = _launch(
+                folders,
+                {**base, "shared": str(tmp / "shared"), "run": run_name, "alone": alone},
+                args.ranks,
+            )
             per_node = collections.defaultdict(int)
             for r in reports:
                 per_node[r["node"]] = max(per_node[r["node"]], r["cache_bytes"])
-            rows.append((name, nodes * args.ranks, max(r["build_s"] for r in reports),
-                         _work(folders, "read", run_name), max(per_node.values())))
+            rows.append(
+                (
+                    name,
+                    nodes * args.ranks,
+                    max(r["build_s"] for r in reports),
+                    _work(folders, "read", run_name),
+                    max(per_node.values()),
+                )
+            )
         shards = _write_shards(root, tmp / "shards")
-        for kind, extra in (("images", {}), ("shards", {"kind": "shards", "url": str(shards), "storage_options": {}})):
-            # an elastic resume: 2 nodes stopped after `stop` steps, node 1 lost, finished on 1 node with 3 ranks
+        for kind, extra in (
+            ("images", {}),
+            ("shards", {"kind": "shards", "url": str(shards), "storage_options": {}}),
+        ):
+            # an elastic resume: 2 nodes stopped after `stop` steps, node 1 lost, finished on 1 node
+            # with 3 ranks
             folders = [tmp / f"elastic-{kind}" / f"node{k}" for k in range(2)]
             shared = tmp / f"elastic-{kind}" / "shared"
             spec = {**base, **extra, "shared": str(shared)}
-            _launch(folders, {**spec, "run": "first", "stop_after": stop, "epochs": 2}, args.ranks, lose_node_after=stop)
-            for name, more in (("a fresh epoch on 1 node x 3 ranks (baseline)", {"run": "fresh"}),
-                               ("resumed mid-epoch from 2 nodes x 2 ranks on 1 node x 3 ranks",
-                                {"run": "resumed", "resume": True})):
+            _launch(
+                folders,
+                {**spec, "run": "first", "stop_after": stop, "epochs": 2},
+                args.ranks,
+                lose_node_after=stop,
+            )
+            for name, more in (
+                ("a fresh epoch on 1 node x 3 ranks (baseline)", {"run": "fresh"}),
+                (
+                    "resumed mid-epoch from 2 nodes x 2 ranks on 1 node x 3 ranks",
+                    {"run": "resumed", "resume": True},
+                ),
+            ):
                 reports = _launch(folders[:1], {**spec, "epochs": 1, **more}, 3)
                 resumes.append((kind, name, max(r["first_batch_s"] for r in reports)))
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,28 +152,46 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(args, rows, resumes) -> None:
     single = rows[0]
-    print(f"\n## nodes: a decoded-image cache of {args.images} photographs (an eval set: the cache and its 64 px eval "
-          f"view), {args.ranks} ranks per node, simulated nodes on one machine\n")
-    print("| build | ranks | build time (s) | vs 1 node | image decodes, whole job | vs one process (2 per image) "
-          "| disk per node (MB) |")
+    print(
+        f"\n## nodes: a decoded-image cache of {args.images} photographs (an eval set: the cache "
+        f"and its 64 px eval view), {args.ranks} ranks per node, simulated nodes on one machine\n"
+    )
+    print(
+        "| build | ranks | build time (s) | vs 1 node | image decodes, whole job | vs one process "
+        "(2 per image) | disk per node (MB) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, ranks, seconds, decodes, disk in rows:
-        print(f"| {name} | {ranks} | {seconds:.1f} | {seconds / single[2]:.2f}x | {decodes:,} | "
-              f"{decodes / (2 * args.images):.2f}x | {disk / 1e6:.1f} |")
+        print(
+            f"| {name} | {ranks} | {seconds:.1f} | {seconds / single[2]:.2f}x | {decodes:,} | "
+            f"{decodes / (2 * args.images):.2f}x | {disk / 1e6:.1f} |"
+        )
     scale = _at_imagenet_scale()
-    print("\n## nodes: an elastic resume's arithmetic at ImageNet's scale (1,281,000 samples in 1,281 shards, "
-          "no I/O: a reader that yields numbers), this process\n")
-    print("| 2 nodes x 8 ranks x 4 workers stopped after 500 steps of 32, resumed on 3 ranks x 4 workers | seconds |")
+    print(
+        "\n## nodes: an elastic resume's arithmetic at ImageNet's scale (1,281,000 samples in "
+        "1,281 shards, no I/O: a reader that yields numbers), this process\n"
+    )
+    print(
+        "| 2 nodes x 8 ranks x 4 workers stopped after 500 steps of 32, resumed on 3 ranks x 4 "
+        "workers | seconds |"
+    )
     print("|---|---:|")
-    print(f"| the rest of the epoch worked out (`resume_after`, the main process) | {scale[0]:.2f} |")
+    print(
+        f"| the rest of the epoch worked out (`resume_after`, the main process) | {scale[0]:.2f} |"
+    )
     print(f"| first batch, the rest above included (4 fresh workers) | {scale[1]:.2f} |")
     print(f"| first batch of a fresh epoch on the same loader (baseline) | {scale[2]:.2f} |")
-    print(f"\n## nodes: the first batch after an elastic resume, batch 8 (the same photographs; as shards: "
-          f"{args.images} samples of their JPEG bytes, undecoded, through a PrefetchCache per node)\n")
+    print(
+        "\n## nodes: the first batch after an elastic resume, batch 8 (the same photographs; as "
+        f"shards: {args.images} samples of their JPEG bytes, undecoded, through a PrefetchCache "
+        "per node)\n"
+    )
     print("| data | first batch | seconds |\n|---|---|---:|")
     for kind, name, seconds in resumes:
-        print(f"| {'decoded image cache (threads)' if kind == 'images' else 'ShardSet (1 worker)'} | {name} | "
-              f"{seconds:.3f} |")
+        print(
+            f"| {'decoded image cache (threads)' if kind == 'images' else 'ShardSet (1 worker)'} | "
+            f"{name} | {seconds:.3f} |"
+        )
 
 
 def _numbers(path, start, stop):
@@ -144,8 +206,14 @@ def _at_imagenet_scale() -> tuple[float, float, float]:
 
     from recipes.common import ShardedIterableDataset
 
-    dataset = ShardedIterableDataset([f"shard-{i:05d}" for i in range(1281)], _numbers, shard_lengths=[1000] * 1281,
-                                     rank=0, world_size=3, split="samples")
+    dataset = ShardedIterableDataset(
+        [f"shard-{i:05d}" for i in range(1281)],
+        _numbers,
+        shard_lengths=[1000] * 1281,
+        rank=0,
+        world_size=3,
+        split="samples",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DataLoader's "4 workers on 2 CPUs"
         start = time.perf_counter()
@@ -164,8 +232,10 @@ def _write_shards(root: Path, out: Path) -> Path:
     from recipes.common import write_shards
 
     files = sorted(root.glob("*/*.jpg"))
-    samples = [{"__key__": f"{i:05d}", "jpg": f.read_bytes(), "cls": int(f.parent.name.split("_")[-1])}
-               for i, f in enumerate(files)]
+    samples = [
+        {"__key__": f"{i:05d}", "jpg": f.read_bytes(), "cls": int(f.parent.name.split("_")[-1])}
+        for i, f in enumerate(files)
+    ]
     size = sum(len(s["jpg"]) for s in samples)
     write_shards(samples, out, shard_bytes=max(1, size // 24), progress=False)
     return out

@@ -11,16 +11,15 @@ node-local PrefetchCache; "mixture": a MixtureSampler over the image cache and a
 `data` (read-only inputs), `shared` (what the nodes share: the checkpoint and the reports),
 `run` (the report folder's name), `epochs`, `batch`, `stop_after` and `stop_epoch` (rank 0
 saves its loader state after this many steps of that epoch, then the job waits to lose a
-node), `resume` (load the checkpoint first), `url` and `storage_options` (the shards on S3), `alone` (every rank builds
-the caches by itself, `distributed=False`: what recipes 0.1 did under torchrun), `images`
-(the photo folder's name in `data`, "photos" by default).
+node), `resume` (load the checkpoint first), `url` and `storage_options` (the shards on S3), `alone`
+(every rank builds the caches by itself, `distributed=False`: what recipes 0.1 did under torchrun),
+`images` (the photo folder's name in `data`, "photos" by default).
 
 Each rank writes `shared/<run>/rank<R>.json`: what it received, per epoch and step (each sample's
 identity: an eval image's pixel hash, a shard sample's key, a mixture source's name and index).
 Work is counted in this node's `counts/` folder, one line per unit and a file per phase ("build"
-or "epoch"), run and process (workers included): `read.<phase>` (an image file read: every decode reads one),
-`tokenize.<phase>` (texts), `download.<phase>` (a PrefetchCache download, by URL).
-"""
+or "epoch"), run and process (workers included): `read.<phase>` (an image file read: every decode
+reads one), `tokenize.<phase>` (texts), `download.<phase>` (a PrefetchCache download, by URL)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,11 @@ def instrument() -> None:
     from recipes.common.remote.prefetch_cache import PrefetchCache
     from recipes.vision.image_folder import ImageFolderFast
 
-    read, download, encoder = ImageFolderFast._read, PrefetchCache._download, token_cache.batch_encoder
+    read, download, encoder = (
+        ImageFolderFast._read,
+        PrefetchCache._download,
+        token_cache.batch_encoder,
+    )
 
     def counted_read(self, index):
         count("read")
@@ -65,6 +68,7 @@ def instrument() -> None:
         def call(texts):
             count("tokenize", str(len(texts)))
             return encode(texts)
+
         return call
 
     ImageFolderFast._read, PrefetchCache._download = counted_read, counted_download
@@ -78,9 +82,17 @@ def image_hash(image: torch.Tensor) -> str:
 def images(spec: dict):
     from recipes.vision import ImageFolderFast, build_image_cache
 
-    dataset = ImageFolderFast(Path(spec["data"]) / spec.get("images", "photos"), size=64, train=False)
+    dataset = ImageFolderFast(
+        Path(spec["data"]) / spec.get("images", "photos"), size=64, train=False
+    )
     # every rank calls: split over all of them, each node's folder ending with the whole cache
-    build_image_cache(dataset, "cache", num_workers=0, progress=False, distributed=False if spec.get("alone") else None)
+    build_image_cache(
+        dataset,
+        "cache",
+        num_workers=0,
+        progress=False,
+        distributed=False if spec.get("alone") else None,
+    )
     return dataset
 
 
@@ -104,12 +116,16 @@ def build_loader(spec: dict):
     batch = spec["batch"]
     if spec["kind"] == "images":
         dataset = images(spec)
-        return make_loader(dataset, batch_size=batch, shuffle=True), lambda b: [image_hash(x) for x in b[0]]
+        return make_loader(dataset, batch_size=batch, shuffle=True), lambda b: [
+            image_hash(x) for x in b[0]
+        ]
     if spec["kind"] == "shards":
         from recipes.common import PrefetchCache, ShardSet
 
         shards = ShardSet.open(spec["url"], storage_options=spec["storage_options"])
-        cache = PrefetchCache("shard-cache", max_bytes=256 * 2**20, storage_options=spec["storage_options"])  # this node's disk
+        cache = PrefetchCache(
+            "shard-cache", max_bytes=256 * 2**20, storage_options=spec["storage_options"]
+        )  # this node's disk
         dataset = shards.dataset(cache=cache, decode=False)
         return make_loader(dataset, batch_size=batch, num_workers=1, collate_fn=_keys), lambda b: b
     from transformers import AutoTokenizer
@@ -117,13 +133,20 @@ def build_loader(spec: dict):
     from recipes.common import MixtureSampler, MixtureSources
     from recipes.nlp import build_token_cache
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(spec["data"]) / "tokenizer", local_files_only=True)
-    tokens = build_token_cache(Path(spec["data"]) / "texts.txt", tokenizer, "cache/tokens", batch_size=16,
-                               progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(
+        Path(spec["data"]) / "tokenizer", local_files_only=True
+    )
+    tokens = build_token_cache(
+        Path(spec["data"]) / "texts.txt", tokenizer, "cache/tokens", batch_size=16, progress=False
+    )
     pictures = images(spec)
     sources = MixtureSources([Keyed(pictures, "images"), Keyed(tokens, "texts")])
-    mixture = MixtureSampler({"images": len(pictures), "texts": len(tokens)}, {"images": 0.5, "texts": 0.5}, seed=2)
-    return make_loader(sources, batch_size=batch, sampler=mixture, num_workers=0, collate_fn=list), lambda b: b
+    mixture = MixtureSampler(
+        {"images": len(pictures), "texts": len(tokens)}, {"images": 0.5, "texts": 0.5}, seed=2
+    )
+    return make_loader(
+        sources, batch_size=batch, sampler=mixture, num_workers=0, collate_fn=list
+    ), lambda b: b
 
 
 def _keys(samples):
@@ -147,9 +170,15 @@ def main(spec: dict) -> None:
         loader.load_state_dict(json.loads(checkpoint.read_text()))
     PHASE[0] = "epoch"
     received, start_epoch = [], int(loader.state_dict()["epoch"])
-    holder = loader.dataset if isinstance(loader.dataset, torch.utils.data.IterableDataset) else loader.sampler
+    holder = (
+        loader.dataset
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset)
+        else loader.sampler
+    )
     for epoch in range(start_epoch, spec["epochs"]):
-        if spec["kind"] != "images":  # images: make_loader's sampler moves on by itself (the README's loop)
+        if (
+            spec["kind"] != "images"
+        ):  # images: make_loader's sampler moves on by itself (the README's loop)
             holder.set_epoch(epoch)
         steps = []
         began = time.perf_counter()
@@ -158,8 +187,14 @@ def main(spec: dict) -> None:
                 first_batch = time.perf_counter() - began
             steps.append(identities(batch))
             done = torch.tensor([1.0])
-            dist.all_reduce(done)  # a collective per step, as DDP: unequal step counts would hang here
-            if spec.get("stop_after") == step + 1 and epoch == spec.get("stop_epoch", 0) and not spec.get("resume"):
+            dist.all_reduce(
+                done
+            )  # a collective per step, as DDP: unequal step counts would hang here
+            if (
+                spec.get("stop_after") == step + 1
+                and epoch == spec.get("stop_epoch", 0)
+                and not spec.get("resume")
+            ):
                 if rank == 0:
                     temp = checkpoint.with_suffix(".tmp")
                     temp.write_text(json.dumps(loader.state_dict()))
@@ -177,10 +212,17 @@ def main(spec: dict) -> None:
 
 
 def _write(report: Path, rank: int, received: list, built: float, first_batch, world: int) -> None:
-    record = {"rank": rank, "world": world, "node": int(os.environ.get("GROUP_RANK", 0)), "received": received,
-              "build_s": built, "first_batch_s": first_batch,
-              "cache_bytes": int(sum(p.stat().st_size for p in Path("cache").rglob("*") if p.is_file()))
-              if Path("cache").exists() else 0}
+    record = {
+        "rank": rank,
+        "world": world,
+        "node": int(os.environ.get("GROUP_RANK", 0)),
+        "received": received,
+        "build_s": built,
+        "first_batch_s": first_batch,
+        "cache_bytes": int(sum(p.stat().st_size for p in Path("cache").rglob("*") if p.is_file()))
+        if Path("cache").exists()
+        else 0,
+    }
     (report / f"rank{rank}.json").write_text(json.dumps(record))
 
 

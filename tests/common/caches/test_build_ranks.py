@@ -33,7 +33,8 @@ class Missing(Exception):
 
 def open_cache():
     try:
-        header, data = json.loads((target / "header.json").read_text()), (target / "data.bin").read_bytes()
+        header = json.loads((target / "header.json").read_text())
+        data = (target / "data.bin").read_bytes()
     except (OSError, ValueError) as why:
         raise Missing(why) from None
     if header.get("count") != N or data != np.arange(N, dtype="<i4").tobytes():
@@ -45,7 +46,8 @@ if mode == "late":
     if rank == world - 1:
         time.sleep(2.5)
         sys.exit(0)
-inputs = Path.cwd().name if mode == "differ" else "the same data"  # a node's own data, or everyone's
+# a node's own data, or everyone's
+inputs = Path.cwd().name if mode == "differ" else "the same data"
 build = FolderBuild(target, inputs=inputs)
 if build.needed(open_cache, Missing):
     with build:
@@ -55,7 +57,8 @@ if build.needed(open_cache, Missing):
         build.concat("data.bin")
         build.publish({"format": "numbers", "count": N})
 open_cache()  # every rank reads its folder's copy
-Path(f"report.{rank}.json").write_text(json.dumps({"leader": build.leader, "groups": build.ranks.groups}))
+report = {"leader": build.leader, "groups": build.ranks.groups}
+Path(f"report.{rank}.json").write_text(json.dumps(report))
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -66,8 +69,10 @@ def _launch(zygote, folders, mode="ok", timeout=60):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    children = [zygote.python(CHILD, rank, len(folders), mode, cwd=folder, env=env)
-                for rank, folder in enumerate(folders)]
+    children = [
+        zygote.python(CHILD, rank, len(folders), mode, cwd=folder, env=env)
+        for rank, folder in enumerate(folders)
+    ]
     for child in children:
         child.wait(timeout=timeout)
     return children
@@ -81,7 +86,9 @@ def _leftovers(folder):
     return sorted(p.name for p in (folder / "cache").iterdir() if p.name.startswith("."))
 
 
-def test_two_node_local_folders_each_end_with_the_whole_cache_then_a_lost_disk_gets_a_copy(zygote, tmp_path):
+def test_two_node_local_folders_each_end_with_the_whole_cache_then_a_lost_disk_gets_a_copy(
+    zygote, tmp_path
+):
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         node.mkdir()
@@ -91,8 +98,18 @@ def test_two_node_local_folders_each_end_with_the_whole_cache_then_a_lost_disk_g
     for node in nodes:
         assert _cache(node) == whole and not _leftovers(node)  # no temp, no marker left
     reports = [json.loads((nodes[r // 2] / f"report.{r}.json").read_text()) for r in range(4)]
-    assert reports[0]["groups"] == [[0, 1], [2, 3]] and [r["leader"] for r in reports] == [True, False, True, False]
-    assert sorted(p.name for n in nodes for p in n.glob("built.*")) == ["built.0", "built.1", "built.2", "built.3"]
+    assert reports[0]["groups"] == [[0, 1], [2, 3]] and [r["leader"] for r in reports] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert sorted(p.name for n in nodes for p in n.glob("built.*")) == [
+        "built.0",
+        "built.1",
+        "built.2",
+        "built.3",
+    ]
     # node 1 comes back with an empty disk: it receives node 0's copy, nothing is built again
     import shutil
 
@@ -121,9 +138,15 @@ def test_a_build_not_every_rank_calls_fails_naming_how_many_came(zygote, tmp_pat
         folder.mkdir(exist_ok=True)
     children = _launch(zygote, layout, mode="late")
     failed = [c for c in children[:-1] if c.returncode != 0]
-    assert failed and all("BuildRendezvousError" in c.stderr and "only 2 of the 3 ranks" in c.stderr
-                          and "distributed=False" in c.stderr for c in failed)
-    assert "2 of the 3 ranks have called the build after 0 s; waiting up to 2 s" in children[0].stderr
+    assert failed and all(
+        "BuildRendezvousError" in c.stderr
+        and "only 2 of the 3 ranks" in c.stderr
+        and "distributed=False" in c.stderr
+        for c in failed
+    )
+    assert (
+        "2 of the 3 ranks have called the build after 0 s; waiting up to 2 s" in children[0].stderr
+    )
 
 
 def test_ranks_given_other_inputs_fail_naming_them_before_any_work(zygote, tmp_path):
@@ -132,7 +155,13 @@ def test_ranks_given_other_inputs_fail_naming_them_before_any_work(zygote, tmp_p
         node.mkdir()
     children = _launch(zygote, [nodes[0], nodes[0], nodes[1], nodes[1]], mode="differ")
     assert all(c.returncode != 0 for c in children)
-    assert all("BuildInputsError" in c.stderr and "ranks [0, 1]" in c.stderr and "ranks [2, 3]" in c.stderr
-               and "cp -p or rsync -a" in c.stderr for c in children)
-    assert not list(tmp_path.rglob("built.*")) and not list(tmp_path.rglob("data.bin*"))  # nothing decoded
-
+    assert all(
+        "BuildInputsError" in c.stderr
+        and "ranks [0, 1]" in c.stderr
+        and "ranks [2, 3]" in c.stderr
+        and "cp -p or rsync -a" in c.stderr
+        for c in children
+    )
+    assert not list(tmp_path.rglob("built.*")) and not list(
+        tmp_path.rglob("data.bin*")
+    )  # nothing decoded

@@ -1,5 +1,5 @@
-"""The cache-file protocol (common/caches/cache_files.py): atomic folder builds, dead builders' temps,
-memory maps that refuse a file changed under them."""
+"""The cache-file protocol (common/caches/cache_files.py): atomic folder builds, dead builders'
+temps, memory maps that refuse a file changed under them."""
 
 import pickle
 import time
@@ -15,10 +15,13 @@ def test_a_folder_build_publishes_whole_or_not_at_all(tmp_path):
 
     target = tmp_path / "cache"
     build = FolderBuild(target)
+
     def missing():
         raise KeyError("no cache")
 
-    assert build.needed(missing, KeyError) and not FolderBuild(target).needed(lambda: None, KeyError)
+    assert build.needed(missing, KeyError) and not FolderBuild(target).needed(
+        lambda: None, KeyError
+    )
     with pytest.raises(RuntimeError, match="disk on fire"), build:
         (build.path / "data.bin").write_bytes(b"half")
         raise RuntimeError("disk on fire")
@@ -28,8 +31,12 @@ def test_a_folder_build_publishes_whole_or_not_at_all(tmp_path):
         build.concat("data.bin")
         build.publish({"format": "x", "version": 1})
     assert sorted(p.name for p in target.iterdir()) == ["data.bin", "header.json"]
-    assert (target / "data.bin").read_bytes() == b"new" and json.loads((target / "header.json").read_text())["format"] == "x"
-    with FolderBuild(target) as build:  # a rebuild replaces the folder, leaving nothing of the old one
+    assert (target / "data.bin").read_bytes() == b"new" and json.loads(
+        (target / "header.json").read_text()
+    )["format"] == "x"
+    with FolderBuild(
+        target
+    ) as build:  # a rebuild replaces the folder, leaving nothing of the old one
         (build.path / "other.bin").write_bytes(b"2")
         build.publish({"format": "x", "version": 2})
     assert sorted(p.name for p in target.iterdir()) == ["header.json", "other.bin"]
@@ -82,14 +89,23 @@ def test_dead_builders_temps_are_swept_live_and_foreign_ones_kept(tmp_path):
     from recipes.common.caches.cache_builds import sweep_dead_temps
     from recipes.common.caches.cache_files import _host
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout)
-    names = {"dead": f".c.{_host()}.{dead}.x.tmp", "live": f".c.{_host()}.{os.getpid()}.y.tmp",
-             "other host": f".c.elsewhere.{dead}.z.tmp", "other cache": f".d.{_host()}.{dead}.w.tmp"}
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
+    names = {
+        "dead": f".c.{_host()}.{dead}.x.tmp",
+        "live": f".c.{_host()}.{os.getpid()}.y.tmp",
+        "other host": f".c.elsewhere.{dead}.z.tmp",
+        "other cache": f".d.{_host()}.{dead}.w.tmp",
+    }
     for name in names.values():
         (tmp_path / name).mkdir()
     assert sweep_dead_temps(tmp_path, "c") == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(v for k, v in names.items() if k != "dead")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        v for k, v in names.items() if k != "dead"
+    )
 
     from recipes.common.caches.cache_builds import FolderBuild
 
@@ -123,7 +139,9 @@ def test_a_lazy_map_reopens_per_process_and_pickles_as_its_path(tmp_path):
 
     got = sorted(int(x) for x in DataLoader(Items(), batch_size=None, num_workers=2))
     assert got == [0, 101, 202, 303]
-    with pytest.raises(ValueError, match=r"16 bytes at byte 7,992 runs past the end of .*d\.bin \(8,000 bytes\)"):
+    with pytest.raises(
+        ValueError, match=r"16 bytes at byte 7,992 runs past the end of .*d\.bin \(8,000 bytes\)"
+    ):
         lazy.read_into(np.empty(2, "<i8"), 8 * 999)  # the file is whole: the request is wrong
 
 
@@ -147,15 +165,20 @@ def test_a_file_truncated_in_place_before_first_use_raises_the_caches_error(tmp_
     lazy = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
     default = LazyMap(tmp_path / "d.bin", "<i8", (1000,))
     os.truncate(tmp_path / "d.bin", 6000)  # a cleanup elsewhere, after the cache was opened
-    message = r"d\.bin changed after the cache was opened: truncated in place; it is 6,000 bytes, expected 8,000\. " \
-              r"Reopen the cache"
+    message = (
+        r"d\.bin changed after the cache was opened: truncated in place; it is 6,000 bytes, "
+        r"expected 8,000\. "
+        r"Reopen the cache"
+    )
     with pytest.raises(_CacheError, match=message):
         _ = lazy.array
     with pytest.raises(_CacheError, match=message):  # a worker's copy, and the pread path
         pickle.loads(pickle.dumps(lazy)).read_into(np.empty(1, "<i8"), 0)
     with pytest.raises(CacheFileError, match=message):
         _ = default.array
-    assert issubclass(CacheFileError, ValueError)  # what numpy raised before: old handlers still catch it
+    assert issubclass(
+        CacheFileError, ValueError
+    )  # what numpy raised before: old handlers still catch it
 
 
 def test_a_short_read_raises_never_returns_a_half_filled_buffer(tmp_path):
@@ -165,11 +188,17 @@ def test_a_short_read_raises_never_returns_a_half_filled_buffer(tmp_path):
 
     _data_file(tmp_path / "d.bin")
     lazy = LazyMap(tmp_path / "d.bin", "<i8", (1000,), error=_CacheError)
-    assert lazy.read_into(np.empty(2, "<i8"), 8 * 500).tolist() == [500, 501]  # the descriptor is open now
+    assert lazy.read_into(np.empty(2, "<i8"), 8 * 500).tolist() == [
+        500,
+        501,
+    ]  # the descriptor is open now
     os.truncate(tmp_path / "d.bin", 8 * 501)
     out = np.full(2, -1, "<i8")
-    with pytest.raises(_CacheError, match=r"d\.bin changed .*truncated in place \(a short read at byte 4,008\); "
-                                          r"it is 4,008 bytes, expected 8,000"):
+    with pytest.raises(
+        _CacheError,
+        match=r"d\.bin changed .*truncated in place \(a short read at byte 4,008\); "
+        r"it is 4,008 bytes, expected 8,000",
+    ):
         lazy.read_into(out, 8 * 500)
     rows = [np.empty(1, "<i8") for _ in range(600)]  # one preadv over many buffers
     with pytest.raises(_CacheError, match="short read"):
@@ -191,14 +220,19 @@ def test_a_replaced_file_is_served_whole_where_mapped_and_refused_where_not(tmp_
     (tmp_path / "new.bin").write_bytes((old + 5000).tobytes())  # the same size
     os.replace(tmp_path / "new.bin", tmp_path / "d.bin")
     assert np.array_equal(mapped.array, old)  # the old inode, whole
-    with pytest.raises(_CacheError, match=r"d\.bin changed after the cache was opened: replaced by another file "
-                                          r"\(a rebuild .*\); it is 8,000 bytes, expected 8,000\. Reopen"):
+    with pytest.raises(
+        _CacheError,
+        match=r"d\.bin changed after the cache was opened: replaced by another file "
+        r"\(a rebuild .*\); it is 8,000 bytes, expected 8,000\. Reopen",
+    ):
         _ = later.array
     with pytest.raises(_CacheError, match="replaced"):
         later.read_into(np.empty(1, "<i8"), 0)
     assert LazyMap(tmp_path / "d.bin", "<i8", (1000,)).array[7] == 5007  # reopened: the new file
     os.unlink(tmp_path / "d.bin")
-    with pytest.raises(_CacheError, match=r"d\.bin was removed after the cache was opened; rebuild"):
+    with pytest.raises(
+        _CacheError, match=r"d\.bin was removed after the cache was opened; rebuild"
+    ):
         _ = pickle.loads(pickle.dumps(mapped)).array
 
 
@@ -235,13 +269,20 @@ def test_a_publisher_never_swaps_away_a_cache_published_after_its_check(tmp_path
         builds[name].mkdir()
         (builds[name] / "header.json").write_text(json.dumps({"valid": True, "by": name}))
     results = {}
-    b = threading.Thread(target=lambda: results.update(b=replace_dir(builds["b"], target, keep=slow_valid)))
+    b = threading.Thread(
+        target=lambda: results.update(b=replace_dir(builds["b"], target, keep=slow_valid))
+    )
     b.start()
     checked.wait(5)
-    results["a"] = replace_dir(builds["a"], target, keep=valid)  # A publishes while B sits between check and swap
+    results["a"] = replace_dir(
+        builds["a"], target, keep=valid
+    )  # A publishes while B sits between check and swap
     b.join()
     final = json.loads((target / "header.json").read_text())["by"]
     winners = [name for name, published in results.items() if published]
     assert winners == [final], (results, final)  # whoever returned True is what stayed
-    assert final == "b" and results == {"a": False, "b": True}  # A waited for B's swap, then kept B's
+    assert final == "b" and results == {
+        "a": False,
+        "b": True,
+    }  # A waited for B's swap, then kept B's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]

@@ -4,13 +4,12 @@
 
 KIND: `workers` (a `DistributedSampler`, one persistent worker per rank), `elastic` (make_loader's
 own sampler under the process group, an `ElasticDistributedSampler`, one persistent worker) or
-`bucket` (a `LengthBucketSampler` under a token budget, batches made in the loop's process). Every step
-appends `epoch idx idx ...` to `WORKDIR/samples-rank<r>.txt`; `accelerator.save_state` runs every
-`SAVE_EVERY` steps into `WORKDIR/ckpt`, which a later launch resumes (`load_state`). The first
-batch of the first epoch this launch trains is timed into `WORKDIR/first-batch-rank<r>.txt`
-(from `iter()`), the final weights written to `WORKDIR/weights.json` by rank 0.
-`--stop-after N` ends the process with `os._exit` after step N (a crash: no clean-up).
-"""
+`bucket` (a `LengthBucketSampler` under a token budget, batches made in the loop's process). Every
+step appends `epoch idx idx ...` to `WORKDIR/samples-rank<r>.txt`; `accelerator.save_state` runs
+every `SAVE_EVERY` steps into `WORKDIR/ckpt`, which a later launch resumes (`load_state`). The first
+batch of the first epoch this launch trains is timed into `WORKDIR/first-batch-rank<r>.txt` (from
+`iter()`), the final weights written to `WORKDIR/weights.json` by rank 0. `--stop-after N` ends the
+process with `os._exit` after step N (a crash: no clean-up)."""
 
 from __future__ import annotations
 
@@ -52,12 +51,28 @@ def build_loader(kind: str):
     dataset = Items()
     if kind == "workers":
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)  # the torch.distributed world
-        return make_loader(dataset, batch_size=4, sampler=sampler, collate_fn=collate, num_workers=1,
-                           persistent_workers=True, path="workers")
+        return make_loader(
+            dataset,
+            batch_size=4,
+            sampler=sampler,
+            collate_fn=collate,
+            num_workers=1,
+            persistent_workers=True,
+            path="workers",
+        )
     if kind == "elastic":  # the loader splits the ranks itself: resumable on another number of them
-        return make_loader(dataset, batch_size=4, shuffle=True, collate_fn=collate, num_workers=1,
-                           persistent_workers=True, path="workers")
-    sampler = LengthBucketSampler(LENGTHS, max_tokens=64, seed=0)  # reads the world, as DistributedSampler
+        return make_loader(
+            dataset,
+            batch_size=4,
+            shuffle=True,
+            collate_fn=collate,
+            num_workers=1,
+            persistent_workers=True,
+            path="workers",
+        )
+    sampler = LengthBucketSampler(
+        LENGTHS, max_tokens=64, seed=0
+    )  # reads the world, as DistributedSampler
     return make_loader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
 
 
@@ -88,7 +103,9 @@ def main() -> None:
         asked = time.perf_counter()
         for batch in loader:
             if not timed:
-                (args.workdir / f"first-batch-rank{rank}.txt").write_text(f"{time.perf_counter() - asked:.4f}")
+                (args.workdir / f"first-batch-rank{rank}.txt").write_text(
+                    f"{time.perf_counter() - asked:.4f}"
+                )
                 timed = True
             loss = (model(batch["x"]).squeeze(1) - batch["idx"].float() / N).pow(2).mean()
             accelerator.backward(loss)
@@ -104,7 +121,9 @@ def main() -> None:
                 os._exit(0)
     if accelerator.is_main_process:
         weights = accelerator.unwrap_model(model).state_dict()
-        (args.workdir / "weights.json").write_text(json.dumps({k: v.tolist() for k, v in weights.items()}))
+        (args.workdir / "weights.json").write_text(
+            json.dumps({k: v.tolist() for k, v in weights.items()})
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -30,7 +30,11 @@ class Items(Dataset):
         return N
 
     def __getitem__(self, i: int):
-        return {"x": torch.tensor([i / N, (i % 7) / 7]), "labels": torch.tensor([float(i % 3)]), "idx": i}
+        return {
+            "x": torch.tensor([i / N, (i % 7) / 7]),
+            "labels": torch.tensor([float(i % 3)]),
+            "idx": i,
+        }
 
 
 class Tiny(torch.nn.Module):
@@ -62,7 +66,9 @@ def main() -> None:
     class LoaderTrainer(LoaderTrainerMixin, Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             if not timing["done"] and timing["asked"] is not None:
-                (args.workdir / f"first-batch-rank{rank}.txt").write_text(f"{time.perf_counter() - timing['asked']:.4f}")
+                (args.workdir / f"first-batch-rank{rank}.txt").write_text(
+                    f"{time.perf_counter() - timing['asked']:.4f}"
+                )
                 timing["done"] = True
             log.write(" ".join(map(str, inputs["idx"].tolist())) + "\n")
             log.flush()
@@ -77,23 +83,43 @@ def main() -> None:
                 os._exit(0)
 
     out = args.workdir / "out"
-    training = TrainingArguments(output_dir=str(out), num_train_epochs=EPOCHS, save_steps=SAVE_EVERY, use_cpu=True,
-                                 report_to=[], logging_steps=1000, learning_rate=0.05, seed=0, disable_tqdm=True,
-                                 gradient_accumulation_steps=args.accumulate)
+    training = TrainingArguments(
+        output_dir=str(out),
+        num_train_epochs=EPOCHS,
+        save_steps=SAVE_EVERY,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1000,
+        learning_rate=0.05,
+        seed=0,
+        disable_tqdm=True,
+        gradient_accumulation_steps=args.accumulate,
+    )
     torch.manual_seed(0)
     model = Tiny()
     dataset = Items()
-    sampler = DistributedSampler(dataset, num_replicas=int(os.environ.get("WORLD_SIZE", 1)), rank=rank, shuffle=True,
-                                 seed=0)  # built before the Trainer, which starts the process group
-    loader = make_loader(dataset, batch_size=4, sampler=sampler, num_workers=1, persistent_workers=True,
-                         path="workers")
+    sampler = DistributedSampler(
+        dataset, num_replicas=int(os.environ.get("WORLD_SIZE", 1)), rank=rank, shuffle=True, seed=0
+    )  # built before the Trainer, which starts the process group
+    loader = make_loader(
+        dataset,
+        batch_size=4,
+        sampler=sampler,
+        num_workers=1,
+        persistent_workers=True,
+        path="workers",
+    )
     trainer = LoaderTrainer(model=model, args=training, train_loader=loader)
-    trainer.add_callback(Stop())  # after the loader's checkpoint callback: a stop follows the whole save
+    trainer.add_callback(
+        Stop()
+    )  # after the loader's checkpoint callback: a stop follows the whole save
     resume = out.is_dir() and any(p.name.startswith("checkpoint-") for p in out.iterdir())
     trainer.train(resume_from_checkpoint=True if resume else None)
     if rank == 0:
         weights = model.state_dict()
-        (args.workdir / "weights.json").write_text(json.dumps({k: v.tolist() for k, v in weights.items()}))
+        (args.workdir / "weights.json").write_text(
+            json.dumps({k: v.tolist() for k, v in weights.items()})
+        )
 
 
 if __name__ == "__main__":

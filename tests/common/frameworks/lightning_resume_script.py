@@ -7,9 +7,9 @@ Loaders (`--kind`): `workers` (LoaderDataModule, shuffle, 2 worker processes), `
 thread path, `ThreadLoader`), `bucket` (LengthBucketSampler, `use_distributed_sampler=False`
 unless `--lightning-samplers`; `bucket-threads` on the thread path), `robust` (a `RobustLoader`
 around a `DistributedSampler`, which Lightning does not re-create), `plain` (no DataModule: the
-module's `train_dataloader` returns `make_loader`, as a Lightning user writes it). `--onecycle`: `configure_optimizers`
-reads `trainer.estimated_stepping_batches` (OneCycleLR), Lightning #20550's trigger.
-"""
+module's `train_dataloader` returns `make_loader`, as a Lightning user writes it). `--onecycle`:
+`configure_optimizers` reads `trainer.estimated_stepping_batches` (OneCycleLR), Lightning #20550's
+trigger."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ class ThreadNumbers(Numbers):
 
 class BucketData(LoaderDataModule):
     def train_loader(self):
-        lengths = [1 + (7 * i) % 13 for i in range(SAMPLES)]  # the ranks are read from torch.distributed
+        lengths = [
+            1 + (7 * i) % 13 for i in range(SAMPLES)
+        ]  # the ranks are read from torch.distributed
         sampler = LengthBucketSampler(lengths, batch_size=BATCH, seed=0)
         if isinstance(self.dataset, ThreadNumbers):
             return make_loader(self.dataset, batch_sampler=sampler, path="threads", threads=2)
@@ -56,8 +58,13 @@ class BucketData(LoaderDataModule):
 
 class RobustData(LoaderDataModule):
     def train_loader(self):
-        sampler = DistributedSampler(self.dataset, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-                                     shuffle=True, seed=0)
+        sampler = DistributedSampler(
+            self.dataset,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
+            shuffle=True,
+            seed=0,
+        )
         return RobustLoader(self.dataset, batch_size=BATCH, sampler=sampler, num_workers=2)
 
 
@@ -77,7 +84,9 @@ class Model(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, index):
         if self.args.stop_at is not None and [self.current_epoch, index + 1] == self.args.stop_at:
-            self.trainer.save_checkpoint(self.args.workdir / "checkpoint.ckpt")  # every rank calls it
+            self.trainer.save_checkpoint(
+                self.args.workdir / "checkpoint.ckpt"
+            )  # every rank calls it
             self.trainer.strategy.barrier("saved")
             os._exit(0)  # a kill: no clean-up
 
@@ -93,30 +102,53 @@ class Model(pl.LightningModule):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--kind", default="workers",
-                        choices=["workers", "threads", "bucket", "bucket-threads", "robust", "plain"])
+    parser.add_argument(
+        "--kind",
+        default="workers",
+        choices=["workers", "threads", "bucket", "bucket-threads", "robust", "plain"],
+    )
     parser.add_argument("--onecycle", action="store_true")
     parser.add_argument("--stop-at", type=int, nargs=2, default=None, metavar=("EPOCH", "STEP"))
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--lightning-samplers", action="store_true", help="keep use_distributed_sampler=True")
+    parser.add_argument(
+        "--lightning-samplers", action="store_true", help="keep use_distributed_sampler=True"
+    )
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    data = {"workers": lambda: LoaderDataModule(Numbers(), batch_size=BATCH, shuffle=True, num_workers=2),
-            "threads": lambda: LoaderDataModule(ThreadNumbers(), batch_size=BATCH, shuffle=True, path="threads",
-                                                threads=2),
-            "bucket": lambda: BucketData(Numbers()),
-            "bucket-threads": lambda: BucketData(ThreadNumbers()),
-            "robust": lambda: RobustData(Numbers()),
-            "plain": lambda: None}[args.kind]()
-    ours = args.kind.startswith("bucket") and not args.lightning_samplers  # LengthBucketSampler splits the ranks
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
-                         max_epochs=EPOCHS, use_distributed_sampler=not ours,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(Model(args), datamodule=data,
-                ckpt_path=args.workdir / "checkpoint.ckpt" if args.resume else None)
+    data = {
+        "workers": lambda: LoaderDataModule(
+            Numbers(), batch_size=BATCH, shuffle=True, num_workers=2
+        ),
+        "threads": lambda: LoaderDataModule(
+            ThreadNumbers(), batch_size=BATCH, shuffle=True, path="threads", threads=2
+        ),
+        "bucket": lambda: BucketData(Numbers()),
+        "bucket-threads": lambda: BucketData(ThreadNumbers()),
+        "robust": lambda: RobustData(Numbers()),
+        "plain": lambda: None,
+    }[args.kind]()
+    ours = (
+        args.kind.startswith("bucket") and not args.lightning_samplers
+    )  # LengthBucketSampler splits the ranks
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_epochs=EPOCHS,
+        use_distributed_sampler=not ours,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(
+        Model(args),
+        datamodule=data,
+        ckpt_path=args.workdir / "checkpoint.ckpt" if args.resume else None,
+    )
 
 
 if __name__ == "__main__":

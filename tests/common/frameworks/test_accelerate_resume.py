@@ -77,9 +77,14 @@ def test_save_state_and_load_state_resume_the_loader_mid_epoch(accelerator, tmp_
 
     whole = _epochs(prepare_loader(accelerator, fresh(), name="whole"), 3)
     first = prepare_loader(accelerator, fresh())
-    head = _epochs(first, 3, stop=13, on_stop=lambda: accelerator.save_state(str(tmp_path / "ckpt")))
+    head = _epochs(
+        first, 3, stop=13, on_stop=lambda: accelerator.save_state(str(tmp_path / "ckpt"))
+    )
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("recipes_loader-*"))
-    assert saved == ["recipes_loader-train.rank0.json", "recipes_loader-whole.rank0.json"]  # one per loader
+    assert saved == [
+        "recipes_loader-train.rank0.json",
+        "recipes_loader-whole.rank0.json",
+    ]  # one per loader
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     again = accelerate.Accelerator(cpu=True)
@@ -90,11 +95,15 @@ def test_save_state_and_load_state_resume_the_loader_mid_epoch(accelerator, tmp_
 
 
 def test_the_state_is_the_loops_place_though_a_batch_is_read_ahead(accelerator):
-    loader = prepare_loader(accelerator, make_loader(_numbers(), batch_size=4, shuffle=True, num_workers=0))
+    loader = prepare_loader(
+        accelerator, make_loader(_numbers(), batch_size=4, shuffle=True, num_workers=0)
+    )
     iterator = iter(loader)
     for taken in range(1, 4):
         next(iterator)
-        assert loader.state_dict()["batches_yielded"] == taken  # the loader itself handed out one more
+        assert (
+            loader.state_dict()["batches_yielded"] == taken
+        )  # the loader itself handed out one more
         assert loader.loader.state_dict()["batches_yielded"] == taken + 1
     del iterator  # a break: the epoch pauses where the loop was
     assert loader.state_dict()["batches_yielded"] == 3
@@ -104,7 +113,9 @@ def test_the_state_is_the_loops_place_though_a_batch_is_read_ahead(accelerator):
 
 def test_set_epoch_after_a_break_moves_the_state_to_that_epoch(accelerator):
     sampler = DistributedSampler(_numbers(), num_replicas=1, rank=0, shuffle=True, seed=0)
-    loader = prepare_loader(accelerator, make_loader(_numbers(), batch_size=4, sampler=sampler, num_workers=0))
+    loader = prepare_loader(
+        accelerator, make_loader(_numbers(), batch_size=4, sampler=sampler, num_workers=0)
+    )
     loader.set_epoch(0)
     for step, _ in enumerate(loader):
         if step == 2:
@@ -139,8 +150,12 @@ def test_a_loader_not_split_over_the_ranks_is_refused():
     dataset = _numbers()
     with pytest.raises(ValueError, match="whole dataset on every rank.*DistributedSampler"):
         check_split(make_loader(dataset, batch_size=4, shuffle=True, num_workers=0), 2, 0)
-    split = make_loader(dataset, batch_size=4, num_workers=0,
-                        sampler=DistributedSampler(dataset, num_replicas=2, rank=1))
+    split = make_loader(
+        dataset,
+        batch_size=4,
+        num_workers=0,
+        sampler=DistributedSampler(dataset, num_replicas=2, rank=1),
+    )
     with pytest.raises(ValueError, match="rank 1 of 2, but this process is rank 0 of 2"):
         check_split(split, 2, 0)
     check_split(split, 2, 1)
@@ -158,8 +173,13 @@ def test_a_checkpoint_without_the_loaders_state_is_refused_naming_the_file(accel
 def test_each_rank_reads_its_own_state_and_another_world_reads_rank_0s(tmp_path):
     for rank in range(2):
         write_loader_state(tmp_path, "train", {"rank": rank}, rank=rank, world_size=2)
-    assert [read_loader_state(tmp_path, "train", rank=r, world_size=2) for r in range(2)] == [{"rank": 0}, {"rank": 1}]
-    assert read_loader_state(tmp_path, "train", rank=0, world_size=1) == {"rank": 0}  # elastic: rank 0's
+    assert [read_loader_state(tmp_path, "train", rank=r, world_size=2) for r in range(2)] == [
+        {"rank": 0},
+        {"rank": 1},
+    ]
+    assert read_loader_state(tmp_path, "train", rank=0, world_size=1) == {
+        "rank": 0
+    }  # elastic: rank 0's
     assert read_loader_state(tmp_path, "train", rank=2, world_size=3) == {"rank": 0}
     (tmp_path / "recipes_loader-train.rank1.json").unlink()
     with pytest.raises(FileNotFoundError, match="rank1.json is missing .* saved on 2 ranks"):
@@ -172,9 +192,24 @@ def test_each_rank_reads_its_own_state_and_another_world_reads_rank_0s(tmp_path)
 # ---- the proof: two processes, a crash in epoch 1, a fresh launch ---------------------------
 def _launch(workdir: Path, kind: str, *extra: str, ranks: int = 2) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                           str(SCRIPT), str(workdir), kind, *extra], capture_output=True, text=True, timeout=300,
-                          env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            str(SCRIPT),
+            str(workdir),
+            kind,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
@@ -192,16 +227,31 @@ def test_two_ranks_crashed_in_epoch_1_resume_exactly(kind, stop, tmp_path):
     _launch(whole, kind)
     _launch(crashed, kind, "--stop-after", str(stop))
     before = [_batches(crashed, rank) for rank in range(2)]
-    assert all(len(b) == stop and b[-1][0] == 1 for b in before)  # stopped mid-epoch 1, after a checkpoint
+    assert all(
+        len(b) == stop and b[-1][0] == 1 for b in before
+    )  # stopped mid-epoch 1, after a checkpoint
     _launch(crashed, kind)
     for rank in range(2):
-        assert _batches(crashed, rank) == _batches(whole, rank)  # the same batches, in the same order
-        assert float((crashed / f"first-batch-rank{rank}.txt").read_text()) < 2.0  # the resumed epoch's first
+        assert _batches(crashed, rank) == _batches(
+            whole, rank
+        )  # the same batches, in the same order
+        assert (
+            float((crashed / f"first-batch-rank{rank}.txt").read_text()) < 2.0
+        )  # the resumed epoch's first
     for epoch in range(3):
-        counts = collections.Counter(i for rank in range(2) for e, batch in _batches(crashed, rank)
-                                     if e == epoch for i in batch)
-        assert counts == collections.Counter(range(96)), epoch  # every sample once per epoch over the ranks
-    assert json.loads((crashed / "weights.json").read_text()) == json.loads((whole / "weights.json").read_text())
+        counts = collections.Counter(
+            i
+            for rank in range(2)
+            for e, batch in _batches(crashed, rank)
+            if e == epoch
+            for i in batch
+        )
+        assert counts == collections.Counter(range(96)), (
+            epoch
+        )  # every sample once per epoch over the ranks
+    assert json.loads((crashed / "weights.json").read_text()) == json.loads(
+        (whole / "weights.json").read_text()
+    )
 
 
 @pytest.mark.slow  # 2 torchrun launches
@@ -218,7 +268,13 @@ def test_two_ranks_crashed_in_epoch_1_resume_on_another_number_of_ranks(kind, ra
     after = [_batches(tmp_path, rank) for rank in range(ranks)]
     padding = ranks - 1 if kind == "elastic" else 0
     for epoch in range(3):
-        counts = collections.Counter(i for seen in after for e, batch in seen if e == epoch for i in batch)
-        counts += collections.Counter(i for seen in before for e, batch in seen if e == epoch for i in batch)
-        assert set(counts) == set(range(96)) and sum(counts.values()) - 96 <= padding, (epoch, counts)
-
+        counts = collections.Counter(
+            i for seen in after for e, batch in seen if e == epoch for i in batch
+        )
+        counts += collections.Counter(
+            i for seen in before for e, batch in seen if e == epoch for i in batch
+        )
+        assert set(counts) == set(range(96)) and sum(counts.values()) - 96 <= padding, (
+            epoch,
+            counts,
+        )

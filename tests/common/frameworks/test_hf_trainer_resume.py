@@ -31,8 +31,23 @@ N = 96
 
 def _launch(workdir: Path, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(SCRIPT), str(workdir), *extra], capture_output=True, text=True, timeout=400, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(SCRIPT),
+            str(workdir),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
@@ -51,14 +66,26 @@ def test_two_ranks_crashed_in_epoch_1_resume_exactly(tmp_path):
     assert (crashed / "out" / "checkpoint-15" / "recipes_loader-train.rank1.json").is_file()
     _launch(crashed)
     for rank in range(2):
-        assert _lines(crashed / f"samples-rank{rank}.txt") == _lines(whole / f"samples-rank{rank}.txt")
-        assert float((crashed / f"first-batch-rank{rank}.txt").read_text()) < 2.0  # no skipping by reading
+        assert _lines(crashed / f"samples-rank{rank}.txt") == _lines(
+            whole / f"samples-rank{rank}.txt"
+        )
+        assert (
+            float((crashed / f"first-batch-rank{rank}.txt").read_text()) < 2.0
+        )  # no skipping by reading
     batches = [_lines(crashed / f"samples-rank{rank}.txt") for rank in range(2)]
     for epoch in range(3):
-        counts = collections.Counter(i for rank in range(2) for batch in batches[rank][12 * epoch:12 * (epoch + 1)]
-                                     for i in batch)
-        assert counts == collections.Counter(range(N)), epoch  # every sample once per epoch over the ranks
-    assert json.loads((crashed / "weights.json").read_text()) == json.loads((whole / "weights.json").read_text())
+        counts = collections.Counter(
+            i
+            for rank in range(2)
+            for batch in batches[rank][12 * epoch : 12 * (epoch + 1)]
+            for i in batch
+        )
+        assert counts == collections.Counter(range(N)), (
+            epoch
+        )  # every sample once per epoch over the ranks
+    assert json.loads((crashed / "weights.json").read_text()) == json.loads(
+        (whole / "weights.json").read_text()
+    )
 
 
 # ---- one process, in this one: a stop (should_training_stop) after a checkpoint, a new Trainer --
@@ -67,16 +94,26 @@ class _Items(Dataset):
         return N
 
     def __getitem__(self, i: int):
-        return {"x": torch.tensor([i / N, (i % 7) / 7]), "labels": torch.tensor([float(i % 3)]), "idx": i}
+        return {
+            "x": torch.tensor([i / N, (i % 7) / 7]),
+            "labels": torch.tensor([float(i % 3)]),
+            "idx": i,
+        }
 
 
 def _read_shard(name: str, start: int = 0, stop: int | None = None):
     first = 12 * int(name)
     for i in range(first + start, first + (12 if stop is None else stop)):
-        yield {"x": torch.tensor([i / N, (i % 7) / 7]), "labels": torch.tensor([float(i % 3)]), "idx": i}
+        yield {
+            "x": torch.tensor([i / N, (i % 7) / 7]),
+            "labels": torch.tensor([float(i % 3)]),
+            "idx": i,
+        }
 
 
-def _train(output: Path, loader, *, stop_at: int | None = None, resume: bool = False, **training) -> tuple:
+def _train(
+    output: Path, loader, *, stop_at: int | None = None, resume: bool = False, **training
+) -> tuple:
     """(the idx of every batch trained on, the final weights) of a Trainer run from `loader`."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import logging as hf_logging
@@ -106,8 +143,17 @@ def _train(output: Path, loader, *, stop_at: int | None = None, resume: bool = F
 
     torch.manual_seed(0)
     model = Tiny()
-    args = TrainingArguments(output_dir=str(output), save_steps=3, use_cpu=True, report_to=[], logging_steps=1000,
-                             learning_rate=0.05, seed=0, disable_tqdm=True, **training)
+    args = TrainingArguments(
+        output_dir=str(output),
+        save_steps=3,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1000,
+        learning_rate=0.05,
+        seed=0,
+        disable_tqdm=True,
+        **training,
+    )
     trainer = LoaderTrainer(model=model, args=args, train_loader=loader, callbacks=[Stop()])
     trainer.train(resume_from_checkpoint=True if resume else None)
     return seen, {k: v.tolist() for k, v in model.state_dict().items()}
@@ -121,7 +167,10 @@ def test_gradient_accumulation_resumes_exactly(tmp_path):
         sampler = DistributedSampler(_Items(), num_replicas=1, rank=0, shuffle=True, seed=0)
         return make_loader(_Items(), batch_size=4, sampler=sampler, num_workers=0)
 
-    training = {"num_train_epochs": 3, "gradient_accumulation_steps": 2}  # 24 batches, 12 steps per epoch
+    training = {
+        "num_train_epochs": 3,
+        "gradient_accumulation_steps": 2,
+    }  # 24 batches, 12 steps per epoch
     whole, final = _train(tmp_path / "whole", loader(), **training)
     head, _ = _train(tmp_path / "crashed", loader(), stop_at=18, **training)  # mid-epoch 1
     assert len(head) == 36
@@ -136,13 +185,24 @@ def test_an_iterable_dataset_under_max_steps_keeps_the_loaders_epochs(tmp_path):
     from recipes.common import ShardedIterableDataset, make_loader
 
     def loader():
-        shards = ShardedIterableDataset([str(s) for s in range(8)], _read_shard, shard_lengths=[12] * 8, seed=0,
-                                        rank=0, world_size=1)
+        shards = ShardedIterableDataset(
+            [str(s) for s in range(8)],
+            _read_shard,
+            shard_lengths=[12] * 8,
+            seed=0,
+            rank=0,
+            world_size=1,
+        )
         return make_loader(shards, batch_size=4, num_workers=0)
 
-    whole, final = _train(tmp_path / "whole", loader(), max_steps=60)  # 24 batches per pass: 2.5 passes
+    whole, final = _train(
+        tmp_path / "whole", loader(), max_steps=60
+    )  # 24 batches per pass: 2.5 passes
     head, _ = _train(tmp_path / "crashed", loader(), max_steps=60, stop_at=33)  # in the second pass
     rest, resumed = _train(tmp_path / "crashed", loader(), max_steps=60, resume=True)
     assert head + rest == whole and resumed == final
-    passes = [collections.Counter(i for batch in whole[24 * p:24 * (p + 1)] for i in batch) for p in range(2)]
+    passes = [
+        collections.Counter(i for batch in whole[24 * p : 24 * (p + 1)] for i in batch)
+        for p in range(2)
+    ]
     assert passes == [collections.Counter(range(N))] * 2 and whole[:24] != whole[24:48]

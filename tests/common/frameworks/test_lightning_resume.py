@@ -14,8 +14,8 @@ sets. Without the DataModule, plain Lightning is exact mid-epoch, and loses samp
 OneCycleLR and after a checkpoint at an epoch's last step (so the harness sees a loss).
 
 The fast tier: importing the glue imports no Lightning. The loaders' side (a state loaded, or
-an epoch set, after `iter()`) is tested without Lightning in tests/common/loading/test_late_state.py.
-"""
+an epoch set, after `iter()`) is tested without Lightning in
+tests/common/loading/test_late_state.py."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ MID, LAST = "mid", "last"  # killed after 5 steps of epoch 1, or after epoch 0's
 
 def _stop(at: str, ranks: int) -> tuple[str, ...]:
     """The script's `--stop-at EPOCH STEP`: a checkpoint there, then a kill."""
-    return ("--stop-at", "1", "5") if at == MID else ("--stop-at", "0", str(SAMPLES // BATCH // ranks))
+    return (
+        ("--stop-at", "1", "5") if at == MID else ("--stop-at", "0", str(SAMPLES // BATCH // ranks))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,15 @@ def lightning_zygote():
     pytest.importorskip("lightning")
     from tests.zygote import Zygote
 
-    server = Zygote(["numpy", "torch", "recipes.common", "lightning.pytorch",
-                     "tests.common.frameworks.lightning_resume_script"])
+    server = Zygote(
+        [
+            "numpy",
+            "torch",
+            "recipes.common",
+            "lightning.pytorch",
+            "tests.common.frameworks.lightning_resume_script",
+        ]
+    )
     yield server
     server.close()
 
@@ -56,16 +65,36 @@ def _free_port() -> int:
 def _launch(zygote, workdir: Path, *args: str, ranks: int = 2, check: bool = True) -> list:
     """The script on `ranks` processes, in torchrun's environment (Lightning takes the ranks
     from it instead of launching its own); their `Child`ren once they exited."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks),
-           "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "lightning-resume",
-           "OMP_NUM_THREADS": "1"} if ranks > 1 else {"OMP_NUM_THREADS": "1"}
-    children = [zygote.python(RUN, "--workdir", workdir, *args, cwd=ROOT,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if ranks > 1 else env)
-                for r in range(ranks)]
+    env = (
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": "lightning-resume",
+            "OMP_NUM_THREADS": "1",
+        }
+        if ranks > 1
+        else {"OMP_NUM_THREADS": "1"}
+    )
+    children = [
+        zygote.python(
+            RUN,
+            "--workdir",
+            workdir,
+            *args,
+            cwd=ROOT,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if ranks > 1 else env,
+        )
+        for r in range(ranks)
+    ]
     for child in children:
         child.wait(timeout=240)
     if check:
-        assert all(c.returncode == 0 for c in children), "\n".join(c.stderr[-3000:] for c in children)
+        assert all(c.returncode == 0 for c in children), "\n".join(
+            c.stderr[-3000:] for c in children
+        )
     return children
 
 
@@ -99,45 +128,70 @@ def uninterrupted(lightning_zygote, tmp_path_factory):
     return run
 
 
-def _killed_and_resumed(zygote, folder: Path, kind: str, *extra: str, at: str = MID, ranks: int) -> Path:
+def _killed_and_resumed(
+    zygote, folder: Path, kind: str, *extra: str, at: str = MID, ranks: int
+) -> Path:
     _launch(zygote, folder, "--kind", kind, *_stop(at, ranks), *extra, ranks=ranks)
     for rank in range(ranks):
         seen = _epochs(folder, rank)
         if at == MID:
             assert len(seen[1]) == 5 * BATCH  # killed after 5 steps of epoch 1
         else:
-            assert sorted(seen) == [0] and len(seen[0]) == SAMPLES // ranks  # killed after epoch 0's last step
+            assert (
+                sorted(seen) == [0] and len(seen[0]) == SAMPLES // ranks
+            )  # killed after epoch 0's last step
     _launch(zygote, folder, "--kind", kind, "--resume", *extra, ranks=ranks)
     return folder
 
 
-CASES = [("workers", False, MID, 2), ("workers", True, MID, 2), ("threads", True, MID, 2), ("bucket", True, MID, 2),
-         ("bucket-threads", True, MID, 2), ("robust", True, MID, 2), ("workers", True, LAST, 2), ("bucket", False, LAST, 2), ("robust", False, LAST, 2),
-         ("workers", False, LAST, 1)]
+CASES = [
+    ("workers", False, MID, 2),
+    ("workers", True, MID, 2),
+    ("threads", True, MID, 2),
+    ("bucket", True, MID, 2),
+    ("bucket-threads", True, MID, 2),
+    ("robust", True, MID, 2),
+    ("workers", True, LAST, 2),
+    ("bucket", False, LAST, 2),
+    ("robust", False, LAST, 2),
+    ("workers", False, LAST, 1),
+]
 
 
 @pytest.mark.slow  # 3 launches each (4-10 s)
-@pytest.mark.parametrize("kind, onecycle, at, ranks", CASES,
-                         ids=[f"{k}-{'onecycle' if o else 'plain'}-{a}-{r}ranks" for k, o, a, r in CASES])
+@pytest.mark.parametrize(
+    "kind, onecycle, at, ranks",
+    CASES,
+    ids=[f"{k}-{'onecycle' if o else 'plain'}-{a}-{r}ranks" for k, o, a, r in CASES],
+)
 def test_a_killed_run_resumes_every_sample_once_in_the_uninterrupted_order(
-        kind, onecycle, at, ranks, lightning_zygote, uninterrupted, tmp_path):
+    kind, onecycle, at, ranks, lightning_zygote, uninterrupted, tmp_path
+):
     whole = uninterrupted(kind, ranks)
     extra = ("--onecycle",) if onecycle else ()
-    crashed = _killed_and_resumed(lightning_zygote, tmp_path / "crashed", kind, *extra, at=at, ranks=ranks)
+    crashed = _killed_and_resumed(
+        lightning_zygote, tmp_path / "crashed", kind, *extra, at=at, ranks=ranks
+    )
     for rank in range(ranks):
         want, got = _epochs(whole, rank), _epochs(crashed, rank)
         assert sorted(got) == list(range(EPOCHS))
         for epoch in range(EPOCHS):
             assert _repeated_and_lost(got[epoch], want[epoch]) == (0, 0), (rank, epoch)
             assert got[epoch] == want[epoch], (rank, epoch)  # and in the same order
-        assert want[0] != want[1] != want[2]  # each epoch its own order (set_epoch reached the sampler)
+        assert (
+            want[0] != want[1] != want[2]
+        )  # each epoch its own order (set_epoch reached the sampler)
     for epoch in range(EPOCHS):  # over the ranks, each sample exactly once per epoch
-        counts = collections.Counter(i for rank in range(ranks) for i in _epochs(crashed, rank)[epoch])
+        counts = collections.Counter(
+            i for rank in range(ranks) for i in _epochs(crashed, rank)[epoch]
+        )
         assert counts == collections.Counter(str(i) for i in range(SAMPLES)), epoch
 
 
 @pytest.mark.slow  # one process x 3 launches (~6 s)
-def test_plain_lightning_resumes_a_make_loader_loader_exactly(lightning_zygote, uninterrupted, tmp_path):
+def test_plain_lightning_resumes_a_make_loader_loader_exactly(
+    lightning_zygote, uninterrupted, tmp_path
+):
     """No DataModule of ours: Lightning's own checkpoint of the loader's state (2.2+) is exact."""
     whole = _epochs(uninterrupted("plain", 1), 0)
     got = _epochs(_killed_and_resumed(lightning_zygote, tmp_path / "crashed", "plain", ranks=1), 0)
@@ -146,48 +200,67 @@ def test_plain_lightning_resumes_a_make_loader_loader_exactly(lightning_zygote, 
 
 
 @pytest.mark.slow  # one process x 3 launches (~6 s)
-def test_plain_lightning_loses_samples_when_onecycle_reads_the_steps(lightning_zygote, uninterrupted, tmp_path):
+def test_plain_lightning_loses_samples_when_onecycle_reads_the_steps(
+    lightning_zygote, uninterrupted, tmp_path
+):
     """Lightning #20550, as the DataModule's docs describe it: without LoaderDataModule the
     loader's state is never loaded. If this fails, Lightning fixed it: update
     docs/frameworks/lightning.md and lightning_glue.py's docstring."""
     whole = _epochs(uninterrupted("plain", 1), 0)
-    got = _epochs(_killed_and_resumed(lightning_zygote, tmp_path / "crashed", "plain", "--onecycle", ranks=1), 0)
+    got = _epochs(
+        _killed_and_resumed(lightning_zygote, tmp_path / "crashed", "plain", "--onecycle", ranks=1),
+        0,
+    )
     repeated, lost = _repeated_and_lost(got[1], whole[1])
     assert repeated == lost > 0, (repeated, lost)
 
 
 @pytest.mark.slow  # one process x 3 launches (~6 s)
 def test_plain_lightning_loses_an_epoch_after_a_checkpoint_at_an_epochs_last_step(
-        lightning_zygote, uninterrupted, tmp_path):
+    lightning_zygote, uninterrupted, tmp_path
+):
     """Lightning calls `iter()` before `set_epoch`, and resumed after an epoch's last step it
     starts the next epoch on the loader's (empty) rest of the old one: a loader that counts
     its own epochs (make_loader(shuffle=True), no sampler) cannot tell. The DataModule's
     DistributedSampler can (the case above). If this fails, update the docs as above."""
     whole = _epochs(uninterrupted("plain", 1), 0)
-    got = _epochs(_killed_and_resumed(lightning_zygote, tmp_path / "crashed", "plain", at=LAST, ranks=1), 0)
-    assert len(got.get(1, [])) == 0 and sum(len(v) for v in got.values()) == sum(len(v) for v in whole.values()) - 64
+    got = _epochs(
+        _killed_and_resumed(lightning_zygote, tmp_path / "crashed", "plain", at=LAST, ranks=1), 0
+    )
+    assert (
+        len(got.get(1, [])) == 0
+        and sum(len(v) for v in got.values()) == sum(len(v) for v in whole.values()) - 64
+    )
 
 
 @pytest.mark.slow  # 2 processes, stopped at setup (~3 s)
-def test_a_batch_sampler_of_ours_under_lightnings_samplers_is_refused_naming_the_setting(lightning_zygote, tmp_path):
-    children = _launch(lightning_zygote, tmp_path, "--kind", "bucket", "--lightning-samplers", check=False)
+def test_a_batch_sampler_of_ours_under_lightnings_samplers_is_refused_naming_the_setting(
+    lightning_zygote, tmp_path
+):
+    children = _launch(
+        lightning_zygote, tmp_path, "--kind", "bucket", "--lightning-samplers", check=False
+    )
     assert all(c.returncode != 0 for c in children)
     assert "use_distributed_sampler=False" in children[0].stderr
     assert "LengthBucketSampler" in children[0].stderr
 
 
 def test_importing_the_glue_imports_no_lightning(zygote):
-    code = ("import sys\nimport recipes.common.frameworks.lightning_glue as glue\n"
-            "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules), "
-            "[m for m in sys.modules if 'lightning' in m][:5]\n"
-            "assert callable(glue.check_sampler_kept) and glue.LoaderDataModuleMixin.train_loader\n")
+    code = (
+        "import sys\nimport recipes.common.frameworks.lightning_glue as glue\nassert not "
+        "any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules), [m for "
+        "m in sys.modules if 'lightning' in m][:5]\nassert callable(glue.check_sampler_kept) and "
+        "glue.LoaderDataModuleMixin.train_loader\n"
+    )
     child = zygote.python(code)
     assert child.wait(timeout=60) == 0, child.stderr
 
 
 @pytest.mark.slow  # 2 processes, then 1 and 3 (~20 s)
 @pytest.mark.parametrize("kind, ranks", [("workers", 1), ("workers", 3), ("bucket", 3)])
-def test_a_resume_on_another_rank_count_finishes_the_epoch_once(lightning_zygote, tmp_path, kind, ranks):
+def test_a_resume_on_another_rank_count_finishes_the_epoch_once(
+    lightning_zygote, tmp_path, kind, ranks
+):
     """Killed after 5 steps of epoch 1 on 2 ranks, resumed from the checkpoint on 1 or 3:
     Lightning counts the epoch's steps on from the 5 it restored and the loader's length is
     those 5 plus its rest (the ElasticDistributedSampler's, or LengthBucketSampler's), so every
@@ -205,9 +278,16 @@ def test_a_resume_on_another_rank_count_finishes_the_epoch_once(lightning_zygote
         counts = collections.Counter(i for seen in after for i in seen.get(epoch, []))
         if epoch == 1:
             counts += collections.Counter(i for seen in before for i in seen[1])
-        padding = (ranks - 1) * (BATCH if kind == "bucket" else 1)  # a batch sampler pads with whole batches
-        assert set(counts) == set(every) and sum(counts.values()) - SAMPLES <= padding, (epoch, counts - every)
-        assert len({len(seen.get(epoch, [])) for seen in after}) == 1  # equal steps on the new ranks
+        padding = (ranks - 1) * (
+            BATCH if kind == "bucket" else 1
+        )  # a batch sampler pads with whole batches
+        assert set(counts) == set(every) and sum(counts.values()) - SAMPLES <= padding, (
+            epoch,
+            counts - every,
+        )
+        assert (
+            len({len(seen.get(epoch, [])) for seen in after}) == 1
+        )  # equal steps on the new ranks
 
 
 @pytest.mark.slow
@@ -219,8 +299,14 @@ def test_a_loader_without_length_warns(tmp_path):
     from recipes.common import LoaderWarning
     from recipes.common.frameworks import lightning_glue as glue
 
-    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      default_root_dir=tmp_path, enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+    )
 
     class Stream(IterableDataset):
         def __iter__(self):

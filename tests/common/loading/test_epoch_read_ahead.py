@@ -59,10 +59,14 @@ def _order(kind, dataset):
 
 
 def _epochs(loader, epochs, settle=None):
-    """Every epoch's batches as (ids, draws) lists; `settle(epoch)` runs after each epoch's last batch."""
+    """Every epoch's batches as (ids, draws) lists; `settle(epoch)` runs after each epoch's last
+    batch."""
     got = []
     for epoch in range(epochs):
-        if isinstance(loader.sampler, DistributedSampler) and type(loader.sampler) is DistributedSampler:
+        if (
+            isinstance(loader.sampler, DistributedSampler)
+            and type(loader.sampler) is DistributedSampler
+        ):
             loader.sampler.set_epoch(epoch)
         batches = [(ids.tolist(), draws.tolist()) for ids, draws in loader]
         got.append(batches)
@@ -72,7 +76,8 @@ def _epochs(loader, epochs, settle=None):
 
 
 def _unforeseen(monkeypatch, make, epochs, between=None):
-    """The run that foresees nothing: (its epochs, its reads); `between(loader)` makes the settle of `_epochs`."""
+    """The run that foresees nothing: (its epochs, its reads); `between(loader)` makes the settle of
+    `_epochs`."""
     with monkeypatch.context() as patch:
         patch.setattr(thread_loader, "forecast", lambda loader, epoch: None)
         loader = make()
@@ -84,10 +89,14 @@ def _unforeseen(monkeypatch, make, epochs, between=None):
 
 @pytest.mark.parametrize("path", ["threads", "isolated"])
 @pytest.mark.parametrize("kind", ["shuffle", "sequential", "elastic", "distributed"])
-def test_the_next_epochs_first_batches_are_made_ahead_once_and_equal_an_unforeseen_run(monkeypatch, path, kind):
+def test_the_next_epochs_first_batches_are_made_ahead_once_and_equal_an_unforeseen_run(
+    monkeypatch, path, kind
+):
     def make():
         dataset = Counted(40)
-        return LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=9, **_order(kind, dataset))
+        return LOADERS[path](
+            dataset, batch_size=4, threads=1, prefetch=2, seed=9, **_order(kind, dataset)
+        )
 
     expected, reads_without = _unforeseen(monkeypatch, make, 4)
     per_epoch = len(expected[0])
@@ -96,9 +105,13 @@ def test_the_next_epochs_first_batches_are_made_ahead_once_and_equal_an_unforese
     loader = make()
     seen = []
 
-    def settle(epoch):  # the pool's work done; what it made beyond the loop's batches is the next epoch's
+    def settle(
+        epoch,
+    ):  # the pool's work done; what it made beyond the loop's batches is the next epoch's
         reads, deadline = loader.dataset.reads, time.monotonic() + 5
-        while reads.value < (epoch + 1) * per_epoch + 2 * (epoch >= 1) and time.monotonic() < deadline:
+        while (
+            reads.value < (epoch + 1) * per_epoch + 2 * (epoch >= 1) and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         time.sleep(0.1)  # time for a read too many
         seen.append(reads.value - (epoch + 1) * per_epoch)
@@ -123,13 +136,22 @@ class Unkeyed(Counted):
 
     def read_batch(self, indices, rng):
         self.reads.value += 1
-        return torch.tensor(indices) + self.settings["offset"], torch.from_numpy(rng.integers(0, 2**31, len(indices)))
+        return torch.tensor(indices) + self.settings["offset"], torch.from_numpy(
+            rng.integers(0, 2**31, len(indices))
+        )
 
 
 def test_a_dataset_without_a_read_ahead_key_is_read_in_its_epoch_and_changes_in_place_are_seen():
     dataset = Unkeyed(16)
-    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+    loader = ThreadLoader(
+        dataset,
+        batch_size=4,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     for epoch in range(4):
         dataset.settings["offset"] = 1000 * epoch  # in place: no attribute set anew
         ids = torch.cat([i for i, _ in loader])
@@ -188,8 +210,17 @@ class Locked(Counted):
 def test_the_child_is_never_forked_while_this_process_reads_ahead():
     """The probe moves a waiting loop to threads of this process, a busy one back to the child:
     the epoch before that move ends with the next epoch's batches being read in this process."""
-    loader = IsolatedLoader(Locked(), batch_size=4, threads=1, prefetch=4, seed=0, shuffle=True,
-                            generator=torch.Generator().manual_seed(0), adaptive=True, timeout=10)
+    loader = IsolatedLoader(
+        Locked(),
+        batch_size=4,
+        threads=1,
+        prefetch=4,
+        seed=0,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        adaptive=True,
+        timeout=10,
+    )
 
     def busy(seconds):
         end = time.thread_time() + seconds
@@ -219,15 +250,34 @@ def test_a_new_resolution_between_epochs_drops_what_was_made_ahead(path, parts, 
 
     images = []
     for part in range(parts):
-        image = ImageFolderFast(make_image_folder(tmp_path / f"images{part}", classes=2, per_class=8 // parts,
-                                                  seed=2 + part), size=32, train=True)
+        image = ImageFolderFast(
+            make_image_folder(
+                tmp_path / f"images{part}", classes=2, per_class=8 // parts, seed=2 + part
+            ),
+            size=32,
+            train=True,
+        )
         build_image_cache(image, tmp_path / f"cache{part}", progress=False)
         images.append(image)
     dataset = images[0] if parts == 1 else ConcatDataset(images)
-    loader = LOADERS[path](dataset, batch_size=4, shuffle=True, threads=1, prefetch=2, seed=1,
-                           generator=torch.Generator().manual_seed(0))
-    reference = ThreadLoader(dataset, batch_size=4, shuffle=True, threads=1, prefetch=2, seed=1,
-                             generator=torch.Generator().manual_seed(0))
+    loader = LOADERS[path](
+        dataset,
+        batch_size=4,
+        shuffle=True,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    reference = ThreadLoader(
+        dataset,
+        batch_size=4,
+        shuffle=True,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        generator=torch.Generator().manual_seed(0),
+    )
     try:
         for epoch, size in enumerate([32, 32, 24, 24, 32]):
             for image in images:
@@ -245,11 +295,19 @@ def test_a_new_resolution_between_epochs_drops_what_was_made_ahead(path, parts, 
 
 
 @pytest.mark.parametrize("path", ["threads", "isolated"])
-def test_a_state_loaded_or_another_epoch_set_between_epochs_is_served_not_the_guess(monkeypatch, path):
+def test_a_state_loaded_or_another_epoch_set_between_epochs_is_served_not_the_guess(
+    monkeypatch, path
+):
     def make():
         dataset = Counted(24)
-        return LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=9,
-                             sampler=ElasticDistributedSampler(dataset, num_replicas=1, rank=0, seed=1))
+        return LOADERS[path](
+            dataset,
+            batch_size=4,
+            threads=1,
+            prefetch=2,
+            seed=9,
+            sampler=ElasticDistributedSampler(dataset, num_replicas=1, rank=0, seed=1),
+        )
 
     expected, _ = _unforeseen(monkeypatch, make, 6)
     loader = make()
@@ -275,8 +333,15 @@ def test_a_state_loaded_or_another_epoch_set_between_epochs_is_served_not_the_gu
 def test_a_closed_loader_drops_what_was_made_ahead_and_starts_again_exactly(monkeypatch):
     def make():
         dataset = Counted(24)
-        return IsolatedLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=9, shuffle=True,
-                              generator=torch.Generator().manual_seed(2))
+        return IsolatedLoader(
+            dataset,
+            batch_size=4,
+            threads=1,
+            prefetch=2,
+            seed=9,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(2),
+        )
 
     expected, _ = _unforeseen(monkeypatch, make, 4)
     loader = make()
@@ -305,8 +370,15 @@ class Keyed(Counted):
 @pytest.mark.parametrize("key", ["raises", "tensor"])
 def test_a_key_that_raises_or_holds_a_tensor_means_no_read_ahead_and_no_error(path, key):
     dataset = Keyed(24, key)
-    loader = LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
-                           generator=torch.Generator().manual_seed(0))
+    loader = LOADERS[path](
+        dataset,
+        batch_size=4,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     try:
         for epoch in range(4):
             counts = Counter(torch.cat([i for i, _ in loader]).tolist())
@@ -325,8 +397,16 @@ def test_a_fork_waits_for_another_loaders_reads_ahead():
     val.lock = train.lock = lock
     val.read_ahead_key = lambda: 16
     validation = ThreadLoader(val, batch_size=4, threads=1, prefetch=2, seed=0)
-    training = IsolatedLoader(train, batch_size=4, threads=1, prefetch=2, seed=0, timeout=10, shuffle=True,
-                              generator=torch.Generator().manual_seed(0))
+    training = IsolatedLoader(
+        train,
+        batch_size=4,
+        threads=1,
+        prefetch=2,
+        seed=0,
+        timeout=10,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     try:
         for _ in range(2):
             assert len(list(validation)) == 4
@@ -359,8 +439,13 @@ def test_worker_processes_start_after_another_loaders_reads_ahead():
     val.lock = lock
     val.read_ahead_key = lambda: 16
     threads = ThreadLoader(val, batch_size=4, threads=1, prefetch=2, seed=0)
-    workers = StatefulLoader(LockedItems(lock), batch_size=4, num_workers=1, timeout=10,
-                             multiprocessing_context=multiprocessing.get_context("fork"))
+    workers = StatefulLoader(
+        LockedItems(lock),
+        batch_size=4,
+        num_workers=1,
+        timeout=10,
+        multiprocessing_context=multiprocessing.get_context("fork"),
+    )
     try:
         for _ in range(2):
             assert len(list(threads)) == 4
@@ -392,15 +477,24 @@ class Sized(Counted):
 def test_a_setting_changed_between_epochs_and_set_back_is_never_served(monkeypatch, path):
     """Between epochs the loop evaluates at another size, then sets its own back: the reads ahead
     made meanwhile are read again in their epoch, under the setting the epoch has."""
+
     def make():
-        return LOADERS[path](Sized(), batch_size=4, threads=1, prefetch=3, seed=2, shuffle=True,
-                             generator=torch.Generator().manual_seed(4))
+        return LOADERS[path](
+            Sized(),
+            batch_size=4,
+            threads=1,
+            prefetch=3,
+            seed=2,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(4),
+        )
 
     def evaluate_between(loader):
         def settle(epoch):
             loader.dataset.size.value = 2
             time.sleep(0.3)  # every read ahead made (or started) at size 2
             loader.dataset.size.value = 1
+
         return settle
 
     expected, _ = _unforeseen(monkeypatch, make, 4, evaluate_between)
@@ -423,7 +517,9 @@ def test_a_process_forked_beside_reads_ahead_does_not_wait_for_them():
     loader.dataset.lock = threading.Lock()
     try:
         for _ in range(2):
-            assert len(list(loader)) == 8  # the second ends with the third's first batches asked for
+            assert (
+                len(list(loader)) == 8
+            )  # the second ends with the third's first batches asked for
         pid = os.fork()
         if pid == 0:
             settle_reads_ahead()
@@ -444,9 +540,22 @@ class Holding:
     values: object
 
 
-@pytest.mark.parametrize("key", [[1, 2], {"size": 1}, {1, 2}, Holding(np.zeros(2)), (1, Holding([3])),
-                                 collections.deque([1]), array.array("i", [1]), types.SimpleNamespace(size=1),
-                                 (1, object()), torch.tensor([1])], ids=repr)
+@pytest.mark.parametrize(
+    "key",
+    [
+        [1, 2],
+        {"size": 1},
+        {1, 2},
+        Holding(np.zeros(2)),
+        (1, Holding([3])),
+        collections.deque([1]),
+        array.array("i", [1]),
+        types.SimpleNamespace(size=1),
+        (1, object()),
+        torch.tensor([1]),
+    ],
+    ids=repr,
+)
 def test_a_key_holding_what_could_change_in_place_means_no_read_ahead(key):
     from recipes.common.loading.epoch_read_ahead import ByIdentity, read_ahead_key
 
@@ -454,8 +563,18 @@ def test_a_key_holding_what_could_change_in_place_means_no_read_ahead(key):
     dataset.read_ahead_key = lambda: key
     assert read_ahead_key(dataset) is None
     cache = object()
-    dataset.read_ahead_key = lambda: (1, Holding((2, 3.0)), "a", None, float("nan"), np.int64(4), ByIdentity(cache))
-    assert read_ahead_key(dataset) == read_ahead_key(dataset)  # values, NaN equal to NaN, the same object
+    dataset.read_ahead_key = lambda: (
+        1,
+        Holding((2, 3.0)),
+        "a",
+        None,
+        float("nan"),
+        np.int64(4),
+        ByIdentity(cache),
+    )
+    assert read_ahead_key(dataset) == read_ahead_key(
+        dataset
+    )  # values, NaN equal to NaN, the same object
     before = read_ahead_key(dataset)
     cache = object()  # another object where the key names one by identity
     assert read_ahead_key(dataset) != before
@@ -483,13 +602,21 @@ class Configured(Counted):
 
 def test_a_dataclass_in_the_key_changed_in_place_is_seen(monkeypatch):
     def make():
-        return ThreadLoader(Configured(), batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
-                            generator=torch.Generator().manual_seed(0))
+        return ThreadLoader(
+            Configured(),
+            batch_size=4,
+            threads=1,
+            prefetch=2,
+            seed=1,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     def bump(loader):
         def settle(epoch):
             time.sleep(0.1)  # the reads ahead made under the old offset
             loader.dataset.settings.offset += 1000
+
         return settle
 
     expected, _ = _unforeseen(monkeypatch, make, 4, bump)
@@ -506,9 +633,18 @@ def test_image_folder_targets_changed_in_place_between_epochs_are_served(tmp_pat
     from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast
 
-    dataset = ImageFolderFast(make_image_folder(tmp_path, classes=2, per_class=8, seed=3), size=24, train=True)
-    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+    dataset = ImageFolderFast(
+        make_image_folder(tmp_path, classes=2, per_class=8, seed=3), size=24, train=True
+    )
+    loader = ThreadLoader(
+        dataset,
+        batch_size=4,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     try:
         for epoch in range(4):
             labels = torch.cat([y for _, y in loader])
@@ -526,11 +662,19 @@ def test_image_folder_cache_labels_replaced_between_epochs_are_served(tmp_path):
     from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast, build_image_cache
 
-    dataset = ImageFolderFast(make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=3), size=24,
-                              train=True)
+    dataset = ImageFolderFast(
+        make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=3), size=24, train=True
+    )
     build_image_cache(dataset, tmp_path / "cache", progress=False)
-    loader = ThreadLoader(dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
-                          generator=torch.Generator().manual_seed(0))
+    loader = ThreadLoader(
+        dataset,
+        batch_size=4,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     try:
         for epoch in range(4):
             labels = torch.cat([y for _, y in loader])
@@ -542,7 +686,9 @@ def test_image_folder_cache_labels_replaced_between_epochs_are_served(tmp_path):
 
 
 @pytest.mark.parametrize("path", ["threads", "isolated"])
-def test_image_folder_with_a_cache_is_served_its_reads_ahead_none_read_again(monkeypatch, path, tmp_path):
+def test_image_folder_with_a_cache_is_served_its_reads_ahead_none_read_again(
+    monkeypatch, path, tmp_path
+):
     """The common case stays fast: nothing changes, so from the third epoch its first `prefetch`
     batches are the ones made ahead, and no read ahead comes back CHANGED (in the isolated child,
     its key equals the parent's: the cache by identity through the fork, the checksums)."""
@@ -550,10 +696,14 @@ def test_image_folder_with_a_cache_is_served_its_reads_ahead_none_read_again(mon
     from recipes.testing import make_image_folder
     from recipes.vision import ImageFolderFast, build_image_cache
 
-    dataset = ImageFolderFast(make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=3), size=24,
-                              train=True)
+    dataset = ImageFolderFast(
+        make_image_folder(tmp_path / "images", classes=2, per_class=8, seed=3), size=24, train=True
+    )
     build_image_cache(dataset, tmp_path / "cache", progress=False)
-    served, changed = [], multiprocessing.Value("q", 0, lock=False)  # shared with the isolated child
+    served, changed = (
+        [],
+        multiprocessing.Value("q", 0, lock=False),
+    )  # shared with the isolated child
     result, read = ahead._Ahead.result, ahead.read_if_unchanged
 
     def counted(made):
@@ -567,8 +717,15 @@ def test_image_folder_with_a_cache_is_served_its_reads_ahead_none_read_again(mon
 
     monkeypatch.setattr(ahead._Ahead, "result", counted)
     monkeypatch.setattr(ahead, "read_if_unchanged", checked)
-    loader = LOADERS[path](dataset, batch_size=4, threads=1, prefetch=2, seed=1, shuffle=True,
-                           generator=torch.Generator().manual_seed(0))
+    loader = LOADERS[path](
+        dataset,
+        batch_size=4,
+        threads=1,
+        prefetch=2,
+        seed=1,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     try:
         for _ in range(4):
             assert len(list(loader)) == 4

@@ -28,8 +28,14 @@ class Records:
     """Thread-batched records: a dict batch of a tensor, a numpy array, strings and a scalar.
     `kill_at` SIGKILLs the child process reading that index, once (a marker file)."""
 
-    def __init__(self, n: int = 64, bad: int | None = None, kill_at: int | None = None, marker: str | None = None,
-                 pixels: bool = False):
+    def __init__(
+        self,
+        n: int = 64,
+        bad: int | None = None,
+        kill_at: int | None = None,
+        marker: str | None = None,
+        pixels: bool = False,
+    ):
         self.n, self.bad, self.kill_at, self.marker, self.pixels = n, bad, kill_at, marker, pixels
         self.parent = os.getpid()  # make_loader's probe reads an item here: never killed
 
@@ -45,14 +51,25 @@ class Records:
     def read_batch(self, indices, rng):
         if self.bad in indices:
             raise ValueError(f"record {self.bad} is damaged: rebuild its cache")
-        if self.kill_at in indices and os.getpid() != self.parent and not os.path.exists(self.marker):
+        if (
+            self.kill_at in indices
+            and os.getpid() != self.parent
+            and not os.path.exists(self.marker)
+        ):
             open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         ids = torch.tensor(indices, dtype=torch.int64)
-        batch = {"ids": ids, "square": np.asarray(indices, np.float32) ** 2, "names": [f"r{i}" for i in indices],
-                 "size": len(indices), "mask": ids % 2 == 0}
+        batch = {
+            "ids": ids,
+            "square": np.asarray(indices, np.float32) ** 2,
+            "names": [f"r{i}" for i in indices],
+            "size": len(indices),
+            "mask": ids % 2 == 0,
+        }
         if self.pixels:  # 32 KiB an item: a batch large enough to travel in its slot
-            batch["pixels"] = (ids % 251).to(torch.uint8).view(-1, 1, 1).expand(-1, 128, 256).contiguous()
+            batch["pixels"] = (
+                (ids % 251).to(torch.uint8).view(-1, 1, 1).expand(-1, 128, 256).contiguous()
+            )
         return batch
 
 
@@ -69,8 +86,12 @@ def cached(tmp_path_factory):
 
 
 def test_train_crops_equal_the_in_process_thread_path_over_epochs(cached):
-    threads = ThreadLoader(cached, batch_size=8, shuffle=True, seed=3, generator=torch.Generator().manual_seed(1))
-    isolated = IsolatedLoader(cached, batch_size=8, shuffle=True, seed=3, generator=torch.Generator().manual_seed(1))
+    threads = ThreadLoader(
+        cached, batch_size=8, shuffle=True, seed=3, generator=torch.Generator().manual_seed(1)
+    )
+    isolated = IsolatedLoader(
+        cached, batch_size=8, shuffle=True, seed=3, generator=torch.Generator().manual_seed(1)
+    )
     for _ in range(2):
         expected, got = list(threads), list(isolated)
         assert len(got) == len(expected) == 6
@@ -85,22 +106,32 @@ def test_train_crops_equal_the_in_process_thread_path_over_epochs(cached):
         for _ in range(200):  # reaped by close
             os.kill(pid, 0)
             import time
+
             time.sleep(0.01)
 
 
 def test_dict_batches_with_numpy_strings_and_scalars_cross_intact():
     loader = make_loader(Records(20), batch_size=6, path="isolated")
     batches = list(loader)
-    assert [b["ids"].tolist() for b in batches] == [list(range(i, min(i + 6, 20))) for i in range(0, 20, 6)]
+    assert [b["ids"].tolist() for b in batches] == [
+        list(range(i, min(i + 6, 20))) for i in range(0, 20, 6)
+    ]
     last = batches[-1]
     assert isinstance(last["square"], np.ndarray) and last["square"].tolist() == [18.0**2, 19.0**2]
-    assert last["names"] == ["r18", "r19"] and last["size"] == 2 and last["mask"].dtype == torch.bool
+    assert (
+        last["names"] == ["r18", "r19"] and last["size"] == 2 and last["mask"].dtype == torch.bool
+    )
     assert last["mask"].tolist() == [True, False]
 
 
 def test_batches_the_loop_keeps_are_never_overwritten():
-    loader = make_loader(Records(96, pixels=True), batch_size=4, shuffle=True, path="isolated",
-                         generator=torch.Generator().manual_seed(2))
+    loader = make_loader(
+        Records(96, pixels=True),
+        batch_size=4,
+        shuffle=True,
+        path="isolated",
+        generator=torch.Generator().manual_seed(2),
+    )
     kept = list(loader)  # every batch of the epoch alive at once
     rows = [b["pixels"][1] for b in list(loader)]  # the next epoch: only a row of each batch kept
     assert Counter(i for b in kept for i in b["ids"].tolist()) == Counter(range(96))
@@ -159,7 +190,9 @@ def test_a_dataset_error_in_the_child_reaches_the_loop_typed_and_its_batch_is_us
 
 def test_a_killed_child_is_reported_and_the_state_resumes_at_the_first_batch_not_received(tmp_path):
     marker = str(tmp_path / "killed")
-    loader = make_loader(Records(40, kill_at=21, marker=marker), batch_size=4, path="isolated", prefetch=1)
+    loader = make_loader(
+        Records(40, kill_at=21, marker=marker), batch_size=4, path="isolated", prefetch=1
+    )
     iterator = iter(loader)
     got = [next(iterator)["ids"].tolist() for _ in range(5)]
     with pytest.raises(IsolatedProcessDied, match="killed by signal 9"):
@@ -173,7 +206,9 @@ def test_a_killed_child_is_reported_and_the_state_resumes_at_the_first_batch_not
 def test_robust_loader_survives_the_child_killed_at_any_moment_each_sample_once(tmp_path, kill_at):
     marker = str(tmp_path / "killed")
     torch.manual_seed(3)
-    robust = RobustLoader(Records(40, kill_at=kill_at, marker=marker), batch_size=4, shuffle=True, path="isolated")
+    robust = RobustLoader(
+        Records(40, kill_at=kill_at, marker=marker), batch_size=4, shuffle=True, path="isolated"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         received = [i for b in robust for i in b["ids"].tolist()]
@@ -187,7 +222,9 @@ def test_a_new_resolution_between_epochs_reaches_the_child(cached):
     loader = IsolatedLoader(cached, batch_size=8, shuffle=False, seed=1)
     first = next(iter(loader))[0]
     pid = loader.child_pid
-    assert next(iter(loader))[0].shape == first.shape and loader.child_pid == pid  # one child over epochs
+    assert (
+        next(iter(loader))[0].shape == first.shape and loader.child_pid == pid
+    )  # one child over epochs
     old = cached.resolution
     try:
         cached.set_resolution(32)  # progressive resizing (shared memory, as workers see it)
@@ -215,13 +252,17 @@ def test_make_loader_isolates_the_thread_path_for_long_epochs_and_says_why(cache
     short = make_loader(Records(60), batch_size=4)  # 15 batches an epoch
     assert type(short) is ThreadLoader and "fewer than 16" in short.recipe.reasons["path"]
     assert type(make_loader(Records(64), batch_size=4, path="threads")) is ThreadLoader
-    with pytest.raises(ValueError, match=r"path='isolated' .* \['num_workers'\] configure worker processes"):
+    with pytest.raises(
+        ValueError, match=r"path='isolated' .* \['num_workers'\] configure worker processes"
+    ):
         make_loader(Records(64), batch_size=4, path="isolated", num_workers=2)
     assert make_loader(Records(64), batch_size=4, path="isolated", timeout=5).timeout == 5
 
 
 def test_loader_monitor_reads_the_isolated_path():
-    monitor = LoaderMonitor(make_loader(Records(64), batch_size=4, path="isolated"), warn_wait_fraction=1.0)
+    monitor = LoaderMonitor(
+        make_loader(Records(64), batch_size=4, path="isolated"), warn_wait_fraction=1.0
+    )
     assert sum(len(b["ids"]) for b in monitor) == 64
     assert monitor.epochs[0]["batches"] == 16
 
@@ -240,18 +281,26 @@ class Leaves(Records):
         return self.make(super().read_batch(indices, rng))
 
 
-@pytest.mark.parametrize("make", [
-    lambda b: Pair(b["ids"], b["pixels"]),
-    lambda b: collections.OrderedDict(ids=b["ids"], pixels=b["pixels"], zero_d=np.array(2.5)),
-    lambda b: {"ids": b["ids"], "pixels": b["pixels"].permute(0, 2, 1), "text": np.array(["a", "b"]),
-               "grad": b["ids"].float().requires_grad_(True)},
-], ids=["namedtuple", "OrderedDict", "layouts"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda b: Pair(b["ids"], b["pixels"]),
+        lambda b: collections.OrderedDict(ids=b["ids"], pixels=b["pixels"], zero_d=np.array(2.5)),
+        lambda b: {
+            "ids": b["ids"],
+            "pixels": b["pixels"].permute(0, 2, 1),
+            "text": np.array(["a", "b"]),
+            "grad": b["ids"].float().requires_grad_(True),
+        },
+    ],
+    ids=["namedtuple", "OrderedDict", "layouts"],
+)
 def test_structures_and_leaves_cross_as_the_thread_path_yields_them(make):
     threads = list(make_loader(Leaves(24, make), batch_size=4, path="threads"))
     isolated = list(make_loader(Leaves(24, make), batch_size=4, path="isolated"))
     for a, b in zip(threads, isolated, strict=True):
         assert type(a) is type(b)
-        for key in (a._fields if isinstance(a, tuple) else a):
+        for key in a._fields if isinstance(a, tuple) else a:
             x, y = (getattr(a, key), getattr(b, key)) if isinstance(a, tuple) else (a[key], b[key])
             assert type(x) is type(y) and x.shape == y.shape and x.dtype == y.dtype
             if isinstance(x, torch.Tensor):
@@ -264,22 +313,33 @@ def test_structures_and_leaves_cross_as_the_thread_path_yields_them(make):
 def test_a_batch_that_cannot_cross_is_a_typed_error_not_a_hang_and_not_counted():
     import threading
 
-    loader = make_loader(Leaves(24, lambda b: {**b, "lock": threading.Lock()}), batch_size=4, path="isolated",
-                         timeout=60)
+    loader = make_loader(
+        Leaves(24, lambda b: {**b, "lock": threading.Lock()}),
+        batch_size=4,
+        path="isolated",
+        timeout=60,
+    )
     iterator = iter(loader)
     with pytest.raises(IsolatedHandOverError, match="cannot pickle"):
         next(iterator)
-    assert loader.state_dict()["batches_yielded"] == 0  # not behind the loop: a resume makes it again
+    assert (
+        loader.state_dict()["batches_yielded"] == 0
+    )  # not behind the loop: a resume makes it again
 
 
 def test_a_dataset_error_carries_the_childs_traceback():
     loader = make_loader(Records(24, bad=9), batch_size=4, path="isolated")
     with pytest.raises(ValueError) as caught:
         list(loader)
-    assert any("child process" in note and "read_batch" in note for note in getattr(caught.value, "__notes__", []))
+    assert any(
+        "child process" in note and "read_batch" in note
+        for note in getattr(caught.value, "__notes__", [])
+    )
 
 
-def test_a_shared_memory_failure_in_the_child_is_resumed_by_robust_loader_each_sample_once(monkeypatch):
+def test_a_shared_memory_failure_in_the_child_is_resumed_by_robust_loader_each_sample_once(
+    monkeypatch,
+):
     import errno
 
     import recipes.common.loading.batch_ring as ring
@@ -331,7 +391,9 @@ def test_the_child_outlives_the_thread_that_forked_it():
 
     loader = make_loader(Records(64), batch_size=4, path="isolated")
     iterators = []
-    thread = threading.Thread(target=lambda: iterators.append((lambda it: (it, next(it)))(iter(loader))))
+    thread = threading.Thread(
+        target=lambda: iterators.append((lambda it: (it, next(it)))(iter(loader)))
+    )
     thread.start()
     thread.join()
     iterator, first = iterators[0]
@@ -350,16 +412,26 @@ def test_a_resume_by_a_sampler_that_resumes_itself_keeps_each_batchs_draws(path,
 
     class Draws(Records):
         def read_batch(self, indices, rng):
-            draw = 0 if rng is None else int(rng.integers(0, 10**6))  # make_loader's probe passes none
+            draw = (
+                0 if rng is None else int(rng.integers(0, 10**6))
+            )  # make_loader's probe passes none
             return {"ids": torch.tensor(indices), "draw": torch.tensor(draw)}
 
     def build():
         if kind == "buckets":
-            return make_loader(Draws(40), batch_sampler=LengthBucketSampler(np.arange(40) % 5 + 1, batch_size=4,
-                                                                             seed=1), path=path, seed=7)
-        return make_loader(Draws(40), batch_size=4, sampler=ElasticDistributedSampler(range(40), num_replicas=2,
-                                                                                      rank=0, seed=1),
-                           path=path, seed=7)
+            return make_loader(
+                Draws(40),
+                batch_sampler=LengthBucketSampler(np.arange(40) % 5 + 1, batch_size=4, seed=1),
+                path=path,
+                seed=7,
+            )
+        return make_loader(
+            Draws(40),
+            batch_size=4,
+            sampler=ElasticDistributedSampler(range(40), num_replicas=2, rank=0, seed=1),
+            path=path,
+            seed=7,
+        )
 
     whole = [(b["ids"].tolist(), int(b["draw"])) for b in build()]
     first = build()
@@ -380,7 +452,8 @@ def _flip(path, offset: int) -> None:
         f.write(bytes([byte ^ 1]))
 
 
-@pytest.mark.slow  # two image folders and caches (about 4 s): the damage checks themselves run in the fast tier
+# two image folders and caches (about 4 s): the damage checks themselves run in the fast tier
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [True, False])
 def test_damage_is_never_served_on_the_isolated_path(tmp_path, train):
     """The damage checks hold in the child: a flipped byte found at its first read there (a fork
@@ -398,7 +471,9 @@ def test_damage_is_never_served_on_the_isolated_path(tmp_path, train):
     _flip(path, offset)
     with pytest.raises(ImageCacheError, match=rf"{path.name} changed after the cache was opened"):
         list(make_loader(opened, batch_size=1, path="isolated"))
-    fresh = ImageFolderFast(root, size=32, train=train, cache_dir=tmp_path / "cache")  # opened on the damage
+    fresh = ImageFolderFast(
+        root, size=32, train=train, cache_dir=tmp_path / "cache"
+    )  # opened on the damage
     with pytest.raises(ImageCacheError, match=rf"{path.name} is damaged: image 5"):
         list(make_loader(fresh, batch_size=1, path="isolated"))
 
@@ -423,10 +498,14 @@ def test_make_loaders_isolated_path_measures_the_loop_and_takes_this_process_for
 
     assert Counter(epoch(busy)) == Counter(range(64)) and not loader.in_process
     assert Counter(epoch(lambda: time.sleep(0.005))) == Counter(range(64)) and not loader.in_process
-    assert Counter(epoch(busy)) == Counter(range(64)) and loader.in_process  # measured: the loop waited
+    assert (
+        Counter(epoch(busy)) == Counter(range(64)) and loader.in_process
+    )  # measured: the loop waited
     assert "path_measured" in loader.recipe.reasons and loader.child_pid is None
     assert "this process" in loader.recipe.reasons["path_measured"]
-    assert Counter(epoch(busy)) == Counter(range(64)) and not loader.in_process  # busy again: the child
+    assert (
+        Counter(epoch(busy)) == Counter(range(64)) and not loader.in_process
+    )  # busy again: the child
     assert loader.child_pid is not None
     given = make_loader(Records(64), batch_size=4, path="isolated")
     assert not given.adaptive  # a path the user chose stays chosen
@@ -436,7 +515,10 @@ class Priorities(Records):
     """Each batch says the scheduling priority (nice value) of the thread that read it."""
 
     def read_batch(self, indices, rng):
-        return {"ids": torch.tensor(indices), "nice": torch.tensor(os.getpriority(os.PRIO_PROCESS, 0))}
+        return {
+            "ids": torch.tensor(indices),
+            "nice": torch.tensor(os.getpriority(os.PRIO_PROCESS, 0)),
+        }
 
 
 @pytest.mark.parametrize("niceness", [5, 0])
@@ -444,7 +526,9 @@ def test_the_child_reads_below_the_loops_priority_the_loop_keeps_its_own(nicenes
     loop = os.getpriority(os.PRIO_PROCESS, 0)
     loader = IsolatedLoader(Priorities(16), batch_size=4, niceness=niceness)
     try:
-        for _ in range(2):  # the child is kept over epochs: its priority lowered once, not per epoch
+        for _ in range(
+            2
+        ):  # the child is kept over epochs: its priority lowered once, not per epoch
             nice = {int(b["nice"]) for b in loader}
             assert nice == {min(19, loop + niceness)}
     finally:
@@ -462,11 +546,15 @@ def test_make_loader_passes_niceness_to_the_child_and_says_when_no_child_uses_it
     loop = os.getpriority(os.PRIO_PROCESS, 0)
     loader = make_loader(Priorities(64), batch_size=4, niceness=2)
     try:
-        assert isinstance(loader, IsolatedLoader) and loader.recipe.reasons["niceness"] == "override"
+        assert (
+            isinstance(loader, IsolatedLoader) and loader.recipe.reasons["niceness"] == "override"
+        )
         assert {int(b["nice"]) for b in loader} == {min(19, loop + 2)}
     finally:
         loader.close()
-    short = make_loader(Priorities(8), batch_size=4, niceness=2)  # 2 batches an epoch: threads of this process
+    short = make_loader(
+        Priorities(8), batch_size=4, niceness=2
+    )  # 2 batches an epoch: threads of this process
     assert not isinstance(short, IsolatedLoader)
     assert short.recipe.reasons["niceness"].startswith("2: unused, no child process")
     assert {int(b["nice"]) for b in short} == {loop}
@@ -477,7 +565,9 @@ def test_make_loader_refuses_niceness_on_a_path_the_user_chose_without_a_child(p
     with pytest.raises(TypeError, match="niceness.*path='isolated'"):
         make_loader(Records(64), batch_size=4, path=path, niceness=3)
     with pytest.raises(ValueError, match="niceness"):
-        make_loader(Records(8), batch_size=4, niceness=-3)  # refused before the path is known to need none
+        make_loader(
+            Records(8), batch_size=4, niceness=-3
+        )  # refused before the path is known to need none
 
 
 class DiesTwice:

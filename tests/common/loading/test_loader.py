@@ -30,8 +30,14 @@ class Stream(IterableDataset):
 
 def _res(nofile=65536, cpus=2):
     return Resources(
-        cpus=cpus, cpus_logical=cpus, memory_available=16 * GiB, memory_limit=None,
-        shm_bytes=8 * GiB, shm_free=8 * GiB, gpus=0, nofile_limit=nofile,
+        cpus=cpus,
+        cpus_logical=cpus,
+        memory_available=16 * GiB,
+        memory_limit=None,
+        shm_bytes=8 * GiB,
+        shm_free=8 * GiB,
+        gpus=0,
+        nofile_limit=nofile,
     )
 
 
@@ -53,20 +59,31 @@ def test_every_profile_with_zero_workers_constructs_and_iterates(profile):
 
 @pytest.mark.parametrize("profile", ["production", "memory", "throughput", "text"])
 def test_profiles_with_workers_iterate_in_order(profile):
-    loader = make_loader(Squares(10), profile=profile, batch_size=3, num_workers=2, resources=_res(cpus=8))
+    loader = make_loader(
+        Squares(10), profile=profile, batch_size=3, num_workers=2, resources=_res(cpus=8)
+    )
     assert loader.num_workers == 2
     for _ in range(2):  # two epochs, persistent or not
         assert torch.cat(list(loader)).flatten().tolist() == [i * i for i in range(10)]
 
 
 def test_user_prefetch_with_zero_workers_is_dropped_not_raised():
-    loader = make_loader(Squares(4), profile="production", num_workers=0, prefetch_factor=4, persistent_workers=True)
+    loader = make_loader(
+        Squares(4), profile="production", num_workers=0, prefetch_factor=4, persistent_workers=True
+    )
     assert len(list(loader)) == 1
     assert "DataLoader rejects it" in loader.recipe.reasons["prefetch_factor"]
 
 
 def test_overrides_win_and_the_recipe_says_why():
-    loader = make_loader(Squares(8), profile="production", batch_size=5, num_workers=1, drop_last=True, resources=_res())
+    loader = make_loader(
+        Squares(8),
+        profile="production",
+        batch_size=5,
+        num_workers=1,
+        drop_last=True,
+        resources=_res(),
+    )
     assert loader.batch_size == 5 and loader.drop_last
     assert loader.recipe.settings["num_workers"] == 1
     assert loader.recipe.reasons["num_workers"] == "override"
@@ -114,8 +131,13 @@ def test_forkserver_only_when_the_dataset_uses_cuda_in_workers(monkeypatch):
 
 def test_user_context_wins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    loader = make_loader(Squares(), profile="production", num_workers=1, resources=_res(),
-                         multiprocessing_context=multiprocessing.get_context("spawn"))
+    loader = make_loader(
+        Squares(),
+        profile="production",
+        num_workers=1,
+        resources=_res(),
+        multiprocessing_context=multiprocessing.get_context("spawn"),
+    )
     assert loader.multiprocessing_context.get_start_method() == "spawn"
     assert loader.recipe.reasons["multiprocessing_context"] == "override"
 
@@ -140,8 +162,9 @@ print(sorted(torch.cat(list(loader)).flatten().tolist()))
 def test_a_script_without_a_main_guard_runs(tmp_path):
     script = tmp_path / "train.py"  # no `if __name__ == "__main__":`, as users write them
     script.write_text(UNGUARDED_SCRIPT)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str([i * i for i in range(10)])
 
@@ -174,8 +197,14 @@ class Marked(Dataset):
 
 
 def test_user_worker_init_runs_after_worker_init():
-    loader = make_loader(Marked(), profile="production", batch_size=1, num_workers=2,
-                         worker_init_fn=_mark_worker, resources=_res())
+    loader = make_loader(
+        Marked(),
+        profile="production",
+        batch_size=1,
+        num_workers=2,
+        worker_init_fn=_mark_worker,
+        resources=_res(),
+    )
     rows = torch.cat(list(loader)).tolist()
     assert sorted({r[0] for r in rows}) == [100, 101]  # the user's init ran in each worker
     assert {r[1] for r in rows} == {1}  # and worker_init set one torch thread first
@@ -183,7 +212,9 @@ def test_user_worker_init_runs_after_worker_init():
 
 
 def test_batch_sampler_override_drops_batch_size():
-    loader = make_loader(Squares(6), profile="production", num_workers=0, batch_sampler=[[0, 1], [2, 3, 4], [5]])
+    loader = make_loader(
+        Squares(6), profile="production", num_workers=0, batch_sampler=[[0, 1], [2, 3, 4], [5]]
+    )
     assert [len(b) for b in loader] == [2, 3, 1]
 
 
@@ -201,8 +232,16 @@ def test_auto_probes_a_sample_and_picks_memory_for_huge_samples():
         def __getitem__(self, i):
             return torch.zeros(1)
 
-    res = Resources(cpus=32, cpus_logical=32, memory_available=2 * GiB, memory_limit=None,
-                    shm_bytes=8 * GiB, shm_free=8 * GiB, gpus=8, nofile_limit=65536)
+    res = Resources(
+        cpus=32,
+        cpus_logical=32,
+        memory_available=2 * GiB,
+        memory_limit=None,
+        shm_bytes=8 * GiB,
+        shm_free=8 * GiB,
+        gpus=8,
+        nofile_limit=65536,
+    )
     small = make_loader(Huge(), resources=res)
     assert small.recipe.profile == "production"
 
@@ -253,7 +292,9 @@ def test_breaking_out_with_persistent_workers_exits_promptly():
     import time
 
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", EARLY_EXIT], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", EARLY_EXIT], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "left" in out.stdout and time.monotonic() - start < 20
     assert "Traceback" not in out.stderr and "leaked semaphore" not in out.stderr
@@ -274,7 +315,9 @@ def test_large_python_lists_on_a_dataset_warn_with_workers():
     from recipes.common import LoaderWarning, PackedStrings
 
     paths = [f"train/{i:07d}.jpg" for i in range(150_000)]
-    with pytest.warns(LoaderWarning, match=r"Indexed\.paths is a Python list of 150,000 items.*PackedStrings"):
+    with pytest.warns(
+        LoaderWarning, match=r"Indexed\.paths is a Python list of 150,000 items.*PackedStrings"
+    ):
         make_loader(Indexed(paths), num_workers=1, resources=_res())
     subset = torch.utils.data.Subset(Indexed(paths), range(10))
     with pytest.warns(LoaderWarning, match=r"Subset\.dataset\.paths"):

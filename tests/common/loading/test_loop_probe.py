@@ -45,15 +45,22 @@ def test_a_waiting_loop_moves_to_this_process_mid_epoch_each_batch_once_in_order
     assert moved_at and LoopProbe.EARLY <= moved_at[0] <= LoopProbe.EARLY + 1
     assert loader.child_pid is None  # the child ended once its batches were handed over
     assert f"from batch {LoopProbe.EARLY} of this epoch" in loader.recipe.reasons["path_measured"]
-    # The next epoch stays in this process (the loop still waits); a busy loop goes back to the child.
+    # The next epoch stays in this process (the loop still waits); a busy loop goes back to the
+    # child.
     assert _epoch(loader, wait) == list(range(N)) and loader.in_process
     assert _epoch(loader, _busy) == list(range(N)) and loader.in_process
-    assert _epoch(loader, _busy) == list(range(N)) and not loader.in_process and loader.child_pid is not None
+    assert (
+        _epoch(loader, _busy) == list(range(N))
+        and not loader.in_process
+        and loader.child_pid is not None
+    )
     loader.close()
 
 
 def test_a_state_saved_after_the_move_resumes_exactly():
-    loader = IsolatedLoader(Records(N), batch_size=1, threads=2, seed=3, adaptive=True, shuffle=True)
+    loader = IsolatedLoader(
+        Records(N), batch_size=1, threads=2, seed=3, adaptive=True, shuffle=True
+    )
     batches = iter(loader)
     first = []
     for _ in range(N - 20):
@@ -61,7 +68,9 @@ def test_a_state_saved_after_the_move_resumes_exactly():
         time.sleep(0.003)
     assert loader.in_process
     state = loader.state_dict()
-    rest = [i for batch in batches for i in batch["ids"].tolist()]  # the expectation: the epoch, uninterrupted
+    rest = [
+        i for batch in batches for i in batch["ids"].tolist()
+    ]  # the expectation: the epoch, uninterrupted
     loader.close()
     again = IsolatedLoader(Records(N), batch_size=1, threads=2, seed=3, shuffle=True)
     again.load_state_dict(state)
@@ -73,5 +82,9 @@ def test_a_state_saved_after_the_move_resumes_exactly():
 def test_a_busy_loop_or_a_given_path_never_moves(adaptive):
     loader = IsolatedLoader(Records(N), batch_size=1, threads=2, adaptive=adaptive)
     step = _busy if adaptive else (lambda: time.sleep(0.003))
-    assert _epoch(loader, step) == list(range(N)) and not loader.in_process and loader.child_pid is not None
+    assert (
+        _epoch(loader, step) == list(range(N))
+        and not loader.in_process
+        and loader.child_pid is not None
+    )
     loader.close()

@@ -23,7 +23,8 @@ from recipes.testing import make_int_shards
 
 
 class Faulty(Dataset):
-    """Index i; in a worker, the first time `fault_at` is fetched: `kill` (SIGKILL), `hang`, or `raise`."""
+    """Index i; in a worker, the first time `fault_at` is fetched: `kill` (SIGKILL), `hang`, or
+    `raise`."""
 
     def __init__(self, n, marker, fault_at=None, fault="kill"):
         self.n, self.marker, self.fault_at, self.fault = n, Path(marker), fault_at, fault
@@ -32,7 +33,11 @@ class Faulty(Dataset):
         return self.n
 
     def __getitem__(self, i):
-        if i == self.fault_at and (self.fault == "raise" or get_worker_info() is not None) and _first(self.marker):
+        if (
+            i == self.fault_at
+            and (self.fault == "raise" or get_worker_info() is not None)
+            and _first(self.marker)
+        ):
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif self.fault == "hang":
@@ -70,8 +75,14 @@ def _setup(kind, marker, tmp_path):
     """(dataset, loader kwargs) with a worker that dies the first time it meets its fault."""
     if kind == "sharded":
         paths = make_int_shards(tmp_path, [9, 14, 6, 11, 8, 12])
-        ds = ShardedIterableDataset(paths, KillingReader(marker, 33), shard_lengths=[9, 14, 6, 11, 8, 12],
-                                    seed=2, rank=0, world_size=1)
+        ds = ShardedIterableDataset(
+            paths,
+            KillingReader(marker, 33),
+            shard_lengths=[9, 14, 6, 11, 8, 12],
+            seed=2,
+            rank=0,
+            world_size=1,
+        )
         ds.set_epoch(1)
         return ds, {"batch_size": 4}
     ds = Faulty(80, marker, fault_at=37)
@@ -121,13 +132,16 @@ def test_a_hung_worker_times_out_and_the_epoch_completes(tmp_path):
 
 def shm_failing_collate(items):
     if get_worker_info() is not None:  # what a full /dev/shm makes torch raise in a worker
-        raise RuntimeError("unable to write to file </torch_4242_123_0>: No space left on device (28)")
+        raise RuntimeError(
+            "unable to write to file </torch_4242_123_0>: No space left on device (28)"
+        )
     return torch.tensor(items)
 
 
 def test_a_full_dev_shm_falls_back_to_no_workers_and_names_shm_size(tmp_path):
-    loader = RobustLoader(Faulty(30, tmp_path / "unused"), batch_size=5, num_workers=2,
-                          collate_fn=shm_failing_collate)
+    loader = RobustLoader(
+        Faulty(30, tmp_path / "unused"), batch_size=5, num_workers=2, collate_fn=shm_failing_collate
+    )
     with pytest.warns(LoaderWarning, match=r"--shm-size"):
         got = [i for b in loader for i in _ids(b)]
     assert got == list(range(30))
@@ -135,7 +149,9 @@ def test_a_full_dev_shm_falls_back_to_no_workers_and_names_shm_size(tmp_path):
 
 
 def test_errors_of_the_dataset_itself_are_not_retried(tmp_path):
-    loader = RobustLoader(Faulty(30, tmp_path / "fired", fault_at=7, fault="raise"), batch_size=5, num_workers=2)
+    loader = RobustLoader(
+        Faulty(30, tmp_path / "fired", fault_at=7, fault="raise"), batch_size=5, num_workers=2
+    )
     with pytest.raises(RuntimeError, match="record 7 is corrupt"):
         list(loader)
     assert loader.restarts == []
@@ -147,10 +163,12 @@ def test_the_ladder_steps_down_in_order():
     settings = {"num_workers": 8, "prefetch_factor": 2, "pin_memory": True}
     assert _next_rung(None, [], settings, "death") == {"num_workers": 4}
     assert _next_rung(None, [], {**settings, "num_workers": 1}, "death") == {"prefetch_factor": 1}
-    assert _next_rung(None, [], {"num_workers": 1, "prefetch_factor": 1, "pin_memory": True}, "hang") == {
-        "pin_memory": False}
-    assert _next_rung(None, [], {"num_workers": 1, "prefetch_factor": 1, "pin_memory": False}, "hang") == {
-        "num_workers": 0}
+    assert _next_rung(
+        None, [], {"num_workers": 1, "prefetch_factor": 1, "pin_memory": True}, "hang"
+    ) == {"pin_memory": False}
+    assert _next_rung(
+        None, [], {"num_workers": 1, "prefetch_factor": 1, "pin_memory": False}, "hang"
+    ) == {"num_workers": 0}
     assert _next_rung(None, [], settings, "shm") == {"num_workers": 0}
     assert _next_rung([{"num_workers": 3}], [], settings, "death") == {"num_workers": 3}
 
@@ -165,7 +183,10 @@ def test_a_reset_connection_counts_as_a_death_once_its_worker_is_reaped():
     from recipes.common.loading.robust_loader import _worker_died
 
     ctx = multiprocessing.get_context("fork")
-    dying, living = ctx.Process(target=time.sleep, args=(0.3,)), ctx.Process(target=time.sleep, args=(30,))
+    dying, living = (
+        ctx.Process(target=time.sleep, args=(0.3,)),
+        ctx.Process(target=time.sleep, args=(30,)),
+    )
     dying.start()
     living.start()
     try:
@@ -214,24 +235,50 @@ def _kill_one(loader: RobustLoader) -> None:
     worker.join(10)
 
 
-@pytest.mark.parametrize("kind, moment", [
-    ("shuffle", "between_epochs"), ("sharded", "during_validation"),
-    *(pytest.param(k, m, marks=pytest.mark.slow) for k, m in [  # the other combinations: the full suite
-        ("sharded", "between_epochs"), ("shuffle", "after_last_batch"), ("sharded", "after_last_batch"),
-        ("shuffle", "during_validation")])])
+@pytest.mark.parametrize(
+    "kind, moment",
+    [
+        ("shuffle", "between_epochs"),
+        ("sharded", "during_validation"),
+        *(
+            pytest.param(k, m, marks=pytest.mark.slow)
+            for k, m in [  # the other combinations: the full suite
+                ("sharded", "between_epochs"),
+                ("shuffle", "after_last_batch"),
+                ("sharded", "after_last_batch"),
+                ("shuffle", "during_validation"),
+            ]
+        ),
+    ],
+)
 def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, moment, tmp_path):
     """Issue #27: a persistent worker SIGKILLed while the loop is elsewhere (validating,
     checkpointing) was found by DataLoader's `_reset` inside `iter()`, beyond any retry."""
+
     def build_with(num_workers=2):
         torch.manual_seed(0)
         if kind == "sharded":
             sizes = [9, 14, 6, 11, 8, 12]
-            ds = ShardedIterableDataset(make_int_shards(tmp_path / "shards", sizes), read_ints,
-                                        shard_lengths=sizes, seed=2, rank=0, world_size=1)
-            return RobustLoader(ds, batch_size=4, num_workers=num_workers, persistent_workers=True,
-                                timeout=60), ds
-        return RobustLoader(list(range(40)), batch_size=4, shuffle=True, num_workers=num_workers,
-                            persistent_workers=True, tuned=False, timeout=60), None
+            ds = ShardedIterableDataset(
+                make_int_shards(tmp_path / "shards", sizes),
+                read_ints,
+                shard_lengths=sizes,
+                seed=2,
+                rank=0,
+                world_size=1,
+            )
+            return RobustLoader(
+                ds, batch_size=4, num_workers=num_workers, persistent_workers=True, timeout=60
+            ), ds
+        return RobustLoader(
+            list(range(40)),
+            batch_size=4,
+            shuffle=True,
+            num_workers=num_workers,
+            persistent_workers=True,
+            tuned=False,
+            timeout=60,
+        ), None
 
     build = build_with
 
@@ -244,7 +291,9 @@ def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, m
             for batch in iterator:
                 batches.append(_ids(batch))
                 if epoch == 1 and moment == "after_last_batch" and len(batches) == last and kill:
-                    _kill_one(loader)  # the epoch's last batch is out; StopIteration is still to come
+                    _kill_one(
+                        loader
+                    )  # the epoch's last batch is out; StopIteration is still to come
             got.append(batches)
             if epoch == 0 and kill and moment == "between_epochs":
                 _kill_one(loader)
@@ -261,10 +310,17 @@ def test_a_persistent_worker_killed_outside_an_iteration_costs_a_restart(kind, m
     with pytest.warns(LoaderWarning, match="worker died"):
         got = epochs(loader, ds, kill=True)
     for epoch, batches in enumerate(got):  # every sample exactly once per epoch, counted
-        assert Counter(i for b in batches for i in b) == Counter(i for b in expected[epoch] for i in b)
-    if kind == "sharded":  # an iterable's epoch order follows the workers it begins with: one, after the restart
+        assert Counter(i for b in batches for i in b) == Counter(
+            i for b in expected[epoch] for i in b
+        )
+    if (
+        kind == "sharded"
+    ):  # an iterable's epoch order follows the workers it begins with: one, after the restart
         one_worker = epochs(*build_with(num_workers=1), kill=False)
-        assert all(g in (e, o) for g, e, o in zip(got, expected, one_worker, strict=True)) and got != expected
+        assert (
+            all(g in (e, o) for g, e, o in zip(got, expected, one_worker, strict=True))
+            and got != expected
+        )
     else:
         assert got == expected  # a map-style order never depends on the workers
     assert [cause for cause, _ in loader.restarts] == ["death"]

@@ -74,8 +74,10 @@ def test_make_loader_takes_threads_for_a_memory_speed_dataset_and_says_why():
     with pytest.raises(ValueError, match="`path` must be one of"):
         make_loader(Slow(), batch_size=4, path="processes")
     with pytest.raises(TypeError, match="Plain has none"):  # no thread_batches()
-        ThreadLoader(type("Plain", (Dataset,), {"__len__": lambda s: 3, "__getitem__": lambda s, i: i})(),
-                     batch_size=2)
+        ThreadLoader(
+            type("Plain", (Dataset,), {"__len__": lambda s: 3, "__getitem__": lambda s, i: i})(),
+            batch_size=2,
+        )
 
 
 def test_batches_come_in_order_from_several_threads_with_the_epochs_order():
@@ -92,14 +94,24 @@ def test_batches_come_in_order_from_several_threads_with_the_epochs_order():
 
 def test_random_draws_follow_the_batch_not_the_thread():
     ds = Slow(40)
-    a = make_loader(ds, batch_size=4, shuffle=True, path="threads", generator=torch.Generator().manual_seed(1))
-    b = ThreadLoader(Slow(40), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1),
-                     threads=1, seed=a.seed)
+    a = make_loader(
+        ds, batch_size=4, shuffle=True, path="threads", generator=torch.Generator().manual_seed(1)
+    )
+    b = ThreadLoader(
+        Slow(40),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+        threads=1,
+        seed=a.seed,
+    )
     assert [x[1].tolist() for x in a] == [x[1].tolist() for x in b]
 
 
 @pytest.mark.parametrize("epoch", [0, 1, 2])
-@pytest.mark.parametrize("cut", [0, 1, 5, 12, 13])  # 13 batches: 0, inside, the last, after the last
+@pytest.mark.parametrize(
+    "cut", [0, 1, 5, 12, 13]
+)  # 13 batches: 0, inside, the last, after the last
 def test_a_resume_in_any_epoch_is_the_uninterrupted_run(epoch, cut):
     def build(seed):
         torch.manual_seed(seed)  # the resumed process need not seed alike
@@ -117,7 +129,9 @@ def test_a_resume_in_any_epoch_is_the_uninterrupted_run(epoch, cut):
     second = build(123)
     second.load_state_dict(state)
     rest = _ids(second)
-    assert Counter(map(tuple, prefix + rest)) == Counter(map(tuple, expected[epoch]))  # counted: none lost or repeated
+    assert Counter(map(tuple, prefix + rest)) == Counter(
+        map(tuple, expected[epoch])
+    )  # counted: none lost or repeated
     assert prefix + rest == expected[epoch]
     assert _ids(second) == expected[epoch + 1]  # and the epoch after is whole
 
@@ -148,7 +162,9 @@ def test_a_state_moves_between_the_thread_and_the_worker_paths():
     iterator = iter(threaded)
     prefix = [next(iterator)[0].tolist() for _ in range(4)]
     torch.manual_seed(3)
-    reference = make_loader(Slow(50), batch_size=5, shuffle=True, num_workers=0, collate_fn=_as_batch)
+    reference = make_loader(
+        Slow(50), batch_size=5, shuffle=True, num_workers=0, collate_fn=_as_batch
+    )
     list(reference)
     expected = _ids(reference)
     workers = make_loader(Slow(50), batch_size=5, shuffle=True, num_workers=2, collate_fn=_as_batch)
@@ -173,7 +189,9 @@ def test_an_error_in_a_read_reaches_the_loop_with_its_type():
 
 
 def test_the_monitor_reports_a_thread_loader():
-    monitor = LoaderMonitor(make_loader(Slow(20), batch_size=4, path="threads"), warn_wait_fraction=1.0)
+    monitor = LoaderMonitor(
+        make_loader(Slow(20), batch_size=4, path="threads"), warn_wait_fraction=1.0
+    )
     for _ in monitor:
         pass
     assert monitor.summary()["samples"] == 20
@@ -184,7 +202,9 @@ def test_bad_arguments_are_named():
         ThreadLoader(Slow(), batch_size=2, num_workers=2, timeout=5)
     with pytest.raises(ValueError, match="must be positive"):
         ThreadLoader(Slow(), batch_size=2, threads=0)
-    assert np.all(np.diff([b[0][0].item() for b in ThreadLoader(Slow(8), batch_size=2, threads=3)]) == 2)
+    assert np.all(
+        np.diff([b[0][0].item() for b in ThreadLoader(Slow(8), batch_size=2, threads=3)]) == 2
+    )
 
 
 def test_a_collate_function_gets_the_items_in_a_thread():
@@ -195,7 +215,11 @@ def test_a_collate_function_gets_the_items_in_a_thread():
         return sorted(items)
 
     loader = make_loader(Slow(10), batch_size=4, collate_fn=collate)
-    assert isinstance(loader, ThreadLoader) and [b for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert isinstance(loader, ThreadLoader) and [b for b in loader] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9],
+    ]
     assert all(name.startswith("ThreadLoader") for name in collated)
 
 
@@ -244,14 +268,19 @@ class Flaky(Slow):
         return int(i)
 
 
-PATHS = {"threads": dict(path="threads"), "isolated": dict(path="isolated"), "workers": dict(num_workers=2, collate_fn=_as_batch),
-         "inline": dict(num_workers=0, collate_fn=_as_batch)}
+PATHS = {
+    "threads": dict(path="threads"),
+    "isolated": dict(path="isolated"),
+    "workers": dict(num_workers=2, collate_fn=_as_batch),
+    "inline": dict(num_workers=0, collate_fn=_as_batch),
+}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_state_saved_in_except_after_an_error_in_the_loop_body_resumes_there(path):
     """The loop body raises in epoch 1 (Ctrl-C, a failed step); the state saved in the except
     block resumes at the next batch: the rest of epoch 1, then epoch 2, as uninterrupted."""
+
     def build(seed):
         torch.manual_seed(seed)
         return make_loader(Slow(36), batch_size=4, shuffle=True, **PATHS[path])
@@ -272,7 +301,10 @@ def test_a_state_saved_in_except_after_an_error_in_the_loop_body_resumes_there(p
     second = build(99)
     second.load_state_dict(state)
     rest = _ids(second)
-    assert Counter(map(tuple, got + rest)) == Counter(map(tuple, expected[1])) and got + rest == expected[1]
+    assert (
+        Counter(map(tuple, got + rest)) == Counter(map(tuple, expected[1]))
+        and got + rest == expected[1]
+    )
     assert _ids(second) == expected[2]
     third = build(0)
     list(third)
@@ -280,7 +312,11 @@ def test_a_state_saved_in_except_after_an_error_in_the_loop_body_resumes_there(p
         if i == 3:
             break
     paused = json.loads(json.dumps(third.state_dict()))
-    assert (paused["epoch"], paused["batches_yielded"], paused.get("finished_epoch")) == (1, 4, None)
+    assert (paused["epoch"], paused["batches_yielded"], paused.get("finished_epoch")) == (
+        1,
+        4,
+        None,
+    )
     fourth = build(99)
     fourth.load_state_dict(paused)
     assert got + _ids(fourth) == expected[1]  # the same four batches, then the rest
@@ -301,7 +337,11 @@ def test_a_batch_whose_read_failed_is_behind_the_loop(path):
             errors += 1
     state = loader.state_dict()
     del iterator
-    assert errors == 1 and got == [reference[i] for i in (0, 1, 3, 4)] and state["batches_yielded"] == 5
+    assert (
+        errors == 1
+        and got == [reference[i] for i in (0, 1, 3, 4)]
+        and state["batches_yielded"] == 5
+    )
     resumed = make_loader(Slow(40), batch_size=4, **PATHS[path])
     resumed.load_state_dict(state)
     assert _ids(resumed) == reference[5:]
@@ -310,15 +350,21 @@ def test_a_batch_whose_read_failed_is_behind_the_loop(path):
 def test_the_draw_seed_travels_in_the_state_and_make_loader_passes_thread_arguments():
     loader = make_loader(Slow(30), batch_size=4, shuffle=True, seed=5, threads=1, prefetch=1)
     assert (loader.seed, loader.threads, loader.prefetch) == (5, 1, 1)
-    assert loader.recipe.settings["seed"] == 5 and loader.recipe.reasons["threads"].endswith("override")
+    assert loader.recipe.settings["seed"] == 5 and loader.recipe.reasons["threads"].endswith(
+        "override"
+    )
     iterator = iter(loader)
     first = [next(iterator)[1].tolist() for _ in range(2)]
     state = json.loads(json.dumps(loader.state_dict()))
     rest = [b[1].tolist() for b in iterator]
-    other = make_loader(Slow(30), batch_size=4, shuffle=True, seed=77)  # another seed: the state's wins
+    other = make_loader(
+        Slow(30), batch_size=4, shuffle=True, seed=77
+    )  # another seed: the state's wins
     other.load_state_dict(state)
     assert [b[1].tolist() for b in other] == rest and len(first + rest) == 8
-    with pytest.raises(TypeError, match=r"neither a ThreadLoader nor a DataLoader takes: \['bogus'\]"):
+    with pytest.raises(
+        TypeError, match=r"neither a ThreadLoader nor a DataLoader takes: \['bogus'\]"
+    ):
         make_loader(Slow(30), batch_size=4, bogus=1)
     with pytest.raises(TypeError, match=r"\['seed', 'threads'\] configure the thread path"):
         make_loader(Slow(30), batch_size=4, num_workers=1, threads=2, seed=1)
@@ -346,8 +392,11 @@ def test_set_epoch_between_iter_and_the_first_batch_draws_that_epochs_batches():
 
 @pytest.mark.parametrize("path", ["threads", "isolated", "workers"])
 def test_closing_mid_epoch_raises_and_the_state_resumes_there(path):
-    settings = {"threads": dict(path="threads"), "isolated": dict(path="isolated"), "workers": dict(num_workers=2, collate_fn=_as_batch,
-                                                                persistent_workers=True)}[path]
+    settings = {
+        "threads": dict(path="threads"),
+        "isolated": dict(path="isolated"),
+        "workers": dict(num_workers=2, collate_fn=_as_batch, persistent_workers=True),
+    }[path]
     loader = make_loader(Slow(40), batch_size=4, **settings)
     reference = [b[0].tolist() for b in make_loader(Slow(40), batch_size=4, **settings)]
     iterator = iter(loader)
@@ -373,12 +422,20 @@ def test_a_script_exits_quietly(tmp_path):
     import sys
 
     script = tmp_path / "s.py"
-    script.write_text("import torch\nfrom tests.common.loading.test_thread_loader import Slow\n"
-                      "from recipes.common import make_loader\n"
-                      "loader = make_loader(Slow(20), batch_size=4)\n"
-                      "for batch in loader:\n    pass\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         cwd=str(Path(__file__).parents[3]), env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])})
+    script.write_text(
+        "import torch\nfrom tests.common.loading.test_thread_loader import Slow\n"
+        "from recipes.common import make_loader\n"
+        "loader = make_loader(Slow(20), batch_size=4)\n"
+        "for batch in loader:\n    pass\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[3]),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])},
+    )
     assert out.returncode == 0 and out.stderr == "", out.stderr
 
 
@@ -392,7 +449,8 @@ def test_the_training_threads_keep_torchs_thread_count(tmp_path):
     import sys
 
     script = tmp_path / "s.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import threading, torch
         from recipes.common import make_loader
 
@@ -404,8 +462,11 @@ def test_the_training_threads_keep_torchs_thread_count(tmp_path):
             def thread_batches(self):
                 return True
             def read_batch(self, indices, rng):
-                big = torch.zeros((1, 3, 512, 512), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
-                out = torch.nn.functional.interpolate(big, size=(224, 224), mode="bilinear", antialias=True)
+                big = torch.zeros((1, 3, 512, 512), dtype=torch.uint8)
+                big = big.contiguous(memory_format=torch.channels_last)
+                out = torch.nn.functional.interpolate(
+                    big, size=(224, 224), mode="bilinear", antialias=True
+                )
                 return out.expand(len(indices), -1, -1, -1), torch.tensor(indices)
 
         loader = make_loader(Resized(), batch_size=4)
@@ -416,10 +477,18 @@ def test_the_training_threads_keep_torchs_thread_count(tmp_path):
         thread.start()
         thread.join()
         print(during, torch.get_num_threads(), later[0])
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])}
-    fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
-                           text=True, timeout=120, env=env)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [fresh.stdout.strip()] * 3, (out.stdout, fresh.stdout)

@@ -24,7 +24,9 @@ def shards(tmp_path):
     folder.mkdir()
     rng = np.random.default_rng(0)
     for i, size in enumerate([100_000, 250_000, 60_000, 180_000]):
-        (folder / f"shard-{i}.bin").write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        (folder / f"shard-{i}.bin").write_bytes(
+            rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        )
     return folder
 
 
@@ -74,7 +76,10 @@ def test_downloads_once_into_a_hashed_private_folder(tmp_path, shards):
         assert path.read_bytes() == (shards / "shard-1.bin").read_bytes()
         assert cache.get(url) == path and server.gets["shard-1.bin"] == 1
         assert cache.stats() == {"hits": 1, "misses": 1, "bytes_downloaded": 250_000}
-    assert path.parent == tmp_path / "cache" and path.name == hashlib.sha256(url.encode()).hexdigest()[:40]
+    assert (
+        path.parent == tmp_path / "cache"
+        and path.name == hashlib.sha256(url.encode()).hexdigest()[:40]
+    )
     assert os.stat(tmp_path / "cache").st_mode & 0o777 == 0o700
     assert _temps(tmp_path / "cache") == []
 
@@ -107,7 +112,9 @@ def test_a_body_cut_short_is_retried_never_cached(tmp_path, shards):
 def test_the_final_error_names_the_url_and_attempts(tmp_path, shards):
     with LocalHTTPServer(shards, fail_first=100) as server:
         url = server.url("shard-0.bin")
-        with pytest.raises(DownloadError, match=rf"{url}: failed after 3 attempts; last error: .*503"):
+        with pytest.raises(
+            DownloadError, match=rf"{url}: failed after 3 attempts; last error: .*503"
+        ):
             _cache(tmp_path, retries=2).get(url)
     cache_dir = tmp_path / "cache"
     assert _temps(cache_dir) == [] and not PrefetchCache.path_for(_cache(tmp_path), url).exists()
@@ -135,7 +142,9 @@ def test_sha256_is_verified(tmp_path, shards):
         url = server.url("shard-2.bin")
         with pytest.raises(DownloadError, match="sha256"):
             _cache(tmp_path, retries=1).get(url, sha256="0" * 64)
-        assert _cache(tmp_path).get(url, sha256=hashlib.sha256(data).hexdigest()).read_bytes() == data
+        assert (
+            _cache(tmp_path).get(url, sha256=hashlib.sha256(data).hexdigest()).read_bytes() == data
+        )
 
 
 def test_a_checksum_that_differs_twice_fails_at_once_not_after_every_backoff(tmp_path, shards):
@@ -143,11 +152,18 @@ def test_a_checksum_that_differs_twice_fails_at_once_not_after_every_backoff(tmp
     the source, raised at once: retrying it with backoff only delayed the error (15 s)."""
     with LocalHTTPServer(shards) as server:
         start = time.monotonic()
-        with pytest.raises(DownloadError, match="on two downloads: the object is damaged where it is stored"):
+        with pytest.raises(
+            DownloadError, match="on two downloads: the object is damaged where it is stored"
+        ):
             _cache(tmp_path, retries=5, backoff=2.0).get(server.url("shard-2.bin"), sha256="0" * 64)
         assert time.monotonic() - start < 2 * 2.0 * 1.5 + 1  # one retry's wait at most, never five
-        assert not (tmp_path / "cache" / PrefetchCache(tmp_path / "cache", max_bytes=1).path_for(
-            server.url("shard-2.bin")).name).exists()
+        assert not (
+            tmp_path
+            / "cache"
+            / PrefetchCache(tmp_path / "cache", max_bytes=1)
+            .path_for(server.url("shard-2.bin"))
+            .name
+        ).exists()
 
 
 def test_a_get_with_sha256_that_waited_on_a_prefetch_verifies_its_copy(tmp_path, shards):
@@ -165,7 +181,9 @@ def test_a_get_with_sha256_that_waited_on_a_prefetch_verifies_its_copy(tmp_path,
         assert server.gets["shard-1.bin"] >= 2  # downloaded again to verify, never served as it was
 
 
-def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_path, shards, monkeypatch):
+def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(
+    tmp_path, shards, monkeypatch
+):
     """The checksum a download verified is recorded beside the file (with its inode, size,
     mtime and ctime): a fresh process (each epoch's new DataLoader workers) serves the copy
     without hashing it again, and a use keeps the record valid. A copy changed in place is
@@ -187,7 +205,10 @@ def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_p
             for _ in range(3):
                 assert _cache(tmp_path).get(url, sha256=good) == path
         after = path.stat()
-        assert (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)  # uses leave it alone
+        assert (after.st_mtime_ns, after.st_ctime_ns) == (
+            before.st_mtime_ns,
+            before.st_ctime_ns,
+        )  # uses leave it alone
         assert server.gets["shard-2.bin"] == 1
         for restore_mtime in (False, True):
             with open(path, "r+b") as f:  # damaged in place after the download
@@ -200,7 +221,9 @@ def test_a_verified_copy_is_hashed_once_for_every_process_until_it_changes(tmp_p
         assert server.gets["shard-2.bin"] == 3
 
 
-def test_eviction_takes_the_least_recently_used_and_a_finished_download_counts_as_a_use(tmp_path, shards):
+def test_eviction_takes_the_least_recently_used_and_a_finished_download_counts_as_a_use(
+    tmp_path, shards
+):
     """Files used last go last; a prefetched file whose download just ended is as fresh as a
     use then, never evicted before files used while it downloaded (its download began before)."""
     with LocalHTTPServer(shards) as server:
@@ -208,7 +231,9 @@ def test_eviction_takes_the_least_recently_used_and_a_finished_download_counts_a
         a, b, c, d = (server.url(f"shard-{i}.bin") for i in (0, 3, 2, 1))  # 100, 180, 60 and 250 kB
         cache.get(a)
         cache.get(b)
-        server.bandwidth = 200_000  # c's body takes 0.3 s: its file is created, then written for a while
+        server.bandwidth = (
+            200_000  # c's body takes 0.3 s: its file is created, then written for a while
+        )
         slow = cache.prefetch([c])
         time.sleep(0.1)
         cache.get(b)  # hits, used while c downloads: b, then a
@@ -219,9 +244,16 @@ def test_eviction_takes_the_least_recently_used_and_a_finished_download_counts_a
         kept = [n for n, u in zip("abcd", (a, b, c, d), strict=True) if cache.path_for(u).exists()]
         assert kept == ["a", "c", "d"], kept
         assert server.gets["shard-2.bin"] == 1
+
+
 def test_refused_urls_and_safe_names(tmp_path, shards):
     cache = _cache(tmp_path)
-    for url in ("pipe:curl http://x | tar x", "simplecache::http://x/a", "ftp://host/a", "data:text/plain,hi"):
+    for url in (
+        "pipe:curl http://x | tar x",
+        "simplecache::http://x/a",
+        "ftp://host/a",
+        "data:text/plain,hi",
+    ):
         with pytest.raises(ValueError, match="Refusing"):
             cache.get(url)
     evil = f"file://{shards}/../remote/shard-0.bin"
@@ -344,8 +376,9 @@ def _write_record_shards(folder, count, per_shard, size):
     rng = np.random.default_rng(4)
     for s in range(count):
         records = rng.integers(0, 256, (per_shard, size), dtype=np.uint8)
-        records[:, :4] = np.frombuffer(np.arange(s * per_shard, (s + 1) * per_shard, dtype="<u4").tobytes(),
-                                       np.uint8).reshape(per_shard, 4)
+        records[:, :4] = np.frombuffer(
+            np.arange(s * per_shard, (s + 1) * per_shard, dtype="<u4").tobytes(), np.uint8
+        ).reshape(per_shard, 4)
         (folder / f"rec-{s:03d}.bin").write_bytes(records.tobytes())
 
 
@@ -361,7 +394,9 @@ def test_sharded_dataset_with_the_cache_over_several_epochs(tmp_path):
     _write_record_shards(remote, count=8, per_shard=50, size=1000)  # 50 KB shards
     with LocalHTTPServer(remote, latency=0.01) as server:
         urls = [server.url(f"rec-{s:03d}.bin") for s in range(8)]
-        cache = PrefetchCache(tmp_path / "cache", max_bytes=220_000, prefetch=2, backoff=0.01)  # 4 of 8 shards
+        cache = PrefetchCache(
+            tmp_path / "cache", max_bytes=220_000, prefetch=2, backoff=0.01
+        )  # 4 of 8 shards
         ds = ShardedIterableDataset(urls, read_records, shard_lengths=[50] * 8, cache=cache, seed=1)
         loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
         peak, done = [0], threading.Event()
@@ -384,7 +419,9 @@ def test_sharded_dataset_with_the_cache_over_several_epochs(tmp_path):
         # The workers' counts reach the main process: every GET the server saw is a miss.
         stats = cache.stats()
         assert stats["misses"] == sum(server.gets.values())
-        assert stats["bytes_downloaded"] == sum(n * (remote / name).stat().st_size for name, n in server.gets.items())
+        assert stats["bytes_downloaded"] == sum(
+            n * (remote / name).stat().st_size for name, n in server.gets.items()
+        )
         assert stats["hits"] >= 8 * 3 - stats["misses"]
 
 
@@ -405,7 +442,10 @@ def test_close_stops_downloads_in_flight_and_leaves_no_temp_or_partial_file(tmp_
         cache = _cache(tmp_path, prefetch=1, range_bytes=range_bytes, range_connections=2)
         urls = [server.url(f"o{i}.bin") for i in range(3)]
         errors = []
-        callers = [threading.Thread(target=lambda u=u: errors.append(_error_of(cache.get, u))) for u in urls[:2]]
+        callers = [
+            threading.Thread(target=lambda u=u: errors.append(_error_of(cache.get, u)))
+            for u in urls[:2]
+        ]
         for caller in callers:  # two downloads in callers' threads
             caller.start()
         deadline = time.monotonic() + 10
@@ -418,7 +458,9 @@ def test_close_stops_downloads_in_flight_and_leaves_no_temp_or_partial_file(tmp_
         started = time.monotonic()
         cache.close()
         assert time.monotonic() - started < 2  # stopped, not waited out
-        assert held_count() == 0 and _temps(cache.dir) == []  # every lock and temp file closed, gone
+        assert (
+            held_count() == 0 and _temps(cache.dir) == []
+        )  # every lock and temp file closed, gone
         assert not any(cache.path_for(u).exists() for u in urls)
         assert queued.cancelled() and running.done() and running.result() is None
         for caller in callers:
@@ -433,7 +475,12 @@ def test_close_twice_use_after_close_and_the_context_manager(tmp_path, shards):
             assert cache.get(url).read_bytes() == (shards / "shard-0.bin").read_bytes()
         cache.close()  # again: fine
         closed = re.escape(f"PrefetchCache({str(tmp_path / 'cache')!r}) was closed")
-        for call in (cache.get, cache.connect, lambda u: cache.prefetch([u]), lambda u: cache.pinned(u).__enter__()):
+        for call in (
+            cache.get,
+            cache.connect,
+            lambda u: cache.prefetch([u]),
+            lambda u: cache.pinned(u).__enter__(),
+        ):
             with pytest.raises(CacheClosedError, match=closed):
                 call(url)
         assert issubclass(CacheClosedError, RuntimeError) and cache.stats()["misses"] == 1

@@ -45,8 +45,13 @@ def _collate(items):
 
 
 def _dataset(server, names, cache):
-    return ShardedIterableDataset([server.url(n) for n in names], read_records, shard_lengths=[PER_SHARD] * len(names),
-                                  seed=1, cache=cache)
+    return ShardedIterableDataset(
+        [server.url(n) for n in names],
+        read_records,
+        shard_lengths=[PER_SHARD] * len(names),
+        seed=1,
+        cache=cache,
+    )
 
 
 def _no_temps(cache_dir):
@@ -78,14 +83,24 @@ def test_the_early_start_downloads_each_object_once_and_leaves_no_temp(tmp_path,
         for epoch in range(2):
             ds.set_epoch(epoch)
             if how == "dataloader":
-                loader = DataLoader(ds, batch_size=16, num_workers=2, collate_fn=_collate,
-                                    worker_init_fn=worker_init, timeout=60)
+                loader = DataLoader(
+                    ds,
+                    batch_size=16,
+                    num_workers=2,
+                    collate_fn=_collate,
+                    worker_init_fn=worker_init,
+                    timeout=60,
+                )
             else:
-                loader = make_loader(ds, batch_size=16, num_workers=2, collate_fn=_collate, timeout=60)
+                loader = make_loader(
+                    ds, batch_size=16, num_workers=2, collate_fn=_collate, timeout=60
+                )
             seen.append(sorted(item for batch in loader for item in batch))
         expected = sorted((s, r) for s in range(len(names)) for r in range(PER_SHARD))
         assert seen == [expected, expected]  # every record once per epoch
-        assert {n: server.gets[n] for n in names} == dict.fromkeys(names, 1)  # one GET per object, ever
+        assert {n: server.gets[n] for n in names} == dict.fromkeys(
+            names, 1
+        )  # one GET per object, ever
         assert cache.stats()["misses"] == len(names)
         assert _no_temps(cache.dir) == []
 
@@ -116,8 +131,12 @@ def test_a_worker_never_inherits_a_lock_held_by_a_download_thread(tmp_path, shar
         assert _no_temps(cache.dir) == []
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists descriptors through Linux's /proc")
-def test_a_fork_during_a_whole_object_download_leaves_the_child_no_descriptor_of_it(tmp_path, shards):
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="lists descriptors through Linux's /proc"
+)
+def test_a_fork_during_a_whole_object_download_leaves_the_child_no_descriptor_of_it(
+    tmp_path, shards
+):
     """A whole-object download (one GET, below `range_bytes`) writes through the descriptor
     the cache opened and registered, closed in the child at fork. Through fsspec's
     `get_file`, which opens its own, the child would hold the temp file open (issue 19)."""
@@ -134,7 +153,9 @@ def test_a_fork_during_a_whole_object_download_leaves_the_child_no_descriptor_of
         download.result(timeout=30)
         assert server.gets["whole.bin"] == 1 and not server.range_gets  # the whole-object path
     assert [t for t in targets if t.startswith(f"{cache.dir}/")] == []  # no temp file, no lock
-    assert any(t.startswith("socket:") or t.startswith("pipe:") for t in targets)  # the listing worked
+    assert any(
+        t.startswith("socket:") or t.startswith("pipe:") for t in targets
+    )  # the listing worked
     assert cache.path_for(url).read_bytes() == data and _no_temps(cache.dir) == []
 
 
@@ -187,7 +208,9 @@ def test_a_forked_child_closes_its_copy_and_leaves_the_parents_download_alone(tm
         url = server.url("whole.bin")
         [download] = cache.prefetch([url])
         _wait_for_first_bytes(cache)  # in flight
-        child = multiprocessing.get_context("fork").Process(target=_close_in_a_forked_child, args=(cache, url))
+        child = multiprocessing.get_context("fork").Process(
+            target=_close_in_a_forked_child, args=(cache, url)
+        )
         child.start()
         child.join(30)
         exitcode = child.exitcode

@@ -28,12 +28,23 @@ def big(tmp_path):
 
 
 def _cache(tmp_path, **kw):
-    return PrefetchCache(tmp_path / "cache", max_bytes=2**30, backoff=0.01, range_bytes=RANGE,
-                         range_connections=4, **kw)
+    return PrefetchCache(
+        tmp_path / "cache",
+        max_bytes=2**30,
+        backoff=0.01,
+        range_bytes=RANGE,
+        range_connections=4,
+        **kw,
+    )
 
 
 def _ranges(server):
-    return sorted(start for (path, start), n in server.range_gets.items() if path == "big.bin" for _ in range(n))
+    return sorted(
+        start
+        for (path, start), n in server.range_gets.items()
+        if path == "big.bin"
+        for _ in range(n)
+    )
 
 
 def test_ranges_finishing_out_of_order_assemble_the_exact_bytes(tmp_path, big):
@@ -75,7 +86,10 @@ def test_small_objects_take_one_request(tmp_path, big):
 KILL_SCRIPT = textwrap.dedent(f"""
     import sys
     from recipes.common import PrefetchCache
-    PrefetchCache(sys.argv[1], max_bytes=2**30, range_bytes={RANGE}, range_connections=4).get(sys.argv[2])
+    cache = PrefetchCache(
+        sys.argv[1], max_bytes=2**30, range_bytes={RANGE}, range_connections=4
+    )
+    cache.get(sys.argv[2])
 """)
 
 
@@ -92,7 +106,9 @@ def test_sigkill_mid_ranged_download_leaves_no_final_file(tmp_path, big, zygote)
         time.sleep(0.3)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        assert [p for p in cache_dir.iterdir() if p.name.startswith(".tmp")], "the dead downloader's temp file"
+        assert [p for p in cache_dir.iterdir() if p.name.startswith(".tmp")], (
+            "the dead downloader's temp file"
+        )
         server.bandwidth = None
         cache = PrefetchCache(cache_dir, max_bytes=2**30, range_bytes=RANGE)  # sweeps it
         assert not [p for p in cache_dir.iterdir() if p.name.startswith(".tmp")]
@@ -126,15 +142,22 @@ def test_ranges_in_flight_rise_while_the_rate_does(tmp_path):
     folder = tmp_path / "remote"
     folder.mkdir()
     chunk = 64 * 1024
-    blobs = {f"o{i}.bin": np.random.default_rng(i).integers(0, 256, 16 * chunk, dtype=np.uint8).tobytes()
-             for i in range(5)}
+    blobs = {
+        f"o{i}.bin": np.random.default_rng(i).integers(0, 256, 16 * chunk, dtype=np.uint8).tobytes()
+        for i in range(5)
+    }
     for name, data in blobs.items():
         (folder / name).write_bytes(data)
     # 250 ms per range and connection: the cap, not the CPU of a busy machine serving 16 Python
     # connections, decides each rate (at 64 ms per range a loaded run measured 8 no faster than 4)
     with LocalHTTPServer(folder, bandwidth=2**18) as server:
-        cache = PrefetchCache(tmp_path / "cache", max_bytes=2**30, range_bytes=chunk, range_connections=2,
-                              max_connections=16)
+        cache = PrefetchCache(
+            tmp_path / "cache",
+            max_bytes=2**30,
+            range_bytes=chunk,
+            range_connections=2,
+            max_connections=16,
+        )
         levels = []
         for name, data in blobs.items():
             levels.append(cache.concurrency()["ranges_per_object"])
@@ -143,11 +166,14 @@ def test_ranges_in_flight_rise_while_the_rate_does(tmp_path):
         assert cache.concurrency() == {"objects": 4, "ranges_per_object": 16}
 
 
-@pytest.mark.parametrize(("rates", "settled"), [
-    ({2: 100, 4: 200, 8: 205, 16: 400}, 4),   # 8 gains 2.5% over 4: back to 4, and stay
-    ({2: 100, 4: 110, 8: 400, 16: 800}, 2),   # 4 gains 10%: stays at 2 even if more would pay
-    ({2: 100, 4: 200, 8: 400, 16: 800}, 16),  # every doubling pays, up to the cap
-])
+@pytest.mark.parametrize(
+    ("rates", "settled"),
+    [
+        ({2: 100, 4: 200, 8: 205, 16: 400}, 4),  # 8 gains 2.5% over 4: back to 4, and stay
+        ({2: 100, 4: 110, 8: 400, 16: 800}, 2),  # 4 gains 10%: stays at 2 even if more would pay
+        ({2: 100, 4: 200, 8: 400, 16: 800}, 16),  # every doubling pays, up to the cap
+    ],
+)
 def test_the_level_settles_where_a_doubling_stops_paying(rates, settled):
     import torch
 
@@ -176,7 +202,9 @@ def _saturating_link(cache, go, records, seconds):
         level = cache.concurrency()["ranges_per_object"]
         adapt.observe(level, 100.0 * min(level, 4))
         before = time.monotonic()  # what is read from here on happened after this instant
-        records.put((before, adapt.settled, cache.concurrency()["ranges_per_object"], time.monotonic()))
+        records.put(
+            (before, adapt.settled, cache.concurrency()["ranges_per_object"], time.monotonic())
+        )
         time.sleep(0.002)
 
 
@@ -186,9 +214,13 @@ def test_forked_processes_run_one_search_that_settles_where_the_link_saturates(t
     import multiprocessing
 
     fork = multiprocessing.get_context("fork")
-    cache = PrefetchCache(tmp_path / "cache", max_bytes=2**20, range_connections=2, max_connections=16)
+    cache = PrefetchCache(
+        tmp_path / "cache", max_bytes=2**20, range_connections=2, max_connections=16
+    )
     go, records = fork.Event(), fork.Queue()
-    procs = [fork.Process(target=_saturating_link, args=(cache, go, records, 0.4)) for _ in range(3)]
+    procs = [
+        fork.Process(target=_saturating_link, args=(cache, go, records, 0.4)) for _ in range(3)
+    ]
     for p in procs:
         p.start()
     go.set()
@@ -202,6 +234,9 @@ def test_forked_processes_run_one_search_that_settles_where_the_link_saturates(t
     assert [p.exitcode for p in procs] == [0, 0, 0] and len(seen) >= 30
     assert max(level for _, _, level, _ in seen) <= 8
     settled_at = min(after for _, settled, _, after in seen if settled)
-    assert {level for before, _, level, _ in seen if before > settled_at} == {4}  # nobody raised it again
-    # 2 -> 4 (x2 the rate) -> 8 (no gain over 4) -> back to 4, settled: the rule's answer, seen here too
+    assert {level for before, _, level, _ in seen if before > settled_at} == {
+        4
+    }  # nobody raised it again
+    # 2 -> 4 (x2 the rate) -> 8 (no gain over 4) -> back to 4, settled: the rule's answer, seen here
+    # too
     assert cache.concurrency()["ranges_per_object"] == 4 and cache._adapter().settled

@@ -40,13 +40,23 @@ def _resumed(build, cut: int):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_positioned_batch_sampler_resumed_mid_epoch_draws_what_the_uninterrupted_run_drew(workers):
+def test_a_positioned_batch_sampler_resumed_mid_epoch_draws_what_the_uninterrupted_run_drew(
+    workers,
+):
     """A `LengthBucketSampler` resumes by itself (its state), and its resumed batches were
     seeded as positions 0, 1, ... again."""
+
     def build():
-        sampler = LengthBucketSampler(np.arange(24) % 7 + 1, batch_size=3, seed=2, num_replicas=1, rank=0)
-        return StatefulLoader(Draws(), batch_sampler=sampler, collate_fn=list, num_workers=workers,
-                              generator=torch.Generator().manual_seed(1))
+        sampler = LengthBucketSampler(
+            np.arange(24) % 7 + 1, batch_size=3, seed=2, num_replicas=1, rank=0
+        )
+        return StatefulLoader(
+            Draws(),
+            batch_sampler=sampler,
+            collate_fn=list,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(1),
+        )
 
     whole, resumed = _resumed(build, 3)
     assert resumed == whole
@@ -75,7 +85,9 @@ def test_tuple_batches_and_numpy_indices_carry_their_seed(kind):
     def build():
         if kind == "tuples":
             return StatefulLoader(Draws(), batch_sampler=Pairs(), collate_fn=list)
-        return StatefulLoader(Draws(), sampler=NumpyIndices(), batch_size=None, collate_fn=lambda x: x)
+        return StatefulLoader(
+            Draws(), sampler=NumpyIndices(), batch_size=None, collate_fn=lambda x: x
+        )
 
     whole, resumed = _resumed(build, 5)
     assert resumed == whole

@@ -83,7 +83,9 @@ class KeepsPosition(IterableDataset):
 def test_robust_loader_restarts_a_dataset_that_resumes_itself_on_its_worker_count(tmp_path):
     """Halving the workers mid-epoch was refused (its states, like a replay, belong to the
     worker count the epoch began with): the restart keeps it."""
-    loader = RobustLoader(KeepsPosition(64, tmp_path / "died", die_at=30), batch_size=4, num_workers=2, timeout=30)
+    loader = RobustLoader(
+        KeepsPosition(64, tmp_path / "died", die_at=30), batch_size=4, num_workers=2, timeout=30
+    )
     with pytest.warns(LoaderWarning, match="worker died"):
         got = [int(x) for b in loader for x in b]
     assert (tmp_path / "died").exists() and Counter(got) == Counter(range(64))
@@ -91,7 +93,8 @@ def test_robust_loader_restarts_a_dataset_that_resumes_itself_on_its_worker_coun
 
 
 class Uneven(IterableDataset):
-    """Worker w yields its own range of `sizes[w]` items (worker 0 none); its position is its state."""
+    """Worker w yields its own range of `sizes[w]` items (worker 0 none); its position is its
+    state."""
 
     def __init__(self, sizes):
         self.sizes, self.resume, self.i = sizes, None, 0
@@ -116,7 +119,10 @@ class Uneven(IterableDataset):
 def test_the_round_robin_resumes_after_the_worker_that_made_the_last_batch(cut):
     """A worker with no data ends at once: the next turn is not `batches % workers` but the
     worker after the one that made the last batch received (as in the uninterrupted run)."""
-    build = lambda: StatefulLoader(Uneven([0, 20, 9]), batch_size=2, num_workers=3)  # noqa: E731
+
+    def build():
+        return StatefulLoader(Uneven([0, 20, 9]), batch_size=2, num_workers=3)
+
     whole = [b.tolist() for b in build()]
     first, head = build(), []
     for batch in first:

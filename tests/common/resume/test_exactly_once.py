@@ -1,8 +1,9 @@
 """Exactly once, proven (issue #19): a Hypothesis state machine drives a loader through random
-sequences of taking batches, leaving an epoch with `break`, starting epochs, saving its state and rebuilding it from the
-state (in another configuration), killing a worker under `RobustLoader`, and changing the
-number of ranks where the sampler supports it. Invariant: in every epoch, the batches the loop
-received equal, in order, what an uninterrupted run of the same seed delivers (with a change of
+sequences of taking batches, leaving an epoch with `break`, starting epochs, saving its state and
+rebuilding it from the state (in another configuration), killing a worker under `RobustLoader`, and
+changing the number of ranks where the sampler supports it. Invariant: in every epoch, the batches
+the loop received equal, in order, what an uninterrupted run of the same seed delivers (with a
+change of
 ranks: every planned sample exactly once, counted, with only the documented padding repeated).
 
 The default suite runs a bounded number of examples; `HYPOTHESIS_PROFILE=thorough` runs many more.
@@ -39,18 +40,50 @@ from recipes.testing import make_int_shards
 N = 48
 SHARDS = [9, 14, 6, 11, 8, 12]
 SEED = 1234
-MAP_KINDS = ["shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket", "packed", "mixture",
-             "mixture_batches"]
+MAP_KINDS = [
+    "shuffle",
+    "sampler_gen",
+    "batch_sampler_gen",
+    "distributed",
+    "bucket",
+    "packed",
+    "mixture",
+    "mixture_batches",
+]
 KINDS = [*MAP_KINDS, "sharded"]
-EXPLICIT = {"distributed", "bucket", "packed", "sharded", "mixture", "mixture_batches"}  # the loop calls set_epoch
+EXPLICIT = {
+    "distributed",
+    "bucket",
+    "packed",
+    "sharded",
+    "mixture",
+    "mixture_batches",
+}  # the loop calls set_epoch
 ELASTIC = {"bucket", "sharded", "mixture_batches"}
-THREADED = {"shuffle", "sampler_gen", "batch_sampler_gen", "distributed", "bucket", "mixture",
-            "mixture_batches"}  # Ids: also a ThreadLoader
+THREADED = {
+    "shuffle",
+    "sampler_gen",
+    "batch_sampler_gen",
+    "distributed",
+    "bucket",
+    "mixture",
+    "mixture_batches",
+}  # Ids: also a ThreadLoader
 
-settings.register_profile("thorough", max_examples=300, stateful_step_count=40, deadline=None,
-                          suppress_health_check=list(HealthCheck))
-settings.register_profile("default-suite", max_examples=12, stateful_step_count=14, deadline=None,
-                          suppress_health_check=list(HealthCheck))
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+settings.register_profile(
+    "default-suite",
+    max_examples=12,
+    stateful_step_count=14,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default-suite"))
 
 
@@ -119,12 +152,22 @@ class World:
         self.marker = str(folder / "kill")
         self.shards = make_int_shards(folder / "shards", SHARDS)
 
-    def build(self, kind: str, config: dict, *, world: int = 1, rank: int = 0, rebuilt: bool = False):
-        workers, persistent, prefetch, robust = config["workers"], config["persistent"], config["prefetch"], \
-            config["robust"] and config["workers"] > 0
+    def build(
+        self, kind: str, config: dict, *, world: int = 1, rank: int = 0, rebuilt: bool = False
+    ):
+        workers, persistent, prefetch, robust = (
+            config["workers"],
+            config["persistent"],
+            config["prefetch"],
+            config["robust"] and config["workers"] > 0,
+        )
         threads = config.get("threads", False) and kind in THREADED and not robust
         # the thread path in this process, or isolated in a child process (IsolatedLoader)
-        kwargs = dict(path=threads if isinstance(threads, str) else "threads") if threads else dict(num_workers=workers)
+        kwargs = (
+            dict(path=threads if isinstance(threads, str) else "threads")
+            if threads
+            else dict(num_workers=workers)
+        )
         if workers and not threads:
             kwargs.update(persistent_workers=persistent, prefetch_factor=prefetch)
         torch.manual_seed(999 if rebuilt else SEED)  # a resumed process need not seed alike
@@ -143,25 +186,49 @@ class World:
         if kind == "sampler_gen":
             return ds, {"batch_size": 4, "sampler": RandomSampler(ds, generator=generator)}
         if kind == "batch_sampler_gen":
-            return ds, {"batch_sampler": BatchSampler(RandomSampler(ds, generator=generator), 5, False)}
+            return ds, {
+                "batch_sampler": BatchSampler(RandomSampler(ds, generator=generator), 5, False)
+            }
         if kind == "distributed":
-            return ds, {"batch_size": 3, "sampler": DistributedSampler(ds, num_replicas=2, rank=0, seed=3)}
+            return ds, {
+                "batch_size": 3,
+                "sampler": DistributedSampler(ds, num_replicas=2, rank=0, seed=3),
+            }
         if kind == "bucket":
             lengths = np.random.default_rng(0).integers(5, 60, N)
-            return ds, {"batch_sampler": LengthBucketSampler(lengths, batch_size=4, seed=4, num_replicas=world,
-                                                             rank=rank)}
-        if kind == "mixture":  # two sources (indices 0-19 and 20-47) at 0.6 / 0.4, every sample once
+            return ds, {
+                "batch_sampler": LengthBucketSampler(
+                    lengths, batch_size=4, seed=4, num_replicas=world, rank=rank
+                )
+            }
+        if (
+            kind == "mixture"
+        ):  # two sources (indices 0-19 and 20-47) at 0.6 / 0.4, every sample once
             return ds, {"batch_size": 4, "sampler": MixtureSampler([20, 28], [0.6, 0.4], seed=6)}
-        if kind == "mixture_batches":  # the batch mode: global batches dealt over the ranks, elastic
-            return ds, {"batch_sampler": MixtureSampler([20, 28], [0.6, 0.4], seed=6, batch_size=4,
-                                                        num_replicas=world, rank=rank)}
+        if (
+            kind == "mixture_batches"
+        ):  # the batch mode: global batches dealt over the ranks, elastic
+            return ds, {
+                "batch_sampler": MixtureSampler(
+                    [20, 28], [0.6, 0.4], seed=6, batch_size=4, num_replicas=world, rank=rank
+                )
+            }
         if kind == "packed":
             from recipes.nlp.packing import PackCollate, PackedBatchSampler, PackedTokens
 
             sampler = PackedBatchSampler(self.cache.lengths, seq_len=64, batch_size=2, seed=5)
-            return PackedTokens(self.cache, sampler), {"batch_sampler": sampler, "collate_fn": PackCollate(64, 2)}
-        sharded = ShardedIterableDataset(self.shards, ShardReader(marker), shard_lengths=SHARDS, seed=2,
-                                         rank=rank, world_size=world)
+            return PackedTokens(self.cache, sampler), {
+                "batch_sampler": sampler,
+                "collate_fn": PackCollate(64, 2),
+            }
+        sharded = ShardedIterableDataset(
+            self.shards,
+            ShardReader(marker),
+            shard_lengths=SHARDS,
+            seed=2,
+            rank=rank,
+            world_size=world,
+        )
         return sharded, {"batch_size": 4}
 
 
@@ -199,8 +266,12 @@ class References:
         workers = workers if kind == "sharded" else 0  # map-style order never depends on workers
         run = self.runs.setdefault((kind, world, rank, workers), {"loader": None, "epochs": []})
         if run["loader"] is None:
-            run["loader"] = self.world.build(kind, {"workers": workers, "persistent": True, "prefetch": 2,
-                                                    "robust": False}, world=world, rank=rank)
+            run["loader"] = self.world.build(
+                kind,
+                {"workers": workers, "persistent": True, "prefetch": 2, "robust": False},
+                world=world,
+                rank=rank,
+            )
         while len(run["epochs"]) <= epoch:
             e = len(run["epochs"])
             if kind in EXPLICIT:
@@ -209,9 +280,15 @@ class References:
         return run["epochs"][epoch]
 
 
-CONFIGS = st.fixed_dictionaries({"workers": st.sampled_from([0, 1, 2]), "persistent": st.booleans(),
-                                 "prefetch": st.sampled_from([1, 2, 4]), "robust": st.booleans(),
-                                 "threads": st.sampled_from([False, "threads", "isolated"])})
+CONFIGS = st.fixed_dictionaries(
+    {
+        "workers": st.sampled_from([0, 1, 2]),
+        "persistent": st.booleans(),
+        "prefetch": st.sampled_from([1, 2, 4]),
+        "robust": st.booleans(),
+        "threads": st.sampled_from([False, "threads", "isolated"]),
+    }
+)
 
 
 class ExactlyOnce(RuleBasedStateMachine):
@@ -221,7 +298,12 @@ class ExactlyOnce(RuleBasedStateMachine):
 
     def _config(self, config: dict) -> dict:
         if self.robust_only:
-            return {**config, "robust": True, "persistent": True, "workers": max(1, config["workers"])}
+            return {
+                **config,
+                "robust": True,
+                "persistent": True,
+                "workers": max(1, config["workers"]),
+            }
         return config
 
     @initialize(kind=st.sampled_from(KINDS), config=CONFIGS)
@@ -253,7 +335,9 @@ class ExactlyOnce(RuleBasedStateMachine):
                 self.iterators = [None] * self.world
                 return
             assert all(b is not None for b in got), "ranks ended at different steps"
-            if not self.received[0]:  # an epoch's order is fixed by the loader that yields its first batch
+            if not self.received[
+                0
+            ]:  # an epoch's order is fixed by the loader that yields its first batch
                 self.began_with = num_workers(self.loaders[0])
             for r, batch in enumerate(got):
                 self.received[r].append(key(batch))
@@ -263,7 +347,9 @@ class ExactlyOnce(RuleBasedStateMachine):
     @precondition(lambda self: self.finished or (self.paused and self.kind in EXPLICIT))
     @rule()
     def next_epoch(self):
-        if self.paused:  # the loop moves on after its break: the rest of the epoch dropped, by its choice
+        if (
+            self.paused
+        ):  # the loop moves on after its break: the rest of the epoch dropped, by its choice
             expected = self.references.epoch(self.kind, self.epoch, 1, 0, self.began_with)
             assert self.received[0] == expected[: len(self.received[0])]
             self.received[0], self.paused = list(expected), False
@@ -275,8 +361,15 @@ class ExactlyOnce(RuleBasedStateMachine):
             for loader in self.loaders:
                 set_epoch(loader, self.epoch)
 
-    @precondition(lambda self: self.world == 1 and self.resized is None and not self.finished and not self.paused
-                  and self.received[0])
+    @precondition(
+        lambda self: (
+            self.world == 1
+            and self.resized is None
+            and not self.finished
+            and not self.paused
+            and self.received[0]
+        )
+    )
     @rule()
     def break_out(self):
         """The loop leaves the epoch early (`break` at a step limit): a pause, not an end (issue
@@ -290,38 +383,65 @@ class ExactlyOnce(RuleBasedStateMachine):
         config = self._config(config)
         if self.world > 1:
             config = {**config, "workers": min(config["workers"], 1), "robust": False}
-        state = json.loads(json.dumps(self.loaders[0].state_dict()))  # plain JSON, as a checkpoint holds it
+        state = json.loads(
+            json.dumps(self.loaders[0].state_dict())
+        )  # plain JSON, as a checkpoint holds it
         self.paused = False  # a paused epoch resumes its rest in the rebuilt loader
-        self._replace([self.world_builder.build(self.kind, config, world=self.world, rank=r, rebuilt=True)
-                       for r in range(self.world)], state)
+        self._replace(
+            [
+                self.world_builder.build(self.kind, config, world=self.world, rank=r, rebuilt=True)
+                for r in range(self.world)
+            ],
+            state,
+        )
 
     @precondition(lambda self: self.kind in ELASTIC and not self.finished and self.resized is None)
     @rule(world=st.sampled_from([1, 2]))
     def change_world_size(self, world):
         if self.kind == "sharded" and not (world < self.world and self.world % world == 0):
-            return  # ShardedIterableDataset replays old ranks on fewer new ones (a divisor), not more
+            # ShardedIterableDataset replays old ranks on fewer new ones (a divisor), not more
+            return
         self.paused = False  # the rebuilt loaders resume a paused epoch's rest
         state = json.loads(json.dumps(self.loaders[0].state_dict()))
         old, done = self.world, len(self.received[0])
         config = {"workers": 0, "persistent": False, "prefetch": 2, "robust": False}
         self.resized = (old, [[old, done], [world, 0]])
-        self.received = [[b for rank in self.received for b in rank]] + [[] for _ in range(world - 1)]
+        self.received = [[b for rank in self.received for b in rank]] + [
+            [] for _ in range(world - 1)
+        ]
         self.world = world
-        self._replace([self.world_builder.build(self.kind, config, world=world, rank=r, rebuilt=True)
-                       for r in range(world)], state)
+        self._replace(
+            [
+                self.world_builder.build(self.kind, config, world=world, rank=r, rebuilt=True)
+                for r in range(world)
+            ],
+            state,
+        )
 
-    @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader) and not self.finished
-                  and num_workers(self.loaders[0]) > 0 and self.kind != "packed")
+    @precondition(
+        lambda self: (
+            self.world == 1
+            and isinstance(self.loaders[0], RobustLoader)
+            and not self.finished
+            and num_workers(self.loaders[0]) > 0
+            and self.kind != "packed"
+        )
+    )
     @rule(ahead=st.integers(0, 8))
     def kill_a_worker(self, ahead):
         """Arms a SIGKILL in the worker that fetches a sample of an upcoming batch."""
         plan = References.epoch(self.references, self.kind, self.epoch, workers=self.began_with)
-        upcoming = plan[len(self.received[0]) + ahead:]
+        upcoming = plan[len(self.received[0]) + ahead :]
         if upcoming and upcoming[0]:
             Path(self.world_builder.marker).write_text(str(upcoming[0][0]))
 
-    @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader)
-                  and self.loaders[0].loader.persistent_workers)
+    @precondition(
+        lambda self: (
+            self.world == 1
+            and isinstance(self.loaders[0], RobustLoader)
+            and self.loaders[0].loader.persistent_workers
+        )
+    )
     @rule()
     def kill_a_worker_now(self):
         """SIGKILLs a persistent worker wherever the loop is: mid-epoch between batches, after
@@ -333,8 +453,15 @@ class ExactlyOnce(RuleBasedStateMachine):
             os.kill(workers[0].pid, signal.SIGKILL)
             workers[0].join(10)
 
-    @precondition(lambda self: self.world == 1 and isinstance(self.loaders[0], RobustLoader) and self.finished
-                  and num_workers(self.loaders[0]) > 0 and self.kind != "packed")
+    @precondition(
+        lambda self: (
+            self.world == 1
+            and isinstance(self.loaders[0], RobustLoader)
+            and self.finished
+            and num_workers(self.loaders[0]) > 0
+            and self.kind != "packed"
+        )
+    )
     @rule()
     def kill_a_worker_at_the_next_start(self):
         """Arms a SIGKILL for the next epoch's first sample: the death comes inside `iter()`,
@@ -356,7 +483,9 @@ class ExactlyOnce(RuleBasedStateMachine):
     def check_epoch(self):
         if self.resized is None:
             for r in range(self.world):
-                expected = self.references.epoch(self.kind, self.epoch, self.world, r, self.began_with)
+                expected = self.references.epoch(
+                    self.kind, self.epoch, self.world, r, self.began_with
+                )
                 assert self.received[r] == expected, (self.kind, self.epoch, r)
             if self.world == 1 and self.kind != "packed" and self.kind != "distributed":
                 assert sorted(i for b in self.received[0] for i in b) == list(range(self._total()))
@@ -370,8 +499,12 @@ class ExactlyOnce(RuleBasedStateMachine):
     def _expected_after_resize(self) -> Counter:
         old, phases = self.resized
         if self.kind == "sharded":  # the old ranks' uninterrupted epoch, replayed
-            return Counter(i for r in range(old) for b in self.references.epoch(
-                "sharded", self.epoch, old, r, self.began_with) for i in b)
+            return Counter(
+                i
+                for r in range(old)
+                for b in self.references.epoch("sharded", self.epoch, old, r, self.began_with)
+                for i in b
+            )
         # LengthBucketSampler, MixtureSampler's batches: the global plan; each phase deals the
         # rest, padded to its ranks
         plan = self.references.epoch(self.kind, self.epoch)  # one rank: the global list in order
@@ -410,12 +543,16 @@ def world_builder():
 
     folder = Path(tempfile.mkdtemp(prefix="exactly-once-"))
     texts = make_text_corpus(120, seed=3)
-    cache = build_token_cache(texts, train_tokenizer(texts, vocab_size=300), folder / "tok", progress=False)
+    cache = build_token_cache(
+        texts, train_tokenizer(texts, vocab_size=300), folder / "tok", progress=False
+    )
     yield World(folder, cache)
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("machine", [ExactlyOnce, DeathsAtAnyMoment], ids=["any_loader", "deaths_at_any_moment"])
+@pytest.mark.parametrize(
+    "machine", [ExactlyOnce, DeathsAtAnyMoment], ids=["any_loader", "deaths_at_any_moment"]
+)
 def test_exactly_once_in_any_epoch_at_any_point(world_builder, machine):
     import warnings
 

@@ -42,17 +42,28 @@ class TorchdataWorld(World):
         workers = config["workers"]
         kwargs = dict(num_workers=workers)
         if workers:
-            kwargs.update(persistent_workers=config["persistent"], prefetch_factor=config["prefetch"])
+            kwargs.update(
+                persistent_workers=config["persistent"], prefetch_factor=config["prefetch"]
+            )
         ds = Ids(48, str(self.folder / "never"))
         generator = torch.Generator().manual_seed(7)
         if kind == "shuffle":
-            extra = {"batch_size": 4, "shuffle": True, "generator": torch.Generator().manual_seed(SEED)}
+            extra = {
+                "batch_size": 4,
+                "shuffle": True,
+                "generator": torch.Generator().manual_seed(SEED),
+            }
         elif kind == "sampler_gen":
             extra = {"batch_size": 4, "sampler": RandomSampler(ds, generator=generator)}
         elif kind == "batch_sampler_gen":
-            extra = {"batch_sampler": BatchSampler(RandomSampler(ds, generator=generator), 5, False)}
+            extra = {
+                "batch_sampler": BatchSampler(RandomSampler(ds, generator=generator), 5, False)
+            }
         else:
-            extra = {"batch_size": 3, "sampler": DistributedSampler(ds, num_replicas=2, rank=0, seed=3)}
+            extra = {
+                "batch_size": 3,
+                "sampler": DistributedSampler(ds, num_replicas=2, rank=0, seed=3),
+            }
         return StatefulDataLoader(ds, **extra, **kwargs)
 
 
@@ -64,7 +75,9 @@ class SameConfigReferences(References):
 
     def epoch(self, kind, epoch, world=1, rank=0, workers=0):
         config = self.config
-        run = self.runs.setdefault((kind, tuple(sorted(config.items()))), {"loader": None, "epochs": []})
+        run = self.runs.setdefault(
+            (kind, tuple(sorted(config.items()))), {"loader": None, "epochs": []}
+        )
         if run["loader"] is None:
             run["loader"] = self.world.build(kind, config)
         while len(run["epochs"]) <= epoch:
@@ -98,8 +111,9 @@ def test_the_same_machine_against_torchdata(tmp_path):
     TorchdataMachine.references = SameConfigReferences(world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        TorchdataMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
-                                                      phases=[Phase.generate])
+        TorchdataMachine.TestCase.settings = settings(
+            max_examples=200, stateful_step_count=30, deadline=None, phases=[Phase.generate]
+        )
         try:
             TorchdataMachine.TestCase().runTest()
         except AssertionError as error:  # recorded for the README, not ours to assert

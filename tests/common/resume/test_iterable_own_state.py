@@ -79,7 +79,12 @@ class GlobalDraws(IterableDataset):
     def __iter__(self):
         wid, workers = _worker()
         for i in range(wid, self.n, workers):
-            yield [i, round(torch.rand(()).item(), 6), round(float(np.random.rand()), 6), round(random.random(), 6)]
+            yield [
+                i,
+                round(torch.rand(()).item(), 6),
+                round(float(np.random.rand()), 6),
+                round(random.random(), 6),
+            ]
 
 
 class CountsEpochs(IterableDataset):
@@ -193,14 +198,20 @@ def resumed_epoch(build, k):
 
 def items(batches):
     """The sample ids of batches: an item, or a row's first value."""
-    return [int(row[0]) if isinstance(row, list) else int(row) for batch in batches for row in batch]
+    return [
+        int(row[0]) if isinstance(row, list) else int(row) for batch in batches for row in batch
+    ]
 
 
 # ---- the iterator's own state, random draws inside it ----------------------------------------
 @pytest.mark.parametrize("k", [0, 1, 5, 12])  # 12: after worker 0's short shard ended
 @pytest.mark.parametrize("workers, persistent", WORKERS, ids=WORKER_IDS)
 def test_an_iterators_own_state_and_draws_resume_exactly(workers, persistent, k):
-    build = lambda: StatefulLoader(UnevenShards(), batch_size=2, collate_fn=as_list, **kwargs(workers, persistent))  # noqa: E731
+    def build():
+        return StatefulLoader(
+            UnevenShards(), batch_size=2, collate_fn=as_list, **kwargs(workers, persistent)
+        )
+
     torch.manual_seed(11)
     full = epoch(build())
     torch.manual_seed(11)  # the same loader seed; the resumed loader's comes from the state
@@ -212,7 +223,9 @@ def test_an_iterators_own_state_and_draws_resume_exactly(workers, persistent, k)
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_make_loader_resumes_an_iterators_own_state(workers):
-    build = lambda: make_loader(UnevenShards(), batch_size=2, collate_fn=as_list, num_workers=workers)  # noqa: E731
+    def build():
+        return make_loader(UnevenShards(), batch_size=2, collate_fn=as_list, num_workers=workers)
+
     torch.manual_seed(5)
     full = epoch(build())
     torch.manual_seed(5)
@@ -226,7 +239,12 @@ def test_global_draws_in_workers_replay_with_the_epoch(workers, persistent, k):
     """Each worker's generators are seeded per pass from (the loader's seed, epoch, worker), so a
     dataset with no state of its own, read again to resume, draws what it drew; every epoch
     draws anew."""
-    build = lambda: StatefulLoader(GlobalDraws(), batch_size=4, collate_fn=as_list, **kwargs(workers, persistent))  # noqa: E731
+
+    def build():
+        return StatefulLoader(
+            GlobalDraws(), batch_size=4, collate_fn=as_list, **kwargs(workers, persistent)
+        )
+
     torch.manual_seed(3)
     reference = build()
     epochs = [epoch(reference) for _ in range(2)]
@@ -248,7 +266,9 @@ def test_global_draws_in_workers_replay_with_the_epoch(workers, persistent, k):
 # ---- a dataset that is its own iterator and resets in __iter__ -------------------------------
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataset_that_resets_in_iter_resumes_from_its_state(workers):
-    build = lambda: StatefulLoader(ResetsInIter(40), batch_size=None, num_workers=workers)  # noqa: E731
+    def build():
+        return StatefulLoader(ResetsInIter(40), batch_size=None, num_workers=workers)
+
     full = [int(x) for x in build()]
     head, second = resumed_epoch(build, 10)
     got = head + [int(x) for x in second]
@@ -259,8 +279,15 @@ def test_a_dataset_that_resets_in_iter_resumes_from_its_state(workers):
 # ---- a worker whose stream ended stays ended -------------------------------------------------
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_worker_whose_stream_ended_before_the_save_stays_ended(persistent):
-    build = lambda: StatefulLoader(CountsEpochs((2, 20)), batch_size=2, collate_fn=as_list, num_workers=2,  # noqa: E731
-                                   persistent_workers=persistent)
+    def build():
+        return StatefulLoader(
+            CountsEpochs((2, 20)),
+            batch_size=2,
+            collate_fn=as_list,
+            num_workers=2,
+            persistent_workers=persistent,
+        )
+
     full = epoch(build())
     head, second = resumed_epoch(build, 6)  # worker 0 ended after its one batch
     got = head + epoch(second)
@@ -274,17 +301,26 @@ def test_a_state_saved_at_an_epochs_end_carries_the_copies_epoch_counter(workers
     """torchdata's TestMultiEpochState: the copies that outlive an epoch (persistent workers',
     this process's) count epochs themselves; a state saved at the end resumes the next epochs as
     the uninterrupted run has them (fresh workers' copies restart their count in both runs)."""
-    build = lambda: StatefulLoader(CountsEpochs(), batch_size=None, collate_fn=None, **kwargs(workers, persistent))  # noqa: E731
+
+    def build():
+        return StatefulLoader(
+            CountsEpochs(), batch_size=None, collate_fn=None, **kwargs(workers, persistent)
+        )
+
     reference = build()
     full = [epoch(reference) for _ in range(3)]
     counters = {int(item[1]) for one in full for item in one}
-    assert (len(counters) > 1) == (persistent or not workers)  # the copies count epochs where they outlive them
+    assert (len(counters) > 1) == (
+        persistent or not workers
+    )  # the copies count epochs where they outlive them
     first = build()
     epoch(first)
     state = json.loads(json.dumps(first.state_dict()))
     del first
     second = build()
-    list(zip(range(2), second, strict=False))  # the new loader's copies move on first: the state decides
+    list(
+        zip(range(2), second, strict=False)
+    )  # the new loader's copies move on first: the state decides
     second.load_state_dict(state)
     assert [epoch(second) for _ in range(2)] == full[1:]
 
@@ -292,7 +328,11 @@ def test_a_state_saved_at_an_epochs_end_carries_the_copies_epoch_counter(workers
 # ---- a state_dict() that returns a live dict -------------------------------------------------
 @pytest.mark.parametrize("workers, persistent", WORKERS, ids=WORKER_IDS)
 def test_a_state_is_a_copy_of_a_live_dict(workers, persistent):
-    build = lambda: StatefulLoader(LiveDict(), batch_size=1, collate_fn=as_list, **kwargs(workers, persistent))  # noqa: E731
+    def build():
+        return StatefulLoader(
+            LiveDict(), batch_size=1, collate_fn=as_list, **kwargs(workers, persistent)
+        )
+
     full = epoch(build())
     first = build()
     iterator = iter(first)
@@ -304,7 +344,6 @@ def test_a_state_is_a_copy_of_a_live_dict(workers, persistent):
     second = build()
     second.load_state_dict(state)
     assert head + epoch(second) == full
-
 
 
 class CountsPasses(IterableDataset):
@@ -334,10 +373,20 @@ class CountsPasses(IterableDataset):
         self.curr, self.end, self.passes = state["curr"], state["end"], state["passes"]
 
 
-@pytest.mark.parametrize("workers, persistent", [(0, False), (2, True)], ids=["w0", "w2-persistent"])
-def test_a_dataset_that_is_its_own_iterator_carries_its_count_past_an_epochs_end(workers, persistent):
-    build = lambda: StatefulLoader(CountsPasses(), batch_size=None, collate_fn=None,  # noqa: E731
-                                   **kwargs(workers, persistent))
+@pytest.mark.parametrize(
+    "workers, persistent", [(0, False), (2, True)], ids=["w0", "w2-persistent"]
+)
+def test_a_dataset_that_is_its_own_iterator_carries_its_count_past_an_epochs_end(
+    workers, persistent
+):
+    def build():
+        return StatefulLoader(
+            CountsPasses(),
+            batch_size=None,
+            collate_fn=None,
+            **kwargs(workers, persistent),
+        )
+
     reference = build()
     full = [epoch(reference) for _ in range(3)]
     first = build()
@@ -347,7 +396,6 @@ def test_a_dataset_that_is_its_own_iterator_carries_its_count_past_an_epochs_end
     second = build()
     second.load_state_dict(state)
     assert [epoch(second) for _ in range(2)] == full[1:]
-
 
 
 class UnevenPasses(CountsPasses):
@@ -363,8 +411,16 @@ class UnevenPasses(CountsPasses):
 def test_a_persistent_worker_whose_own_iterator_had_ended_keeps_its_count():
     """Worker 0's share ends first; a state saved then, resumed on persistent workers: that
     copy's later epochs count on from its saved count (it is loaded though it makes no batch)."""
-    build = lambda: StatefulLoader(UnevenPasses(), batch_size=None, collate_fn=None,  # noqa: E731
-                                   num_workers=2, persistent_workers=True)
+
+    def build():
+        return StatefulLoader(
+            UnevenPasses(),
+            batch_size=None,
+            collate_fn=None,
+            num_workers=2,
+            persistent_workers=True,
+        )
+
     reference = build()
     full = [epoch(reference) for _ in range(3)]
     first = build()
@@ -383,8 +439,16 @@ def test_after_a_break_persistent_copies_start_the_next_epoch_fresh():
     """Epoch 0 left by `break` on persistent workers, epoch 1 iterated on the same loader and
     saved after its first batch: the workers that had not yet given a batch in epoch 1 resume
     from its start, not from where epoch 0 was left (the review's repro lost two samples)."""
-    build = lambda: StatefulLoader(CountsEpochs((12, 12)), batch_size=2, collate_fn=as_list,  # noqa: E731
-                                   num_workers=2, persistent_workers=True)
+
+    def build():
+        return StatefulLoader(
+            CountsEpochs((12, 12)),
+            batch_size=2,
+            collate_fn=as_list,
+            num_workers=2,
+            persistent_workers=True,
+        )
+
     reference = build()
     iterator = iter(reference)
     next(iterator), next(iterator)
@@ -403,6 +467,7 @@ def test_after_a_break_persistent_copies_start_the_next_epoch_fresh():
     got = head + epoch(second)
     assert Counter(items(got)) == Counter(items(full))
     assert got == full
+
 
 def test_another_worker_count_is_refused_naming_the_one_to_use():
     first = StatefulLoader(UnevenShards(), batch_size=2, collate_fn=as_list, num_workers=2)

@@ -1,5 +1,6 @@
 """Resume cases of torchdata's StatefulDataLoader suite (meta-pytorch/data v0.11.0,
-test/stateful_dataloader/test_state_dict.py), written for `StatefulLoader` / `make_loader` (issue #28).
+test/stateful_dataloader/test_state_dict.py), written for `StatefulLoader` / `make_loader` (issue
+#28).
 
 Each test compares a resumed run with an uninterrupted run of the same settings (its own
 expectation) and counts samples (`Counter`) where exactly-once is the claim. Every state of ours
@@ -183,7 +184,8 @@ def loader_class(impl):
 
 
 def saved(loader, impl="ours"):
-    """The loader's state as a checkpoint holds it: plain JSON for ours (torchdata's holds tensors)."""
+    """The loader's state as a checkpoint holds it: plain JSON for ours (torchdata's holds
+    tensors)."""
     state = loader.state_dict()
     return json.loads(json.dumps(state)) if impl == "ours" else copy.deepcopy(state)
 
@@ -203,7 +205,7 @@ def ids(batches):
     """The sample ids of `batches` (of keys): ints, or the first column of rows."""
     out = []
     for batch in batches:
-        for item in (batch["x"] if isinstance(batch, dict) else batch):
+        for item in batch["x"] if isinstance(batch, dict) else batch:
             out.append(item[0] if isinstance(item, list) else item)
     return out
 
@@ -257,21 +259,44 @@ def build_kind(kind, workers, persistent, impl="ours", seed=0):
     if kind == "map":
         return loader_class(impl)(Ids(), batch_size=2, **kw)
     if kind == "shuffle":
-        return loader_class(impl)(Ids(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4), **kw)
+        return loader_class(impl)(
+            Ids(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4), **kw
+        )
     if kind == "iterable":
         return loader_class(impl)(Strided(), batch_size=2, **kw)
     if kind == "make_loader":
-        return make_loader(Ids(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4),
-                           path="workers", tuned=False, **kw, **({"prefetch_factor": 2} if workers else {}))
+        return make_loader(
+            Ids(),
+            batch_size=2,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(4),
+            path="workers",
+            tuned=False,
+            **kw,
+            **({"prefetch_factor": 2} if workers else {}),
+        )
     assert kind == "threads"
-    return make_loader(Ids(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4),
-                       path="threads", threads=2, tuned=False)
+    return make_loader(
+        Ids(),
+        batch_size=2,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(4),
+        path="threads",
+        threads=2,
+        tuned=False,
+    )
 
 
 PAUSE_CASES = [
-    pytest.param(kind, workers, persistent, at_epoch, impl,
-                 id=f"{kind}-{wid}-epoch{at_epoch}-{impl}",
-                 marks=[pytest.mark.slow] if (impl == "torchdata" or (at_epoch == 2 and workers)) else [])
+    pytest.param(
+        kind,
+        workers,
+        persistent,
+        at_epoch,
+        impl,
+        id=f"{kind}-{wid}-epoch{at_epoch}-{impl}",
+        marks=[pytest.mark.slow] if (impl == "torchdata" or (at_epoch == 2 and workers)) else [],
+    )
     for kind in ["map", "shuffle", "iterable", "make_loader", "threads"]
     for (workers, persistent), wid in zip(WORKERS, WORKER_IDS, strict=True)
     for at_epoch in (0, 2)
@@ -282,7 +307,9 @@ PAUSE_CASES = [
 
 
 @pytest.mark.parametrize("kind, workers, persistent, at_epoch, impl", PAUSE_CASES)
-def test_a_state_saved_after_break_resumes_where_the_loop_stopped(kind, workers, persistent, at_epoch, impl):
+def test_a_state_saved_after_break_resumes_where_the_loop_stopped(
+    kind, workers, persistent, at_epoch, impl
+):
     """Saved before any batch, mid-epoch after `break`, and after the epoch was exhausted (the
     next epoch starts whole), in epoch 0 and epoch 2: a fresh loader goes on from there, and the
     epoch after is the uninterrupted run's too."""
@@ -308,10 +335,14 @@ def test_a_state_saved_after_break_resumes_where_the_loop_stopped(kind, workers,
             assert prefix == full[at_epoch]
             if torchdata_shares_its_generator:
                 continue
-            assert (rest, after) == (full[at_epoch + 1], full[at_epoch + 2]), f"saved at the end of epoch {at_epoch}"
+            assert (rest, after) == (full[at_epoch + 1], full[at_epoch + 2]), (
+                f"saved at the end of epoch {at_epoch}"
+            )
             continue
-        assert prefix + rest == full[at_epoch], f"saved after {k} batches of epoch {at_epoch}: resumed " \
-                                                f"{len(rest)} batches, {total - k} expected"
+        assert prefix + rest == full[at_epoch], (
+            f"saved after {k} batches of epoch {at_epoch}: resumed "
+            f"{len(rest)} batches, {total - k} expected"
+        )
         assert Counter(ids(prefix + rest)) == Counter(range(40))
         if torchdata_shares_its_generator:
             continue
@@ -341,7 +372,9 @@ def test_iterating_the_same_loader_after_break_starts_the_next_epoch(workers, pe
     fresh = build_kind("shuffle", workers, persistent, impl, seed=999)
     fresh.load_state_dict(state)
     resumed = [prefix + epoch(fresh), epoch(fresh)]
-    if impl == "torchdata" and not workers:  # its shared generator (see the test above): the rest agrees
+    if (
+        impl == "torchdata" and not workers
+    ):  # its shared generator (see the test above): the rest agrees
         resumed, expected = resumed[:1], expected[:1]
     assert resumed == expected
 
@@ -373,7 +406,9 @@ def test_in_order_false_with_workers_is_refused_at_construction():
 
 
 def test_in_order_false_without_workers_is_accepted_and_resumes():
-    build = lambda: StatefulLoader(Ids(), batch_size=2, num_workers=0, in_order=False)  # noqa: E731
+    def build():
+        return StatefulLoader(Ids(), batch_size=2, num_workers=0, in_order=False)
+
     full = epoch(build())
     first = build()
     prefix = take(first, 6)
@@ -384,8 +419,14 @@ def test_in_order_false_without_workers_is_accepted_and_resumes():
 
 # ---- 3. the workers' randomness is reproduced -----------------------------------------------
 def build_random(workers, persistent, dataset=None):
-    return StatefulLoader(dataset or RandomItems(), batch_size=2, shuffle=True, collate_fn=as_list,
-                          generator=torch.Generator().manual_seed(4), **workers_kwargs(workers, persistent))
+    return StatefulLoader(
+        dataset or RandomItems(),
+        batch_size=2,
+        shuffle=True,
+        collate_fn=as_list,
+        generator=torch.Generator().manual_seed(4),
+        **workers_kwargs(workers, persistent),
+    )
 
 
 SAVE_POINTS = {"mid-epoch0": (0, 3), "end-epoch0": (0, None), "mid-epoch1": (1, 3)}
@@ -412,7 +453,9 @@ def test_the_datasets_random_draws_are_reproduced_on_resume(workers, persistent,
     if k is None:
         assert (rest, after) == (full[at_epoch + 1], full[at_epoch + 2])
     else:
-        assert prefix + rest == full[at_epoch], "(index, torch, numpy, python) of the resumed epoch differ"
+        assert prefix + rest == full[at_epoch], (
+            "(index, torch, numpy, python) of the resumed epoch differ"
+        )
         assert after == full[at_epoch + 1]
 
 
@@ -455,10 +498,16 @@ def generated(log: Path) -> list[int]:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("workers, persistent", WORKERS, ids=WORKER_IDS)
-def test_an_iterable_datasets_own_state_resumes_without_replaying_it(tmp_path, workers, persistent, impl):
+def test_an_iterable_datasets_own_state_resumes_without_replaying_it(
+    tmp_path, workers, persistent, impl
+):
     n, bs, k = 64, 4, 5
-    build = lambda log: loader_class(impl)(  # noqa: E731
-        KeepsPosition(n, tmp_path / log), batch_size=bs, **workers_kwargs(workers, persistent))
+
+    def build(log):
+        return loader_class(impl)(
+            KeepsPosition(n, tmp_path / log), batch_size=bs, **workers_kwargs(workers, persistent)
+        )
+
     full = epoch(build("full.log"))
     first = build("first.log")
     prefix = take(first, k)
@@ -471,16 +520,24 @@ def test_an_iterable_datasets_own_state_resumes_without_replaying_it(tmp_path, w
     assert Counter(ids(prefix + rest)) == Counter(range(n))
     again = generated(tmp_path / "resumed.log")
     replayed = sorted(set(again) & set(ids(prefix)))
-    assert not replayed, f"the resumed loader iterated the dataset from its start again (regenerated {replayed})"
+    assert not replayed, (
+        f"the resumed loader iterated the dataset from its start again (regenerated {replayed})"
+    )
     in_flight = workers * 2 * bs  # what the first run's workers may have made beyond the loop
     assert len(again) <= n - k * bs + in_flight
-    assert len(generated(tmp_path / "first.log")) + len(again) <= len(generated(tmp_path / "full.log")) + in_flight
+    assert (
+        len(generated(tmp_path / "first.log")) + len(again)
+        <= len(generated(tmp_path / "full.log")) + in_flight
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_dataset_that_is_its_own_iterator_resumes_from_its_state(impl):
     n, bs, k = 40, 4, 3
-    build = lambda: loader_class(impl)(SelfIterator(n), batch_size=bs)  # noqa: E731
+
+    def build():
+        return loader_class(impl)(SelfIterator(n), batch_size=bs)
+
     full = epoch(build())
     first = build()
     prefix = take(first, k)
@@ -511,7 +568,8 @@ class Logged:
 
 
 def build(workers, log, impl="ours"):
-    ds = datasets.Dataset.from_dict({"x": list(range(64))}).to_iterable_dataset(num_shards=4).map(Logged(log))
+    ds = datasets.Dataset.from_dict({"x": list(range(64))})
+    ds = ds.to_iterable_dataset(num_shards=4).map(Logged(log))
     if impl == "torchdata":
         from torchdata.stateful_dataloader import StatefulDataLoader
         return StatefulDataLoader(ds, batch_size=4, num_workers=workers)
@@ -519,7 +577,8 @@ def build(workers, log, impl="ours"):
 
 
 if __name__ == "__main__":
-    workers, state_file, out_file, log, impl = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+    workers = int(sys.argv[1])
+    state_file, out_file, log, impl = sys.argv[2:6]
     loader = build(workers, log, impl)
     with open(state_file) as f:
         loader.load_state_dict(json.load(f))
@@ -549,19 +608,38 @@ def test_a_hugging_face_iterable_dataset_resumes_in_a_fresh_process(tmp_path, wo
         prefix.append(batch["x"].tolist())
         if len(prefix) == 5:
             break
-    (tmp_path / "state.json").write_text(json.dumps(first.state_dict()))  # torchdata's is JSON here too
+    (tmp_path / "state.json").write_text(
+        json.dumps(first.state_dict())
+    )  # torchdata's is JSON here too
     del first
-    done = subprocess.run([sys.executable, str(script), str(workers), str(tmp_path / "state.json"),
-                           str(tmp_path / "rest.json"), str(tmp_path / "resumed.log"), impl],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(workers),
+            str(tmp_path / "state.json"),
+            str(tmp_path / "rest.json"),
+            str(tmp_path / "resumed.log"),
+            impl,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rest = json.loads((tmp_path / "rest.json").read_text())
     seen = Counter(x for batch in prefix + rest for x in batch)
-    assert seen == Counter(range(64)), (f"repeated {sorted(x for x, c in seen.items() if c > 1)}, "
-                                        f"lost {sorted(set(range(64)) - set(seen))}")
+    assert seen == Counter(range(64)), (
+        f"repeated {sorted(x for x, c in seen.items() if c > 1)}, "
+        f"lost {sorted(set(range(64)) - set(seen))}"
+    )
     assert prefix + rest == full
-    again = sorted(set(generated(tmp_path / "resumed.log")) & {x for batch in prefix for x in batch})
-    assert not again, f"the resumed process read the dataset from its start again (made {again} again)"
+    again = sorted(
+        set(generated(tmp_path / "resumed.log")) & {x for batch in prefix for x in batch}
+    )
+    assert not again, (
+        f"the resumed process read the dataset from its start again (made {again} again)"
+    )
 
 
 # ---- 5. samplers, set_epoch, load-then-save -------------------------------------------------
@@ -572,8 +650,15 @@ def test_a_sampler_with_its_own_state_resumes(workers):
     stateful sampler to save its own position in the pass and skips nothing, so this sampler
     (whose state is its order, not its position) repeats the first batches there."""
     impl = "ours"
-    build = lambda: loader_class(impl)(Ids(20), batch_size=2, sampler=PassSeededSampler(20),  # noqa: E731
-                                       **workers_kwargs(workers, False))
+
+    def build():
+        return loader_class(impl)(
+            Ids(20),
+            batch_size=2,
+            sampler=PassSeededSampler(20),
+            **workers_kwargs(workers, False),
+        )
+
     reference = build()
     full = [epoch(reference) for _ in range(3)]
     assert full[0] != full[1]
@@ -594,9 +679,12 @@ def test_a_sampler_with_its_own_state_resumes(workers):
 def test_several_epochs_with_set_epoch(workers, k, impl):
     """torchdata's TestMultiEpochSDL with an epoch-seeded sampler: the loop calls set_epoch(e)
     before each epoch, also in the resumed run."""
+
     def build():
         sampler = DistributedSampler(Ids(20), num_replicas=1, rank=0, shuffle=True, seed=5)
-        return loader_class(impl)(Ids(20), batch_size=2, sampler=sampler, **workers_kwargs(workers, False))
+        return loader_class(impl)(
+            Ids(20), batch_size=2, sampler=sampler, **workers_kwargs(workers, False)
+        )
 
     def run(loader, epochs):
         out = []

@@ -27,7 +27,7 @@ class PositionSampler(DistributedSampler):
 
     def __iter__(self):
         self.yielded, self.next_yielded = self.next_yielded or 0, None
-        for index in list(super().__iter__())[self.yielded:]:
+        for index in list(super().__iter__())[self.yielded :]:
             self.yielded += 1
             yield index
 
@@ -41,8 +41,12 @@ class PositionSampler(DistributedSampler):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_position_keeping_stateful_sampler_resumes_by_its_epoch(workers):
     def build():
-        return make_loader(Ids(36), batch_size=3, num_workers=workers,
-                           sampler=PositionSampler(Ids(36), num_replicas=2, rank=0, seed=1))
+        return make_loader(
+            Ids(36),
+            batch_size=3,
+            num_workers=workers,
+            sampler=PositionSampler(Ids(36), num_replicas=2, rank=0, seed=1),
+        )
 
     reference = build()
     reference.sampler.set_epoch(1)
@@ -61,8 +65,13 @@ def test_a_position_keeping_stateful_sampler_resumes_by_its_epoch(workers):
 def test_a_generator_shared_with_the_loader_keeps_the_order_at_an_epoch_boundary():
     def build():
         g = torch.Generator().manual_seed(4)
-        return make_loader(Ids(12), batch_size=4, sampler=RandomSampler(Ids(12), generator=g), generator=g,
-                           num_workers=0)
+        return make_loader(
+            Ids(12),
+            batch_size=4,
+            sampler=RandomSampler(Ids(12), generator=g),
+            generator=g,
+            num_workers=0,
+        )
 
     reference = build()
     epochs = [flat(reference) for _ in range(2)]
@@ -79,14 +88,18 @@ def test_sharded_without_lengths_resumes_exactly_near_the_end_of_an_epoch(tmp_pa
     paths = make_int_shards(tmp_path, [9, 14, 6, 11, 8, 12])
 
     def build():
-        ds = ShardedIterableDataset(paths, read_ints, seed=2, rank=0, world_size=1)  # no shard_lengths
+        ds = ShardedIterableDataset(
+            paths, read_ints, seed=2, rank=0, world_size=1
+        )  # no shard_lengths
         ds.set_epoch(2)
         return make_loader(ds, batch_size=4, num_workers=3, persistent_workers=True)
 
     expected = flat(build())
     first = build()
     iterator = iter(first)
-    prefix = flat([next(iterator) for _ in range(14)])  # two of the three workers have run out by now
+    prefix = flat(
+        [next(iterator) for _ in range(14)]
+    )  # two of the three workers have run out by now
     state = json.loads(json.dumps(first.state_dict()))
     del iterator
     resumed = build()
@@ -113,6 +126,7 @@ def test_breaking_out_of_an_epoch_pauses_it():
     """Issue #28: a loop that breaks at a step limit, then checkpoints, resumes at the first
     batch it did not receive (torchdata's behaviour); only exhausting the epoch ends it. The
     same loader iterated again after the break starts the next epoch, as DataLoader does."""
+
     def two_steps(loader):
         got = []
         for step, batch in enumerate(loader):
@@ -144,7 +158,9 @@ def test_set_epoch_between_iter_and_the_first_batch(workers):
 
     first = build()
     iterator = iter(first)
-    first.sampler.set_epoch(1)  # with workers the order is already drawn (epoch 0); without, not yet
+    first.sampler.set_epoch(
+        1
+    )  # with workers the order is already drawn (epoch 0); without, not yet
     prefix = flat([next(iterator) for _ in range(2)])
     state = json.loads(json.dumps(first.state_dict()))
     rest = flat(iterator)
@@ -158,13 +174,18 @@ def _subset(ids):
 
 
 def _weighted(weights):
-    return torch.utils.data.WeightedRandomSampler(weights, 20, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.WeightedRandomSampler(
+        weights, 20, generator=torch.Generator().manual_seed(0)
+    )
 
 
-@pytest.mark.parametrize("saved, other, name", [
-    (_subset(list(range(10))), _subset(list(range(10, 20))), "indices"),  # another train split
-    (_weighted([1.0] * 20), _weighted([1.0] * 10 + [0.0] * 10), "weights"),
-])
+@pytest.mark.parametrize(
+    "saved, other, name",
+    [
+        (_subset(list(range(10))), _subset(list(range(10, 20))), "indices"),  # another train split
+        (_weighted([1.0] * 20), _weighted([1.0] * 10 + [0.0] * 10), "weights"),
+    ],
+)
 def test_other_subset_indices_or_weights_are_refused(saved, other, name):
     first = make_loader(Ids(20), batch_size=4, num_workers=0, sampler=saved)
     second = make_loader(Ids(20), batch_size=4, num_workers=0, sampler=other)
@@ -194,7 +215,12 @@ def test_a_sampler_with_a_generator_that_draws_from_the_global_one_is_named():
 @pytest.mark.parametrize("bits", ["MT19937", "Philox", "SFC64", "PCG64"])
 def test_numpy_bit_generator_states_are_json(bits):
     def build(seed):
-        return make_loader(Ids(), batch_size=4, sampler=NumpyPerm(48, getattr(np.random, bits)(seed)), num_workers=0)
+        return make_loader(
+            Ids(),
+            batch_size=4,
+            sampler=NumpyPerm(48, getattr(np.random, bits)(seed)),
+            num_workers=0,
+        )
 
     reference = build(1)
     list(reference)
@@ -237,17 +263,23 @@ class OsEntropy(Sampler):
 def test_a_system_random_sampler_iterates_and_is_named_as_unreproducible():
     loader = make_loader(Ids(), batch_size=4, sampler=OsEntropy(48), num_workers=0)
     assert sorted(flat(loader)) == list(range(48))
-    with pytest.warns(LoaderWarning, match="SystemRandom draws from the operating system's entropy"):
+    with pytest.warns(
+        LoaderWarning, match="SystemRandom draws from the operating system's entropy"
+    ):
         loader.state_dict()
 
 
 def test_two_iterators_of_a_persistent_loader_count_on_the_pass_they_read():
-    loader = make_loader(Ids(22), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True)
+    loader = make_loader(
+        Ids(22), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True
+    )
     older, newer = iter(loader), iter(loader)  # the second resets the workers' shared iterator
     prefix = flat([next(older), next(older), next(newer)])
     state = json.loads(json.dumps(loader.state_dict()))
     rest = flat(newer)
     assert state["batches_yielded"] == 3
-    resumed = make_loader(Ids(22), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True)
+    resumed = make_loader(
+        Ids(22), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True
+    )
     resumed.load_state_dict(state)
     assert flat(resumed) == rest and repeated_and_lost(prefix + rest, 22) == (0, 0)

@@ -54,8 +54,9 @@ def test_robust_loader_survives_a_kill_in_a_later_epoch(fault_at, tmp_path):
     expected = flat(reference)
     marker.touch()  # epoch 0 runs without the fault
     torch.manual_seed(0)
-    loader = RobustLoader(Ids(marker=marker, fault_at=fault_at), batch_size=4, shuffle=True, num_workers=2,
-                          timeout=30)
+    loader = RobustLoader(
+        Ids(marker=marker, fault_at=fault_at), batch_size=4, shuffle=True, num_workers=2, timeout=30
+    )
     list(loader)
     marker.unlink()
     with pytest.warns(LoaderWarning, match="worker died"):
@@ -68,10 +69,21 @@ def test_robust_loader_survives_a_kill_in_a_later_epoch(fault_at, tmp_path):
 def test_robust_loader_restores_a_user_samplers_generator(tmp_path):
     """Repro 2: a RandomSampler with its own seeded generator, a worker SIGKILLed at index 77."""
     ds = Ids(200, tmp_path / "fired", fault_at=77)
-    expected = flat(make_loader(Ids(200), batch_size=4, num_workers=0,
-                                sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(5))))
-    loader = RobustLoader(ds, batch_size=4, num_workers=2, timeout=30,
-                          sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(5)))
+    expected = flat(
+        make_loader(
+            Ids(200),
+            batch_size=4,
+            num_workers=0,
+            sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(5)),
+        )
+    )
+    loader = RobustLoader(
+        ds,
+        batch_size=4,
+        num_workers=2,
+        timeout=30,
+        sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(5)),
+    )
     with pytest.warns(LoaderWarning, match="worker died"):
         got = flat(loader)
     assert repeated_and_lost(got, 200) == (0, 0)
@@ -89,7 +101,8 @@ def test_a_checkpoint_after_an_epoch_resumes_the_next_epoch_whole():
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     resumed.sampler.set_epoch(1)
     assert flat(resumed) == expected and len(expected) == 24
-    # saved after set_epoch(1), before its first batch: epoch 1 whole, with or without set_epoch again
+    # saved after set_epoch(1), before its first batch: epoch 1 whole, with or without set_epoch
+    # again
     first.sampler.set_epoch(1)
     state = first.state_dict()
     for call_set_epoch in (False, True):
@@ -126,8 +139,12 @@ def token_cache(tmp_path_factory):
     from recipes.testing import make_text_corpus, train_tokenizer
 
     texts = make_text_corpus(300, seed=1)
-    return build_token_cache(texts, train_tokenizer(texts, vocab_size=300), tmp_path_factory.mktemp("tok"),
-                             progress=False)
+    return build_token_cache(
+        texts,
+        train_tokenizer(texts, vocab_size=300),
+        tmp_path_factory.mktemp("tok"),
+        progress=False,
+    )
 
 
 def test_packed_loader_resumes_the_epoch_set_after_the_last_one(token_cache):
@@ -148,11 +165,21 @@ def test_packed_loader_resumes_the_epoch_set_after_the_last_one(token_cache):
     resumed = build()
     resumed.load_state_dict(state)
     got = [b["input_ids"] for b in resumed]
-    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert len(got) == len(expected) and all(
+        torch.equal(a, b) for a, b in zip(got, expected, strict=True)
+    )
 
 
-@pytest.mark.parametrize("change", [{"max_docs_per_row": 3}, {"shuffle": False}, {"window": 8},
-                                    {"split_long": False, "seq_len": 4096}, {"seed": 1}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_docs_per_row": 3},
+        {"shuffle": False},
+        {"window": 8},
+        {"split_long": False, "seq_len": 4096},
+        {"seed": 1},
+    ],
+)
 def test_a_packed_state_under_other_settings_is_refused(change, token_cache):
     """Repro 4: every setting that shapes the plan is carried and checked."""
     from recipes.nlp import packed_loader
@@ -174,8 +201,13 @@ def test_a_loader_state_under_other_settings_is_refused(change):
     settings = {"batch_size": 4, "drop_last": False, "n": 48}
     first = make_loader(Ids(settings["n"]), batch_size=4, shuffle=True, num_workers=0)
     other = {**settings, **change}
-    second = make_loader(Ids(other["n"]), batch_size=other["batch_size"], shuffle=True, num_workers=0,
-                         drop_last=other["drop_last"])
+    second = make_loader(
+        Ids(other["n"]),
+        batch_size=other["batch_size"],
+        shuffle=True,
+        num_workers=0,
+        drop_last=other["drop_last"],
+    )
     with pytest.raises(ValueError, match="saved under other settings"):
         second.load_state_dict(first.state_dict())
 
@@ -258,8 +290,13 @@ SEVERAL_LOADERS = textwrap.dedent("""
 def test_several_persistent_loaders_alive_at_once():
     """Repro 5: train and validation loaders with persistent workers; the validation loaders
     become cyclic garbage, inherited by the next loaders' forked workers, which collect it."""
-    done = subprocess.run([sys.executable, "-c", SEVERAL_LOADERS], capture_output=True, text=True, timeout=180,
-                          cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", SEVERAL_LOADERS],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
     assert "can only test a child process" not in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -297,7 +334,9 @@ class GlobalRandom(Sampler):
 
 def test_a_sampler_drawing_from_the_global_generator_is_named():
     loader = make_loader(Ids(), batch_size=4, sampler=GlobalRandom(48), num_workers=0)
-    with pytest.warns(LoaderWarning, match="GlobalRandom drew its order from torch's global random generator"):
+    with pytest.warns(
+        LoaderWarning, match="GlobalRandom drew its order from torch's global random generator"
+    ):
         next(iter(loader))
 
 
@@ -321,8 +360,13 @@ class HalfEpoch(Hidden):
         self.seed = epoch
 
 
-@pytest.mark.parametrize("sampler, match", [(Hidden(48), "cannot see the random state of the sampler Hidden"),
-                                            (HalfEpoch(48), "set_epoch.. but no `epoch` attribute")])
+@pytest.mark.parametrize(
+    "sampler, match",
+    [
+        (Hidden(48), "cannot see the random state of the sampler Hidden"),
+        (HalfEpoch(48), "set_epoch.. but no `epoch` attribute"),
+    ],
+)
 def test_a_sampler_with_state_the_loader_cannot_see_is_named_at_state_dict(sampler, match):
     loader = make_loader(Ids(), batch_size=4, sampler=sampler, num_workers=0)
     next(iter(loader))

@@ -14,7 +14,12 @@ from recipes.testing import make_int_shards
 
 # (workers, prefetch_factor); prefetch 1 and 4 are in the slow tier (the state machine of
 # test_exactly_once.py draws them in the fast tier too)
-CONFIGS = [(0, None), pytest.param(2, 1, marks=pytest.mark.slow), (2, 2), pytest.param(2, 4, marks=pytest.mark.slow)]
+CONFIGS = [
+    (0, None),
+    pytest.param(2, 1, marks=pytest.mark.slow),
+    (2, 2),
+    pytest.param(2, 4, marks=pytest.mark.slow),
+]
 
 
 class Ids(Dataset):
@@ -42,7 +47,9 @@ def _build(kind, workers, prefetch, shard_files, seed=0):
     extra = {} if prefetch is None else {"prefetch_factor": prefetch}
     common = dict(num_workers=workers, persistent_workers=False, **extra)
     if kind == "shuffle":
-        torch.manual_seed(seed)  # a resumed process need not seed alike: the state carries the order
+        torch.manual_seed(
+            seed
+        )  # a resumed process need not seed alike: the state carries the order
         return make_loader(Ids(), batch_size=4, shuffle=True, **common)
     if kind == "bucket":
         lengths = np.random.default_rng(0).integers(5, 60, 97)
@@ -54,8 +61,14 @@ def _build(kind, workers, prefetch, shard_files, seed=0):
         sampler.set_epoch(2)
         return make_loader(Ids(), batch_size=5, sampler=sampler, **common)
     paths, sizes = shard_files
-    ds = ShardedIterableDataset(paths, lambda p: read_ints(__import__("pathlib").Path(p)), shard_lengths=sizes,
-                                seed=1, rank=0, world_size=1)
+    ds = ShardedIterableDataset(
+        paths,
+        lambda p: read_ints(__import__("pathlib").Path(p)),
+        shard_lengths=sizes,
+        seed=1,
+        rank=0,
+        world_size=1,
+    )
     ds.set_epoch(1)
     return make_loader(ds, batch_size=3, **common)
 
@@ -88,8 +101,15 @@ def test_prefix_plus_resumed_rest_is_the_uninterrupted_epoch(kind, workers, pref
 
 def test_the_issue_repro_loses_no_batch():
     lengths = np.random.default_rng(0).integers(8, 120, 2000)
-    build = lambda: make_loader(Ids(2000), num_workers=2, prefetch_factor=2,  # noqa: E731
-                                batch_sampler=LengthBucketSampler(lengths, max_tokens=2048, seed=0))
+
+    def build():
+        return make_loader(
+            Ids(2000),
+            num_workers=2,
+            prefetch_factor=2,
+            batch_sampler=LengthBucketSampler(lengths, max_tokens=2048, seed=0),
+        )
+
     loader = build()
     total = len(loader)
     iterator = iter(loader)

@@ -1,9 +1,9 @@
 """Run under torchrun (gloo), or plain python for one rank: LengthBucketSampler,
-ShardedIterableDataset or MixtureSampler (`mixture`: indices; `mixture_batches`) through `make_loader` with 2 workers per rank and an all-reduce per step
-(a rank with fewer batches would hang the others). Modes: `epoch` (a whole epoch), `stop` (3
-steps, then rank 0 saves the loader state), `resume` (the rest of that epoch, on this world).
-`kinds` and `modes` are comma-separated (`bucket,sharded`, `epoch,stop`): one launch serves them
-all, each kind in `folder/<kind>/`."""
+ShardedIterableDataset or MixtureSampler (`mixture`: indices; `mixture_batches`) through
+`make_loader` with 2 workers per rank and an all-reduce per step (a rank with fewer batches would
+hang the others). Modes: `epoch` (a whole epoch), `stop` (3 steps, then rank 0 saves the loader
+state), `resume` (the rest of that epoch, on this world). `kinds` and `modes` are comma-separated
+(`bucket,sharded`, `epoch,stop`): one launch serves them all, each kind in `folder/<kind>/`."""
 
 import datetime
 import json
@@ -35,15 +35,26 @@ def read_shard(path, start, stop):
 
 def loader_for(kind, folder, world):
     if kind == "bucket":
-        sampler = LengthBucketSampler(LENGTHS, max_tokens=1024, seed=7)  # the world from torch.distributed
+        sampler = LengthBucketSampler(
+            LENGTHS, max_tokens=1024, seed=7
+        )  # the world from torch.distributed
         sampler.set_epoch(1)
-        return make_loader(Ids(), batch_sampler=sampler, num_workers=2, collate_fn=torch.tensor), sampler
-    if kind in ("mixture", "mixture_batches"):  # sources 0-99, 100-300 at 0.7 / 0.3, every sample once
+        return make_loader(
+            Ids(), batch_sampler=sampler, num_workers=2, collate_fn=torch.tensor
+        ), sampler
+    if kind in (
+        "mixture",
+        "mixture_batches",
+    ):  # sources 0-99, 100-300 at 0.7 / 0.3, every sample once
         batches = 5 if kind == "mixture_batches" else None
-        sampler = MixtureSampler({"a": 100, "b": 201}, {"a": 0.7, "b": 0.3}, seed=9, batch_size=batches)
+        sampler = MixtureSampler(
+            {"a": 100, "b": 201}, {"a": 0.7, "b": 0.3}, seed=9, batch_size=batches
+        )
         sampler.set_epoch(1)
         if batches:
-            return make_loader(Ids(), batch_sampler=sampler, num_workers=2, collate_fn=torch.tensor), sampler
+            return make_loader(
+                Ids(), batch_sampler=sampler, num_workers=2, collate_fn=torch.tensor
+            ), sampler
         return make_loader(Ids(), batch_size=4, sampler=sampler, num_workers=2), sampler
     paths = [str(folder / f"s{k}.txt") for k in range(len(SHARDS))]
     ds = ShardedIterableDataset(paths, read_shard, shard_lengths=SHARDS, seed=3)
@@ -88,7 +99,9 @@ def run(kind, folder, out, mode, rank, world, distributed):
         if mode == "stop":
             (out / "state.json").write_text(json.dumps(state))
         if kind == "bucket" and mode == "epoch":
-            (out / "plan.json").write_text(json.dumps([b.tolist() for b in holder.global_batches(1)]))
+            (out / "plan.json").write_text(
+                json.dumps([b.tolist() for b in holder.global_batches(1)])
+            )
         if kind.startswith("mixture") and mode == "epoch":
             (out / "plan.json").write_text(json.dumps(holder.global_indices(1).tolist()))
     del loader  # its workers end before the next kind's start

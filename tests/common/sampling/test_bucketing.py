@@ -22,11 +22,19 @@ def _cost(sampler, lengths, batch):
     multiple=st.sampled_from([1, 8]),
     shuffle=st.booleans(),
 )
-def test_single_replica_covers_every_sample_once_within_limits(lengths, batch_size, max_tokens, multiple, shuffle):
+def test_single_replica_covers_every_sample_once_within_limits(
+    lengths, batch_size, max_tokens, multiple, shuffle
+):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s = LengthBucketSampler(lengths, batch_size=batch_size, max_tokens=max_tokens,
-                                pad_to_multiple_of=multiple, shuffle=shuffle, seed=3)
+        s = LengthBucketSampler(
+            lengths,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            pad_to_multiple_of=multiple,
+            shuffle=shuffle,
+            seed=3,
+        )
         batches = list(s)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert len(batches) == len(s)
@@ -45,20 +53,33 @@ def test_single_replica_covers_every_sample_once_within_limits(lengths, batch_si
     drop_last=st.booleans(),
 )
 def test_ranks_are_equal_disjoint_and_cover_the_data(lengths, world, max_tokens, drop_last):
-    per_rank = [list(LengthBucketSampler(lengths, max_tokens=max_tokens, num_replicas=world, rank=r,
-                                         drop_last=drop_last, seed=1)) for r in range(world)]
+    per_rank = [
+        list(
+            LengthBucketSampler(
+                lengths,
+                max_tokens=max_tokens,
+                num_replicas=world,
+                rank=r,
+                drop_last=drop_last,
+                seed=1,
+            )
+        )
+        for r in range(world)
+    ]
     assert len({len(b) for b in per_rank}) == 1  # the same number of batches on every rank
     global_batches = LengthBucketSampler(lengths, max_tokens=max_tokens, seed=1).global_batches()
     seen = [i for rank in per_rank for b in rank for i in b]
     if drop_last:
         assert len(seen) == len(set(seen))  # nothing repeated
-        dropped = global_batches[len(global_batches) - len(global_batches) % world:]
+        dropped = global_batches[len(global_batches) - len(global_batches) % world :]
         assert set(range(len(lengths))) - set(seen) == {int(i) for b in dropped for i in b}
     else:
         assert set(seen) == set(range(len(lengths)))  # every sample
         padding = sum(len(b) for rank in per_rank for b in rank) - len(lengths)
         pad_batches = (-len(global_batches)) % world
-        assert padding == sum(len(global_batches[i % max(len(global_batches), 1)]) for i in range(pad_batches))
+        assert padding == sum(
+            len(global_batches[i % max(len(global_batches), 1)]) for i in range(pad_batches)
+        )
 
 
 def test_deterministic_and_reshuffled_by_set_epoch():
@@ -92,11 +113,17 @@ def test_sample_longer_than_the_budget_is_alone_and_warned_once():
     assert sorted(batches) == [[0, 3], [1], [2]]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "needs `batch_size`, `max_tokens` or both"),
-    ({"max_tokens": 0}, "`max_tokens` must be positive, but is 0 instead."),
-    ({"batch_size": 4, "num_replicas": 2, "rank": 2}, r"`rank` must be in \[0, 2\), but is 2 instead."),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "needs `batch_size`, `max_tokens` or both"),
+        ({"max_tokens": 0}, "`max_tokens` must be positive, but is 0 instead."),
+        (
+            {"batch_size": 4, "num_replicas": 2, "rank": 2},
+            r"`rank` must be in \[0, 2\), but is 2 instead.",
+        ),
+    ],
+)
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LengthBucketSampler([1, 2, 3], **kwargs)
@@ -165,12 +192,29 @@ def test_state_for_other_data_is_refused():
         LengthBucketSampler([1, 2], batch_size=2).load_state_dict(s.state_dict())
 
 
-@pytest.mark.parametrize("change", [{"lengths": [1, 2, 4]}, {"seed": 1}, {"shuffle": False}, {"batch_size": 3},
-                                    {"max_tokens": 8}, {"pad_to_multiple_of": 2}, {"drop_last": True}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"lengths": [1, 2, 4]},
+        {"seed": 1},
+        {"shuffle": False},
+        {"batch_size": 3},
+        {"max_tokens": 8},
+        {"pad_to_multiple_of": 2},
+        {"drop_last": True},
+    ],
+)
 def test_a_state_under_any_other_plan_setting_is_refused(change):
     """Everything that shapes the epoch's batches is carried by the state and checked."""
-    settings = {"lengths": [1, 2, 3], "seed": 0, "shuffle": True, "batch_size": 2, "max_tokens": None,
-                "pad_to_multiple_of": 1, "drop_last": False}
+    settings = {
+        "lengths": [1, 2, 3],
+        "seed": 0,
+        "shuffle": True,
+        "batch_size": 2,
+        "max_tokens": None,
+        "pad_to_multiple_of": 1,
+        "drop_last": False,
+    }
     state = LengthBucketSampler(settings.pop("lengths"), **settings).state_dict(batches_done=0)
     other = {"lengths": [1, 2, 3], **settings, **change}
     with pytest.raises(ValueError, match=f"{next(iter(change))}=.*same data and settings"):
@@ -208,7 +252,9 @@ def test_state_after_a_resumed_pass_counts_the_resumed_part():
     assert resumed.state_dict(batches_done=0) == saved  # before iterating: the pending position
     rest = list(resumed)
     total = len(resumed.global_batches())
-    assert resumed.state_dict()["global_batches_done"] == min(total, saved["global_batches_done"] + 2 * len(rest))
+    assert resumed.state_dict()["global_batches_done"] == min(
+        total, saved["global_batches_done"] + 2 * len(rest)
+    )
     again = LengthBucketSampler(lengths, max_tokens=150, num_replicas=2, rank=0, seed=2)
     again.load_state_dict(resumed.state_dict())
     assert list(again) == []  # the epoch is done; nothing repeats

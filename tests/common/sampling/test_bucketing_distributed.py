@@ -16,11 +16,27 @@ SHARDS = [13, 22, 30]
 
 
 def _launch(folder, modes, ranks):
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(ranks)]
-    kinds = "bucket,sharded,mixture_batches" if ranks == 1 else "bucket,sharded,mixture,mixture_batches"
-    out = subprocess.run([*launcher, str(SCRIPT), kinds, str(folder), modes], capture_output=True,
-                         text=True, timeout=240)
+    launcher = (
+        [sys.executable]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+        ]
+    )
+    kinds = (
+        "bucket,sharded,mixture_batches" if ranks == 1 else "bucket,sharded,mixture,mixture_batches"
+    )
+    out = subprocess.run(
+        [*launcher, str(SCRIPT), kinds, str(folder), modes],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
 
 
@@ -52,7 +68,9 @@ def test_length_buckets_with_workers_under_torchrun_then_resumed_on_one_rank(run
     # Exactly the plan (rank r takes batches r, r + 2, ...), padded by repeating its first batch
     # when the count is odd.
     padded = plan + plan[: len(plan) % 2]
-    assert [tuple(b) for b in epoch[0]] == padded[0::2] and [tuple(b) for b in epoch[1]] == padded[1::2]
+    assert [tuple(b) for b in epoch[0]] == padded[0::2] and [tuple(b) for b in epoch[1]] == padded[
+        1::2
+    ]
     assert sorted(i for b in plan for i in b) == list(range(301))
     # Elastic: 3 steps on 2 ranks, then the rest of the epoch on 1 rank.
     stopped, rest = _batches(runs, "bucket", "stop"), _batches(runs, "bucket", "resume")
@@ -67,7 +85,9 @@ def test_sharded_dataset_with_workers_under_torchrun_then_resumed_on_one_rank(ru
     assert set(samples) == set(range(sum(SHARDS)))
     assert sum(samples.values()) - sum(SHARDS) <= 1  # at most world - 1 padding repeats
     stopped, rest = _batches(runs, "sharded", "stop"), _batches(runs, "sharded", "resume")
-    done = Counter(i for rank in stopped for b in rank for i in b) + Counter(i for b in rest[0] for i in b)
+    done = Counter(i for rank in stopped for b in rank for i in b) + Counter(
+        i for b in rest[0] for i in b
+    )
     assert set(done) == set(range(sum(SHARDS)))  # nothing lost: the rest is what no rank received
     assert sum(done.values()) - sum(SHARDS) <= 1  # at most the padding of the first deal read twice
 
@@ -86,6 +106,9 @@ def test_mixtures_under_torchrun_then_resumed_on_one_rank(runs):
     assert sum(Counter(ranks[0] + ranks[1]).values()) - 301 <= 1
     batch_plan = json.loads((runs / "mixture_batches" / "plan.json").read_text())
     batches = [tuple(batch_plan[i : i + 5]) for i in range(0, len(batch_plan), 5)]
-    stopped, rest = _batches(runs, "mixture_batches", "stop"), _batches(runs, "mixture_batches", "resume")
+    stopped, rest = (
+        _batches(runs, "mixture_batches", "stop"),
+        _batches(runs, "mixture_batches", "resume"),
+    )
     done = [tuple(b) for rank in stopped for b in rank] + [tuple(b) for b in rest[0]]
     assert Counter(done) == Counter(batches)

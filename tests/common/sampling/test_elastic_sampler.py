@@ -38,14 +38,32 @@ class ThreadNumbers(Numbers):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 90), world=st.integers(1, 6), seed=st.integers(0, 5), epoch=st.integers(0, 3),
-       shuffle=st.booleans(), drop_last=st.booleans())
+@given(
+    n=st.integers(0, 90),
+    world=st.integers(1, 6),
+    seed=st.integers(0, 5),
+    epoch=st.integers(0, 3),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+)
 def test_the_order_is_distributed_samplers(n, world, seed, epoch, shuffle, drop_last):
     for rank in range(world):
-        ours = ElasticDistributedSampler(Numbers(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                         drop_last=drop_last)
-        theirs = DistributedSampler(Numbers(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                    drop_last=drop_last)
+        ours = ElasticDistributedSampler(
+            Numbers(n),
+            num_replicas=world,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        theirs = DistributedSampler(
+            Numbers(n),
+            num_replicas=world,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         ours.set_epoch(epoch)
         theirs.set_epoch(epoch)
         assert list(ours) == list(theirs) and len(ours) == len(theirs)
@@ -54,8 +72,14 @@ def test_the_order_is_distributed_samplers(n, world, seed, epoch, shuffle, drop_
 def _loaders(dataset, world: int, batch: int, *, drop_last: bool, states=None, workers: int = 0):
     loaders = []
     for rank in range(world):
-        sampler = ElasticDistributedSampler(dataset, num_replicas=world, rank=rank, seed=7, drop_last=drop_last)
-        extra = {"path": "threads", "threads": 2} if isinstance(dataset, ThreadNumbers) else {"num_workers": workers}
+        sampler = ElasticDistributedSampler(
+            dataset, num_replicas=world, rank=rank, seed=7, drop_last=drop_last
+        )
+        extra = (
+            {"path": "threads", "threads": 2}
+            if isinstance(dataset, ThreadNumbers)
+            else {"num_workers": workers}
+        )
         loader = make_loader(dataset, batch_size=batch, sampler=sampler, collate_fn=list, **extra)
         if states is not None:
             loader.load_state_dict(json.loads(json.dumps(states[rank % len(states)])))
@@ -70,7 +94,9 @@ def _run(n, batch, shapes, *, drop_last=False, own_states=False, dataset=None, w
     dataset = dataset or Numbers(n)
     counts, states, consumed = collections.Counter(), None, 0
     for world, steps in shapes:
-        loaders = _loaders(dataset, world, batch, drop_last=drop_last, states=states, workers=workers)
+        loaders = _loaders(
+            dataset, world, batch, drop_last=drop_last, states=states, workers=workers
+        )
         iterators = [iter(loader) for loader in loaders]
         if steps is None:
             lengths = []
@@ -84,13 +110,16 @@ def _run(n, batch, shapes, *, drop_last=False, own_states=False, dataset=None, w
             for iterator in iterators:
                 counts.update(next(iterator))
         consumed += steps * batch * world
-        states = [loader.state_dict() for loader in loaders] if own_states else [loaders[0].state_dict()]
+        states = (
+            [loader.state_dict() for loader in loaders] if own_states else [loaders[0].state_dict()]
+        )
         del iterators
     raise AssertionError("the last shape reads to the end")
 
 
 def _shapes(draw_n: int, batch: int):
     """Shapes whose interrupted steps stay inside the epoch: (ranks, steps) ..., (ranks, None)."""
+
     @st.composite
     def build(draw):
         shapes, left = [], draw_n
@@ -103,12 +132,18 @@ def _shapes(draw_n: int, batch: int):
             shapes.append((world, steps))
             left -= steps * batch * world
         return [*shapes, (draw(st.integers(1, 5)), None)]
+
     return build()
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), n=st.integers(1, 80), batch=st.integers(1, 5), drop_last=st.booleans(),
-       own=st.booleans())
+@given(
+    data=st.data(),
+    n=st.integers(1, 80),
+    batch=st.integers(1, 5),
+    drop_last=st.booleans(),
+    own=st.booleans(),
+)
 def test_any_sequence_of_shapes_reads_every_sample_once(data, n, batch, drop_last, own):
     shapes = data.draw(_shapes(n, batch))
     counts, consumed, last = _run(n, batch, shapes, drop_last=drop_last, own_states=own)
@@ -125,21 +160,33 @@ def test_four_ranks_stopped_after_six_steps_finish_on_three(kind):
     """The issue's case on both paths: 4 ranks x batch 8 stopped after 6 steps, 3 new ranks
     loading rank 0's state: 720 samples once over both runs, 22 equal steps on the new ranks."""
     dataset = ThreadNumbers(720) if kind == "threads" else Numbers(720)
-    counts, consumed, _ = _run(720, 8, [(4, 6), (3, None)], dataset=dataset, workers=2 if kind == "workers" else 0)
+    counts, consumed, _ = _run(
+        720, 8, [(4, 6), (3, None)], dataset=dataset, workers=2 if kind == "workers" else 0
+    )
     assert consumed == 192 and sorted(counts) == list(range(720)) and sum(counts.values()) == 720
 
 
 def test_a_loop_without_set_epoch_gets_a_new_order_each_epoch_and_its_state_the_next_epoch():
     dataset = Numbers(40)
-    loader = make_loader(dataset, batch_size=4, collate_fn=list, num_workers=0,
-                         sampler=ElasticDistributedSampler(dataset, num_replicas=2, rank=1, seed=3))
+    loader = make_loader(
+        dataset,
+        batch_size=4,
+        collate_fn=list,
+        num_workers=0,
+        sampler=ElasticDistributedSampler(dataset, num_replicas=2, rank=1, seed=3),
+    )
     first = [i for b in loader for i in b]
     state = loader.state_dict()
     second = [i for b in loader for i in b]
     assert first != second and len(first) == len(second) == 20  # this rank's half of another order
     assert (state["epoch"], state["finished_epoch"]) == (1, 0)  # resumes at the next epoch's start
-    again = make_loader(dataset, batch_size=4, collate_fn=list, num_workers=0,
-                        sampler=ElasticDistributedSampler(dataset, num_replicas=2, rank=1, seed=3))
+    again = make_loader(
+        dataset,
+        batch_size=4,
+        collate_fn=list,
+        num_workers=0,
+        sampler=ElasticDistributedSampler(dataset, num_replicas=2, rank=1, seed=3),
+    )
     again.load_state_dict(state)
     assert [i for b in again for i in b] == second
     plain = ElasticDistributedSampler(dataset, num_replicas=2, rank=1, seed=3)
@@ -149,10 +196,14 @@ def test_a_loop_without_set_epoch_gets_a_new_order_each_epoch_and_its_state_the_
 
 def test_a_state_under_other_settings_is_refused_naming_them():
     dataset = Numbers(30)
-    loader = make_loader(dataset, batch_size=4, num_workers=0, sampler=ElasticDistributedSampler(dataset, seed=1))
+    loader = make_loader(
+        dataset, batch_size=4, num_workers=0, sampler=ElasticDistributedSampler(dataset, seed=1)
+    )
     next(iter(loader))
     state = loader.state_dict()
-    other = make_loader(dataset, batch_size=4, num_workers=0, sampler=ElasticDistributedSampler(dataset, seed=2))
+    other = make_loader(
+        dataset, batch_size=4, num_workers=0, sampler=ElasticDistributedSampler(dataset, seed=2)
+    )
     with pytest.raises(ValueError, match="seed"):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="`rank` must be in"):
@@ -172,8 +223,12 @@ class Numbers:
     def __len__(self): return 50
     def __getitem__(self, i): return i
 loader = make_loader(Numbers(), batch_size=4, shuffle=True, num_workers=0, collate_fn=list)
-own = make_loader(Numbers(), batch_size=4, sampler=SequentialSampler(range(50)), num_workers=0, collate_fn=list)
-whole = make_loader(Numbers(), batch_size=4, shuffle=True, num_workers=0, collate_fn=list, distributed=False)
+own = make_loader(
+    Numbers(), batch_size=4, sampler=SequentialSampler(range(50)), num_workers=0, collate_fn=list
+)
+whole = make_loader(
+    Numbers(), batch_size=4, shuffle=True, num_workers=0, collate_fn=list, distributed=False
+)
 out = {"mine": [i for b in loader for i in b], "why": loader.recipe.reasons["sampler"],
        "own": [i for b in own for i in b], "own_why": own.recipe.reasons["sampler"],
        "whole": sorted(i for b in whole for i in b), "sampler": type(loader.sampler).__name__}
@@ -193,15 +248,25 @@ dist.destroy_process_group()
     out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert all(o["sampler"] == "ElasticDistributedSampler" and "2 ranks" in o["why"] for o in out)
     both = collections.Counter(out[0]["mine"] + out[1]["mine"])
-    assert sorted(both) == list(range(50)) and sum(both.values()) == 50 and len(out[0]["mine"]) == 25
-    assert all(o["own"] == list(range(50)) and o["own_why"].startswith("given (SequentialSampler") for o in out)
+    assert (
+        sorted(both) == list(range(50)) and sum(both.values()) == 50 and len(out[0]["mine"]) == 25
+    )
+    assert all(
+        o["own"] == list(range(50)) and o["own_why"].startswith("given (SequentialSampler")
+        for o in out
+    )
     assert all(o["whole"] == list(range(50)) for o in out)
 
 
 def test_the_state_is_the_same_size_whatever_the_position():
     dataset = Numbers(10_000)
-    loader = make_loader(dataset, batch_size=10, num_workers=0, collate_fn=list,
-                         sampler=ElasticDistributedSampler(dataset, num_replicas=4, rank=0))
+    loader = make_loader(
+        dataset,
+        batch_size=10,
+        num_workers=0,
+        collate_fn=list,
+        sampler=ElasticDistributedSampler(dataset, num_replicas=4, rank=0),
+    )
     iterator = iter(loader)
     sizes = []
     for steps in (1, 200):
@@ -209,7 +274,9 @@ def test_the_state_is_the_same_size_whatever_the_position():
             next(iterator)
             sizes.append(None)
         sizes[-1] = len(json.dumps(loader.state_dict()))
-    assert sizes[-1] - sizes[0] == len("200") - len("1") + len("8000") - len("40") and sizes[0] < 4000
+    assert (
+        sizes[-1] - sizes[0] == len("200") - len("1") + len("8000") - len("40") and sizes[0] < 4000
+    )
 
 
 @pytest.mark.parametrize("path", ["threads", "workers"])
@@ -220,7 +287,11 @@ def test_a_loaded_state_survives_set_epoch_to_its_epoch_after_iter(path):
 
     def build():
         sampler = ElasticDistributedSampler(dataset, num_replicas=2, rank=0, seed=0)
-        extra = {"path": "threads", "threads": 2} if path == "threads" else {"path": "workers", "num_workers": 2}
+        extra = (
+            {"path": "threads", "threads": 2}
+            if path == "threads"
+            else {"path": "workers", "num_workers": 2}
+        )
         return make_loader(dataset, batch_size=4, sampler=sampler, collate_fn=list, **extra)
 
     whole = build()

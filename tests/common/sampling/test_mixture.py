@@ -52,8 +52,10 @@ def test_no_index_repeats_within_a_source_before_it_is_exhausted():
     for s, n in enumerate(sizes):
         mine = drawn[sources == s]
         for start in range(0, len(mine) - n + 1, n):  # each pass over the source: a permutation
-            assert sorted(mine[start : start + n]) == list(range(mix.offsets[s], mix.offsets[s] + n))
-        tail = mine[len(mine) - len(mine) % n:]
+            assert sorted(mine[start : start + n]) == list(
+                range(mix.offsets[s], mix.offsets[s] + n)
+            )
+        tail = mine[len(mine) - len(mine) % n :]
         assert len(set(tail.tolist())) == len(tail)
 
 
@@ -65,7 +67,9 @@ def test_the_stop_rules_end_epochs_where_they_say():
     drawn = np.array(list(first))
     counts = np.bincount(first.source_of(drawn), minlength=3)
     exhausted = int(np.flatnonzero(counts == np.array(sizes))[0])
-    assert (counts <= sizes).all() and (counts == sizes).sum() == 1  # one source ran out, the others did not
+    assert (counts <= sizes).all() and (
+        counts == sizes
+    ).sum() == 1  # one source ran out, the others did not
     assert first.source_of(drawn[-1:])[0] == exhausted  # the epoch ends at its last sample
     capped = list(MixtureSampler(sizes, weights, num_samples=120, seed=1))
     assert len(capped) == 120 and len(set(capped)) == 120
@@ -78,7 +82,9 @@ def test_the_stop_rules_end_epochs_where_they_say():
     with pytest.raises(ValueError, match="`stop` must be one of"):
         MixtureSampler(sizes, weights, stop="sometimes")
     with pytest.raises(ValueError, match="ambiguous.*cycle_until_all_exhausted.*drop_exhausted"):
-        MixtureSampler(sizes, weights, stop="all_exhausted")  # HF's name, another meaning: named, never guessed
+        MixtureSampler(
+            sizes, weights, stop="all_exhausted"
+        )  # HF's name, another meaning: named, never guessed
     zero = MixtureSampler(sizes, [0.5, 0.5, 0.0], seed=2)  # a weight of 0: never drawn
     assert 2 not in set(zero.source_of(list(zero)).tolist())
 
@@ -93,8 +99,10 @@ def _stop_facts(sources: np.ndarray, sizes: np.ndarray, rule: str) -> bool:
     return bool((counts >= sizes).all()) and counts[last] == sizes[last]
 
 
-@pytest.mark.parametrize("rule, hf_rule", [("first_exhausted", "first_exhausted"),
-                                           ("cycle_until_all_exhausted", "all_exhausted")])
+@pytest.mark.parametrize(
+    "rule, hf_rule",
+    [("first_exhausted", "first_exhausted"), ("cycle_until_all_exhausted", "all_exhausted")],
+)
 def test_stop_rules_count_as_hugging_face_datasets_does(rule, hf_rule):
     """Issue #27: the rule that HF calls `all_exhausted` (cycle until every source was seen
     whole) is `cycle_until_all_exhausted` here; `first_exhausted` means the same in both. The
@@ -103,20 +111,30 @@ def test_stop_rules_count_as_hugging_face_datasets_does(rule, hf_rule):
     datasets = pytest.importorskip("datasets")
     sizes, weights = np.array([30, 120, 12]), [0.5, 0.3, 0.2]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    parts = [datasets.Dataset.from_dict({"i": list(range(o, o + n))}) for o, n in zip(offsets, sizes, strict=True)]
+    parts = [
+        datasets.Dataset.from_dict({"i": list(range(o, o + n))})
+        for o, n in zip(offsets, sizes, strict=True)
+    ]
     ours, theirs = [], []
     for seed in range(100):
         mix = MixtureSampler(sizes.tolist(), weights, stop=rule, seed=seed)
         plan = np.array(list(mix))
-        hf = np.array(datasets.interleave_datasets(parts, probabilities=weights, seed=seed,
-                                                   stopping_strategy=hf_rule)["i"])
+        hf = np.array(
+            datasets.interleave_datasets(
+                parts, probabilities=weights, seed=seed, stopping_strategy=hf_rule
+            )["i"]
+        )
         for got, counted in ((mix.source_of(plan), ours), (mix.source_of(hf), theirs)):
             assert _stop_facts(got, sizes, rule), (seed, np.bincount(got, minlength=3))
             counted.append(np.bincount(got, minlength=3))
-        if rule == "cycle_until_all_exhausted":  # every sample once before any sample twice, per source
+        if (
+            rule == "cycle_until_all_exhausted"
+        ):  # every sample once before any sample twice, per source
             for s in range(3):
                 mine = plan[mix.source_of(plan) == s]
-                assert Counter(mine[: sizes[s]].tolist()) == Counter(range(offsets[s], offsets[s] + sizes[s]))
+                assert Counter(mine[: sizes[s]].tolist()) == Counter(
+                    range(offsets[s], offsets[s] + sizes[s])
+                )
     ours, theirs = np.mean(ours, axis=0), np.mean(theirs, axis=0)
     assert ours.sum() == pytest.approx(theirs.sum(), rel=0.08)  # the epoch's expected length
     assert ours == pytest.approx(theirs, rel=0.12)  # and each source's expected count
@@ -143,7 +161,10 @@ def test_weights_whose_sum_overflows_are_refused():
 
 def test_ranks_are_disjoint_equal_and_cover_the_plan():
     for world in (2, 3):
-        ranks = [MixtureSampler([30, 47], [0.7, 0.3], seed=4, num_replicas=world, rank=r) for r in range(world)]
+        ranks = [
+            MixtureSampler([30, 47], [0.7, 0.3], seed=4, num_replicas=world, rank=r)
+            for r in range(world)
+        ]
         for epoch in (0, 5):
             for mix in ranks:
                 mix.set_epoch(epoch)
@@ -151,8 +172,13 @@ def test_ranks_are_disjoint_equal_and_cover_the_plan():
             assert len({len(g) for g in got}) == 1
             plan = ranks[0].global_indices().tolist()
             together = [i for position in zip(*got, strict=True) for i in position]
-            assert together[: len(plan)] == plan and len(together) - len(plan) < world  # padding only to even
-    a, b = MixtureSampler([30, 47], [0.7, 0.3], seed=4), MixtureSampler([30, 47], [0.7, 0.3], seed=4)
+            assert (
+                together[: len(plan)] == plan and len(together) - len(plan) < world
+            )  # padding only to even
+    a, b = (
+        MixtureSampler([30, 47], [0.7, 0.3], seed=4),
+        MixtureSampler([30, 47], [0.7, 0.3], seed=4),
+    )
     b.set_epoch(1)
     assert list(a) != list(b)  # each epoch its own plan
 
@@ -164,8 +190,13 @@ def test_a_resume_at_any_batch_in_any_epoch_is_the_uninterrupted_run(path, epoch
     sizes = [20, 37, 9]
 
     def build():
-        mix = MixtureSampler(dict(zip("abc", sizes, strict=True)), {"a": 0.5, "b": 0.3, "c": 0.2},
-                             num_samples=48, stop="never", seed=8)
+        mix = MixtureSampler(
+            dict(zip("abc", sizes, strict=True)),
+            {"a": 0.5, "b": 0.3, "c": 0.2},
+            num_samples=48,
+            stop="never",
+            seed=8,
+        )
         settings = dict(num_workers=2) if path == "workers" else dict(path=path)
         return make_loader(_data(sizes), batch_size=4, sampler=mix, **settings), mix
 
@@ -187,7 +218,9 @@ def test_a_resume_at_any_batch_in_any_epoch_is_the_uninterrupted_run(path, epoch
     mix2.set_epoch(epoch)
     second.load_state_dict(state)
     rest = [b.tolist() for b in second]
-    assert Counter(i for b in prefix + rest for i in b) == Counter(i for b in expected[epoch] for i in b)
+    assert Counter(i for b in prefix + rest for i in b) == Counter(
+        i for b in expected[epoch] for i in b
+    )
     assert prefix + rest == expected[epoch]
     mix2.set_epoch(epoch + 1)
     assert [b.tolist() for b in second] == expected[epoch + 1]
@@ -226,25 +259,41 @@ def test_the_state_is_small_and_does_not_grow():
             next(iterator)
             lengths.append(None)
         lengths[-1] = len(json.dumps(loader.state_dict()))
-    # the same but for the digits of the batch count (1 -> 40) and of the samples done (500 -> 20,000)
-    assert lengths[-1] - lengths[0] == len("40") - len("1") + len("20000") - len("500") and lengths[0] < 4000, lengths
+    # the same but for the digits of the batch count (1 -> 40) and of the samples done (500 ->
+    # 20,000)
+    assert (
+        lengths[-1] - lengths[0] == len("40") - len("1") + len("20000") - len("500")
+        and lengths[0] < 4000
+    ), lengths
 
 
 def test_mix_first_then_bucket_and_the_monitor_reports_the_mixture():
     sizes = [60, 200]
     lengths = np.random.default_rng(0).integers(4, 80, sum(sizes))
-    mix = MixtureSampler({"books": 60, "web": 200}, {"books": 0.5, "web": 0.5}, num_samples=200, stop="never",
-                         seed=2, num_replicas=1, rank=0)
+    mix = MixtureSampler(
+        {"books": 60, "web": 200},
+        {"books": 0.5, "web": 0.5},
+        num_samples=200,
+        stop="never",
+        seed=2,
+        num_replicas=1,
+        rank=0,
+    )
     bucket = LengthBucketSampler(lengths, max_tokens=400, seed=3, mixture=mix)
     bucket.set_epoch(1)
     plan = mix.global_indices(1)
     batches = list(bucket)
-    assert Counter(i for b in batches for i in b) == Counter(plan.tolist())  # the mixture's samples, bucketed
+    assert Counter(i for b in batches for i in b) == Counter(
+        plan.tolist()
+    )  # the mixture's samples, bucketed
     assert all(len(b) * max(lengths[b]) <= 400 or len(b) == 1 for b in batches)
     with pytest.raises(ValueError, match="num_replicas=1"):
-        LengthBucketSampler(lengths, max_tokens=400, mixture=MixtureSampler(sizes, [1, 1], num_replicas=2, rank=0))
-    monitor = LoaderMonitor(make_loader(_data(sizes), batch_sampler=bucket, num_workers=0),
-                            warn_wait_fraction=1.0)
+        LengthBucketSampler(
+            lengths, max_tokens=400, mixture=MixtureSampler(sizes, [1, 1], num_replicas=2, rank=0)
+        )
+    monitor = LoaderMonitor(
+        make_loader(_data(sizes), batch_sampler=bucket, num_workers=0), warn_wait_fraction=1.0
+    )
     bucket.set_epoch(1)
     for _ in monitor:
         pass
@@ -252,11 +301,15 @@ def test_mix_first_then_bucket_and_the_monitor_reports_the_mixture():
     counts = np.bincount(mix.source_of(plan), minlength=2)
     assert shares == pytest.approx({"books": counts[0] / 200, "web": counts[1] / 200})
     plain = MixtureSampler({"a": 20, "b": 30}, {"a": 0.8, "b": 0.2}, seed=1)
-    monitored = LoaderMonitor(make_loader(_data([20, 30]), batch_size=5, sampler=plain, num_workers=0),
-                              warn_wait_fraction=1.0)
+    monitored = LoaderMonitor(
+        make_loader(_data([20, 30]), batch_size=5, sampler=plain, num_workers=0),
+        warn_wait_fraction=1.0,
+    )
     for _ in monitored:
         pass
-    assert monitored.summary()["sources"] == pytest.approx({"a": 0.4, "b": 0.6})  # all_exhausted: every sample
+    assert monitored.summary()["sources"] == pytest.approx(
+        {"a": 0.4, "b": 0.6}
+    )  # all_exhausted: every sample
 
 
 def test_the_loader_takes_the_thread_path_and_torch_seeds_nothing():
@@ -281,8 +334,14 @@ def _shard_sets(tmp_path, sizes, per_shard=10):
             path.write_text(" ".join(map(str, range(lo, hi))))
             paths.append(str(path))
             lengths.append(hi - lo)
-        sets.append(ShardedIterableDataset(paths, lambda p, a, b: [int(x) for x in open(p).read().split()][a:b],
-                                           shard_lengths=lengths, seed=s))
+        sets.append(
+            ShardedIterableDataset(
+                paths,
+                lambda p, a, b: [int(x) for x in open(p).read().split()][a:b],
+                shard_lengths=lengths,
+                seed=s,
+            )
+        )
         start += n
     return sets
 
@@ -291,18 +350,29 @@ def test_iterable_sources_interleave_by_weight_each_exact_over_workers(tmp_path)
     from recipes.common import MixtureIterable
 
     sizes = [60, 140]
-    mixed = MixtureIterable({"a": _shard_sets(tmp_path, sizes)[0], "b": _shard_sets(tmp_path, sizes)[1]},
-                            {"a": 0.5, "b": 0.5}, seed=3)
+    mixed = MixtureIterable(
+        {"a": _shard_sets(tmp_path, sizes)[0], "b": _shard_sets(tmp_path, sizes)[1]},
+        {"a": 0.5, "b": 0.5},
+        seed=3,
+    )
     for epoch in range(2):
         mixed.set_epoch(epoch)
         got = [int(i) for b in make_loader(mixed, batch_size=8, num_workers=2) for i in b]
-        assert Counter(got) == Counter(range(200)), epoch  # drop_exhausted: every sample of both once
+        assert Counter(got) == Counter(range(200)), (
+            epoch
+        )  # drop_exhausted: every sample of both once
         head = np.array(got[:80])
         assert 0.35 < (head < 60).mean() < 0.65  # 0.5 / 0.5 while both sources yield
-    never = MixtureIterable(_shard_sets(tmp_path, [20, 200]), [0.5, 0.5], stop="never", num_samples=120, seed=1)
+    never = MixtureIterable(
+        _shard_sets(tmp_path, [20, 200]), [0.5, 0.5], stop="never", num_samples=120, seed=1
+    )
     got = [int(i) for b in make_loader(never, batch_size=8, num_workers=2) for i in b]
-    assert len(got) == 120 and abs((np.array(got) < 20).mean() - 0.5) < 0.2  # the small source restarts
-    loader = make_loader(mixed, batch_size=8, num_workers=2)  # exact resume (by replaying the prefix)
+    assert (
+        len(got) == 120 and abs((np.array(got) < 20).mean() - 0.5) < 0.2
+    )  # the small source restarts
+    loader = make_loader(
+        mixed, batch_size=8, num_workers=2
+    )  # exact resume (by replaying the prefix)
     mixed.set_epoch(5)
     whole = [b.tolist() for b in loader]
     mixed.set_epoch(5)
@@ -346,7 +416,9 @@ def test_mixture_sources_read_a_batch_part_by_part_in_order():
     assert Batched.calls == 2  # one call per part that has indices
 
 
-def test_iterable_mixtures_follow_the_epoch_in_persistent_workers_and_resume_in_later_epochs(tmp_path):
+def test_iterable_mixtures_follow_the_epoch_in_persistent_workers_and_resume_in_later_epochs(
+    tmp_path,
+):
     from recipes.common import MixtureIterable
 
     def build():
@@ -392,21 +464,27 @@ def test_iterable_never_gives_every_rank_the_same_count(tmp_path):
             sets = _shard_sets(tmp_path, [20, 30])
             for d in sets:
                 d.world_size, d.rank, d.even = 2, rank, True
-            counts.append(len(list(MixtureIterable(sets, [0.5, 0.5], stop="never", num_samples=n, seed=1))))
+            counts.append(
+                len(list(MixtureIterable(sets, [0.5, 0.5], stop="never", num_samples=n, seed=1)))
+            )
         assert counts[0] == counts[1] == -(-n // 2), (n, counts)
 
 
 def test_numpy_arguments_keep_the_state_json_and_bad_arguments_are_named():
     sizes = np.array([30, 40])
-    mix = MixtureSampler(sizes, np.array([0.5, 0.5]), num_samples=sizes.sum(), stop="never", seed=np.int64(2))
+    mix = MixtureSampler(
+        sizes, np.array([0.5, 0.5]), num_samples=sizes.sum(), stop="never", seed=np.int64(2)
+    )
     loader = make_loader(_data([30, 40]), batch_size=4, sampler=mix, num_workers=0)
     iterator = iter(loader)
     next(iterator)
     json.dumps(loader.state_dict())
-    for kwargs, message in (({"num_samples": 1e3}, "`num_samples` must be an integer"),
-                            ({"num_samples": True}, "`num_samples` must be an integer"),
-                            ({"seed": -1}, "`seed` must be an integer of at least 0"),
-                            ({"batch_size": 0}, "`batch_size` must be an integer of at least 1")):
+    for kwargs, message in (
+        ({"num_samples": 1e3}, "`num_samples` must be an integer"),
+        ({"num_samples": True}, "`num_samples` must be an integer"),
+        ({"seed": -1}, "`seed` must be an integer of at least 0"),
+        ({"batch_size": 0}, "`batch_size` must be an integer of at least 1"),
+    ):
         with pytest.raises(ValueError, match=message):
             MixtureSampler([3, 4], [1, 1], **kwargs)
     with pytest.raises(ValueError, match="whole numbers"):
@@ -414,10 +492,17 @@ def test_numpy_arguments_keep_the_state_json_and_bad_arguments_are_named():
     with pytest.raises(ValueError, match="both as mappings"):
         MixtureSampler([3, 4], {"a": 1, "b": 1})
     tiny = MixtureSampler([1, 1000], [0.5, 0.5], num_samples=200_000, stop="never", seed=0)
-    assert np.bincount(tiny.source_of(tiny.global_indices()))[0] > 90_000  # one array operation, not 10^5 generators
-    with pytest.raises(ValueError, match="`lengths` has 5 entries but the mixture's sources hold 7"):
-        LengthBucketSampler(np.ones(5, int), max_tokens=10, mixture=MixtureSampler([3, 4], [1, 1], num_replicas=1,
-                                                                                    rank=0))
+    assert (
+        np.bincount(tiny.source_of(tiny.global_indices()))[0] > 90_000
+    )  # one array operation, not 10^5 generators
+    with pytest.raises(
+        ValueError, match="`lengths` has 5 entries but the mixture's sources hold 7"
+    ):
+        LengthBucketSampler(
+            np.ones(5, int),
+            max_tokens=10,
+            mixture=MixtureSampler([3, 4], [1, 1], num_replicas=1, rank=0),
+        )
     from recipes.common import MixtureSources
 
     with pytest.raises(IndexError, match="index 15 is out of range"):

@@ -14,8 +14,11 @@ from recipes.common import ShardedIterableDataset, shard_indices
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(0, 120), world=st.integers(1, 5), workers=st.integers(1, 4))
 def test_exactly_once_without_even(n, world, workers):
-    parts = [shard_indices(n, rank=r, world_size=world, worker=w, num_workers=workers, even=False)
-             for r in range(world) for w in range(workers)]
+    parts = [
+        shard_indices(n, rank=r, world_size=world, worker=w, num_workers=workers, even=False)
+        for r in range(world)
+        for w in range(workers)
+    ]
     assert sorted(np.concatenate(parts).tolist()) == list(range(n))
     per_rank = [sum(len(parts[r * workers + w]) for w in range(workers)) for r in range(world)]
     assert max(per_rank) - min(per_rank) <= 1
@@ -27,8 +30,10 @@ def test_even_gives_equal_ranks_with_few_documented_repeats(n, world, workers):
     per_rank = []
     everything = []
     for r in range(world):
-        rank_parts = [shard_indices(n, rank=r, world_size=world, worker=w, num_workers=workers, even=True)
-                      for w in range(workers)]
+        rank_parts = [
+            shard_indices(n, rank=r, world_size=world, worker=w, num_workers=workers, even=True)
+            for w in range(workers)
+        ]
         sizes = [len(p) for p in rank_parts]
         assert max(sizes) - min(sizes) <= 1  # workers of a rank differ by at most one
         per_rank.append(sum(sizes))
@@ -38,7 +43,9 @@ def test_even_gives_equal_ranks_with_few_documented_repeats(n, world, workers):
     repeats = len(everything) - n
     assert repeats <= world - 1
     extras = Counter(everything) - Counter(range(n))
-    assert extras == Counter(i % n for i in range(repeats))  # the repeats are the first indices, in order
+    assert extras == Counter(
+        i % n for i in range(repeats)
+    )  # the repeats are the first indices, in order
 
 
 def test_invalid_arguments():
@@ -81,15 +88,17 @@ class RangeReader:
 def _collect(paths, lengths, *, world, workers, even, reader=read_lines, epoch=0, seed=0):
     out = []
     for rank in range(world):
-        ds = ShardedIterableDataset(paths, reader, shard_lengths=lengths, seed=seed, even=even, rank=rank,
-                                    world_size=world)
+        ds = ShardedIterableDataset(
+            paths, reader, shard_lengths=lengths, seed=seed, even=even, rank=rank, world_size=world
+        )
         ds.set_epoch(epoch)
         loader = DataLoader(ds, batch_size=None, num_workers=workers)
         out.append([int(x) for x in loader])
     return out
 
 
-ALL = lambda lengths: sorted(s * 1000 + i for s, n in enumerate(lengths) for i in range(n))  # noqa: E731
+def ALL(lengths):
+    return sorted(s * 1000 + i for s, n in enumerate(lengths) for i in range(n))
 
 
 @pytest.mark.parametrize("workers", [0, 1, 3])
@@ -124,7 +133,9 @@ def test_ranges_are_read_without_reading_discarded_samples(tmp_path):
         calls.append((path.rsplit("/", 1)[1], start, stop))
         yield from itertools.islice(read_lines(path), start, stop)
 
-    ranks = _collect(paths, lengths, world=4, workers=0, even=True, reader=reader)  # reads in this process
+    ranks = _collect(
+        paths, lengths, world=4, workers=0, even=True, reader=reader
+    )  # reads in this process
     assert sorted(itertools.chain.from_iterable(ranks)) == ALL(lengths)
     # every sample read once, by its range, nothing read past (shard order: one range of 15 per
     # consumer; mixed: single samples)
@@ -150,7 +161,10 @@ def test_set_epoch_reaches_persistent_workers(tmp_path):
     for epoch in range(3):
         ds.set_epoch(epoch)
         epochs.append([int(x) for x in loader])
-    expected = [_collect(paths, lengths, world=1, workers=2, even=True, epoch=e, seed=3)[0] for e in range(3)]
+    expected = [
+        _collect(paths, lengths, world=1, workers=2, even=True, epoch=e, seed=3)[0]
+        for e in range(3)
+    ]
     assert epochs == expected and epochs[0] != epochs[1]
 
 

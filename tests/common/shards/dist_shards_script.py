@@ -20,26 +20,55 @@ def main(work: str, endpoint: str) -> None:
     work = Path(work)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    options = {"key": "testing", "secret": "testing",
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
     images = image_folder_samples(work / "tree")
-    texts = [{"__key__": f"t{i:05d}", "txt": line}
-             for i, line in enumerate((work / "texts.txt").read_text().splitlines())]
+    texts = [
+        {"__key__": f"t{i:05d}", "txt": line}
+        for i, line in enumerate((work / "texts.txt").read_text().splitlines())
+    ]
     write_shards(images, work / "split_tar", shard_bytes=60_000, distributed=True, progress=False)
-    sets = {"tar": write_shards(images, "s3://bucket/tar", shard_bytes=60_000, storage_options=options,
-                                distributed=True, progress=False),
-            "parquet": write_shards(texts, "s3://bucket/text", format="parquet", shard_bytes=3_000,
-                                    storage_options=options, distributed=True, progress=False)}
+    sets = {
+        "tar": write_shards(
+            images,
+            "s3://bucket/tar",
+            shard_bytes=60_000,
+            storage_options=options,
+            distributed=True,
+            progress=False,
+        ),
+        "parquet": write_shards(
+            texts,
+            "s3://bucket/text",
+            format="parquet",
+            shard_bytes=3_000,
+            storage_options=options,
+            distributed=True,
+            progress=False,
+        ),
+    }
     seen = {}
     for name, shards in sets.items():
-        cache = PrefetchCache(work / f"cache-{rank}-{name}", max_bytes=2**30, storage_options=options)
+        cache = PrefetchCache(
+            work / f"cache-{rank}-{name}", max_bytes=2**30, storage_options=options
+        )
         ds = shards.dataset(cache=cache, shuffle=True, seed=5)
         rows = []
         for epoch in range(2):
             ds.set_epoch(epoch)
             for sample in DataLoader(ds, batch_size=None, num_workers=2):
                 if name == "tar":
-                    rows.append([epoch, sample["__key__"], hashlib.sha256(sample["jpg"]).hexdigest(), sample["cls"]])
+                    rows.append(
+                        [
+                            epoch,
+                            sample["__key__"],
+                            hashlib.sha256(sample["jpg"]).hexdigest(),
+                            sample["cls"],
+                        ]
+                    )
                 else:
                     rows.append([epoch, sample["__key__"], sample["txt"]])
         seen[name] = rows

@@ -22,8 +22,14 @@ def sorted_photos_like(seed: int = 0):
     """720 samples of 15 classes in class order (an ImageFolder listed sorted), each with a
     payload of a photograph's size (60-120 KB), as the README writes them."""
     rng = np.random.default_rng(seed)
-    return [{"__key__": f"{i:06d}", "jpg": rng.bytes(int(rng.integers(60_000, 120_000))), "cls": i // PER_CLASS}
-            for i in range(CLASSES * PER_CLASS)]
+    return [
+        {
+            "__key__": f"{i:06d}",
+            "jpg": rng.bytes(int(rng.integers(60_000, 120_000))),
+            "cls": i // PER_CLASS,
+        }
+        for i in range(CLASSES * PER_CLASS)
+    ]
 
 
 def batch_mix(batches: list[list[int]]) -> tuple[float, float]:
@@ -38,7 +44,9 @@ def iid_mix(labels: list[int], rounds: int = 200) -> tuple[float, float]:
     """The same metric over i.i.d. permutations of the same labels: the reference."""
     rng = np.random.default_rng(123)
     full = len(labels) // BATCH * BATCH
-    runs = [batch_mix(rng.permutation(labels)[:full].reshape(-1, BATCH).tolist()) for _ in range(rounds)]
+    runs = [
+        batch_mix(rng.permutation(labels)[:full].reshape(-1, BATCH).tolist()) for _ in range(rounds)
+    ]
     return float(np.mean([r[0] for r in runs])), float(np.mean([r[1] for r in runs]))
 
 
@@ -47,7 +55,9 @@ def epoch_labels(loader, ds, epoch):
     return [batch["cls"].tolist() for batch in loader]
 
 
-@pytest.mark.parametrize("shard_bytes", [64 * 2**20, 256 * 2**10], ids=["default-one-shard", "readme-256KiB"])
+@pytest.mark.parametrize(
+    "shard_bytes", [64 * 2**20, 256 * 2**10], ids=["default-one-shard", "readme-256KiB"]
+)
 def test_the_readme_way_mixes_like_iid_and_epochs_differ(tmp_path, shard_bytes):
     """Sorted input written as the README writes it (write_shards' defaults but the shard size),
     read with the defaults through two workers: batches hold about as many classes as an i.i.d.
@@ -77,8 +87,14 @@ def test_read_side_mixing_alone_mixes_shards_of_one_class_each(tmp_path):
     plain_distinct, _ = batch_mix(epoch_labels(DataLoader(plain, batch_size=BATCH), plain, 0))
     distinct, majority = batch_mix(epoch_labels(DataLoader(mixed, batch_size=BATCH), mixed, 0))
     iid_distinct, iid_majority = iid_mix(labels)
-    assert plain_distinct < 0.6 * iid_distinct  # the failure the mixing fixes: a few classes per batch
-    assert distinct >= 0.7 * iid_distinct and majority <= 2 * iid_majority, (distinct, majority, iid_distinct)
+    assert (
+        plain_distinct < 0.6 * iid_distinct
+    )  # the failure the mixing fixes: a few classes per batch
+    assert distinct >= 0.7 * iid_distinct and majority <= 2 * iid_majority, (
+        distinct,
+        majority,
+        iid_distinct,
+    )
 
 
 def test_a_resume_with_two_workers_at_batch_7_of_epoch_1_is_the_uninterrupted_order(tmp_path):
@@ -133,15 +149,28 @@ def _keys_and_labels(batch):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30), window=st.integers(1, 8),
-       interleave=st.integers(1, 5), block=st.integers(1, 7), cut=st.floats(0, 1), seed=st.integers(0, 5))
-def test_the_schedule_reads_every_sample_once_and_resumes_from_counts(lengths, window, interleave, block, cut, seed):
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    window=st.integers(1, 8),
+    interleave=st.integers(1, 5),
+    block=st.integers(1, 7),
+    cut=st.floats(0, 1),
+    seed=st.integers(0, 5),
+)
+def test_the_schedule_reads_every_sample_once_and_resumes_from_counts(
+    lengths, window, interleave, block, cut, seed
+):
     """Every (piece, sample) once, each block front to back, no sample further than the window
     from its place; and after any prefix the counts alone give the rest of the order (what a
     resume does)."""
     pieces = [(s, 0, n) for s, n in enumerate(lengths)]
-    schedule = mixing_schedule(pieces, block_starts=lambda s: np.arange(0, lengths[s], block), seed=(seed, 1),
-                               window=window, interleave=interleave)
+    schedule = mixing_schedule(
+        pieces,
+        block_starts=lambda s: np.arange(0, lengths[s], block),
+        seed=(seed, 1),
+        window=window,
+        interleave=interleave,
+    )
     order, nxt = [], schedule.starts.copy()
     for j in schedule.draws:
         order.append((int(schedule.shards[j]), int(nxt[j])))
@@ -150,7 +179,9 @@ def test_the_schedule_reads_every_sample_once_and_resumes_from_counts(lengths, w
     assert Counter(order) == Counter((s, i) for s, n in enumerate(lengths) for i in range(n))
     place = {(s, i): sum(lengths[:s]) + i for s, n in enumerate(lengths) for i in range(n)}
     reach = window * sum(lengths) / len(lengths)
-    assert all(abs(at - place[item]) <= reach + interleave * block + block for at, item in enumerate(order))
+    assert all(
+        abs(at - place[item]) <= reach + interleave * block + block for at, item in enumerate(order)
+    )
     skip = int(cut * len(schedule))
     done = skip_counts(schedule, skip)
     resumed, nxt = [], schedule.starts + done
@@ -158,8 +189,14 @@ def test_the_schedule_reads_every_sample_once_and_resumes_from_counts(lengths, w
         resumed.append((int(schedule.shards[j]), int(nxt[j])))
         nxt[j] += 1
     assert resumed == order[skip:]
-    prefix = mixing_schedule(pieces, block_starts=lambda s: np.arange(0, lengths[s], block), seed=(seed, 1),
-                             window=window, interleave=interleave, draws_needed=skip)  # an elastic resume's
+    prefix = mixing_schedule(
+        pieces,
+        block_starts=lambda s: np.arange(0, lengths[s], block),
+        seed=(seed, 1),
+        window=window,
+        interleave=interleave,
+        draws_needed=skip,
+    )  # an elastic resume's
     assert (prefix.draws == schedule.draws[: len(prefix.draws)]).all() and len(prefix.draws) >= skip
     assert (skip_counts(prefix, skip) == done).all()
 
@@ -181,7 +218,10 @@ def test_write_shards_keeps_the_order_when_asked(tmp_path):
     samples = [{"__key__": f"{i:04d}", "cls": i} for i in range(60)]
     kept = write_shards(samples, tmp_path / "a", shuffle=False, progress=False)
     mixed = write_shards(samples, tmp_path / "b", progress=False)
-    read = lambda s: [x["cls"] for x in s.read(0)]  # noqa: E731
+
+    def read(s):
+        return [x["cls"] for x in s.read(0)]
+
     assert read(kept) == list(range(60))
     assert read(mixed) != list(range(60)) and sorted(read(mixed)) == list(range(60))
 
@@ -190,7 +230,9 @@ def test_a_reader_that_gives_the_wrong_count_is_named(tmp_path):
     def read(path, start, stop):
         return iter(range(start, stop + 1))  # one too many
 
-    ds = ShardedIterableDataset(["a", "b"], read, shard_lengths=[5, 5], seed=0, rank=0, world_size=1, blocks=5)
+    ds = ShardedIterableDataset(
+        ["a", "b"], read, shard_lengths=[5, 5], seed=0, rank=0, world_size=1, blocks=5
+    )
     with pytest.raises(ValueError, match=r"gave 6 samples where the range holds 5"):
         list(ds)
 
@@ -214,20 +256,33 @@ def test_a_second_pass_without_set_epoch_is_named():
     def read(path, start, stop):
         return range(start, 10 if stop is None else stop)
 
-    ds = ShardedIterableDataset([str(i) for i in range(4)], read, shard_lengths=[10] * 4, rank=0, world_size=1)
+    ds = ShardedIterableDataset(
+        [str(i) for i in range(4)], read, shard_lengths=[10] * 4, rank=0, world_size=1
+    )
     data = TensorDataset(torch.arange(40))
-    bucketed = LengthBucketSampler(np.arange(40) % 7 + 1, batch_size=4, seed=1, num_replicas=1, rank=0)
-    for loader in (make_loader(ds, batch_size=5, num_workers=0), make_loader(data, batch_sampler=bucketed,
-                                                                              num_workers=0)):
+    bucketed = LengthBucketSampler(
+        np.arange(40) % 7 + 1, batch_size=4, seed=1, num_replicas=1, rank=0
+    )
+    for loader in (
+        make_loader(ds, batch_size=5, num_workers=0),
+        make_loader(data, batch_sampler=bucketed, num_workers=0),
+    ):
         first = [b for b in loader]
         with pytest.warns(LoaderWarning, match="set_epoch"):
             second = [b for b in loader]
         assert len(first) == len(second)
-    plain = ShardedIterableDataset([str(i) for i in range(4)], read, shard_lengths=[10] * 4, rank=0, world_size=1,
-                                   shuffle=False)
+    plain = ShardedIterableDataset(
+        [str(i) for i in range(4)],
+        read,
+        shard_lengths=[10] * 4,
+        rank=0,
+        world_size=1,
+        shuffle=False,
+    )
     loader = make_loader(plain, batch_size=5, num_workers=0)
     list(loader)
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", LoaderWarning)
         list(loader)
@@ -237,6 +292,7 @@ def _ints(lengths):
     def read(path, start, stop):
         s = int(path.split("-")[1])
         return [s * 1000 + i for i in range(start, lengths[s] if stop is None else stop)]
+
     return read
 
 
@@ -244,8 +300,13 @@ def test_a_state_under_other_custom_blocks_is_refused():
     lengths = [10, 6, 8]
 
     def build(cuts):
-        ds = ShardedIterableDataset([f"shard-{i}" for i in range(3)], _ints(lengths), shard_lengths=lengths,
-                                    blocks=lambda s: cuts, seed=1)
+        ds = ShardedIterableDataset(
+            [f"shard-{i}" for i in range(3)],
+            _ints(lengths),
+            shard_lengths=lengths,
+            blocks=lambda s: cuts,
+            seed=1,
+        )
         return make_loader(ds, batch_size=2, num_workers=0)
 
     a = build([0, 2])
@@ -264,8 +325,16 @@ def test_a_ranged_reader_that_ignores_the_range_is_named_in_shard_order_too():
         s = int(path.split("-")[1])
         return [s * 1000 + i for i in range(lengths[s])]
 
-    ds = ShardedIterableDataset([f"shard-{i}" for i in range(3)], read, shard_lengths=lengths, split="samples",
-                                rank=0, world_size=2, even=False, shuffle_window=0)
+    ds = ShardedIterableDataset(
+        [f"shard-{i}" for i in range(3)],
+        read,
+        shard_lengths=lengths,
+        split="samples",
+        rank=0,
+        world_size=2,
+        even=False,
+        shuffle_window=0,
+    )
     with pytest.raises(ValueError, match="ignores `start`/`stop`"):
         list(ds)
 
@@ -276,7 +345,11 @@ def test_the_writers_buffer_counts_arrays_by_their_bytes():
     def stream():
         for i in range(5_000):
             pulled.append(i)
-            yield {"__key__": f"{i:05d}", "npy": np.zeros(2**16, np.float32), "cls": i}  # 256 KiB each
+            yield {
+                "__key__": f"{i:05d}",
+                "npy": np.zeros(2**16, np.float32),
+                "cls": i,
+            }  # 256 KiB each
 
     next(iter(shuffled_samples(stream(), buffer_bytes=8 * 2**20)))
     assert len(pulled) <= 33  # 8 MiB of 256 KiB arrays, not 8 bytes each

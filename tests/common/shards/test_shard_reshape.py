@@ -28,8 +28,17 @@ def _reader(path, start, stop):
 
 
 def _dataset(paths, sizes, rank, world, *, window=16, cache=None):
-    return ShardedIterableDataset(paths, _reader, shard_lengths=sizes, rank=rank, world_size=world, split="samples",
-                                  seed=5, shuffle_window=window, cache=cache)
+    return ShardedIterableDataset(
+        paths,
+        _reader,
+        shard_lengths=sizes,
+        rank=rank,
+        world_size=world,
+        split="samples",
+        seed=5,
+        shuffle_window=window,
+        cache=cache,
+    )
 
 
 def _epoch_over_shapes(paths, sizes, shapes, *, batch, window=16, cache_for=None):
@@ -40,8 +49,11 @@ def _epoch_over_shapes(paths, sizes, shapes, *, batch, window=16, cache_for=None
         loaders = []
         for rank in range(world):
             cache = None if cache_for is None else cache_for(rank, world)
-            loader = StatefulLoader(_dataset(paths, sizes, rank, world, window=window, cache=cache), batch_size=batch,
-                                    num_workers=workers)
+            loader = StatefulLoader(
+                _dataset(paths, sizes, rank, world, window=window, cache=cache),
+                batch_size=batch,
+                num_workers=workers,
+            )
             if state is not None:
                 loader.load_state_dict(json.loads(json.dumps(state)))
             loaders.append(loader)
@@ -77,14 +89,18 @@ def _plans(draw):
     return sizes, batch, shapes, draw(st.sampled_from([0, 16]))
 
 
-@settings(max_examples=300 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 10, deadline=None)
+@settings(
+    max_examples=300 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 10, deadline=None
+)
 @given(plan=_plans())
 def test_any_change_of_shape_reads_every_sample_once(tmp_path_factory, plan):
     sizes, batch, shapes, window = plan
     paths = make_int_shards(tmp_path_factory.mktemp("ints"), sizes)
     counts, lengths = _epoch_over_shapes(paths, sizes, shapes, batch=batch, window=window)
     assert set(counts) == set(range(sum(sizes)))  # nothing lost
-    assert sum(counts.values()) - sum(sizes) <= sum(w - 1 for w, _, _ in shapes)  # a deal pads at most R - 1
+    assert sum(counts.values()) - sum(sizes) <= sum(
+        w - 1 for w, _, _ in shapes
+    )  # a deal pads at most R - 1
     assert len(set(lengths)) == 1  # the new ranks step together
 
 
@@ -108,7 +124,9 @@ def test_the_rest_is_read_by_the_new_workers_not_replayed_in_the_main_process(tm
         return [(int(x), os.getpid()) for x in Path(path).read_text().split()][start:stop]
 
     def build(rank, world):
-        return ShardedIterableDataset(paths, reader, shard_lengths=sizes, rank=rank, world_size=world, split="samples")
+        return ShardedIterableDataset(
+            paths, reader, shard_lengths=sizes, rank=rank, world_size=world, split="samples"
+        )
 
     first = StatefulLoader(build(0, 2), batch_size=4, num_workers=0, collate_fn=list)
     iterator = iter(first)
@@ -127,8 +145,16 @@ def test_another_node_count_on_as_many_ranks_is_a_new_shape(tmp_path, monkeypatc
     paths = make_int_shards(tmp_path / "ints", sizes)
     counts = collections.Counter()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    loaders = [StatefulLoader(_dataset(paths, sizes, r, 4, cache=PrefetchCache(tmp_path / f"c{r // 2}", max_bytes=10**7)),
-                              batch_size=5, num_workers=0) for r in range(4)]
+    loaders = [
+        StatefulLoader(
+            _dataset(
+                paths, sizes, r, 4, cache=PrefetchCache(tmp_path / f"c{r // 2}", max_bytes=10**7)
+            ),
+            batch_size=5,
+            num_workers=0,
+        )
+        for r in range(4)
+    ]
     assert loaders[0].dataset.nodes == 2
     iterators = [iter(loader) for loader in loaders]
     for _ in range(3):
@@ -138,8 +164,11 @@ def test_another_node_count_on_as_many_ranks_is_a_new_shape(tmp_path, monkeypatc
     assert state["nodes"] == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     for r in range(4):
-        loader = StatefulLoader(_dataset(paths, sizes, r, 4, cache=PrefetchCache(tmp_path / "c0", max_bytes=10**7)),
-                                batch_size=5, num_workers=0)
+        loader = StatefulLoader(
+            _dataset(paths, sizes, r, 4, cache=PrefetchCache(tmp_path / "c0", max_bytes=10**7)),
+            batch_size=5,
+            num_workers=0,
+        )
         assert loader.dataset.nodes == 1
         loader.load_state_dict(state)
         counts.update(i for b in loader for i in b.tolist())
@@ -147,7 +176,9 @@ def test_another_node_count_on_as_many_ranks_is_a_new_shape(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("nodes, per_node", [(2, 2), (3, 1), (2, 3)])
-def test_node_affine_nodes_keep_their_shards_and_read_every_sample_once(tmp_path, monkeypatch, nodes, per_node):
+def test_node_affine_nodes_keep_their_shards_and_read_every_sample_once(
+    tmp_path, monkeypatch, nodes, per_node
+):
     sizes = [37, 50, 23, 64, 11, 40, 30, 30, 25, 19]
     paths = make_int_shards(tmp_path / "ints", sizes)
     shard_of = np.repeat(np.arange(len(sizes)), sizes)
@@ -157,8 +188,13 @@ def test_node_affine_nodes_keep_their_shards_and_read_every_sample_once(tmp_path
     for epoch in range(3):
         counts, steps = collections.Counter(), []
         for rank in range(world):
-            ds = _dataset(paths, sizes, rank, world, cache=PrefetchCache(tmp_path / f"c{rank // per_node}",
-                                                                          max_bytes=10**7))
+            ds = _dataset(
+                paths,
+                sizes,
+                rank,
+                world,
+                cache=PrefetchCache(tmp_path / f"c{rank // per_node}", max_bytes=10**7),
+            )
             assert ds.nodes == nodes
             ds.set_epoch(epoch)
             got = [b.tolist() for b in StatefulLoader(ds, batch_size=4, num_workers=0)]
@@ -166,10 +202,13 @@ def test_node_affine_nodes_keep_their_shards_and_read_every_sample_once(tmp_path
             mine = [i for b in got for i in b]
             counts.update(mine)
             held[epoch, rank // per_node] |= set(mine)
-        assert sorted(counts) == list(range(sum(sizes))) and sum(counts.values()) - sum(sizes) <= world - 1
+        assert (
+            sorted(counts) == list(range(sum(sizes)))
+            and sum(counts.values()) - sum(sizes) <= world - 1
+        )
         assert len(set(steps)) == 1
     for node in range(nodes):  # the same samples on each node every epoch
         assert held[0, node] == held[1, node] == held[2, node]
     shards = [set(shard_of[sorted(held[0, n])].tolist()) for n in range(nodes)]
-    shared = sum(len(a & b) for k, a in enumerate(shards) for b in shards[k + 1:])
+    shared = sum(len(a & b) for k, a in enumerate(shards) for b in shards[k + 1 :])
     assert shared <= nodes - 1  # only the shards on the boundaries between nodes are read by two

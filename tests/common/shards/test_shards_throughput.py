@@ -17,15 +17,21 @@ def test_shards_bench_rows(tmp_path):
     # measured 0.49-0.54x webdataset's ShardWriter, which neither hashes nor fsyncs nor indexes:
     # a floor against a regression, on a noisy 2-core machine
     assert rates["recipes"] >= 0.3 * rates["webdataset"], written
-    if "LitData" in rates:  # issue 22's target: at least as fast as LitData's optimize (measured 2.1x)
+    if (
+        "LitData" in rates
+    ):  # issue 22's target: at least as fast as LitData's optimize (measured 2.1x)
         assert rates["recipes"] >= rates["LitData"], written
-    rows = {row.name: row for row in read_rows(tmp_path, latency=0.02, bandwidth=16 * 2**20, workers=1)}
+    rows = {
+        row.name: row for row in read_rows(tmp_path, latency=0.02, bandwidth=16 * 2**20, workers=1)
+    }
     whole = {name: row.items / row.seconds for name, row in rows.items()}
     assert all(row.items == 160 for row in rows.values()), rows
     ours_1 = whole["recipes ShardSet + PrefetchCache over S3, epoch 1"]
     assert ours_1 > whole["webdataset.WebDataset over HTTP (curl), epoch 1"], whole
-    assert rows["recipes ShardSet + PrefetchCache over S3, epoch 2"].items_per_s >= 0.5 * rows[
-        "recipes ShardSet from local disk"].items_per_s, whole
+    assert (
+        rows["recipes ShardSet + PrefetchCache over S3, epoch 2"].items_per_s
+        >= 0.5 * rows["recipes ShardSet from local disk"].items_per_s
+    ), whole
 
 
 @pytest.mark.slow
@@ -38,8 +44,14 @@ def test_shuffle_quality_rows_of_the_bench(tmp_path):
 
     rows, (iid_distinct, iid_majority) = quality_rows(ensure_data(800), tmp_path, workers=2)
     by_name = {name: (distinct, majority, differ) for name, _, distinct, majority, differ in rows}
-    for name in ("README's way, 64 MiB shards (the default)", "README's way, 256 KiB shards (the README's)"):
+    for name in (
+        "README's way, 64 MiB shards (the default)",
+        "README's way, 256 KiB shards (the README's)",
+    ):
         distinct, majority, differ = by_name[name]
-        assert distinct >= 0.85 * iid_distinct and majority <= 1.5 * iid_majority and differ, (name, rows)
+        assert distinct >= 0.85 * iid_distinct and majority <= 1.5 * iid_majority and differ, (
+            name,
+            rows,
+        )
     distinct, _, _ = by_name["sorted shards, 64 MiB, shard order only (before)"]
     assert distinct < 0.5 * iid_distinct, rows

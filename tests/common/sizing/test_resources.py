@@ -96,8 +96,15 @@ def test_resources_is_frozen():
 
 def _res(cpus=32, memory_gib=256, gpus=0, **kw):
     return Resources(
-        cpus=cpus, cpus_logical=cpus, memory_available=memory_gib * GiB, memory_limit=None,
-        shm_bytes=64 * GiB, shm_free=64 * GiB, gpus=gpus, nofile_limit=65536, **kw,
+        cpus=cpus,
+        cpus_logical=cpus,
+        memory_available=memory_gib * GiB,
+        memory_limit=None,
+        shm_bytes=64 * GiB,
+        shm_free=64 * GiB,
+        gpus=gpus,
+        nofile_limit=65536,
+        **kw,
     )
 
 

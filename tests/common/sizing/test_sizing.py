@@ -4,12 +4,16 @@ from recipes.common import estimate_loader_memory, max_workers_for_memory
 
 
 def test_estimate_is_workers_batch_sample_prefetch_plus_margin():
-    got = estimate_loader_memory(num_workers=4, batch_size=32, sample_bytes=1000, prefetch_factor=2, margin=0.4)
+    got = estimate_loader_memory(
+        num_workers=4, batch_size=32, sample_bytes=1000, prefetch_factor=2, margin=0.4
+    )
     assert got == int(4 * 32 * 1000 * 2 * 1.4)
 
 
 def test_estimate_with_zero_workers_is_one_batch():
-    got = estimate_loader_memory(num_workers=0, batch_size=8, sample_bytes=100, prefetch_factor=None, margin=0.0)
+    got = estimate_loader_memory(
+        num_workers=0, batch_size=8, sample_bytes=100, prefetch_factor=None, margin=0.0
+    )
     assert got == 800
 
 

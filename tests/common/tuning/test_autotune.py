@@ -41,7 +41,11 @@ def _tune(ds, **kw):
 
 
 def _rate(result, workers, prefetch=None):
-    rows = [t for t in result.trials if t["num_workers"] == workers and (prefetch is None or t["prefetch_factor"] == prefetch)]
+    rows = [
+        t
+        for t in result.trials
+        if t["num_workers"] == workers and (prefetch is None or t["prefetch_factor"] == prefetch)
+    ]
     return max(t["samples_per_s"] for t in rows)
 
 
@@ -61,13 +65,20 @@ def test_cpu_bound_data_gets_more_than_one_worker_and_beats_zero(busy_tuned):
     assert "| workers | prefetch |" in result.table()
 
 
-@pytest.mark.slow  # a long run (6 s), timing-bound: in the full suite (CI); the default run keeps headroom
+# a long run (6 s), timing-bound: in the full suite (CI); the default run keeps headroom
+@pytest.mark.slow
 def test_a_slow_step_needs_fewer_workers_than_a_fast_one(busy_tuned):
     fast = busy_tuned
-    slow = _tune(Busy(), step_seconds=0.15, store=False, seconds_per_trial=0.45)  # a batch takes ~32 ms of CPU to make
+    slow = _tune(
+        Busy(), step_seconds=0.15, store=False, seconds_per_trial=0.45
+    )  # a batch takes ~32 ms of CPU to make
     assert slow["num_workers"] < fast["num_workers"]
-    chosen = next(t for t in slow.trials if (t["num_workers"], t["prefetch_factor"]) ==
-                  (slow["num_workers"], slow.get("prefetch_factor")))
+    chosen = next(
+        t
+        for t in slow.trials
+        if (t["num_workers"], t["prefetch_factor"])
+        == (slow["num_workers"], slow.get("prefetch_factor"))
+    )
     assert chosen["wait_fraction"] < 0.10
     assert "data wait is under 10%" in slow.reason
 
@@ -79,8 +90,11 @@ from tests.common.tuning.test_autotune import Busy, _tune
 
 ds = Busy(n=64, cost=0.004, item_bytes=8 << 20)  # 64 MiB batches: each worker holds several (a PSS
 # peak is noisy by tens of MiB on a busy machine, run to run; two workers hold about 128 MiB more)
-free = _tune(ds, store=False, seconds_per_trial=1.0)  # peaks are sampled every 0.25 s: longer trials
-peaks = {t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)}
+# peaks are sampled every 0.25 s: longer trials
+free = _tune(ds, store=False, seconds_per_trial=1.0)
+peaks = {
+    t["num_workers"]: t["peak_bytes"] for t in free.trials if t["prefetch_factor"] in (None, 2)
+}
 # The sweep always reaches 2 workers, whose batches stand clear of 0 and 1 worker. Those two are
 # not ordered: 0 workers make a batch in the main process (items and the collated copy), 1 worker
 # hands it over in shared memory, and a 0.25 s sampler sees about the same (CI: 440 vs 438 MB).
@@ -94,19 +108,24 @@ chosen = [t for t in tight.trials if (t["num_workers"], t["prefetch_factor"]) ==
           (tight["num_workers"], tight.get("prefetch_factor"))]
 assert chosen[0]["peak_bytes"] <= budget, tight.table()
 over = [t for t in tight.trials if t["peak_bytes"] > budget]
-assert over and all(t is not chosen[0] for t in over), tight.table()  # the budget ruled settings out
+# the budget ruled settings out
+assert over and all(t is not chosen[0] for t in over), tight.table()
 assert "within the memory budget" in tight.reason
 """
 
 
-@pytest.mark.slow  # a long run (23 s): 2 sweeps of 1 s trials; the no-fit budget case runs in the fast tier
+# a long run (23 s): 2 sweeps of 1 s trials; the no-fit budget case runs in the fast tier
+@pytest.mark.slow
 def test_a_tight_memory_budget_picks_fewer_workers(zygote, tmp_path):
     """In a fresh process (the zygote's child): the peaks include the main process, whose heap
     in a long test session moves by more than a worker's batches."""
     from pathlib import Path
 
-    child = zygote.python(TIGHT_BUDGET, str(Path(__file__).parents[3]), env={**os.environ,
-                                                                              "XDG_CACHE_HOME": str(tmp_path)})
+    child = zygote.python(
+        TIGHT_BUDGET,
+        str(Path(__file__).parents[3]),
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
     assert child.wait(timeout=300) == 0, child.stderr
 
 
@@ -121,7 +140,10 @@ def test_the_result_is_stored_and_reused_by_make_loader():
     # Another batch size, an explicit override, or tuned=False: not applied.
     assert "autotuned" not in make_loader(Busy(n=32), batch_size=16).recipe.reasons["num_workers"]
     assert make_loader(Busy(n=32), batch_size=8, num_workers=0).num_workers == 0
-    assert "autotuned" not in make_loader(Busy(n=32), batch_size=8, tuned=False).recipe.reasons["num_workers"]
+    assert (
+        "autotuned"
+        not in make_loader(Busy(n=32), batch_size=8, tuned=False).recipe.reasons["num_workers"]
+    )
     assert load_tuned(Busy(n=33)) is None  # another dataset
 
 
@@ -137,7 +159,9 @@ def test_a_damaged_store_is_ignored(tmp_path):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="`batch_size` must be a positive integer, but is 0 instead."):
+    with pytest.raises(
+        ValueError, match="`batch_size` must be a positive integer, but is 0 instead."
+    ):
         autotune(Busy(), batch_size=0)
     with pytest.raises(ValueError, match="`memory_budget` must be positive"):
         autotune(Busy(), batch_size=4, memory_budget=0)
@@ -161,13 +185,18 @@ def test_no_setting_within_the_budget_is_said_warned_and_not_stored():
     ds = Busy(n=16)
     with pytest.warns(LoaderWarning, match="no setting fits the memory budget of 0 MiB"):
         result = _tune(ds, seconds_per_trial=0.1, max_workers=1, memory_budget=1)
-    assert "no setting fits the memory budget" in result.reason and "within the memory budget" not in result.reason
+    assert (
+        "no setting fits the memory budget" in result.reason
+        and "within the memory budget" not in result.reason
+    )
     assert load_tuned(ds) is None
 
 
 def test_worker_limits_and_a_sweep_cut_short():
     single = _tune(Busy(n=16), seconds_per_trial=0.1, max_workers=0, store=False)
-    assert [(t["num_workers"], t["prefetch_factor"]) for t in single.trials] == [(0, None)]  # one row, no duplicate
+    assert [(t["num_workers"], t["prefetch_factor"]) for t in single.trials] == [
+        (0, None)
+    ]  # one row, no duplicate
     with pytest.raises(ValueError, match="`max_workers` must be a non-negative integer, but is -1"):
         autotune(Busy(), batch_size=4, max_workers=-1)
     with pytest.raises(ValueError, match="positive and finite"):

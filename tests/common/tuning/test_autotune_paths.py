@@ -59,7 +59,9 @@ def test_a_step_holding_the_gil_gets_the_isolated_path_and_make_loader_takes_it(
     child's threads make them beside it, on the other core: fed, with one process fewer than
     a worker (the cheapest fed setting wins, or on a busy machine the fastest)."""
     ds = Held()
-    result = autotune(ds, batch_size=8, step=_step_holding(0.018), seconds_per_trial=0.4, max_workers=2)
+    result = autotune(
+        ds, batch_size=8, step=_step_holding(0.018), seconds_per_trial=0.4, max_workers=2
+    )
     paths = [t["path"] for t in result.trials]
     assert paths[:3] == ["threads", "isolated", "workers"], result.table()  # the thread paths first
     assert result == {"batch_size": 8, "path": "isolated"}, result.table()
@@ -72,16 +74,24 @@ def test_a_step_holding_the_gil_gets_the_isolated_path_and_make_loader_takes_it(
     record = load_tuned(Held())  # an equal dataset finds it, with the reason and the step
     assert record["settings"] == dict(result) and record["reason"] == result.reason
     loader = make_loader(Held(), batch_size=8)
-    assert isinstance(loader, IsolatedLoader) and not loader.adaptive  # measured with the step: no probe
+    assert (
+        isinstance(loader, IsolatedLoader) and not loader.adaptive
+    )  # measured with the step: no probe
     why = loader.recipe.reasons["path"]
-    assert why.startswith("threads of one child process") and "autotuned" in why and "beside the step" in why
+    assert (
+        why.startswith("threads of one child process")
+        and "autotuned" in why
+        and "beside the step" in why
+    )
     ids = torch.cat([b["ids"] for b in loader]).tolist()
     assert sorted(ids) == list(range(96)) and len(ids) == 96  # it reads the epoch, each once
     loader.close()
     # The user's choice wins over the measured one, and tuned=False returns to the rules.
     assert type(make_loader(Held(), batch_size=8, path="threads")) is ThreadLoader
     assert "autotuned" not in make_loader(Held(), batch_size=8, tuned=False).recipe.reasons["path"]
-    assert "autotuned" not in make_loader(Held(), batch_size=16).recipe.reasons["path"]  # another batch size
+    assert (
+        "autotuned" not in make_loader(Held(), batch_size=16).recipe.reasons["path"]
+    )  # another batch size
 
 
 def test_workers_measured_best_are_taken_by_auto_on_a_thread_capable_dataset(tmp_path):
@@ -101,24 +111,75 @@ def test_workers_measured_best_are_taken_by_auto_on_a_thread_capable_dataset(tmp
 
 
 def _row(path, wait, rate, workers=0, prefetch=None, peak=1):
-    return {"path": path, "num_workers": workers, "prefetch_factor": prefetch, "samples_per_s": rate,
-            "wait_fraction": wait, "peak_bytes": peak}
+    return {
+        "path": path,
+        "num_workers": workers,
+        "prefetch_factor": prefetch,
+        "samples_per_s": rate,
+        "wait_fraction": wait,
+        "peak_bytes": peak,
+    }
 
 
-@pytest.mark.parametrize(("rows", "with_step", "budget", "expected"), [
-    # fed: fewer processes win (threads of this process, then the child, then one worker)
-    ([_row("isolated", 0.02, 900), _row("threads", 0.05, 700), _row("workers", 0.3, 300)], True, None, "threads"),
-    ([_row("isolated", 0.02, 900), _row("threads", 0.25, 700), _row("workers", 0.08, 500, 1, 2)], True, None,
-     "isolated"),
-    # none fed: the fastest; within 5% of it, the cheapest
-    ([_row("isolated", 0.2, 1000), _row("threads", 0.3, 960), _row("workers", 0.4, 600, 2, 2)], True, None,
-     "threads"),
-    ([_row("isolated", 0.2, 1000), _row("threads", 0.3, 900), _row("workers", 0.4, 600, 2, 2)], True, None,
-     "isolated"),
-    ([_row("isolated", None, 1000), _row("threads", None, 700), _row("workers", None, 1040, 2, 2)], False, None,
-     "isolated"),
-    # over the memory budget: never chosen
-    ([_row("isolated", 0.02, 900, peak=10), _row("threads", 0.2, 700, peak=5)], True, 8, "threads"),
-])
+@pytest.mark.parametrize(
+    ("rows", "with_step", "budget", "expected"),
+    [
+        # fed: fewer processes win (threads of this process, then the child, then one worker)
+        (
+            [_row("isolated", 0.02, 900), _row("threads", 0.05, 700), _row("workers", 0.3, 300)],
+            True,
+            None,
+            "threads",
+        ),
+        (
+            [
+                _row("isolated", 0.02, 900),
+                _row("threads", 0.25, 700),
+                _row("workers", 0.08, 500, 1, 2),
+            ],
+            True,
+            None,
+            "isolated",
+        ),
+        # none fed: the fastest; within 5% of it, the cheapest
+        (
+            [
+                _row("isolated", 0.2, 1000),
+                _row("threads", 0.3, 960),
+                _row("workers", 0.4, 600, 2, 2),
+            ],
+            True,
+            None,
+            "threads",
+        ),
+        (
+            [
+                _row("isolated", 0.2, 1000),
+                _row("threads", 0.3, 900),
+                _row("workers", 0.4, 600, 2, 2),
+            ],
+            True,
+            None,
+            "isolated",
+        ),
+        (
+            [
+                _row("isolated", None, 1000),
+                _row("threads", None, 700),
+                _row("workers", None, 1040, 2, 2),
+            ],
+            False,
+            None,
+            "isolated",
+        ),
+        # over the memory budget: never chosen
+        (
+            [_row("isolated", 0.02, 900, peak=10), _row("threads", 0.2, 700, peak=5)],
+            True,
+            8,
+            "threads",
+        ),
+    ],
+)
 def test_the_choice_between_paths(rows, with_step, budget, expected):
     assert _choose(rows, with_step, budget)["path"] == expected

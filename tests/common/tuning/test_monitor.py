@@ -80,8 +80,11 @@ def test_no_warning_when_the_step_dominates():
 
 
 def test_a_slow_batch_is_named_with_its_time():
-    monitor = LoaderMonitor(DataLoader(Sleepy(12, slow_index=9, slow=0.35), batch_size=3),
-                            warn_batch_seconds=0.2, warn_wait_fraction=0.99)
+    monitor = LoaderMonitor(
+        DataLoader(Sleepy(12, slow_index=9, slow=0.35), batch_size=3),
+        warn_batch_seconds=0.2,
+        warn_wait_fraction=0.99,
+    )
     with pytest.warns(LoaderWarning, match=r"a batch took 0\.3\d s to arrive \(threshold 0\.20 s"):
         _run(monitor)
     assert monitor.summary()["max_batch_s"] >= 0.35
@@ -89,13 +92,17 @@ def test_a_slow_batch_is_named_with_its_time():
 
 
 def test_worker_memory_growth_between_epochs_warns():
-    leaky = DataLoader(Sleepy(16, leak_bytes=4 << 20), batch_size=2, num_workers=2, persistent_workers=True)
+    leaky = DataLoader(
+        Sleepy(16, leak_bytes=4 << 20), batch_size=2, num_workers=2, persistent_workers=True
+    )
     monitor = LoaderMonitor(leaky, sample_seconds=0.001, warn_wait_fraction=0.99)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         _run(monitor, epochs=3)
     warm_up, first, second = monitor.epochs
-    assert warm_up["memory_growth"] is None and first["memory_growth"] is None  # judged from epoch 2 on
+    assert (
+        warm_up["memory_growth"] is None and first["memory_growth"] is None
+    )  # judged from epoch 2 on
     assert second["memory_growth"] > 0.2
     assert first["workers"] == 2 and first["workers_uss_bytes"] > 0
     assert len(first["per_worker"]) == 2 and all(w["uss_bytes"] > 0 for w in first["per_worker"])
@@ -114,7 +121,10 @@ def test_worker_memory_growth_between_epochs_warns():
 def test_a_killed_worker_is_counted_and_explained():
     loader = DataLoader(Sleepy(40, fetch=0.01, kill_at=17), batch_size=2, num_workers=2, timeout=60)
     monitor = LoaderMonitor(loader, warn_wait_fraction=0.99)
-    with pytest.warns(LoaderWarning, match="out-of-memory killer"), pytest.raises(RuntimeError, match="exited"):
+    with (
+        pytest.warns(LoaderWarning, match="out-of-memory killer"),
+        pytest.raises(RuntimeError, match="exited"),
+    ):
         _run(monitor)
     assert monitor.summary()["worker_deaths"] == 1
     assert monitor.epochs[0]["worker_exit_codes"] == [-signal.SIGKILL]
@@ -129,7 +139,9 @@ def test_prefetch_cache_traffic_is_reported(tmp_path):
         cache = PrefetchCache(tmp_path / "cache", max_bytes=1 << 20, prefetch=2)
         urls = [server.url(f"s{s}.bin") for s in range(4)]
         ds = ShardedIterableDataset(urls, lambda path: [path.stat().st_size], cache=cache)
-        monitor = LoaderMonitor(DataLoader(ds, batch_size=None, num_workers=1), warn_wait_fraction=0.99)
+        monitor = LoaderMonitor(
+            DataLoader(ds, batch_size=None, num_workers=1), warn_wait_fraction=0.99
+        )
         _run(monitor, epochs=2)
     first, second = (e["prefetch"] for e in monitor.epochs)
     assert first["misses"] == 4 and first["bytes_downloaded"] == 4 * 10_000
@@ -142,15 +154,21 @@ def test_the_monitor_stands_in_for_the_loader():
     loader = DataLoader(Sleepy(10), batch_size=4)
     monitor = LoaderMonitor(loader)
     assert len(monitor) == 3 and monitor.dataset is loader.dataset and monitor.batch_size == 4
-    with pytest.raises(ValueError, match="`warn_wait_fraction` must be positive, but is 0 instead."):
+    with pytest.raises(
+        ValueError, match="`warn_wait_fraction` must be positive, but is 0 instead."
+    ):
         LoaderMonitor(loader, warn_wait_fraction=0)
     assert monitor.summary()["batches"] == 0
 
 
 def test_profile_trace_marks_data_fetches(tmp_path):
     steps = []
-    path = profile_trace(DataLoader(Sleepy(20), batch_size=4), tmp_path / "t" / "trace.json", steps=3,
-                         step=steps.append)
+    path = profile_trace(
+        DataLoader(Sleepy(20), batch_size=4),
+        tmp_path / "t" / "trace.json",
+        steps=3,
+        step=steps.append,
+    )
     events = json.loads(path.read_text())["traceEvents"]
     names = [e.get("name") for e in events]
     assert names.count("data_fetch") == 3 and names.count("train_step") == 3
@@ -158,7 +176,9 @@ def test_profile_trace_marks_data_fetches(tmp_path):
 
 
 def test_breaking_out_early_still_records_the_epoch():
-    monitor = LoaderMonitor(DataLoader(Sleepy(40, fetch=0.002), batch_size=4), warn_wait_fraction=0.99)
+    monitor = LoaderMonitor(
+        DataLoader(Sleepy(40, fetch=0.002), batch_size=4), warn_wait_fraction=0.99
+    )
     for i, _ in enumerate(monitor):
         if i == 4:
             break

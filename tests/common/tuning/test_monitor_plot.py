@@ -63,11 +63,16 @@ def test_the_timeline_holds_each_steps_wait_and_compute_and_the_chart_carries_th
     # the same figures as the epochs' own totals
     epochs_wait = sum(e["wait_s"] for e in monitor.epochs)
     assert data.totals()["wait_s"] == pytest.approx(epochs_wait, rel=1e-9)
-    assert data.totals()["compute_s"] == pytest.approx(sum(e["step_s"] for e in monitor.epochs), abs=1e-3)
+    assert data.totals()["compute_s"] == pytest.approx(
+        sum(e["step_s"] for e in monitor.epochs), abs=1e-3
+    )
     assert len(data.memory) >= 2 and np.all(data.memory[:, 1] > 0)  # a reading per epoch at least
     for name in ("timeline.png", "timeline.svg"):
         drawn = monitor.plot(tmp_path / name, x="step" if name.endswith("svg") else "time")
-        assert _description(tmp_path / name) == {"timeline": drawn.totals()} and drawn.totals() == data.totals()
+        assert (
+            _description(tmp_path / name) == {"timeline": drawn.totals()}
+            and drawn.totals() == data.totals()
+        )
 
 
 def test_a_loop_that_breaks_out_closes_its_last_step():
@@ -102,9 +107,13 @@ def test_the_timeline_stays_bounded_and_keeps_every_steps_time(steps, half_rows,
     expected_compute = sum(0.002 * (i % 5) for i in range(steps))
     assert data.totals()["wait_s"] == pytest.approx(expected_wait, abs=1e-9)
     assert data.totals()["compute_s"] == pytest.approx(expected_compute, abs=1e-9)
-    assert len(data.memory) >= min(readings, 5)  # a full buffer thins to half, then takes the new one
+    assert len(data.memory) >= min(
+        readings, 5
+    )  # a full buffer thins to half, then takes the new one
     if readings:
-        assert data.memory[-1, 1] == readings - 1 and data.memory[0, 1] == 0  # the newest and the first kept
+        assert (
+            data.memory[-1, 1] == readings - 1 and data.memory[0, 1] == 0
+        )  # the newest and the first kept
         assert np.all(np.diff(data.memory[:, 1]) > 0)
 
 
@@ -125,14 +134,18 @@ def test_without_matplotlib_plot_says_how_to_install_it(tmp_path, monkeypatch):
     monitor = LoaderMonitor([1, 2])
     list(monitor)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    with pytest.raises(ImportError, match=r'^Plotting needs matplotlib: pip install "loader-recipes\[plot\]"$'):
+    with pytest.raises(
+        ImportError, match=r'^Plotting needs matplotlib: pip install "loader-recipes\[plot\]"$'
+    ):
         monitor.plot(tmp_path / "t.png")
 
 
 @pytest.mark.slow  # 5-9 s: a fresh interpreter importing every domain
 def test_importing_recipes_and_its_cli_imports_no_matplotlib():
-    probe = ("import sys\nimport recipes, recipes.common, recipes.vision, recipes.nlp, recipes.audio\n"
-             "import recipes.common.tuning.monitor, recipes.bench.harness.bench_charts\n"
-             "from recipes.cli import build_parser\nbuild_parser()\nprint('matplotlib' in sys.modules)")
+    probe = (
+        "import sys\nimport recipes, recipes.common, recipes.vision, recipes.nlp, recipes.audio\n"
+        "import recipes.common.tuning.monitor, recipes.bench.harness.bench_charts\n"
+        "from recipes.cli import build_parser\nbuild_parser()\nprint('matplotlib' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]

@@ -22,7 +22,9 @@ LOADER_SCRIPT = textwrap.dedent("""
             return np.full((256, 256, 3), i % 251, np.uint8)
 
     if __name__ == "__main__":
-        loader = make_loader(Big(), batch_size=32, num_workers=2, collate_fn=lambda items: np.stack(items))
+        loader = make_loader(
+            Big(), batch_size=32, num_workers=2, collate_fn=lambda items: np.stack(items)
+        )
         it = iter(loader)
         for _ in range(3):
             next(it)
@@ -38,7 +40,8 @@ CACHE_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         root = make_image_folder(sys.argv[1], classes=2, per_class=1, size=(640, 480), seed=3)
-        for folder in sorted(root.iterdir()):  # 300 images to decode, 2 to encode: copies are free to make
+        # 300 images to decode, 2 to encode: copies are free to make
+        for folder in sorted(root.iterdir()):
             (image,) = folder.iterdir()
             for k in range(149):
                 shutil.copyfile(image, folder / f"copy{k:03d}{image.suffix}")
@@ -78,7 +81,8 @@ def _kill_parent_and_watch(zygote, script, *args):
             time.sleep(0.1)
         survivors = [p for p in pids if _alive(p)]
         return survivors
-    finally:  # clean up what a failure left: only this test's processes (other tests' workers live here too)
+    # clean up what a failure left: only this test's processes (other tests' workers live here too)
+    finally:
         if parent.poll() is None:
             parent.kill()
         for pid in locals().get("pids", []):

@@ -45,9 +45,13 @@ def build():
         from recipes.common.loading.build_loader import build_loader
         return build_loader(Draws(), num_workers=2, batch_size=4, collate_fn=None)
     if kind == "isolated":  # the child process of the thread path (one, kept for both epochs)
-        return make_loader(Draws(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7),
-                           path="isolated")
-    return RobustLoader(Draws(), timeout=600, **kw) if kind == "robust" else make_loader(Draws(), **kw)
+        generator = torch.Generator().manual_seed(7)
+        return make_loader(
+            Draws(), batch_size=4, shuffle=True, generator=generator, path="isolated"
+        )
+    if kind == "robust":
+        return RobustLoader(Draws(), timeout=600, **kw)
+    return make_loader(Draws(), **kw)
 
 def epochs(loader, n=2):
     return [[b.tolist() for b in loader] for _ in range(n)]
@@ -58,16 +62,24 @@ forks[0] = 1
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got = epochs(loader)
-print(json.dumps({"want": want, "got": got, "forks": forks[1],
-                  "warnings": [str(w.message) for w in caught if "had not started" in str(w.message)]}))
+warned = [str(w.message) for w in caught if "had not started" in str(w.message)]
+print(json.dumps({"want": want, "got": got, "forks": forks[1], "warnings": warned}))
 """
 
 
-@pytest.mark.parametrize("kind, count, persistent, started", [
-    ("make_loader", 1, "fresh", 4), ("make_loader", 2, "persistent", 2), ("robust", 1, "fresh", 4),
-    ("isolated", 1, "fresh", 1), ("build", 1, "fresh", 4)])  # started: the processes the two epochs fork, without the replacements
+@pytest.mark.parametrize(
+    "kind, count, persistent, started",
+    [
+        ("make_loader", 1, "fresh", 4),
+        ("make_loader", 2, "persistent", 2),
+        ("robust", 1, "fresh", 4),
+        ("isolated", 1, "fresh", 1),
+        ("build", 1, "fresh", 4),
+    ],
+)  # started: the processes the two epochs fork, without the replacements
 def test_a_worker_stuck_in_its_fork_is_replaced_and_the_epochs_are_the_uninterrupted_ones(
-        zygote, kind, count, persistent, started):
+    zygote, kind, count, persistent, started
+):
     child = zygote.python(SCRIPT, kind, str(count), persistent)
     child.wait(timeout=120)  # without the watch: waits forever on the stuck worker's batches
     assert child.returncode == 0, child.stderr[-3000:]
@@ -76,10 +88,15 @@ def test_a_worker_stuck_in_its_fork_is_replaced_and_the_epochs_are_the_uninterru
     for epoch in range(2):
         samples = [row[0] for batch in got[epoch] for row in batch]
         assert sorted(samples) == list(range(48)) and len(samples) == 48  # each sample exactly once
-        if kind in ("isolated", "build"):  # draws from a generator shared by threads, or seeded per iterator
+        if kind in (
+            "isolated",
+            "build",
+        ):  # draws from a generator shared by threads, or seeded per iterator
             assert samples == [row[0] for batch in want[epoch] for row in batch]  # same order
         else:
-            assert got[epoch] == want[epoch]  # same order, same random draws (the same seed per worker)
+            assert (
+                got[epoch] == want[epoch]
+            )  # same order, same random draws (the same seed per worker)
     assert len(report["warnings"]) == count
     assert "gh-112275" in report["warnings"][0]
     assert report["forks"] == started + count

@@ -31,8 +31,13 @@ class Probe(Dataset):
 
 
 def _run(**kw):
-    loader = DataLoader(Probe(), batch_size=None, num_workers=2,
-                        multiprocessing_context=multiprocessing.get_context("fork"), **kw)
+    loader = DataLoader(
+        Probe(),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=multiprocessing.get_context("fork"),
+        **kw,
+    )
     return list(loader)
 
 
@@ -51,7 +56,9 @@ def test_opencv_runs_single_threaded_in_forked_workers():
 def test_forked_workers_keep_the_parents_objects_out_of_their_collections():
     parent = gc.get_freeze_count()
     rows = _run(worker_init_fn=worker_init)
-    assert all(r["frozen"] > 10_000 for r in rows), [r["frozen"] for r in rows]  # pytest's heap, inherited
+    assert all(r["frozen"] > 10_000 for r in rows), [
+        r["frozen"] for r in rows
+    ]  # pytest's heap, inherited
     assert gc.get_freeze_count() == parent
     assert min(r["frozen"] for r in _run()) == parent  # without worker_init nothing is set aside
 
@@ -108,7 +115,8 @@ print(rows.tolist())
 
 @pytest.mark.slow  # 6 s
 def test_workers_that_import_opencv_later_are_single_threaded_too():
-    """worker_init does not import cv2 when the parent never did, and a later import is single-threaded."""
+    """worker_init does not import cv2 when the parent never did, and a later import is
+    single-threaded."""
     import subprocess
     import sys
 

@@ -27,10 +27,19 @@ def test_uint8_collate_keeps_channels_last_items_channels_last():
     assert torch.equal(images, torch.stack([x for x, _ in items]))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([(torch.zeros(3, 4, 4, dtype=torch.uint8), 0), (torch.zeros(3, 5, 4, dtype=torch.uint8), 1)], "item 1 has shape"),
-    ([(torch.zeros(3, 4, 4), 0)], "expected a uint8 tensor"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            [
+                (torch.zeros(3, 4, 4, dtype=torch.uint8), 0),
+                (torch.zeros(3, 5, 4, dtype=torch.uint8), 1),
+            ],
+            "item 1 has shape",
+        ),
+        ([(torch.zeros(3, 4, 4), 0)], "expected a uint8 tensor"),
+    ],
+)
 def test_uint8_collate_errors_name_the_item(bad, message):
     with pytest.raises(TypeError, match=message):
         uint8_collate(bad)
@@ -49,7 +58,9 @@ def test_device_normalize_on_cpu_matches_the_formula():
 
 def test_device_normalize_dtype_and_channels_last():
     images, _ = uint8_collate(_items())
-    out = DeviceNormalize((0.5,) * 3, (0.25,) * 3, device="cpu", dtype=torch.bfloat16, channels_last=True)(images)
+    out = DeviceNormalize(
+        (0.5,) * 3, (0.25,) * 3, device="cpu", dtype=torch.bfloat16, channels_last=True
+    )(images)
     assert out.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(out.float(), (images.float() / 255 - 0.5) / 0.25, atol=0.05)
 
@@ -75,8 +86,14 @@ def test_pinned_uint8_batches_normalise_on_the_gpu(image_tree):
     from recipes.vision import ImageFolderFast
 
     ds = ImageFolderFast(image_tree, size=64)
-    loader = DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True, collate_fn=uint8_collate,
-                        worker_init_fn=worker_init)
+    loader = DataLoader(
+        ds,
+        batch_size=4,
+        num_workers=2,
+        pin_memory=True,
+        collate_fn=uint8_collate,
+        worker_init_fn=worker_init,
+    )
     normalize = DeviceNormalize(IMAGENET_MEAN, IMAGENET_STD, device="cuda", channels_last=True)
     for images, targets in loader:
         assert images.is_pinned()

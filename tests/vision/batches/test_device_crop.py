@@ -47,7 +47,9 @@ def test_eval_batches_equal_the_cached_cpu_path(cached):
     images = torch.cat([b[0] for b in got])
     targets = torch.cat([b[1] for b in got])
     expected = _normalized(torch.stack([ds[i][0] for i in range(len(ds))]))
-    assert images.shape == (21, 3, 64, 64) and images.is_contiguous(memory_format=torch.channels_last)
+    assert images.shape == (21, 3, 64, 64) and images.is_contiguous(
+        memory_format=torch.channels_last
+    )
     assert _grey(images, expected).mean() < 1.0  # the same eval crops, resized on the device
     assert targets.tolist() == ds.targets.tolist()
 
@@ -57,12 +59,18 @@ def test_train_crops_match_a_cpu_resize_of_the_same_boxes(cached):
     loader = DeviceCropLoader(ds, batch_size=5, shuffle=False, seed=3, device="cpu")
     for k, (images, _) in enumerate(loader):
         indices = range(5 * k, min(5 * k + 5, len(ds)))
-        boxes, flips = loader.boxes(ds.cache.shapes[list(indices)], np.random.default_rng([3, 0, k]))
+        boxes, flips = loader.boxes(
+            ds.cache.shapes[list(indices)], np.random.default_rng([3, 0, k])
+        )
         for row, (i, (top, left, h, w), flip) in enumerate(zip(indices, boxes, flips, strict=True)):
             reference = resize_uint8(ds.cache.read(i)[top : top + h, left : left + w], (64, 64))
             if flip:
                 reference = reference.flip(-1)
-            grey = (images[row] - _normalized(reference[None])[0]) * torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
+            grey = (
+                (images[row] - _normalized(reference[None])[0])
+                * torch.tensor(IMAGENET_STD).view(3, 1, 1)
+                * 255
+            )
             assert grey.abs().mean() < 1.0, (i, grey.abs().mean())
 
 
@@ -86,7 +94,9 @@ def test_a_distributed_sampler_splits_the_dataset(cached):
     ds = _dataset(cached)
     seen = []
     for rank in range(2):
-        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=5, drop_last=False)
+        sampler = DistributedSampler(
+            ds, num_replicas=2, rank=rank, shuffle=True, seed=5, drop_last=False
+        )
         loader = DeviceCropLoader(ds, batch_size=3, sampler=sampler, device="cpu")
         loader.set_epoch(2)
         order = list(sampler)
@@ -110,7 +120,9 @@ def test_clear_errors(cached):
         DeviceCropLoader(ImageFolderFast(root, size=64), batch_size=4, device="cpu")
     with pytest.raises(ValueError, match="transform"):
         DeviceCropLoader(_dataset(cached, transform=lambda x: x), batch_size=4, device="cpu")
-    with pytest.raises(ValueError, match="`batch_size` must be a positive integer, but is 0 instead."):
+    with pytest.raises(
+        ValueError, match="`batch_size` must be a positive integer, but is 0 instead."
+    ):
         DeviceCropLoader(_dataset(cached), batch_size=0, device="cpu")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):

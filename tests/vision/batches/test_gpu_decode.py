@@ -39,9 +39,12 @@ def _normalised(images_uint8):
 
 
 def _torchvision_eval(root, size):
-    """torchvision's eval pipeline (Pillow decode, Resize, CenterCrop): the independent reference."""
-    ref = torchvision.datasets.ImageFolder(root, transform=T.Compose([T.Resize(int(size / 0.875)), T.CenterCrop(size),
-                                                                      T.PILToTensor()]))
+    """torchvision's eval pipeline (Pillow decode, Resize, CenterCrop): the independent
+    reference."""
+    ref = torchvision.datasets.ImageFolder(
+        root,
+        transform=T.Compose([T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]),
+    )
     return _normalised(torch.stack([ref[i][0] for i in range(len(ref))]))
 
 
@@ -58,11 +61,15 @@ def test_without_cuda_the_gpu_path_says_to_use_the_cpu_path(image_tree):
 
 def test_eval_batches_through_workers_are_torchvisions_eval(image_tree, pretend_cuda):
     encoded = ImageFolderFast(image_tree, size=96, decode="gpu")
-    loader = make_loader(encoded, batch_size=5, num_workers=2, pin_memory=False, collate_fn=encoded_collate)
+    loader = make_loader(
+        encoded, batch_size=5, num_workers=2, pin_memory=False, collate_fn=encoded_collate
+    )
     to_images = GpuDecode(encoded, device="cpu")
     images, targets = zip(*(to_images(batch) for batch in loader), strict=True)
     images, targets = torch.cat(images), torch.cat(targets)
-    assert images.shape == (len(encoded), 3, 96, 96) and images.is_contiguous(memory_format=torch.channels_last)
+    assert images.shape == (len(encoded), 3, 96, 96) and images.is_contiguous(
+        memory_format=torch.channels_last
+    )
     assert targets.tolist() == encoded.targets.tolist()
     grey = _grey(images, _torchvision_eval(image_tree, 96))
     assert grey.max() < 3.0 and grey.mean() < 2.0, grey
@@ -78,10 +85,15 @@ def test_train_crops_and_flips_are_drawn_like_the_cpu_path(image_tree, pretend_c
     images, _ = GpuDecode(encoded, device="cpu")(batch)
     assert batch["flips"].any() and not batch["flips"].all()
     reference = []  # Pillow: the whole image, the batch's box, an antialiased resize, the flip
-    for (path, _), (top, left, h, w), flip in zip(encoded.samples[:8], batch["boxes"].tolist(),
-                                                  batch["flips"].tolist(), strict=True):
+    for (path, _), (top, left, h, w), flip in zip(
+        encoded.samples[:8], batch["boxes"].tolist(), batch["flips"].tolist(), strict=True
+    ):
         with Image.open(path) as im:
-            crop = im.convert("RGB").crop((left, top, left + w, top + h)).resize((64, 64), Image.BILINEAR)
+            crop = (
+                im.convert("RGB")
+                .crop((left, top, left + w, top + h))
+                .resize((64, 64), Image.BILINEAR)
+            )
         tensor = torch.from_numpy(np.asarray(crop)).permute(2, 0, 1)
         reference.append(tensor.flip(-1) if flip else tensor)
     assert _grey(images, _normalised(torch.stack(reference))).max() < 2.0
@@ -105,10 +117,21 @@ def test_bad_files_raise_or_are_skipped_in_the_workers(tmp_path, pretend_cuda):
     good = next(root.rglob("*.jpg")).read_bytes()
     (root / "class_00" / "cut.jpg").write_bytes(good[: len(good) // 2])
     with pytest.raises(ImageDecodeError, match="cut.jpg.*truncated JPEG"):
-        list(make_loader(ImageFolderFast(root, decode="gpu"), batch_size=4, num_workers=2, pin_memory=False,
-                         collate_fn=encoded_collate))
+        list(
+            make_loader(
+                ImageFolderFast(root, decode="gpu"),
+                batch_size=4,
+                num_workers=2,
+                pin_memory=False,
+                collate_fn=encoded_collate,
+            )
+        )
     skipping = ImageFolderFast(root, decode="gpu", on_error="skip")
-    batches = list(make_loader(skipping, batch_size=4, num_workers=2, pin_memory=False, collate_fn=encoded_collate))
+    batches = list(
+        make_loader(
+            skipping, batch_size=4, num_workers=2, pin_memory=False, collate_fn=encoded_collate
+        )
+    )
     assert sum(len(b["targets"]) for b in batches) == 7 and skipping.skipped == 1
     with pytest.raises(ValueError, match="decoded cache"):
         ImageFolderFast(root, decode="gpu", cache_dir=tmp_path / "c")
@@ -144,13 +167,19 @@ def _cpu_boxes_and_flips(ds, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", ["truncated", "not_an_image", "empty"])
-def test_skipping_a_bad_file_leaves_both_paths_with_the_same_crops(tmp_path, pretend_cuda, monkeypatch, bad):
+def test_skipping_a_bad_file_leaves_both_paths_with_the_same_crops(
+    tmp_path, pretend_cuda, monkeypatch, bad
+):
     """A bad file in the middle of a train epoch: the CPU path draws the crop before it finds
     the damage (it decodes the box), decode="gpu" workers check the bytes first; the bad file
     must consume no randomness on either, so every later image gets the same crop and flip."""
     root = make_image_folder(tmp_path / "t", classes=2, per_class=4, seed=3)
     good = (root / "class_00" / "img_0001.jpg").read_bytes()
-    broken = {"truncated": good[: len(good) // 2], "not_an_image": b"<html>404</html>", "empty": b""}[bad]
+    broken = {
+        "truncated": good[: len(good) // 2],
+        "not_an_image": b"<html>404</html>",
+        "empty": b"",
+    }[bad]
     (root / "class_00" / "img_0001b.jpg").write_bytes(broken)  # index 2 of 9
     cpu = ImageFolderFast(root, size=48, train=True, on_error="skip", region_decode=False)
     encoded = ImageFolderFast(root, size=48, train=True, on_error="skip", decode="gpu")

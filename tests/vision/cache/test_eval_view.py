@@ -29,8 +29,9 @@ def _mad(a, b):
 
 
 def _torchvision(root, size=224, side=256):
-    return torchvision.datasets.ImageFolder(root, transform=T.Compose([T.Resize(side), T.CenterCrop(size),
-                                                                       T.PILToTensor()]))
+    return torchvision.datasets.ImageFolder(
+        root, transform=T.Compose([T.Resize(side), T.CenterCrop(size), T.PILToTensor()])
+    )
 
 
 def test_warm_eval_pixels_are_torchvisions_within_a_grey_level(photos, tmp_path):
@@ -40,7 +41,9 @@ def test_warm_eval_pixels_are_torchvisions_within_a_grey_level(photos, tmp_path)
     reference = _torchvision(photos)
     mads = [_mad(ds[i][0], reference[i][0]) for i in range(len(ds))]
     assert np.mean(mads) <= 1.0 and max(mads) <= 1.5, mads
-    whole = ImageFolderFast(photos, size=224)  # the same cache without its view: resized out of the store
+    whole = ImageFolderFast(
+        photos, size=224
+    )  # the same cache without its view: resized out of the store
     whole.use_cache(ds.cache)
     whole._views[(224, 224)] = None
     assert np.mean([_mad(whole[i][0], reference[i][0]) for i in range(len(ds))]) > np.mean(mads)
@@ -56,7 +59,9 @@ def shapes(tmp_path_factory):
     root, rng = tmp_path_factory.mktemp("shapes"), np.random.default_rng(5)
     for c, (h, w) in enumerate([(200, 120), (120, 200), (30, 40), (17, 9)]):
         (root / f"c{c}").mkdir()
-        cv2.imwrite(str(root / f"c{c}" / "a.jpg"), natural_image(h, w, rng), [cv2.IMWRITE_JPEG_QUALITY, 90])
+        cv2.imwrite(
+            str(root / f"c{c}" / "a.jpg"), natural_image(h, w, rng), [cv2.IMWRITE_JPEG_QUALITY, 90]
+        )
     return root
 
 
@@ -83,16 +88,24 @@ def test_the_view_is_built_for_eval_reopened_and_other_resolutions_fall_back(pho
     ds = ImageFolderFast(photos, size=96, max_side=192, cache_dir=tmp_path)  # the same cache, eval
     assert ds.cache is not None and ds.eval_view is None
     first = [ds[i][0].clone() for i in range(3)]  # served from the whole images meanwhile
-    build_image_cache(ds, tmp_path, num_workers=0, progress=False)  # adds the view to the existing cache
-    assert sorted(p.name for p in ds.cache.path.glob("eval-*")) == ["eval-96x96-crop0.875.bin",
-                                                                    "eval-96x96-crop0.875.json",
-                                                                    "eval-96x96-crop0.875.sums"]
+    build_image_cache(
+        ds, tmp_path, num_workers=0, progress=False
+    )  # adds the view to the existing cache
+    assert sorted(p.name for p in ds.cache.path.glob("eval-*")) == [
+        "eval-96x96-crop0.875.bin",
+        "eval-96x96-crop0.875.json",
+        "eval-96x96-crop0.875.sums",
+    ]
     again = ImageFolderFast(photos, size=96, max_side=192, cache_dir=tmp_path)
     assert again.eval_view is not None
     rows = [again[i][0] for i in range(len(again))]
-    assert all(torch.equal(rows[i], again.eval_record(i)) for i in range(len(again)))  # a row copy of the view
+    assert all(
+        torch.equal(rows[i], again.eval_record(i)) for i in range(len(again))
+    )  # a row copy of the view
     assert all(_mad(rows[i], first[i]) < 3 for i in range(3))
-    again.set_resolution(64)  # no view at 64: correct first (torchvision's geometry over the whole image)
+    again.set_resolution(
+        64
+    )  # no view at 64: correct first (torchvision's geometry over the whole image)
     assert again.eval_view is None and again[0][0].shape == (3, 64, 64)
     with pytest.raises(ValueError, match="train=True"):
         train.eval_record(0)
@@ -126,17 +139,25 @@ def test_threads_serve_what_workers_serve(photos, tmp_path):
     for (a, ta), (b, tb) in zip(threaded, workers, strict=True):
         assert torch.equal(a, b) and torch.equal(ta, tb)
         assert a.is_contiguous(memory_format=torch.channels_last) and a.dtype == torch.uint8
-    assert make_loader(ds, batch_size=5, collate_fn=uint8_collate).recipe.settings["path"] == "threads"
-    with_transform = ImageFolderFast(photos, size=64, cache_dir=tmp_path, transform=lambda x: x.flip(-2))
+    assert (
+        make_loader(ds, batch_size=5, collate_fn=uint8_collate).recipe.settings["path"] == "threads"
+    )
+    with_transform = ImageFolderFast(
+        photos, size=64, cache_dir=tmp_path, transform=lambda x: x.flip(-2)
+    )
     assert with_transform.thread_batches() is False
-    assert "thread_batches() is false" in make_loader(with_transform, batch_size=5).recipe.reasons["path"]
+    assert (
+        "thread_batches() is false"
+        in make_loader(with_transform, batch_size=5).recipe.reasons["path"]
+    )
     with pytest.raises(ValueError, match=r"a `transform` \(Python per item\)"):
         with_transform.read_batch([0], np.random.default_rng(0))
 
 
 def test_thread_path_train_crops_follow_torchvision(tmp_path, monkeypatch):
     """The thread path draws its crops as the worker path does: torchvision's scale, ratio and
-    position distribution over the whole stored image (the worker path's KS test, y centre included)."""
+    position distribution over the whole stored image (the worker path's KS test, y centre
+    included)."""
     import cv2
 
     import recipes.vision.cache.cached_batches as module
@@ -167,7 +188,9 @@ def test_thread_train_batches_are_the_crops_and_flips_their_rng_draws(photos, tm
     rng, flips = np.random.default_rng(7), 0
     for row, i in enumerate(indices):
         h, w = (int(v) for v in ds.cache.shapes[i])
-        expected = ds.cache.read_crop(i, random_resized_box(h, w, rng, ds.SCALE, ds.RATIO), (64, 64))
+        expected = ds.cache.read_crop(
+            i, random_resized_box(h, w, rng, ds.SCALE, ds.RATIO), (64, 64)
+        )
         if rng.random() < 0.5:
             expected, flips = expected.flip(-1), flips + 1
         assert torch.equal(images[row], expected), row
@@ -180,10 +203,16 @@ def test_a_killed_view_builds_temp_files_are_swept(photos, tmp_path):
     from recipes.common.caches.cache_files import _host
     from tests.vision.cache.test_image_cache import _dead_pid
 
-    cache = build_image_cache(ImageFolderFast(photos, size=64), tmp_path, num_workers=0, progress=False)
+    cache = build_image_cache(
+        ImageFolderFast(photos, size=64), tmp_path, num_workers=0, progress=False
+    )
     dead, live = _dead_pid(), __import__("os").getpid()
-    names = [f".eval-64x64-crop0.875.{_host()}.{dead}.data.tmp", f".eval-64x64-crop0.875.{_host()}.{dead}.json.tmp",
-             f".eval-96x96-crop0.875.{_host()}.{live}.data.tmp", f".eval-64x64-crop0.875.elsewhere.{dead}.data.tmp"]
+    names = [
+        f".eval-64x64-crop0.875.{_host()}.{dead}.data.tmp",
+        f".eval-64x64-crop0.875.{_host()}.{dead}.json.tmp",
+        f".eval-96x96-crop0.875.{_host()}.{live}.data.tmp",
+        f".eval-64x64-crop0.875.elsewhere.{dead}.data.tmp",
+    ]
     for name in names:
         (cache.path / name).write_bytes(b"partial")
     ds = ImageFolderFast(photos, size=64, cache_dir=tmp_path)

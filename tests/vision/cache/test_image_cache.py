@@ -33,7 +33,9 @@ def _files(folder):
 
 
 def _dead_pid():
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     return int(done.stdout)
 
 
@@ -51,8 +53,13 @@ def test_build_then_serve_equals_decoding(own_tree, tmp_path):
             width, height = im.size
             scale = min(1.0, 192 / max(width, height))
             stored = cache.read(i)
-            assert stored.shape == (round(height * scale), round(width * scale), 3) and stored.dtype == np.uint8
-            whole = torch.from_numpy(np.asarray(im.convert("RGB").resize(stored.shape[1::-1], Image.BILINEAR)))
+            assert (
+                stored.shape == (round(height * scale), round(width * scale), 3)
+                and stored.dtype == np.uint8
+            )
+            whole = torch.from_numpy(
+                np.asarray(im.convert("RGB").resize(stored.shape[1::-1], Image.BILINEAR))
+            )
         assert _mad(torch.from_numpy(stored), whole) < 5.0  # DCT-scaled decode + resize vs Pillow's
     assert cache.labels.tolist() == ds.targets.tolist()
     for i, (_, target) in enumerate(decoded):
@@ -61,7 +68,9 @@ def test_build_then_serve_equals_decoding(own_tree, tmp_path):
     # Against torchvision (an independent decode and resize): the same bar as decoding from files.
     # (Cached and file-decoded crops differ by up to ~3.5 grey levels from each other: two
     # resampling chains, the store's resize then the crop's, against a DCT-scaled decode.)
-    ref = torchvision.datasets.ImageFolder(own_tree, transform=T.Compose([T.Resize(109), T.CenterCrop(96), T.PILToTensor()]))
+    ref = torchvision.datasets.ImageFolder(
+        own_tree, transform=T.Compose([T.Resize(109), T.CenterCrop(96), T.PILToTensor()])
+    )
     mads = [_mad(ds[i][0], ref[i][0]) for i in range(len(ds))]
     assert max(mads) < 5.0 and np.mean(mads) < 4.0, mads
 
@@ -94,9 +103,13 @@ def test_stale_cache_is_not_served(own_tree, tmp_path):
     assert other_size.cache is None
 
 
-@pytest.mark.parametrize("damage", ["truncate", "labels", "header", "version", "not_an_object", "skipped"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "labels", "header", "version", "not_an_object", "skipped"]
+)
 def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
-    cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    cache = build_image_cache(
+        ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0
+    )
     header = cache.path / "header.json"
     if damage == "truncate":
         images = cache.path / "images.bin"
@@ -110,7 +123,9 @@ def test_corrupt_cache_is_detected_and_rebuilt(own_tree, tmp_path, damage):
     elif damage == "skipped":
         header.write_text(header.read_text().replace('"skipped": []', '"skipped": [99]'))
     else:
-        header.write_text(header.read_text().replace(f'"version": {FORMAT_VERSION}', '"version": 9'))
+        header.write_text(
+            header.read_text().replace(f'"version": {FORMAT_VERSION}', '"version": 9')
+        )
     with pytest.warns(UserWarning, match="Not using the image cache"):
         ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is None
@@ -133,17 +148,24 @@ def _flip_label_bits(cache_path, index, mask=1):
 
 
 def test_a_flipped_label_is_refused_with_a_warning_never_served(own_tree, tmp_path):
-    cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
+    cache = build_image_cache(
+        ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0
+    )
     _flip_label_bits(cache.path, 4)  # class 1 -> 0: another valid class, the dangerous case
     reference = torchvision.datasets.ImageFolder(own_tree).targets
     assert reference[4] == 1
-    with pytest.warns(UserWarning, match=rf"Not using the image cache: {re.escape(str(cache.path))}/labels.bin is "
-                                         r"damaged \(its checksum differs.*rebuild the cache with build_image_cache\(\)"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"Not using the image cache: {re.escape(str(cache.path))}/labels.bin is "
+        r"damaged \(its checksum differs.*rebuild the cache with build_image_cache\(\)",
+    ):
         ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is None
     assert [ds[i][1] for i in range(len(ds))] == reference
     assert [t for _, t in ds.__getitems__(list(range(len(ds))))] == reference
-    rebuilt = build_image_cache(ds, tmp_path, progress=False, num_workers=0)  # the damaged cache is not reused
+    rebuilt = build_image_cache(
+        ds, tmp_path, progress=False, num_workers=0
+    )  # the damaged cache is not reused
     assert ds.cache is rebuilt and rebuilt.labels.tolist() == reference
     assert [ds[i][1] for i in range(len(ds))] == reference
 
@@ -151,11 +173,14 @@ def test_a_flipped_label_is_refused_with_a_warning_never_served(own_tree, tmp_pa
 def test_the_label_check_knows_where_skipped_images_were_replaced(own_tree, tmp_path):
     """A bad last file of a class is stored as the next class's first image, with its label; the
     last file of the tree, as the first image. Neither is a damaged label."""
-    (own_tree / "class_00" / "zz_bad.jpg").write_bytes(b"not a jpeg")  # index 3, replaced by 4 (class 1)
+    (own_tree / "class_00" / "zz_bad.jpg").write_bytes(
+        b"not a jpeg"
+    )  # index 3, replaced by 4 (class 1)
     (own_tree / "class_01" / "zz_bad.jpg").write_bytes(b"")  # index 7, replaced by 0 (class 0)
     files = ImageFolderFast(own_tree, size=64, on_error="skip")
-    cache = build_image_cache(ImageFolderFast(own_tree, size=64, on_error="skip"), tmp_path, progress=False,
-                              num_workers=0)
+    cache = build_image_cache(
+        ImageFolderFast(own_tree, size=64, on_error="skip"), tmp_path, progress=False, num_workers=0
+    )
     assert cache.skipped == (3, 7) and cache.labels[[3, 7]].tolist() == [1, 0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -168,18 +193,25 @@ def test_the_label_check_knows_where_skipped_images_were_replaced(own_tree, tmp_
 
 
 @pytest.mark.parametrize("train, name", [(True, "images.bin"), (False, "eval-64x64-crop0.875.bin")])
-def test_images_truncated_after_opening_raise_the_cache_error_in_a_fresh_worker(own_tree, tmp_path, train, name):
+def test_images_truncated_after_opening_raise_the_cache_error_in_a_fresh_worker(
+    own_tree, tmp_path, train, name
+):
     """The whole images (read by train crops) or the eval view (read by eval), truncated after
     the dataset opened them: an ImageCacheError naming the file, never a short read served."""
     build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
-    ds = ImageFolderFast(own_tree, size=64, train=train, cache_dir=tmp_path)  # opened and checked, nothing read yet
+    ds = ImageFolderFast(
+        own_tree, size=64, train=train, cache_dir=tmp_path
+    )  # opened and checked, nothing read yet
     assert (ds.eval_view is None) == train  # eval: its view opened
     spawned = pickle.loads(pickle.dumps(ds))  # what a spawned worker receives
     forked = ImageFolderFast(own_tree, size=64, train=train, cache_dir=tmp_path)
     assert (forked.eval_view is None) == train
     images = ds.cache.path / name
     os.truncate(images, images.stat().st_size - 1000)
-    expected = rf"{re.escape(str(images))} changed after the cache was opened: truncated in place.*Reopen the cache"
+    expected = (
+        rf"{re.escape(str(images))} changed after the cache was opened: truncated in place"
+        r".*Reopen the cache"
+    )
     for dataset in (ds, spawned):
         with pytest.raises(ImageCacheError, match=expected):
             dataset[0]
@@ -193,7 +225,9 @@ def test_writes_are_atomic_and_leave_no_temp_files(own_tree, tmp_path):
     left = tmp_path / f".{name}.{_host()}.{_dead_pid()}.ab.tmp"  # by a builder killed midway
     left.mkdir()
     (left / "images.bin").write_bytes(b"partial")
-    elsewhere = tmp_path / f".{name}.another-node.{_dead_pid()}.cd.tmp"  # a live build on another node?
+    elsewhere = (
+        tmp_path / f".{name}.another-node.{_dead_pid()}.cd.tmp"
+    )  # a live build on another node?
     elsewhere.mkdir()
     build_image_cache(ds, tmp_path, progress=False, num_workers=0)
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == [elsewhere.name]
@@ -202,17 +236,31 @@ def test_writes_are_atomic_and_leave_no_temp_files(own_tree, tmp_path):
 def test_two_processes_building_the_same_cache(own_tree, tmp_path, zygote):
     code = (
         "import sys; from recipes.vision import ImageFolderFast, build_image_cache;"
-        "build_image_cache(ImageFolderFast(sys.argv[1], size=64), sys.argv[2], num_workers=0, progress=False)"
+        "build_image_cache(ImageFolderFast(sys.argv[1], size=64), sys.argv[2], num_workers=0, "
+        "progress=False)"
     )
     procs = [zygote.python(code, own_tree, tmp_path) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0], [p.stderr for p in procs]
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None
-    assert [p.name for p in tmp_path.iterdir() if p != own_tree] == [ds.cache.path.name]  # one cache, no temp
-    assert sorted(_files(ds.cache.path)) == ["checksums.bin", "eval-64x64-crop0.875.bin", "eval-64x64-crop0.875.json",
-                                             "eval-64x64-crop0.875.sums", "files.npy", "header.json", "images.bin",
-                                             "labels.bin", "offsets.bin", "shapes.bin"]
-    single = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "single", num_workers=0, progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p != own_tree] == [
+        ds.cache.path.name
+    ]  # one cache, no temp
+    assert sorted(_files(ds.cache.path)) == [
+        "checksums.bin",
+        "eval-64x64-crop0.875.bin",
+        "eval-64x64-crop0.875.json",
+        "eval-64x64-crop0.875.sums",
+        "files.npy",
+        "header.json",
+        "images.bin",
+        "labels.bin",
+        "offsets.bin",
+        "shapes.bin",
+    ]
+    single = build_image_cache(
+        ImageFolderFast(own_tree, size=64), tmp_path / "single", num_workers=0, progress=False
+    )
     assert _files(ds.cache.path) == _files(single.path)
 
 
@@ -224,8 +272,11 @@ def test_a_stale_cache_is_named_then_replaced(own_tree, tmp_path):
     extra = images[1].parent / "new_one.jpg"
     extra.write_bytes(images[1].read_bytes())  # and an added one
     rel_changed = os.path.relpath(images[0], own_tree)
-    with pytest.warns(UserWarning, match=rf"built from other inputs \(images-.*: 6 files when built, 7 now; "
-                                         rf"1 added: .*new_one.jpg; 1 changed \(size or mtime\): {rel_changed}"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"built from other inputs \(images-.*: 6 files when built, 7 now; "
+        rf"1 added: .*new_one.jpg; 1 changed \(size or mtime\): {rel_changed}",
+    ):
         ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is None
     # A build of another root in the same folder is left alone; this root's old cache is replaced.
@@ -241,16 +292,24 @@ def test_a_cache_of_the_old_single_file_format_is_named_then_replaced(own_tree, 
     import json
 
     legacy = tmp_path / "images-0123456789abcdef01234567.bin"
-    header = json.dumps({"version": 1, "fingerprint": "0" * 64, "count": 6, "side": 73, "root": str(own_tree)})
+    header = json.dumps(
+        {"version": 1, "fingerprint": "0" * 64, "count": 6, "side": 73, "root": str(own_tree)}
+    )
     legacy.write_bytes(b"RCPIMG01" + header.encode().ljust(4088) + b"\0" * 1000)
-    with pytest.warns(UserWarning, match="images-0123456789abcdef01234567.bin was built from other inputs"):
+    with pytest.warns(
+        UserWarning, match="images-0123456789abcdef01234567.bin was built from other inputs"
+    ):
         ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     build_image_cache(ds, tmp_path, num_workers=0, progress=False)
-    assert not legacy.exists() and [p.name for p in tmp_path.iterdir() if p != own_tree] == [ds.cache.path.name]
+    assert not legacy.exists() and [p.name for p in tmp_path.iterdir() if p != own_tree] == [
+        ds.cache.path.name
+    ]
 
 
 def test_opening_sweeps_the_temp_folder_of_a_killed_build(own_tree, tmp_path):
-    cache = build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False)
+    cache = build_image_cache(
+        ImageFolderFast(own_tree, size=64), tmp_path, num_workers=0, progress=False
+    )
     temp = tmp_path / f".{cache.path.name}.{_host()}.{_dead_pid()}.0badcafe.tmp"
     temp.mkdir()
     (temp / "images.bin").write_bytes(b"x" * 1000)
@@ -272,8 +331,12 @@ def test_another_resolution_from_the_cache_is_torchvisions_eval(own_tree, tmp_pa
     files = ImageFolderFast(own_tree, size=128)
     build_image_cache(ds, tmp_path, progress=False, num_workers=0)
     for dataset in (ds, files):
-        dataset.set_resolution(64)  # progressive resizing: eval at 64 is Resize(73) + CenterCrop(64)
-    ref = torchvision.datasets.ImageFolder(own_tree, transform=T.Compose([T.Resize(73), T.CenterCrop(64), T.PILToTensor()]))
+        dataset.set_resolution(
+            64
+        )  # progressive resizing: eval at 64 is Resize(73) + CenterCrop(64)
+    ref = torchvision.datasets.ImageFolder(
+        own_tree, transform=T.Compose([T.Resize(73), T.CenterCrop(64), T.PILToTensor()])
+    )
     cached = [_mad(ds[i][0], ref[i][0]) for i in range(len(ds))]
     decoded = [_mad(files[i][0], ref[i][0]) for i in range(len(ds))]
     assert all(ds[i][0].shape == (3, 64, 64) for i in range(len(ds)))
@@ -297,7 +360,8 @@ def spy_boxes(monkeypatch, module) -> list:
 
 def _boxes_served(ds, draws, monkeypatch):
     """The random-resized-crop boxes the cached path (`ds[i]`) draws."""
-    import recipes.vision.cache.cached_batches as module  # where ds[i] draws a cached crop (read_cached_item)
+    # where ds[i] draws a cached crop (read_cached_item)
+    import recipes.vision.cache.cached_batches as module
 
     seen = spy_boxes(monkeypatch, module)
     torch.manual_seed(0)
@@ -308,17 +372,35 @@ def _boxes_served(ds, draws, monkeypatch):
 
 def assert_crops_follow_torchvision(served: np.ndarray, height: int, width: int) -> None:
     """Area, aspect and position of `served` boxes (rows of `spy_boxes`) against as many draws of
-    torchvision's `RandomResizedCrop.get_params` on a `height x width` original (KS, alpha 0.001)."""
+    torchvision's `RandomResizedCrop.get_params` on a `height x width` original (KS, alpha 0.001).
+    """
     h, w, top, left, bh, bw = served.T
     torch.manual_seed(1)
-    reference = np.array([T.RandomResizedCrop.get_params(torch.empty(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3])
-                          for _ in range(len(served))], dtype=float)
+    reference = np.array(
+        [
+            T.RandomResizedCrop.get_params(
+                torch.empty(3, height, width), [0.08, 1.0], [3 / 4, 4 / 3]
+            )
+            for _ in range(len(served))
+        ],
+        dtype=float,
+    )
     rtop, rleft, rh, rw = reference.T
-    ours = {"area": bh * bw / (h * w), "aspect": np.log(bw / bh), "x centre": (left + bw / 2) / w,
-            "y centre": (top + bh / 2) / h}
-    theirs = {"area": rh * rw / (height * width), "aspect": np.log(rw / rh), "x centre": (rleft + rw / 2) / width,
-              "y centre": (rtop + rh / 2) / height}
-    critical = 1.95 * np.sqrt(2 / len(served))  # KS at alpha = 0.001 (results are seeded: no flakes)
+    ours = {
+        "area": bh * bw / (h * w),
+        "aspect": np.log(bw / bh),
+        "x centre": (left + bw / 2) / w,
+        "y centre": (top + bh / 2) / h,
+    }
+    theirs = {
+        "area": rh * rw / (height * width),
+        "aspect": np.log(rw / rh),
+        "x centre": (rleft + rw / 2) / width,
+        "y centre": (rtop + rh / 2) / height,
+    }
+    critical = 1.95 * np.sqrt(
+        2 / len(served)
+    )  # KS at alpha = 0.001 (results are seeded: no flakes)
     for name in ours:
         assert _ks(ours[name], theirs[name]) < critical, name
 
@@ -326,8 +408,10 @@ def assert_crops_follow_torchvision(served: np.ndarray, height: int, width: int)
 def _ks(a, b):
     """Two-sample Kolmogorov-Smirnov statistic."""
     grid = np.sort(np.concatenate([a, b]))
-    return np.abs(np.searchsorted(np.sort(a), grid, "right") / len(a)
-                  - np.searchsorted(np.sort(b), grid, "right") / len(b)).max()
+    return np.abs(
+        np.searchsorted(np.sort(a), grid, "right") / len(a)
+        - np.searchsorted(np.sort(b), grid, "right") / len(b)
+    ).max()
 
 
 def test_train_crops_from_the_cache_follow_torchvision_over_the_original(tmp_path, monkeypatch):
@@ -349,11 +433,20 @@ def test_train_crops_from_the_cache_follow_torchvision_over_the_original(tmp_pat
     assert set(zip(h, w, strict=True)) == {(96.0, 192.0)}  # whole images, aspect kept
     assert_crops_follow_torchvision(served, 320, 640)
     torch.manual_seed(1)
-    rtop, rleft, rh, rw = np.array([T.RandomResizedCrop.get_params(torch.empty(3, 320, 640), [0.08, 1.0],
-                                                                  [3 / 4, 4 / 3]) for _ in range(3000)], dtype=float).T
-    for ours_edge, theirs_edge in (((left / w < 0.05).mean(), (rleft / 640 < 0.05).mean()),
-                                   (((left + bw) / w > 0.95).mean(), ((rleft + rw) / 640 > 0.95).mean())):
-        assert ours_edge > 0.05 and abs(ours_edge - theirs_edge) < 0.03  # the outer 5% strips, as often
+    rtop, rleft, rh, rw = np.array(
+        [
+            T.RandomResizedCrop.get_params(torch.empty(3, 320, 640), [0.08, 1.0], [3 / 4, 4 / 3])
+            for _ in range(3000)
+        ],
+        dtype=float,
+    ).T
+    for ours_edge, theirs_edge in (
+        ((left / w < 0.05).mean(), (rleft / 640 < 0.05).mean()),
+        (((left + bw) / w > 0.95).mean(), ((rleft + rw) / 640 > 0.95).mean()),
+    ):
+        assert (
+            ours_edge > 0.05 and abs(ours_edge - theirs_edge) < 0.03
+        )  # the outer 5% strips, as often
 
 
 def test_skip_build_stores_the_replacement_and_counts(own_tree, tmp_path):
@@ -374,21 +467,28 @@ def test_build_raises_on_bad_file_by_default(own_tree, tmp_path):
     from recipes.vision import ImageDecodeError
 
     with pytest.raises(ImageDecodeError, match="bad.jpg"):
-        build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path / "c", progress=False, num_workers=0)
+        build_image_cache(
+            ImageFolderFast(own_tree, size=64), tmp_path / "c", progress=False, num_workers=0
+        )
     assert list((tmp_path / "c").iterdir()) == []  # nothing partial left
 
 
 def test_cached_dataset_in_persistent_workers(own_tree, tmp_path):
     ds = ImageFolderFast(own_tree, size=64)
     build_image_cache(ds, tmp_path, progress=False, num_workers=0)
-    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True, collate_fn=uint8_collate)
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, persistent_workers=True, collate_fn=uint8_collate
+    )
     first = torch.cat([b[0] for b in loader])
     second = torch.cat([b[0] for b in loader])
     assert torch.equal(first, second) and torch.equal(first[1], ds[1][0])
 
 
 def test_cli_builds_the_same_cache(own_tree, tmp_path, capsys):
-    assert main(["cache", "vision", str(own_tree), str(tmp_path), "--size", "64", "--workers", "0"]) == 0
+    assert (
+        main(["cache", "vision", str(own_tree), str(tmp_path), "--size", "64", "--workers", "0"])
+        == 0
+    )
     assert "6 images, longer side at most 128" in capsys.readouterr().out
     ds = ImageFolderFast(own_tree, size=64, cache_dir=tmp_path)
     assert ds.cache is not None

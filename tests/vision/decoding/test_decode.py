@@ -33,7 +33,9 @@ def _scan_ranges(data: bytes) -> list[tuple[int, int]]:
     while (sos := data.find(b"\xff\xda", pos)) >= 0:
         start = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")
         end = start
-        while end < len(data) - 1 and not (data[end] == 0xFF and data[end + 1] not in (0x00, *range(0xD0, 0xD8))):
+        while end < len(data) - 1 and not (
+            data[end] == 0xFF and data[end + 1] not in (0x00, *range(0xD0, 0xD8))
+        ):
             end += 1
         ranges.append((start, end))
         pos = end
@@ -55,14 +57,19 @@ def _flip_in_scan(data: bytes, rng: np.random.Generator) -> bytes:
 
 @pytest.fixture(scope="module")
 def kinds():
-    return _jpegs()  # 4:2:0, 4:2:2, 4:4:4, progressive, restart markers, gray, EXIF-rotated (300x400)
+    return (
+        _jpegs()
+    )  # 4:2:0, 4:2:2, 4:4:4, progressive, restart markers, gray, EXIF-rotated (300x400)
 
 
 @pytest.fixture(scope="module")
 def mutated(kinds):
     rng = np.random.default_rng(19)
-    return {f"{kind}-{k}": _flip_in_scan(data, rng) for kind, data in sorted(kinds.items())
-            for k in range(FLIPS_PER_KIND)}
+    return {
+        f"{kind}-{k}": _flip_in_scan(data, rng)
+        for kind, data in sorted(kinds.items())
+        for k in range(FLIPS_PER_KIND)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,29 +108,41 @@ def _tree(tmp_path, files: dict[str, bytes]):
     return tmp_path / "t"
 
 
-def test_libjpeg_reports_desynchronising_flips_as_garbage_and_misses_others(mutated, damaged, kinds):
+def test_libjpeg_reports_desynchronising_flips_as_garbage_and_misses_others(
+    mutated, damaged, kinds
+):
     """What the oracle says, so that what strict promises stays honest: the flips libjpeg
     reports leave blocks of garbage; many others keep its Huffman decoder in sync (a changed
     coefficient or DC difference) and are reported by nothing (the module docstring says so)."""
     assert len(damaged) >= 10 and len(mutated) - len(damaged) >= 10, sorted(damaged)
     for name in damaged:
         clean = decode_image(kinds[name.rsplit("-", 1)[0]]).astype(int)
-        assert np.abs(decode_image(mutated[name], strict=False).astype(int) - clean).max() > 30, name
+        assert np.abs(decode_image(mutated[name], strict=False).astype(int) - clean).max() > 30, (
+            name
+        )
 
 
 def test_strict_decode_raises_for_exactly_what_libjpeg_reports(mutated, damaged):
     for name, data in mutated.items():
         for reduce in (1, 2, 4, 8):  # the DCT-scaled decodes read the whole scan as well
             if name in damaged:
-                with pytest.raises(ImageDecodeError, match=r"'x.jpg' \(index 3\) has damaged JPEG data"):
+                with pytest.raises(
+                    ImageDecodeError, match=r"'x.jpg' \(index 3\) has damaged JPEG data"
+                ):
                     decode_image(data, reduce=reduce, path="x.jpg", index=3)
             else:
                 decode_image(data, reduce=reduce)
 
 
-@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")')
+@pytest.mark.skipif(
+    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'
+)
 def test_strict_region_decode_reads_to_the_end_and_raises_the_same(mutated, damaged, kinds):
-    boxes = [(0, 0, 40, 60), (130, 170, 50, 70), (260, 300, 40, 100)]  # top, middle, bottom of 300x400
+    boxes = [
+        (0, 0, 40, 60),
+        (130, 170, 50, 70),
+        (260, 300, 40, 100),
+    ]  # top, middle, bottom of 300x400
     for name, data in mutated.items():
         for box in boxes:
             if name in damaged:
@@ -134,14 +153,20 @@ def test_strict_region_decode_reads_to_the_end_and_raises_the_same(mutated, dama
     for kind, data in kinds.items():  # no false positive, and still the pixels of the crop
         full = decode_image(data)
         for top, left, h, w in boxes:
-            np.testing.assert_array_equal(decode_region(data, (top, left, h, w)), full[top : top + h, left : left + w],
-                                          err_msg=kind)
+            np.testing.assert_array_equal(
+                decode_region(data, (top, left, h, w)),
+                full[top : top + h, left : left + w],
+                err_msg=kind,
+            )
 
 
-@pytest.mark.parametrize("size", [224, 128, 64, 32])  # DCT scales 1, 2, 4 and 8 for these 300x400 files
+@pytest.mark.parametrize(
+    "size", [224, 128, 64, 32]
+)  # DCT scales 1, 2, 4 and 8 for these 300x400 files
 @pytest.mark.parametrize("train", [False, True])
 def test_every_dataset_path_raises_naming_the_file_and_clean_files_never_do(
-        tmp_path, mutated, damaged, kinds, size, train):
+    tmp_path, mutated, damaged, kinds, size, train
+):
     root = _tree(tmp_path, {**kinds, **mutated})
     ds = ImageFolderFast(root, size=size, train=train)
     for i, (path, _) in enumerate(ds.samples):
@@ -150,7 +175,11 @@ def test_every_dataset_path_raises_naming_the_file_and_clean_files_never_do(
         if name in damaged:
             with pytest.raises(ImageDecodeError) as error:
                 ds[i]
-            assert path in str(error.value) and f"index {i}" in str(error.value) and "strict=False" in str(error.value)
+            assert (
+                path in str(error.value)
+                and f"index {i}" in str(error.value)
+                and "strict=False" in str(error.value)
+            )
         else:
             assert ds[i][0].shape == (3, size, size)
 
@@ -161,10 +190,14 @@ def test_unchecked_mode_serves_what_the_decoder_recovers(tmp_path, mutated, dama
     assert all(ds[i][0].shape == (3, 64, 64) for i in range(len(ds)))
 
 
-@pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")')
-def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_path, mutated, damaged, kinds,
-                                                                            monkeypatch):
-    import recipes.vision.decoding.region_decode as module  # where ImageFolderFast._decode_box looks it up
+@pytest.mark.skipif(
+    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'
+)
+def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(
+    tmp_path, mutated, damaged, kinds, monkeypatch
+):
+    # where ImageFolderFast._decode_box looks it up
+    import recipes.vision.decoding.region_decode as module
 
     strictness = []
     real = module.decode_region
@@ -189,8 +222,12 @@ def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_
         passes.append((images, raised, list(strictness)))
     (first, raised_1, strict_1), (second, raised_2, strict_2) = passes
     assert raised_1 == raised_2 == len(bad)  # a damaged file is never marked checked
-    if turbo_available():  # first decodes are TurboJPEG's whole decodes (the whole scan read, the GIL released)
-        assert strict_1 == [] and strict_2 == [False] * len(kinds)  # then only the crop of a checked file
+    if (
+        turbo_available()
+    ):  # first decodes are TurboJPEG's whole decodes (the whole scan read, the GIL released)
+        assert strict_1 == [] and strict_2 == [False] * len(
+            kinds
+        )  # then only the crop of a checked file
     else:  # first decodes are region decodes that read to the bottom
         assert strict_1 == [True] * len(ds)
         assert sorted(strict_2) == [False] * len(kinds) + [True] * len(bad)
@@ -200,7 +237,9 @@ def test_each_file_is_checked_once_then_region_decoded_with_the_same_pixels(tmp_
 def test_skip_counts_the_damaged_files_in_workers(tmp_path, mutated, damaged, kinds):
     root = _tree(tmp_path, {**kinds, **mutated})
     ds = ImageFolderFast(root, size=64, on_error="skip")
-    loader = make_loader(ds, batch_size=16, num_workers=2, pin_memory=False, collate_fn=uint8_collate)
+    loader = make_loader(
+        ds, batch_size=16, num_workers=2, pin_memory=False, collate_fn=uint8_collate
+    )
     assert sum(len(batch[1]) for batch in loader) == len(ds)
     names = [os.path.basename(p)[: -len(".jpg")].replace("_", " ") for p in ds.paths]
     assert ds.skipped == len(damaged)
@@ -227,7 +266,8 @@ def test_other_stderr_text_passes_through_and_stderr_is_restored(capfd):
 
 
 def test_threads_get_their_own_reports(mutated, damaged):
-    """fd 2 is one per process: concurrent strict decodes take turns, each reading its own report."""
+    """fd 2 is one per process: concurrent strict decodes take turns, each reading its own
+    report."""
     names = sorted(mutated) * 3
 
     def raises(name):
@@ -255,7 +295,11 @@ def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
     rng = np.random.default_rng(0)
     whole = rng.integers(0, 256, (260, 340, 3), dtype=np.uint8)
     for image in (whole, whole[:, 20:300]):
-        expected = F.resize(torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1), list(size), antialias=True)
+        expected = F.resize(
+            torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1),
+            list(size),
+            antialias=True,
+        )
         fresh = resize_uint8(image, size)
         assert fresh.permute(1, 2, 0).is_contiguous()  # channels-last in memory
         channels_last = torch.zeros((2, *size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
@@ -264,14 +308,23 @@ def test_resize_writes_torchvisions_pixels_into_any_row_layout(size):
             want = expected.flip(-1) if mirror else expected
             for out in (channels_last[1], planar[1]):
                 assert resize_uint8(image, size, out=out, mirror=mirror) is out
-            for got in (resize_uint8(image, size, mirror=mirror) if mirror else fresh, channels_last[1], planar[1]):
+            for got in (
+                resize_uint8(image, size, mirror=mirror) if mirror else fresh,
+                channels_last[1],
+                planar[1],
+            ):
                 assert torch.equal(got, want), mirror
-            assert not channels_last[0].any() and not planar[0].any()  # the neighbouring row untouched
+            assert (
+                not channels_last[0].any() and not planar[0].any()
+            )  # the neighbouring row untouched
     same = whole[:224, 10:234]  # no resize: copied (or mirrored) from a column slice
     for mirror in (False, True):
         row = torch.zeros((224, 224, 3), dtype=torch.uint8).permute(2, 0, 1)
         want = torch.from_numpy(np.ascontiguousarray(same)).permute(2, 0, 1)
-        assert torch.equal(resize_uint8(same, (224, 224), out=row, mirror=mirror), want.flip(-1) if mirror else want)
+        assert torch.equal(
+            resize_uint8(same, (224, 224), out=row, mirror=mirror),
+            want.flip(-1) if mirror else want,
+        )
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -283,7 +336,9 @@ def test_turbojpeg_and_opencv_paths_agree_on_cut_progressive_files(strict, monke
 
     import recipes.vision.decoding.decode as decode
 
-    y, x = np.mgrid[0:120, 0:160].astype(np.float32)  # waves, noise and sharp edges (the review's case)
+    y, x = np.mgrid[0:120, 0:160].astype(
+        np.float32
+    )  # waves, noise and sharp edges (the review's case)
     image = np.stack([128 + 100 * np.sin(x / 17 + c) * np.cos(y / 23 - c) for c in range(3)], -1)
     image += np.random.default_rng(0).normal(0, 20, image.shape)
     image[(x // 37 + y // 29) % 5 == 0] = [250, 20, 40]
@@ -320,7 +375,12 @@ def test_data_after_the_end_of_image_is_not_the_images_and_a_thumbnail_hides_no_
     from recipes.vision.decoding.image_header import read_header
 
     jpeg = _jpegs()["4:2:0"]
-    trailer = b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 40 + b"\xff\xda\x00\x08 moov" + bytes(range(200))
+    trailer = (
+        b"\x00\x00\x00\x18ftypmp42"
+        + bytes(range(256)) * 40
+        + b"\xff\xda\x00\x08 moov"
+        + bytes(range(200))
+    )
     assert trailer.rfind(b"\xff\xd9") < trailer.rfind(b"\xff\xda")
     motion = jpeg + trailer
     for strict in (True, False):

@@ -15,7 +15,9 @@ from recipes.vision.decoding import region_decode as decode_module
 from recipes.vision.decoding.decode import decode_image, turbo_available
 from recipes.vision.decoding.region_decode import decode_region, region_decode_available
 
-pytestmark = pytest.mark.skipif(not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")')
+pytestmark = pytest.mark.skipif(
+    not region_decode_available(), reason='needs nvImageCodec (pip install "loader-recipes[roi]")'
+)
 
 BOXES = [(0, 0, 300, 400), (37, 51, 200, 133), (250, 330, 50, 70), (1, 1, 1, 1), (5, 17, 295, 9)]
 
@@ -47,8 +49,14 @@ def test_region_equals_full_decode_then_crop(kind):
     full = decode_image(data)
     for top, left, h, w in BOXES:
         region = decode_region(data, (top, left, h, w))
-        assert region is not None and region.shape == (h, w, 3) and region.dtype == np.uint8, (kind, top, left)
-        np.testing.assert_array_equal(region, full[top : top + h, left : left + w], err_msg=f"{kind} {(top, left, h, w)}")
+        assert region is not None and region.shape == (h, w, 3) and region.dtype == np.uint8, (
+            kind,
+            top,
+            left,
+        )
+        np.testing.assert_array_equal(
+            region, full[top : top + h, left : left + w], err_msg=f"{kind} {(top, left, h, w)}"
+        )
 
 
 def test_cmyk_and_other_formats_are_declined_for_the_full_decode():
@@ -67,11 +75,15 @@ def test_train_crops_are_the_same_pixels_with_and_without_region_decode(image_tr
         calls.append(box)
         return real(data, box, **kwargs)
 
-    monkeypatch.setattr(decode_module, "decode_region", spy)  # where ImageFolderFast._decode_box looks it up
+    monkeypatch.setattr(
+        decode_module, "decode_region", spy
+    )  # where ImageFolderFast._decode_box looks it up
     for train in (True, False):  # at 256 px no crop of these photos allows a 1/2 DCT scale
         full = ImageFolderFast(image_tree, size=256, train=train, region_decode=False)
         region = ImageFolderFast(image_tree, size=256, train=train, region_decode=True)
-        for epoch in range(2):  # a file's first decode is checked (with TurboJPEG: a whole decode), then the crop's
+        for epoch in range(
+            2
+        ):  # a file's first decode is checked (with TurboJPEG: a whole decode), then the crop's
             for i in range(len(full)):
                 torch.manual_seed(epoch * 100 + i)
                 a = full[i][0]
@@ -82,7 +94,9 @@ def test_train_crops_are_the_same_pixels_with_and_without_region_decode(image_tr
     assert len(calls) == (2 if turbo_available() else 4) * len(full)
 
 
-def test_a_files_crop_is_the_same_on_its_first_checked_decode_and_later_ones(image_tree, monkeypatch):
+def test_a_files_crop_is_the_same_on_its_first_checked_decode_and_later_ones(
+    image_tree, monkeypatch
+):
     """The first, strict decode of a file and the later ones may take different decoders; at
     every DCT scale (48 px crops of these photos allow 1/2, 1/4 and 1/8) they give the same
     pixels, so a resumed epoch, whose files are unchecked in a fresh process, sees what the
@@ -98,9 +112,13 @@ def test_a_files_crop_is_the_same_on_its_first_checked_decode_and_later_ones(ima
     for seed in range(2):
         ds = ImageFolderFast(image_tree, size=48, train=True)  # every file unchecked
         for i in range(len(ds)):
-            first = ds._output_image(i, np.random.default_rng([seed, i]))[0]  # the strict first decode
+            first = ds._output_image(i, np.random.default_rng([seed, i]))[
+                0
+            ]  # the strict first decode
             assert ds._checked[i]
-            again = ds._output_image(i, np.random.default_rng([seed, i]))[0]  # the same crop and flip
+            again = ds._output_image(i, np.random.default_rng([seed, i]))[
+                0
+            ]  # the same crop and flip
             assert torch.equal(again, first), (seed, i)
     assert {2, 4} <= set(scales), sorted(set(scales))
 
