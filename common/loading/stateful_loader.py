@@ -28,7 +28,7 @@ state are computed in `loader_passes.py`.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
   common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/workers/start_watch.py.
+  common/resume/pass_sampler.py, common/resume/state_keys.py, common/workers/start_watch.py.
 """
 
 from __future__ import annotations

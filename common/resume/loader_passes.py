@@ -13,7 +13,7 @@ DataLoader does.
 A batch whose making raised (a dataset error, in a worker or a thread) counts as used: the loop
 moved past it, and a resume does not make it again.
 Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_state.py.
+  common/resume/loader_contract.py, common/resume/loader_state.py, common/resume/state_keys.py.
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ from recipes.common.resume.loader_state import (
     restore,
     resumed_length,
 )
-
-STATE_VERSION = 2
+from recipes.common.resume.state_keys import STATE_VERSION
 
 
 @dataclass
