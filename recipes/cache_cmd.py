@@ -7,6 +7,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from recipes import cache_verify
+from recipes.audio import ChunkedAudioDataset, ShardUtterances, build_spectrogram_cache
+from recipes.common.shards.shard_set import ShardSet
+from recipes.nlp import build_token_cache
+from recipes.vision import ImageFolderFast, build_image_cache
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     domains = parser.add_subparsers(dest="domain", metavar="DOMAIN", required=True)
@@ -71,8 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_vision(args: argparse.Namespace) -> int:
-    from recipes.vision import ImageFolderFast, build_image_cache
-
     dataset = ImageFolderFast(
         args.root, size=args.size, on_error="skip" if args.skip_bad else "raise"
     )
@@ -84,8 +88,6 @@ def run_vision(args: argparse.Namespace) -> int:
 
 def run_nlp(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
-
-    from recipes.nlp import build_token_cache
 
     if not args.tokenizer_dir.is_dir():
         raise ValueError(
@@ -109,9 +111,6 @@ def run_nlp(args: argparse.Namespace) -> int:
 
 
 def run_audio(args: argparse.Namespace) -> int:
-    from recipes.audio import ChunkedAudioDataset, ShardUtterances, build_spectrogram_cache
-    from recipes.common.shards.shard_set import ShardSet
-
     if (args.audio_dir / "index.json").is_file():  # shards (issue 27): utterances, no windows
         if args.chunk_seconds is not None:
             raise ValueError(
@@ -134,6 +133,4 @@ def run_audio(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from recipes.cache_verify import run
-
-    return run(args)
+    return cache_verify.run(args)

@@ -17,6 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.audio.spectrogram_cache import SpectrogramCache
+from recipes.common.caches.cache_checks import record_damage, verify_items
+from recipes.nlp.token_cache import TokenCache
+from recipes.vision.cache.eval_view import find_eval_view
+from recipes.vision.cache.image_cache import ImageCache, ImageCacheError
+
 
 def cache_folders(path: Path) -> list[Path]:
     """`path` itself when it is a cache folder (a `header.json`), else its `images-*` caches."""
@@ -31,8 +37,6 @@ def _flat(path: Path) -> np.ndarray:
 
 def check_folder(folder: Path) -> tuple[int, list[str]]:
     """`(items checked, problems)` of one cache folder; a problem names the file (and item)."""
-    from recipes.common.caches.cache_checks import record_damage, verify_items
-
     try:
         fmt = json.loads((folder / "header.json").read_bytes()).get("format")
     except (OSError, ValueError, AttributeError) as why:
@@ -41,7 +45,8 @@ def check_folder(folder: Path) -> tuple[int, list[str]]:
         parts = _data_files(folder, fmt)
     except ValueError as why:  # the caches' errors are ValueErrors that say what is wrong
         return 0, [str(why)]
-    checked, problems = 0, []
+    checked = 0
+    problems = []
     for item in parts:
         if isinstance(item, str):
             problems.append(item)
@@ -49,17 +54,17 @@ def check_folder(folder: Path) -> tuple[int, list[str]]:
         path, bounds, checks = item
         bad = verify_items(_flat(path), bounds, checks)
         checked += len(checks.sums)
-        shown = ", ".join(map(str, bad[:20])) + (", ..." if len(bad) > 20 else "")
         # recorded, so that the build function rebuilds the cache (or view) instead of reusing it
         if bad:
+            shown = ", ".join(map(str, bad[:20]))
+            if len(bad) > 20:
+                shown += ", ..."
             unrecorded = record_damage(path, bad, checks.label)
-            fix = (
-                f"recorded in damaged.json; rebuild with {checks.hint}"
-                if unrecorded is None
-                else (
+            fix = f"recorded in damaged.json; rebuild with {checks.hint}"
+            if unrecorded is not None:
+                fix = (
                     f"not recorded ({unrecorded}): remove {folder}, then rebuild with {checks.hint}"
                 )
-            )
             problems.append(
                 f"{path}: {len(bad)} of {len(checks.sums)} {checks.label}s damaged: {shown}; {fix}"
             )
@@ -69,8 +74,6 @@ def check_folder(folder: Path) -> tuple[int, list[str]]:
 def _data_files(folder: Path, fmt) -> list:
     """`(data file, byte bounds [N + 1], ItemChecks)` per data file, or a problem's text."""
     if fmt == "recipes-token-cache":
-        from recipes.nlp.token_cache import TokenCache
-
         cache = TokenCache.open(folder)
         return [
             (
@@ -80,15 +83,10 @@ def _data_files(folder: Path, fmt) -> list:
             )
         ]
     if fmt == "recipes-spectrogram-cache":
-        from recipes.audio.spectrogram_cache import SpectrogramCache
-
         cache = SpectrogramCache.open(folder)
         size = cache.n_mels * np.dtype(cache.header["dtype"]).itemsize
         return [(folder / "features.bin", cache.offsets * size, cache.checks)]
     if fmt == "recipes-image-cache":
-        from recipes.vision.cache.eval_view import find_eval_view
-        from recipes.vision.cache.image_cache import ImageCache, ImageCacheError
-
         cache = ImageCache.open(folder)
         parts = [(folder / "images.bin", cache.offsets, cache.checks)]
         for header in sorted(folder.glob("eval-*.json")):
@@ -96,7 +94,8 @@ def _data_files(folder: Path, fmt) -> list:
             if match is None:
                 parts.append(f"{header}: not an eval view name")
                 continue
-            h, w = int(match[1]), int(match[2])
+            h = int(match[1])
+            w = int(match[2])
             view, why = find_eval_view(
                 folder, cache.fingerprint, cache.count, (h, w), float(match[3]), ImageCacheError
             )
@@ -118,12 +117,16 @@ def run(args) -> int:
             f"No cache at {args.cache_dir}: expected a cache folder (with header.json) or a folder "
             "of image caches (images-*/)."
         )
-    total, failed = 0, False
+    total = 0
+    failed = False
     for folder in folders:
         checked, problems = check_folder(folder)
         total += checked
         for problem in problems:
             print(f"DAMAGED {problem}")
-        failed = failed or bool(problems)
-        print(f"{folder}: {checked:,} items checked, {'damaged' if problems else 'ok'}")
-    return 1 if failed else 0
+        verdict = "ok"
+        if problems:
+            failed = True
+            verdict = "damaged"
+        print(f"{folder}: {checked:,} items checked, {verdict}")
+    return int(failed)

@@ -7,10 +7,18 @@ import json
 import multiprocessing
 import platform
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from recipes.common.sizing.resources import Resources
+import torch
+
+from recipes.common.loading.loader import LOW_NOFILE
+from recipes.common.sizing.profiles import PROFILES, profile_settings
+from recipes.common.sizing.resources import GiB, Resources, detect_resources
+from recipes.common.sizing.sizing import (
+    estimate_loader_memory,
+    loader_memory_budget,
+    local_world_size_from_env,
+)
 
 # One ImageNet sample as a float32 [3, 224, 224] tensor: the reference for memory estimates.
 REFERENCE_SAMPLE_BYTES = 3 * 224 * 224 * 4
@@ -30,12 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cgroup-root", default="/sys/fs/cgroup", help=argparse.SUPPRESS)
     parser.add_argument("--shm-path", default="/dev/shm", help=argparse.SUPPRESS)
+    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here, not at the top: `recipes --help` and its errors stay free of torch.
-    from recipes.common.sizing.resources import detect_resources
-
     resources = detect_resources(cgroup_root=args.cgroup_root, shm_path=args.shm_path)
     report = build_report(resources, sample_bytes=args.sample_bytes, planned_workers=args.workers)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -51,11 +57,6 @@ def build_report(
     cuda_available: bool | None = None,
 ) -> dict[str, Any]:
     """The doctor report as a JSON-able dict."""
-    import torch
-
-    from recipes.common.sizing.profiles import PROFILES, profile_settings
-    from recipes.common.sizing.sizing import loader_memory_budget, local_world_size_from_env
-
     ranks = local_world_size if local_world_size is not None else local_world_size_from_env()
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
@@ -103,10 +104,6 @@ def build_report(
 
 
 def _warnings(report: dict, res: Resources, planned: int | None) -> list[dict[str, str]]:
-    from recipes.common.loading.loader import LOW_NOFILE
-    from recipes.common.sizing.resources import GiB
-    from recipes.common.sizing.sizing import estimate_loader_memory
-
     out = []
     production_workers = report["profiles"]["production"]["settings"]["num_workers"]
     workers = planned if planned is not None else production_workers
@@ -188,7 +185,6 @@ def _warnings(report: dict, res: Resources, planned: int | None) -> list[dict[st
 def _gpu_names(count: int) -> list[str]:
     if count == 0:
         return []
-    import torch
 
     return [torch.cuda.get_device_name(i) for i in range(count)]
 
@@ -213,7 +209,9 @@ def _versions() -> dict[str, str | None]:
 def format_report(report: dict) -> str:
     """The report as text for a terminal."""
     mib = 2**20
-    cpus, mem, shm = report["cpus"], report["memory"], report["shm"]
+    cpus = report["cpus"]
+    mem = report["memory"]
+    shm = report["shm"]
 
     def size(value):
         return "none" if value is None else f"{value / mib:,.0f} MiB"

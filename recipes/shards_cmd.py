@@ -11,6 +11,12 @@ import argparse
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+from recipes.common.shards.shard_writer import index_shards, write_shards
+from recipes.nlp.texts import TextSource
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     domains = parser.add_subparsers(dest="domain", metavar="DOMAIN", required=True)
@@ -61,8 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def image_folder_samples(root):
     """An image folder as shard samples: key = relative path without extension, the encoded
     file under its extension, `cls` = torchvision's class index."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-
     root = os.fspath(root)
     _, class_to_idx = find_classes(root)
     return _FileSamples(root, make_dataset(root, class_to_idx, IMG_EXTENSIONS))
@@ -83,8 +87,6 @@ def audio_folder_samples(root):
 
 def text_samples(source, text_field: str = "text"):
     """A corpus (see `build_token_cache`'s `texts`) as shard samples: `{"__key__", "txt"}`."""
-    from recipes.nlp.texts import TextSource
-
     texts = TextSource(source, text_field=text_field)
     return ({"__key__": f"{i:010d}", "txt": text} for i, text in enumerate(texts._samples()))
 
@@ -94,7 +96,8 @@ class _FileSamples:
     it)."""
 
     def __init__(self, root: str, files: list[tuple[str, int | None]]):
-        self.root, self.files = root, files
+        self.root = root
+        self.files = files
         first: dict[str, str] = {}
         for (
             path,
@@ -132,7 +135,6 @@ def _distributed() -> bool:
     """Under torchrun: join the process group (gloo) so that the ranks share the writing."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -140,8 +142,6 @@ def _distributed() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.common.shards.shard_writer import write_shards
-
     if args.shard_mb <= 0:
         raise ValueError(f"--shard-mb must be positive, but is {args.shard_mb} instead.")
     if args.domain == "vision":
@@ -168,8 +168,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_index(args: argparse.Namespace) -> int:
-    from recipes.common.shards.shard_writer import index_shards
-
     shards = index_shards(args.shards)
     print(
         f"{shards.url}/index.json: {len(shards.entries)} {shards.format} shards, {len(shards)} "

@@ -106,7 +106,8 @@ def make_int_shards(folder: str | Path, sizes: list[int]) -> list[str]:
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths, start = [], 0
+    paths = []
+    start = 0
     for k, size in enumerate(sizes):
         path = folder / f"s{k}.txt"
         path.write_text(" ".join(str(i) for i in range(start, start + size)))
@@ -215,7 +216,8 @@ def train_tokenizer(texts: list[str], *, vocab_size: int = 2000, special_tokens=
         vocab_size=vocab_size, special_tokens=list(special.values()), show_progress=False
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    cls, sep = special["cls_token"], special["sep_token"]
+    cls = special["cls_token"]
+    sep = special["sep_token"]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}",
         pair=f"{cls} $A {sep} $B {sep}",

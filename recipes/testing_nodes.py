@@ -75,7 +75,9 @@ def start_nodes(
             str(script),
             *args,
         ]
-        out, err = open(folder / "stdout.log", "w"), open(folder / "stderr.log", "w")  # noqa: SIM115
+        # noqa: SIM115
+        out = open(folder / "stdout.log", "w")
+        err = open(folder / "stderr.log", "w")
         nodes.append(
             Node(
                 folder,
@@ -131,7 +133,8 @@ def _descendants(root: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [root]
+    found = []
+    todo = [root]
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)

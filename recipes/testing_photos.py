@@ -25,6 +25,7 @@ Each rare kind appears at least once in a set of 8 or more.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,19 +76,30 @@ def plan_photos(images: int, *, classes: int = 10, seed: int = 0) -> list[PhotoS
     flags["cmyk"] &= ~flags["gray"]
     quality = rng.integers(75, 96, images)
     orientation = rng.integers(2, 9, images)
+    width = np.where(portrait, short, long)
+    height = np.where(portrait, long, short)
+    mode = np.where(flags["gray"], "L", np.where(flags["cmyk"], "CMYK", "RGB"))
+    subsampling = np.where(flags["chroma444"], 0, 2)
+    orientation = np.where(flags["exif"], orientation, 1)
     return [
         PhotoSpec(
             f"class_{i % classes:02d}/img_{i:04d}.jpg",
-            int(short[i] if portrait[i] else long[i]),
-            int(long[i] if portrait[i] else short[i]),
-            "L" if flags["gray"][i] else "CMYK" if flags["cmyk"][i] else "RGB",
+            int(width[i]),
+            int(height[i]),
+            str(mode[i]),
             int(quality[i]),
-            0 if flags["chroma444"][i] else 2,
+            int(subsampling[i]),
             bool(flags["progressive"][i]),
-            int(orientation[i]) if flags["exif"][i] else 1,
+            int(orientation[i]),
         )
         for i in range(images)
     ]
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _marked(rng: np.random.Generator, n: int, share: float) -> np.ndarray:
@@ -121,7 +133,6 @@ def make_photo_folder(
         `root` as a Path.
     """
     import multiprocessing
-    import os
     from concurrent.futures import ProcessPoolExecutor
 
     root = Path(root)
@@ -129,15 +140,9 @@ def make_photo_folder(
     for folder in sorted({s.path.split("/")[0] for s in specs}):
         (root / folder).mkdir(parents=True, exist_ok=True)
     if processes is None:
-        processes = (
-            (
-                len(os.sched_getaffinity(0))
-                if hasattr(os, "sched_getaffinity")
-                else os.cpu_count() or 1
-            )
-            if images >= 64
-            else 0
-        )
+        processes = 0
+        if images >= 64:
+            processes = _usable_cpus()
     jobs = [(root, spec, seed, i) for i, spec in enumerate(specs)]
     if processes <= 1:
         for job in jobs:
@@ -184,14 +189,16 @@ def photo_image(height: int, width: int, rng: np.random.Generator) -> np.ndarray
     import cv2
 
     scale = min(1.0, _WORK_SIDE / max(height, width))
-    h, w = max(8, round(height * scale)), max(8, round(width * scale))
+    h = max(8, round(height * scale))
+    w = max(8, round(width * scale))
     mean = (rng.uniform(70, 170) + rng.normal(0, 20, 3)).astype(np.float32)
     tint = (1 + rng.normal(0, 0.15, 3)).astype(
         np.float32
     )  # luminance moves all channels: correlated colour
     image = mean + 30 * _pink((h, w), 2.2, rng)[..., None] * tint
     # chroma varies smoothly (opponent red-green and blue-yellow fields): made at 1/4 size
-    ch, cw = max(8, h // 4), max(8, w // 4)
+    ch = max(8, h // 4)
+    cw = max(8, w // 4)
     opponent = np.array([[1, -1, 0], [0.5, 0.5, -1]], np.float32)
     chroma = np.stack([_pink((ch, cw), 2.6, rng) for _ in range(2)], -1) @ (8 * opponent)
     image += cv2.resize(chroma, (w, h), interpolation=cv2.INTER_LINEAR)
@@ -208,7 +215,8 @@ def photo_image(height: int, width: int, rng: np.random.Generator) -> np.ndarray
         # composed image's Nyquist frequency, 0.5 * scale cycles per pixel
         detail = sigma * np.sqrt(np.log(1 / scale) / np.log(0.5 * _WORK_SIDE))
         tile = _pink((512, 512), 2.0, rng, low_cut=0.5 * scale)
-        ty, tx = -(-height // 512), -(-width // 512)
+        ty = -(-height // 512)
+        tx = -(-width // 512)
         image += detail * np.tile(tile, (ty, tx))[:height, :width, None]
     image += np.float32(rng.uniform(1, 4)) * rng.standard_normal(
         (height, width, 1), np.float32
@@ -256,7 +264,8 @@ def _frequencies(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
 def _stripes(rng: np.random.Generator) -> np.ndarray:
     """A periodic oriented texture (fabric, bark, grass): power along one direction only."""
     h = w = 256
-    fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None]
+    fy = np.fft.fftfreq(h)[:, None]
+    fx = np.fft.rfftfreq(w)[None]
     angle = rng.uniform(0, np.pi)
     along = np.abs(fx * np.cos(angle) + fy * np.sin(angle))
     across = np.abs(-fx * np.sin(angle) + fy * np.cos(angle))
@@ -279,15 +288,16 @@ def _add_shape(
 
     h, w = image.shape[:2]
     side = min(h, w)
-    small, large = side / 40, side / 1.5  # radius density r^-2: many small leaves, a few large
+    # radius density r^-2: many small leaves, a few large
+    small = side / 40
+    large = side / 1.5
     radius = max(2, int(1 / (1 / small - rng.random() * (1 / small - 1 / large))))
-    cy, cx = int(rng.integers(0, h)), int(rng.integers(0, w))
-    y0, y1, x0, x1 = (
-        max(0, cy - radius),
-        min(h, cy + radius + 1),
-        max(0, cx - radius),
-        min(w, cx + radius + 1),
-    )
+    cy = int(rng.integers(0, h))
+    cx = int(rng.integers(0, w))
+    y0 = max(0, cy - radius)
+    y1 = min(h, cy + radius + 1)
+    x0 = max(0, cx - radius)
+    x1 = min(w, cx + radius + 1)
     mask = np.zeros((y1 - y0, x1 - x0), np.uint8)
     center = (cx - x0, cy - y0)
     form = rng.integers(0, 3)
@@ -295,12 +305,13 @@ def _add_shape(
         axes = (radius, max(1, int(radius * rng.uniform(0.3, 1.0))))
         cv2.ellipse(mask, center, axes, float(rng.uniform(0, 180)), 0, 360, 255, -1, cv2.LINE_AA)
     else:
-        corners = 4 if form == 1 else int(rng.integers(3, 8))
-        angles = (
-            np.sort(rng.uniform(0, 2 * np.pi, corners))
-            if form == 2
-            else rng.uniform(0, np.pi / 2) + np.arange(4) * np.pi / 2 + rng.uniform(-0.4, 0.4, 4)
-        )
+        if form == 2:
+            corners = int(rng.integers(3, 8))
+            angles = np.sort(rng.uniform(0, 2 * np.pi, corners))
+        else:
+            angles = (
+                rng.uniform(0, np.pi / 2) + np.arange(4) * np.pi / 2 + rng.uniform(-0.4, 0.4, 4)
+            )
         points = np.stack(
             [center[0] + radius * np.cos(angles), center[1] + radius * np.sin(angles)], 1
         )
@@ -326,14 +337,17 @@ def spectrum_slope(image: np.ndarray, low: float = 0.01, high: float = 0.3) -> f
     """The log-log slope of an image's radially averaged power spectrum between `low` and `high`
     cycles per pixel (about -2 for photographs; smooth content falls faster). Grey levels of
     the whole image, Hann-windowed so its borders add no spurious 1/f^2 power."""
-    gray = image.astype(np.float64).mean(axis=2) if image.ndim == 3 else image.astype(np.float64)
+    gray = image.astype(np.float64)
+    if gray.ndim == 3:
+        gray = gray.mean(axis=2)
     h, w = gray.shape
     window = np.hanning(h)[:, None] * np.hanning(w)[None]
     power = np.abs(np.fft.rfft2((gray - gray.mean()) * window)) ** 2
     f = np.hypot(np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None])
     edges = np.geomspace(low, high, 16)
     which = np.digitize(f.ravel(), edges)
-    centers, means = [], []
+    centers = []
+    means = []
     for k in range(1, len(edges)):
         in_bin = which == k
         if in_bin.any():

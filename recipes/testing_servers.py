@@ -59,8 +59,10 @@ class LocalHTTPServer:
         truncate_first: int = 0,
     ):
         self.root = Path(root)
-        self.latency, self.bandwidth = latency, bandwidth
-        self.fail_first, self.truncate_first = fail_first, truncate_first
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self.fail_first = fail_first
+        self.truncate_first = truncate_first
         self.gets: collections.Counter = collections.Counter()
         self.range_gets: collections.Counter = collections.Counter()
         self.fail_range: dict[int, int] = {}
@@ -150,7 +152,8 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
                 return
             body, short = started
         else:
-            body, short = data, count <= fixture.fail_first + fixture.truncate_first
+            body = data
+            short = count <= fixture.fail_first + fixture.truncate_first
             self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
@@ -214,7 +217,8 @@ class ThrottlingProxy:
         target_host: str = "127.0.0.1",
     ):
         self.target = (target_host, target_port)
-        self.latency, self.bandwidth = latency, bandwidth
+        self.latency = latency
+        self.bandwidth = bandwidth
         self._listener = None
         self._thread = None
 
