@@ -38,7 +38,8 @@ from recipes.common.caches.packed_strings import PackedStrings, resolve_index
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".aiff", ".aif")
 _OPEN_FILES = 16  # per process
 # Header sanity bounds: what a real recording can claim (a corrupt header claims anything).
-MIN_RATE, MAX_RATE = 1_000, 768_000
+MIN_RATE = 1_000
+MAX_RATE = 768_000
 MAX_CHANNELS = 256
 MAX_SECONDS = 7 * 24 * 3600
 MAX_RESAMPLE_TAPS = 4_000_000  # 16 MiB of float32 kernel
@@ -118,7 +119,9 @@ class ChunkedAudioDataset(Dataset):
                 np.zeros(len(keep), np.int64),
                 self.file_frames[keep].copy(),
             )
-        files, starts, frames = [], [], []
+        files = []
+        starts = []
+        frames = []
         for f, (total, rate) in enumerate(
             zip(self.file_frames.tolist(), self.file_rates.tolist(), strict=True)
         ):
@@ -153,7 +156,8 @@ class ChunkedAudioDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, dict]:
         i = resolve_index(index, len(self), f"the {len(self)} audio items")
         f = int(self.item_file[i])
-        start, valid = int(self.item_start[i]), int(self.item_frames[i])
+        start = int(self.item_start[i])
+        valid = int(self.item_frames[i])
         rate = int(self.file_rates[f])
         wave = self._read(f, start, valid, i)
         if rate != self.sample_rate:
@@ -194,7 +198,8 @@ class ChunkedAudioDataset(Dataset):
         import soundfile as sf
 
         if self._handles_pid != os.getpid():
-            self._handles, self._handles_pid = OrderedDict(), os.getpid()
+            self._handles = OrderedDict()
+            self._handles_pid = os.getpid()
         handles = self._handles
         if f in handles:
             handles.move_to_end(f)
@@ -269,7 +274,9 @@ def _read_headers(files: PackedStrings) -> tuple[np.ndarray, np.ndarray, np.ndar
             raise AudioDecodeError(
                 f"audio file {path!r} cannot be read ({error}); is it audio (WAV, FLAC, OGG)?"
             ) from None
-        frames[i], rates[i], channels[i] = info.frames, info.samplerate, info.channels
+        frames[i] = info.frames
+        rates[i] = info.samplerate
+        channels[i] = info.channels
         _check_header(path, info)
         _check_complete(path, info)
         if info.frames == 0:
@@ -352,7 +359,8 @@ def _wav_data_sizes(path: str) -> tuple[int | None, int]:
             head = f.read(8)
             if len(head) < 8:
                 return None, size
-            chunk_id, chunk_size = head[:4], struct.unpack("<I", head[4:])[0]
+            chunk_id = head[:4]
+            chunk_size = struct.unpack("<I", head[4:])[0]
             if chunk_id == b"data":
                 declared = (
                     None if chunk_size in (0, 0xFFFFFFFF) else chunk_size

@@ -39,7 +39,9 @@ class ShardAudio:
     ):
         if sample_rate is not None and sample_rate <= 0:
             raise ValueError(f"`sample_rate` must be positive, but is {sample_rate!r} instead.")
-        self.sample_rate, self.mono, self.field = sample_rate, mono, field
+        self.sample_rate = sample_rate
+        self.mono = mono
+        self.field = field
         self._resamplers: dict = {}
 
     def __call__(self, sample: dict):

@@ -64,7 +64,9 @@ class ShardUtterances(Dataset):
     ):
         if not isinstance(shards, ShardSet):
             raise TypeError(f"`shards` must be a ShardSet, but is {type(shards).__name__} instead.")
-        self.shards, self.mono, self.field = shards, mono, field
+        self.shards = shards
+        self.mono = mono
+        self.field = field
         self._decode = ShardAudio(sample_rate=sample_rate, mono=mono, field=field)
         self._rate = sample_rate
         self.starts = np.concatenate(([0], np.cumsum(shards.lengths))).astype(np.int64)

@@ -144,7 +144,8 @@ class SpectrogramCache(Dataset):
             ),
         )
         try:
-            count, total = int(header["count"]), int(header["total_frames"])
+            count = int(header["count"])
+            total = int(header["total_frames"])
             itemsize = np.dtype(header["dtype"]).itemsize
             features_bytes = total * int(header["n_mels"]) * itemsize
         except (TypeError, ValueError):
@@ -158,11 +159,9 @@ class SpectrogramCache(Dataset):
         read = functools.partial(
             read_checked, path, header=header, error=SpectrogramCacheError, hint=_BUILD_HINT
         )
-        offsets, info, sums = (
-            read("offsets.bin", "<i8"),
-            read("info.bin", _INFO),
-            read("checksums.bin", "<u8"),
-        )
+        offsets = read("offsets.bin", "<i8")
+        info = read("info.bin", _INFO)
+        sums = read("checksums.bin", "<u8")
         if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
             raise SpectrogramCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
         check_damage(
@@ -287,7 +286,9 @@ class _Features:
     build."""
 
     def __init__(self, dataset, settings, block: range):
-        self.dataset, self.settings, self.block = dataset, settings, block
+        self.dataset = dataset
+        self.settings = settings
+        self.block = block
         self._features = None
 
     def __len__(self) -> int:
@@ -389,7 +390,8 @@ def build_spectrogram_cache(
             batch_size=8,
             collate_fn=_identity,
         )
-        lengths, info = np.zeros(len(block), np.int64), np.zeros(len(block), _INFO)
+        lengths = np.zeros(len(block), np.int64)
+        info = np.zeros(len(block), _INFO)
         with (
             build,
             open(build.part("features.bin"), "wb") as out,

@@ -64,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.epochs, args.max_frames, args.checkpoint_every = 2, 4 * 101, 1
+        args.epochs = 2
+        args.max_frames = 4 * 101
+        args.checkpoint_every = 1
     elif args.audio is None or args.cache is None:
         parser.error("--audio and --cache are required (or --smoke)")
     return args
@@ -95,7 +97,8 @@ def label_of(batch) -> torch.Tensor:
 def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network; input `[B, 1, n_mels, frames]`."""
     widths = (4, 8) if smoke else (64, 128, 256)
-    layers, channels = [], 1
+    layers = []
+    channels = 1
     for width in widths:
         layers += [
             torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
@@ -115,7 +118,8 @@ def prepare_data(args, rank: int, world: int):
     """The spectrogram cache of chunked windows, its features computed by every rank's share."""
     chunk = 1.0 if args.smoke else CHUNK_SECONDS
     if args.smoke:
-        args.audio, args.cache = args.workdir / "audio", args.workdir / "mels"
+        args.audio = args.workdir / "audio"
+        args.cache = args.workdir / "mels"
         if rank == 0 and not (args.audio / ".complete").exists():
             from recipes.testing import make_audio_files
 
@@ -147,12 +151,16 @@ def main(argv=None) -> None:
     model = build_model(n_mels, args.smoke).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     checkpoint = args.workdir / "checkpoint.pt"
-    start_epoch, step, loader_state = 0, 0, None
+    start_epoch = 0
+    step = 0
+    loader_state = None
     if checkpoint.exists():  # resume: model, optimiser, and the loader's place in the epoch
         saved = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        start_epoch, step, loader_state = saved["epoch"], saved["step"], saved["loader"]
+        start_epoch = saved["epoch"]
+        step = saved["step"]
+        loader_state = saved["loader"]
     if world > 1 and device.type == "cuda":  # batch statistics over every rank's windows
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -162,7 +170,8 @@ def main(argv=None) -> None:
         if loader_state is not None:
             loader.loader.load_state_dict(loader_state)
             loader_state = None
-        start, loss = time.perf_counter(), None
+        start = time.perf_counter()
+        loss = None
         for batch in loader:
             mels = (
                 batch["inputs"].to(device, non_blocking=True).float().unsqueeze(1)

@@ -77,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.epochs, args.max_frames, args.checkpoint_every = 2, 4 * 101, 1
+        args.epochs = 2
+        args.max_frames = 4 * 101
+        args.checkpoint_every = 1
     elif args.audio is None or args.cache is None:
         parser.error("--audio and --cache are required (or --smoke)")
     return args
@@ -91,7 +93,8 @@ def label_of(batch) -> torch.Tensor:
 def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network; input `[B, 1, n_mels, frames]`."""
     widths = (4, 8) if smoke else (64, 128, 256)
-    layers, channels = [], 1
+    layers = []
+    channels = 1
     for width in widths:
         layers += [
             torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
@@ -111,7 +114,8 @@ def prepare_data(args, accelerator):
     """The spectrogram cache of chunked windows, its features computed by every rank's share."""
     chunk = 1.0 if args.smoke else CHUNK_SECONDS
     if args.smoke:
-        args.audio, args.cache = args.workdir / "audio", args.workdir / "mels"
+        args.audio = args.workdir / "audio"
+        args.cache = args.workdir / "mels"
         if accelerator.is_main_process and not (args.audio / ".complete").exists():
             from recipes.testing import make_audio_files
 
@@ -164,7 +168,8 @@ def main(argv=None) -> None:
     accelerator = Accelerator(
         cpu=not cuda, mixed_precision="bf16" if cuda else "no"
     )  # cpu: gloo across processes
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank = accelerator.process_index
+    world = accelerator.num_processes
     args.workdir.mkdir(parents=True, exist_ok=True)
     cache, n_mels = prepare_data(args, accelerator)
     # built after the Accelerator: it reads the ranks from torch.distributed
@@ -188,7 +193,8 @@ def main(argv=None) -> None:
         loader.epoch, args.epochs
     ):  # the loader's state says which epoch to continue
         loader.set_epoch(epoch)
-        start, loss = time.perf_counter(), None
+        start = time.perf_counter()
+        loss = None
         for batch in loader:
             mels = batch["inputs"].float().unsqueeze(1)  # [B, 1, n_mels, T]
             with accelerator.autocast():

@@ -71,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.epochs, args.max_frames, args.checkpoint_every = 2, 4 * 101, 1
+        args.epochs = 2
+        args.max_frames = 4 * 101
+        args.checkpoint_every = 1
     elif args.audio is None or args.cache is None:
         parser.error("--audio and --cache are required (or --smoke)")
     return args
@@ -85,7 +87,8 @@ def label_of(batch) -> torch.Tensor:
 def build_model(n_mels: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network; input `[B, 1, n_mels, frames]`."""
     widths = (4, 8) if smoke else (64, 128, 256)
-    layers, channels = [], 1
+    layers = []
+    channels = 1
     for width in widths:
         layers += [
             torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),
@@ -107,7 +110,8 @@ class Recordings(LoaderDataModule):
 
     def __init__(self, args):
         super().__init__()
-        self.args, self.n_mels = args, 40 if args.smoke else 80
+        self.args = args
+        self.n_mels = 40 if args.smoke else 80
 
     def prepare_data(self) -> None:  # once per node, before setup
         if self.args.smoke and not (self.args.audio / ".complete").exists():
@@ -137,7 +141,10 @@ class Recordings(LoaderDataModule):
 class Classifier(pl.LightningModule):
     def __init__(self, args):
         super().__init__()
-        self.args, self.log_file, self.started, self.loss = args, None, 0.0, None
+        self.args = args
+        self.log_file = None
+        self.started = 0.0
+        self.loss = None
 
     def setup(self, stage: str) -> None:
         self.model = build_model(self.trainer.datamodule.n_mels, self.args.smoke)
@@ -198,7 +205,8 @@ class Classifier(pl.LightningModule):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.smoke:
-        args.audio, args.cache = args.workdir / "audio", args.workdir / "mels"
+        args.audio = args.workdir / "audio"
+        args.cache = args.workdir / "mels"
     args.workdir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     devices = int(

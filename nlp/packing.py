@@ -151,7 +151,8 @@ class PackedBatchSampler(LengthBucketSampler):
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         rows = self.rows(epoch)
-        p, b = self.num_pieces, self.batch_size
+        p = self.num_pieces
+        b = self.batch_size
         batches = []
         for first in range(0, len(rows), b):
             group = rows[first : first + b]
@@ -211,7 +212,8 @@ def _best_fit_decreasing(
         if at < len(free):
             space, row = free.pop(at)
         else:
-            space, row = capacity, len(rows)
+            space = capacity
+            row = len(rows)
             rows.append([])
         rows[row].append(piece)
         if space - length > 0 and len(rows[row]) < max_docs:
@@ -238,11 +240,9 @@ class PackedTokens(Dataset):
                 "(pass cache.lengths to PackedBatchSampler)."
             )
         self.cache = cache
-        self.piece_doc, self.piece_start, self.piece_len = (
-            sampler.piece_doc,
-            sampler.piece_start,
-            sampler.piece_len,
-        )
+        self.piece_doc = sampler.piece_doc
+        self.piece_start = sampler.piece_start
+        self.piece_len = sampler.piece_len
         self.offsets = np.asarray(cache.offsets)
 
     def __len__(self) -> int:
@@ -294,11 +294,15 @@ class PackCollate:
         ):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive int, but is {value!r} instead.")
-        self.seq_len, self.batch_size, self.pad_id = seq_len, batch_size, int(pad_id)
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.pad_id = int(pad_id)
         self.max_docs = max_docs_per_row or seq_len
 
     def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
-        b, t, d = self.batch_size, self.seq_len, self.max_docs
+        b = self.batch_size
+        t = self.seq_len
+        d = self.max_docs
         rows = np.fromiter((item["row"] for item in items), np.int64, len(items))
         lengths = np.fromiter((len(item["input_ids"]) for item in items), np.int64, len(items))
         if len(rows) and (np.diff(rows) < 0).any():
@@ -337,7 +341,8 @@ class PackCollate:
         cu_seqlens = small[b * d : n_int32]
         num_tokens = buffer[-1:]
 
-        flat_ids, flat_pos = input_ids.view(-1), position_ids.view(-1)
+        flat_ids = input_ids.view(-1)
+        flat_pos = position_ids.view(-1)
         within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         dest = torch.from_numpy(np.repeat(starts, lengths) + within)
         input_ids.fill_(self.pad_id)

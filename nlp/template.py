@@ -87,7 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.epochs, args.max_tokens, args.checkpoint_every = 2, 1024, 1
+        args.epochs = 2
+        args.max_tokens = 1024
+        args.checkpoint_every = 1
     elif not (args.texts and args.tokenizer and args.cache):
         parser.error("--texts, --tokenizer and --cache are required (or --smoke)")
     if args.mix == "" and not args.smoke:
@@ -135,11 +137,9 @@ def prepare_data(args, rank: int, world: int):
     from transformers import AutoTokenizer
 
     if args.smoke:
-        args.texts, args.tokenizer, args.cache = (
-            str(args.workdir / "corpus.txt"),
-            args.workdir / "tokenizer",
-            args.workdir / "tokens",
-        )
+        args.texts = str(args.workdir / "corpus.txt")
+        args.tokenizer = args.workdir / "tokenizer"
+        args.cache = args.workdir / "tokens"
         if rank == 0 and not args.tokenizer.exists():
             from recipes.testing import make_text_corpus, train_tokenizer
 
@@ -190,7 +190,8 @@ def prepare_data(args, rank: int, world: int):
 
 def mask_tokens(batch, mask_id: int, generator: torch.Generator):
     """BERT's masking: 15% of the real tokens become [MASK]; only those are predicted."""
-    ids, attention = batch["input_ids"], batch["attention_mask"]
+    ids = batch["input_ids"]
+    attention = batch["attention_mask"]
     chosen = (
         torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15
     ) & attention.bool()
@@ -221,12 +222,16 @@ def main(argv=None) -> None:
     model = build_model(len(tokenizer), args.smoke).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     checkpoint = args.workdir / "checkpoint.pt"
-    start_epoch, step, loader_state = 0, 0, None
+    start_epoch = 0
+    step = 0
+    loader_state = None
     if checkpoint.exists():  # resume: model, optimiser, and the loader's place in the epoch
         saved = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        start_epoch, step, loader_state = saved["epoch"], saved["step"], saved["loader"]
+        start_epoch = saved["epoch"]
+        step = saved["step"]
+        loader_state = saved["loader"]
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     generator = torch.Generator(device).manual_seed(rank)
     log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
@@ -235,7 +240,8 @@ def main(argv=None) -> None:
         if loader_state is not None:
             loader.loader.load_state_dict(loader_state)
             loader_state = None
-        start, loss = time.perf_counter(), None
+        start = time.perf_counter()
+        loss = None
         for batch in loader:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             ids, attention, labels = mask_tokens(batch, tokenizer.mask_token_id, generator)

@@ -96,7 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.epochs, args.max_tokens, args.checkpoint_every = 2, 1024, 1
+        args.epochs = 2
+        args.max_tokens = 1024
+        args.checkpoint_every = 1
     elif not (args.texts and args.tokenizer and args.cache):
         parser.error("--texts, --tokenizer and --cache are required (or --smoke)")
     if args.mix == "" and not args.smoke:
@@ -127,11 +129,9 @@ def prepare_data(args, accelerator):
     from transformers import AutoTokenizer
 
     if args.smoke:
-        args.texts, args.tokenizer, args.cache = (
-            str(args.workdir / "corpus.txt"),
-            args.workdir / "tokenizer",
-            args.workdir / "tokens",
-        )
+        args.texts = str(args.workdir / "corpus.txt")
+        args.tokenizer = args.workdir / "tokenizer"
+        args.cache = args.workdir / "tokens"
         if accelerator.is_main_process and not args.tokenizer.exists():
             from recipes.testing import make_text_corpus, train_tokenizer
 
@@ -182,7 +182,8 @@ def prepare_data(args, accelerator):
 
 def mask_tokens(batch, mask_id: int, generator: torch.Generator):
     """BERT's masking: 15% of the real tokens become [MASK]; only those are predicted."""
-    ids, attention = batch["input_ids"], batch["attention_mask"]
+    ids = batch["input_ids"]
+    attention = batch["attention_mask"]
     chosen = (
         torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15
     ) & attention.bool()
@@ -227,7 +228,8 @@ def main(argv=None) -> None:
     accelerator = Accelerator(
         cpu=not cuda, mixed_precision="bf16" if cuda else "no"
     )  # cpu: gloo across processes
-    rank, device = accelerator.process_index, accelerator.device
+    rank = accelerator.process_index
+    device = accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, accelerator)
     lengths = (
@@ -257,7 +259,8 @@ def main(argv=None) -> None:
         loader.epoch, args.epochs
     ):  # the loader's state says which epoch to continue
         loader.set_epoch(epoch)
-        start, loss = time.perf_counter(), None
+        start = time.perf_counter()
+        loss = None
         for batch in loader:
             ids, attention, labels = mask_tokens(batch, tokenizer.mask_token_id, generator)
             with accelerator.autocast():

@@ -72,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.smoke:
-        args.epochs, args.max_tokens, args.checkpoint_every = 2, 1024, 1
+        args.epochs = 2
+        args.max_tokens = 1024
+        args.checkpoint_every = 1
     elif not (args.texts and args.tokenizer and args.cache):
         parser.error("--texts, --tokenizer and --cache are required (or --smoke)")
     return args
@@ -138,7 +140,8 @@ class Texts(LoaderDataModule):
 
 def mask_tokens(batch, mask_id: int, generator: torch.Generator):
     """BERT's masking: 15% of the real tokens become [MASK]; only those are predicted."""
-    ids, attention = batch["input_ids"], batch["attention_mask"]
+    ids = batch["input_ids"]
+    attention = batch["attention_mask"]
     chosen = (
         torch.rand(ids.shape, generator=generator, device=ids.device) < 0.15
     ) & attention.bool()
@@ -149,7 +152,10 @@ def mask_tokens(batch, mask_id: int, generator: torch.Generator):
 class MaskedLM(pl.LightningModule):
     def __init__(self, args):
         super().__init__()
-        self.args, self.log_file, self.started, self.loss = args, None, 0.0, None
+        self.args = args
+        self.log_file = None
+        self.started = 0.0
+        self.loss = None
 
     def setup(self, stage: str) -> None:  # after the DataModule's: the tokenizer is known
         self.tokenizer = self.trainer.datamodule.tokenizer
@@ -208,11 +214,9 @@ class MaskedLM(pl.LightningModule):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.smoke:
-        args.texts, args.tokenizer, args.cache = (
-            str(args.workdir / "corpus.txt"),
-            args.workdir / "tokenizer",
-            args.workdir / "tokens",
-        )
+        args.texts = str(args.workdir / "corpus.txt")
+        args.tokenizer = args.workdir / "tokenizer"
+        args.cache = args.workdir / "tokens"
     args.workdir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     devices = int(

@@ -51,20 +51,20 @@ class TextSource:
                     f"the dataset has no column {text_field!r} (its columns: "
                     f"{texts.column_names}); pass text_field= with the right name."
                 )
-            self.kind, self.strings = "datasets", texts
+            self.kind = "datasets"
+            self.strings = texts
         elif (
             isinstance(texts, Sequence)
             and len(texts)
             and all(isinstance(t, os.PathLike) for t in texts)
         ):
             sets: dict = {}
-            self.kind, self.files = (
-                "files",
-                [_source(os.fspath(t), text_field, sets) for t in texts],
-            )
+            self.kind = "files"
+            self.files = [_source(os.fspath(t), text_field, sets) for t in texts]
         elif isinstance(texts, Sequence):
             _refuse_paths(texts)
-            self.kind, self.strings = "strings", texts
+            self.kind = "strings"
+            self.strings = texts
         else:
             raise ValueError(
                 f"`texts` must be a sequence of strings, a path, a URL or a ShardSet, but is "
@@ -95,7 +95,8 @@ class TextSource:
             self._take_shards(ShardSet.open(self.url))
             return
         found = sorted(fs.glob(path) if magic else fs.ls(path, detail=False))
-        local, sets = "://" not in self.url, {}
+        local = "://" not in self.url
+        sets = {}
         found = [p if local else fs.unstrip_protocol(p) for p in found]
         shards = {p: _listed_shard(p, sets) for p in found if p.endswith((".tar", ".parquet"))}
         names = [
@@ -130,7 +131,9 @@ class TextSource:
                 f"{shards.url}: its shards have no column {self.text_field!r} (their columns: "
                 f"{[c for c, _ in shards.columns]}); pass text_field= with the right name."
             )
-        self.kind, self.shards, self.url = "shards", shards, shards.url
+        self.kind = "shards"
+        self.shards = shards
+        self.url = shards.url
 
     def describe(self) -> str:
         if self.url is not None:

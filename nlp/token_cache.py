@@ -147,7 +147,8 @@ class TokenCache(Dataset):
             fields=("count", "num_tokens", "dtype", "checksum", "file_checksums"),
         )
         try:
-            count, num_tokens = int(header["count"]), int(header["num_tokens"])
+            count = int(header["count"])
+            num_tokens = int(header["num_tokens"])
             itemsize = np.dtype(header["dtype"]).itemsize
         except (TypeError, ValueError):
             raise TokenCacheError(
@@ -194,7 +195,8 @@ class TokenCache(Dataset):
             idx
         ).tolist():  # each sample's first read in this process, by default
             self.checks.check(i, self._map()[self.offsets[i] : self.offsets[i + 1]])
-        starts, lengths = self.offsets[idx], self.lengths[idx]
+        starts = self.offsets[idx]
+        lengths = self.lengths[idx]
         # positions of every token of the batch: each start, then +1 within its sample
         shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
         flat = self._map()[shift + np.arange(int(lengths.sum()))].astype(np.int64)
@@ -329,7 +331,8 @@ def build_token_cache(
             )
             count, num_tokens = map(sum, zip(*build.gather(_part_totals(build)), strict=True))
             build.collect("tokens.bin", "lengths.bin")  # every part complete, in every folder
-            checksum, files = build.gather(algorithm())[0], None
+            checksum = build.gather(algorithm())[0]
+            files = None
             if build.leader:  # in each folder (node-local disks: one per node)
                 _join_parts(build, batch_size, dtype)
                 offsets = np.fromfile(build.path / "offsets.bin", "<i8")
@@ -427,7 +430,8 @@ def _join_parts(build: FolderBuild, batch_size: int, dtype) -> None:
     try:
         with open(build.path / "tokens.bin", "wb") as out:
             for k in itertools.count():
-                rank, j = k % build.world, k // build.world
+                rank = k % build.world
+                j = k // build.world
                 seg = lengths[rank][j * batch_size : (j + 1) * batch_size]
                 if not len(seg):
                     break
@@ -454,7 +458,8 @@ class _Limited:
     """The next `size` bytes of a file object, for `shutil.copyfileobj`."""
 
     def __init__(self, f, size: int):
-        self.f, self.left = f, size
+        self.f = f
+        self.left = size
 
     def read(self, n: int = -1) -> bytes:
         n = self.left if n < 0 else min(n, self.left)

@@ -348,7 +348,8 @@ class ImageFolderFast(Dataset):
             )
             flip = bool(self._generator().random() < 0.5)
         else:
-            box, flip = eval_box(header.height, header.width, out, self.CROP_PCT), False
+            box = eval_box(header.height, header.width, out, self.CROP_PCT)
+            flip = False
         item = {
             "data": torch.frombuffer(bytearray(data), dtype=torch.uint8),
             "box": torch.tensor(box, dtype=torch.int64),
@@ -443,7 +444,8 @@ class ImageFolderFast(Dataset):
         in a DataLoader's workers, each batch's seed in a resumable loader's (exact resume)."""
         key = (os.getpid(), torch.initial_seed())
         if self._rng_key != key:
-            self._rng, self._rng_key = np.random.default_rng(key[1]), key
+            self._rng = np.random.default_rng(key[1])
+            self._rng_key = key
         return self._rng
 
     def __getstate__(self):

@@ -44,7 +44,9 @@ class ShardImages:
         ImageDecodeError: a sample without the image field, or a bad image, naming its key.
     """
 
-    CROP_PCT, SCALE, RATIO = CROP_PCT, SCALE, RATIO
+    CROP_PCT = CROP_PCT
+    SCALE = SCALE
+    RATIO = RATIO
     IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 
     def __init__(
@@ -62,8 +64,11 @@ class ShardImages:
             raise ImportError(
                 'region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]".'
             )
-        self.train, self.image_field, self.label_field = train, image_field, label_field
-        self.strict, self.region_decode = bool(strict), region_decode
+        self.train = train
+        self.image_field = image_field
+        self.label_field = label_field
+        self.strict = bool(strict)
+        self.region_decode = region_decode
         self._checked = _NeverChecked()  # decode_box's per-file memory: none for shard samples
         self._rng: np.random.Generator | None = None
         self._rng_key: tuple[int, int] | None = None
@@ -102,7 +107,8 @@ class ShardImages:
             torch.initial_seed(),
         )  # reseeded when torch is (ImageFolderFast._generator)
         if self._rng_key != key:
-            self._rng, self._rng_key = np.random.default_rng(key[1]), key
+            self._rng = np.random.default_rng(key[1])
+            self._rng_key = key
         return self._rng
 
     def __getstate__(self):

@@ -70,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-samples", action="store_true", help="log the targets of every step")
     args = parser.parse_args(argv)
     if args.smoke:  # 48 classes of one image each: a target names its image
-        args.epochs, args.batch_size, args.checkpoint_every = 2, 4, 1
+        args.epochs = 2
+        args.batch_size = 4
+        args.checkpoint_every = 1
     elif args.data is None or args.cache is None:
         parser.error("--data and --cache are required (or --smoke)")
     return args
@@ -112,7 +114,8 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
     """The dataset, with its decoded cache built once (split across the ranks) and opened by all."""
     size = 64 if args.smoke else SIZE
     if args.smoke:
-        args.data, args.cache = args.workdir / "data", args.workdir / "cache"
+        args.data = args.workdir / "data"
+        args.cache = args.workdir / "cache"
         if rank == 0 and not (args.data / ".complete").exists():
             from recipes.testing import make_image_folder
 
@@ -166,12 +169,16 @@ def main(argv=None) -> None:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
     checkpoint = args.workdir / "checkpoint.pt"
-    start_epoch, step, loader_state = 0, 0, None
+    start_epoch = 0
+    step = 0
+    loader_state = None
     if checkpoint.exists():  # resume: model, optimiser, and the loader's place in the epoch
         saved = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
-        start_epoch, step, loader_state = saved["epoch"], saved["step"], saved["loader"]
+        start_epoch = saved["epoch"]
+        step = saved["step"]
+        loader_state = saved["loader"]
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
     for epoch in range(start_epoch, args.epochs):
@@ -180,7 +187,8 @@ def main(argv=None) -> None:
         if loader_state is not None:
             loader.loader.load_state_dict(loader_state)
             loader_state = None
-        start, loss = time.perf_counter(), None
+        start = time.perf_counter()
+        loss = None
         for images, targets in loader:
             images, targets = normalize(images, targets)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):

@@ -78,7 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-samples", action="store_true", help="log the targets of every step")
     args = parser.parse_args(argv)
     if args.smoke:  # 48 classes of one image each: a target names its image
-        args.epochs, args.batch_size, args.checkpoint_every = 2, 4, 1
+        args.epochs = 2
+        args.batch_size = 4
+        args.checkpoint_every = 1
     elif args.data is None or args.cache is None:
         parser.error("--data and --cache are required (or --smoke)")
     return args
@@ -103,7 +105,8 @@ def prepare_data(args, accelerator) -> ImageFolderFast:
     """The dataset, with its decoded cache built once (split across the ranks) and opened by all."""
     size = 64 if args.smoke else SIZE
     if args.smoke:
-        args.data, args.cache = args.workdir / "data", args.workdir / "cache"
+        args.data = args.workdir / "data"
+        args.cache = args.workdir / "cache"
         if accelerator.is_main_process and not (args.data / ".complete").exists():
             from recipes.testing import make_image_folder
 
@@ -154,7 +157,9 @@ def main(argv=None) -> None:
     accelerator = Accelerator(
         cpu=not cuda, mixed_precision="bf16" if cuda else "no"
     )  # cpu: gloo across processes
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    rank = accelerator.process_index
+    world = accelerator.num_processes
+    device = accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     dataset = prepare_data(args, accelerator)
     sampler = ElasticDistributedSampler(
@@ -197,7 +202,8 @@ def main(argv=None) -> None:
     ):  # the loader's state says which epoch to continue
         loader.set_epoch(epoch)
         schedule.apply(dataset, epoch)  # reaches persistent workers (shared memory)
-        start, loss = time.perf_counter(), None
+        start = time.perf_counter()
+        loss = None
         for images, targets in loader:
             images, targets = normalize(images, targets)
             with accelerator.autocast():

@@ -70,7 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-samples", action="store_true", help="log the targets of every step")
     args = parser.parse_args(argv)
     if args.smoke:  # 48 classes of one image each: a target names its image
-        args.epochs, args.batch_size, args.checkpoint_every = 2, 4, 1
+        args.epochs = 2
+        args.batch_size = 4
+        args.checkpoint_every = 1
     elif args.data is None or args.cache is None:
         parser.error("--data and --cache are required (or --smoke)")
     return args
@@ -107,7 +109,8 @@ class Images(LoaderDataModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        args, world = self.args, self.trainer.world_size
+        args = self.args
+        world = self.trainer.world_size
         self.dataset = ImageFolderFast(
             args.data,
             size=64 if args.smoke else SIZE,
@@ -149,7 +152,10 @@ class Images(LoaderDataModule):
 class Classifier(pl.LightningModule):
     def __init__(self, args):
         super().__init__()
-        self.args, self.log_file, self.started, self.loss = args, None, 0.0, None
+        self.args = args
+        self.log_file = None
+        self.started = 0.0
+        self.loss = None
 
     def setup(self, stage: str) -> None:  # after the DataModule's: the classes are known
         self.model = build_model(len(self.trainer.datamodule.dataset.classes), self.args.smoke)
@@ -211,7 +217,8 @@ class Classifier(pl.LightningModule):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.smoke:
-        args.data, args.cache = args.workdir / "data", args.workdir / "cache"
+        args.data = args.workdir / "data"
+        args.cache = args.workdir / "cache"
     args.workdir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     devices = int(

@@ -69,7 +69,8 @@ class BuildRanks:
         and finds out which ranks share `folder` (created). Collective."""
         import torch.distributed as dist
 
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
+        world = dist.get_world_size()
         _rendezvous(rank, world, what)
         gloo = _gloo_group()
         token = _broadcast(uuid.uuid4().hex if rank == 0 else None, 0, gloo)
@@ -240,7 +241,8 @@ def _rendezvous(rank: int, world: int, what: str) -> None:
     store_of = getattr(dist.distributed_c10d, "_get_default_store", None)
     if store_of is None:  # no store to meet in (a future torch): the first collective meets
         return
-    store, key = store_of(), f"recipes/build/{next(_SEQUENCE)}"
+    store = store_of()
+    key = f"recipes/build/{next(_SEQUENCE)}"
     if store.add(key, 1) >= world:
         store.set(f"{key}/all", "1")
     first = min(NOTICE_S, RENDEZVOUS_S)

@@ -34,7 +34,8 @@ def sweep_dead_temps(folder: Path, name: str) -> int:
     """Removes temp folders and files of `name` (`.{name}.{host}.{pid}.*.tmp`; `name` may be a
     glob pattern, e.g. `eval-*`) whose builder on this host is dead; returns how many. Temps of
     other hosts (a shared file system) are left alone."""
-    removed, host = 0, _host()
+    removed = 0
+    host = _host()
     for tmp in Path(folder).glob(f".{name}.*.tmp"):
         parts = tmp.name.split(".")  # the host has no dots (`_host`); a name may have some
         owner = next(
@@ -93,7 +94,9 @@ class FolderBuild:
         inputs: str | None = None,
         local: dict | None = None,
     ):
-        self.target, self.inputs, self.local = Path(target), inputs, dict(local or {})
+        self.target = Path(target)
+        self.inputs = inputs
+        self.local = dict(local or {})
         self.distributed = distributed_build(distributed)
         self.ranks = BuildRanks.alone()
         self.path: Path | None = None
@@ -139,7 +142,8 @@ class FolderBuild:
         valid cache while another folder holds one receives a copy of it (no build). Leaders
         first remove the temp folders of this cache's dead builders (a build killed midway)."""
         self._join()
-        self._open_cache, self._error = open_cache, error
+        self._open_cache = open_cache
+        self._error = error
         valid = None
         if self.leader:
             if self.target.parent.is_dir():  # a build killed midway, even when no build follows

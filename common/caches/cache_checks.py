@@ -169,14 +169,12 @@ class ItemChecks:
         hint: str = "its build function",
         label: str = "item",
     ):
-        self.path, self.sums, self.name, self.error, self.hint, self.label = (
-            Path(path),
-            sums,
-            name,
-            error,
-            hint,
-            label,
-        )
+        self.path = Path(path)
+        self.sums = sums
+        self.name = name
+        self.error = error
+        self.hint = hint
+        self.label = label
         self.verify = check_verify(verify)
         self._hash = hasher(name, error)
         self._pid: int | None = None
@@ -185,7 +183,8 @@ class ItemChecks:
     def _flags(self) -> np.ndarray:
         """This process's verified flags (a forked worker starts its own, all False)."""
         if self._pid != os.getpid():
-            self._verified, self._pid = np.zeros(len(self.sums), bool), os.getpid()
+            self._verified = np.zeros(len(self.sums), bool)
+            self._pid = os.getpid()
         return self._verified
 
     def needed(self, index: int) -> bool:
@@ -251,7 +250,8 @@ def item_sums(name: str, items) -> np.ndarray:
 def write_item_sums(folder: Path, data_name: str, bounds: np.ndarray, name: str) -> None:
     """Writes `folder/checksums.bin`: the checksum of each item `data[bounds[i]:bounds[i + 1]]`
     of the data file `data_name` (byte offsets), read back once after the build wrote it."""
-    path, bounds = Path(folder) / data_name, np.asarray(bounds, np.int64)
+    path = Path(folder) / data_name
+    bounds = np.asarray(bounds, np.int64)
     data = np.memmap(path, np.uint8, "r") if bounds[-1] else np.zeros(0, np.uint8)
     sums = item_sums(name, (data[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)))
     with open(Path(folder) / "checksums.bin", "wb") as f:

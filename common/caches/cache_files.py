@@ -224,12 +224,10 @@ class LazyMap:
         mode: str = "r",
         error: type[Exception] = CacheFileError,
     ):
-        self.path, self.dtype, self.shape, self.mode = (
-            Path(path),
-            np.dtype(dtype),
-            tuple(shape),
-            mode,
-        )
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+        self.mode = mode
         self.error = error
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         try:
@@ -311,7 +309,8 @@ class LazyMap:
                 raise self._changed(
                     f"truncated in place (a short read at byte {offset + done + got:,})", size
                 )
-            done, buffers = done + got, buffers[_IOV_MAX:]
+            done = done + got
+            buffers = buffers[_IOV_MAX:]
         return out
 
     def __getstate__(self):

@@ -90,7 +90,8 @@ class PackedStrings(Sequence[str]):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"index {index} is out of range for PackedStrings of length {n}")
-        start, end = self._offsets[i], self._offsets[i + 1]
+        start = self._offsets[i]
+        end = self._offsets[i + 1]
         return self._data[start:end].tobytes().decode("utf-8", "surrogateescape")
 
     def __iter__(self) -> Iterator[str]:

@@ -101,7 +101,8 @@ class AcceleratedLoader:
         )  # the loader's pass starts now, as a DataLoader's would
 
     def _batches(self, iterator):
-        self.end_of_dataloader, self.remainder = False, -1
+        self.end_of_dataloader = False
+        self.remainder = -1
         self.gradient_state._add_dataloader(self)  # what DataLoaderStateMixin.begin() does
         try:
             batch = next(iterator, _END)
@@ -149,7 +150,8 @@ class AcceleratedLoader:
     def set_epoch(self, epoch: int) -> None:
         """`set_epoch(epoch)` on the loader's sampler, batch sampler and dataset that have one
         (the same epoch as a loaded state keeps its place; another starts that epoch afresh)."""
-        inner, done = innermost(self.loader), set()
+        inner = innermost(self.loader)
+        done = set()
         for holder in (
             getattr(inner, "batch_sampler", None),
             getattr(inner, "sampler", None),
@@ -199,7 +201,8 @@ def prepare_loader(
     names.add(name)
     placement = accelerator.device_placement if device_placement is None else device_placement
     wrapped = AcceleratedLoader(loader, accelerator=accelerator, device_placement=placement)
-    rank, world = accelerator.process_index, accelerator.num_processes
+    rank = accelerator.process_index
+    world = accelerator.num_processes
 
     def save(models, weights, output_dir) -> None:  # accelerate calls it on every rank
         write_loader_state(output_dir, name, wrapped.state_dict(), rank=rank, world_size=world)
@@ -216,7 +219,8 @@ def innermost(loader):
     """The DataLoader inside `LoaderMonitor` / `RobustLoader` wrappers (each holds `.loader`)."""
     seen = 0
     while hasattr(loader, "loader") and seen < 8:
-        loader, seen = loader.loader, seen + 1
+        loader = loader.loader
+        seen = seen + 1
     return loader
 
 
@@ -302,7 +306,8 @@ def read_loader_state(folder, name: str, *, rank: int, world_size: int) -> dict[
         FileNotFoundError: no state of this loader in `folder` (saved without `prepare_loader`?).
         ValueError: the file is not a loader state.
     """
-    path, first = loader_state_path(folder, name, rank), loader_state_path(folder, name, 0)
+    path = loader_state_path(folder, name, rank)
+    first = loader_state_path(folder, name, 0)
     if path.is_file():
         record = _record(path)
         if record.get("world_size") == world_size:

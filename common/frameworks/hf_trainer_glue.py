@@ -121,7 +121,8 @@ class TrainerLoader(AcceleratedLoader):
 
     def set_epoch(self, epoch: int) -> None:
         if self._align:
-            self._offset, self._align = self.epoch - epoch, False
+            self._offset = self.epoch - epoch
+            self._align = False
         super().set_epoch(epoch + self._offset)
 
 

@@ -86,7 +86,9 @@ class LoaderDataModuleMixin:
 
     def __init__(self, dataset=None, *, seed: int = 0, **loader_kwargs: Any):
         super().__init__()
-        self.dataset, self.seed, self.loader_kwargs = dataset, seed, loader_kwargs
+        self.dataset = dataset
+        self.seed = seed
+        self.loader_kwargs = loader_kwargs
         self.loader = None  # the training loader built last: the one Lightning iterates
         self._state_to_load: dict[str, Any] | None = None
 

@@ -149,7 +149,9 @@ def _placed(mapping, tensors: list[torch.Tensor]) -> dict[int, int]:
     """{index: offset} of the tensors whose elements lie in `mapping` (from `slot_tensor`)."""
     if mapping is None or isinstance(mapping, mmap.mmap):
         return {}
-    start, size, found = ctypes.addressof(mapping), ctypes.sizeof(mapping), {}
+    start = ctypes.addressof(mapping)
+    size = ctypes.sizeof(mapping)
+    found = {}
     for i, tensor in enumerate(tensors):
         low = tensor.data_ptr()
         if (
@@ -265,16 +267,15 @@ class Ring:
             fd, mapping = new_segment(need + need // 4)  # room for a batch a little larger
             self.maps[slot] = mapping
             placed, used = {}, 0  # all copied into the new segment
-        layouts, offset = [], used
+        layouts = []
+        offset = used
         for i, (tensor, grad) in enumerate(zip(tensors, grads, strict=True)):
-            n, meta = (
-                _bytes(tensor),
-                (
-                    str(tensor.dtype).removeprefix("torch."),
-                    tuple(tensor.shape),
-                    tuple(tensor.stride()),
-                    grad,
-                ),
+            n = _bytes(tensor)
+            meta = (
+                str(tensor.dtype).removeprefix("torch."),
+                tuple(tensor.shape),
+                tuple(tensor.stride()),
+                grad,
             )
             if i in placed:
                 layouts.append((*meta, placed[i], n))
@@ -305,7 +306,9 @@ class Ring:
     def read(self, slot: int, layouts: list[tuple]) -> list[torch.Tensor]:
         """The slot's tensors as views of it (small ones copied out of the layout); the slot is
         given back when all its views are dropped."""
-        mapping, tensors, watched = self.maps.get(slot), [], []
+        mapping = self.maps.get(slot)
+        tensors = []
+        watched = []
         for dtype, shape, stride, grad, offset, data in layouts:
             dtype = getattr(torch, dtype)
             if offset is None:

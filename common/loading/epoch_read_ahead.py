@@ -76,7 +76,8 @@ class NextEpoch:
             if indices is None:
                 return
             indices = [int(i) for i in indices]
-            pool, at = loader._pool, (indices, self.epoch, self._position, self.seed)
+            pool = loader._pool
+            at = (indices, self.epoch, self._position, self.seed)
             # each read checks the dataset's key as it starts and ends: a change between epochs (one
             # set back before the next epoch too) makes it CHANGED, never a batch of the other
             # setting
@@ -142,7 +143,8 @@ class _Ahead:
     CHANGED."""
 
     def __init__(self, future, loader, indices, epoch: int, position: int):
-        self.future, self._again = future, (loader, indices, epoch, position)
+        self.future = future
+        self._again = (loader, indices, epoch, position)
 
     def result(self):
         batch = self.future.result()
@@ -231,7 +233,8 @@ class Key:
     __hash__ = None
 
     def __init__(self, raw):
-        self.raw, self.token = raw, _token(raw)
+        self.raw = raw
+        self.token = _token(raw)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Key) and self.token == other.token

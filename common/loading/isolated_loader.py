@@ -111,7 +111,8 @@ class IsolatedLoader(ThreadLoader):
         self.timeout = timeout
         self._ring = Ring()
         self._child: _Child | None = None
-        self.adaptive, self.niceness = adaptive, niceness
+        self.adaptive = adaptive
+        self.niceness = niceness
         self._probe = LoopProbe()
 
     def _begin_pass(self):
@@ -163,7 +164,8 @@ class IsolatedLoader(ThreadLoader):
             self._stop_child()
 
     def _stop_child(self) -> None:
-        child, self._child = self._child, None
+        child = self._child
+        self._child = None
         if child is not None:
             child.stop()
 
@@ -178,7 +180,8 @@ class _Remote:
     """A batch asked of the child: `result()` waits for it (a `Future`'s part `_Batches` uses)."""
 
     def __init__(self, child: _Child, request: int):
-        self._child, self.request = child, request
+        self._child = child
+        self.request = request
 
     def result(self):
         return self._child.wait(self.request)
@@ -193,9 +196,13 @@ class _Child:
 
     def __init__(self, loader: IsolatedLoader, fingerprint: tuple):
         # a weak reference: a loader dropped without close() is freed at once, and ends its child
-        self._loader, self.ring, self.fingerprint = weakref.ref(loader), loader._ring, fingerprint
-        context, watch = multiprocessing.get_context("fork"), StartWatch(1)
-        self._next_request, self._dropped = 0, set()
+        self._loader = weakref.ref(loader)
+        self.ring = loader._ring
+        self.fingerprint = fingerprint
+        context = multiprocessing.get_context("fork")
+        watch = StartWatch(1)
+        self._next_request = 0
+        self._dropped = set()
         self._done: dict[int, Any] = {}
         self._slots: dict[int, int] = {}  # request -> slot
         for _ in range(
@@ -223,7 +230,8 @@ class _Child:
         self, fn, indices, epoch: int, position: int, seed: int | None = None, token=None
     ) -> _Remote:
         """`token`: a read ahead's key (`epoch_read_ahead.read_if_unchanged`, in the child)."""
-        request, slot = self._next_request, self.ring.take()
+        request = self._next_request
+        slot = self.ring.take()
         self._next_request += 1
         self._slots[request] = slot
         try:
@@ -284,7 +292,8 @@ class _Child:
         return result
 
     def _take(self, message) -> None:
-        kind, request = message[0], message[1]
+        kind = message[0]
+        request = message[1]
         slot = self._slots.pop(request)
         if (
             kind in ("error", "failed", "changed") and request in self._dropped
@@ -421,9 +430,9 @@ def _child_main(loader: IsolatedLoader, conn, parent_end, started) -> None:
             except Exception as caught:  # noqa: BLE001
                 if fd is not None:
                     os.close(fd)
-                fd, reply = (
-                    None,
-                    ForkingPickler.dumps(("failed", request, f"{type(caught).__name__}: {caught}")),
+                fd = None
+                reply = ForkingPickler.dumps(
+                    ("failed", request, f"{type(caught).__name__}: {caught}")
                 )
         _TARGET.slot = None
         with send:

@@ -251,10 +251,8 @@ def _split_ranks(
                 )
             )
             return
-    shuffle, drop_last = (
-        bool(settings.pop("shuffle", False)),
-        bool(settings.get("drop_last", False)),
-    )
+    shuffle = bool(settings.pop("shuffle", False))
+    drop_last = bool(settings.get("drop_last", False))
     settings["sampler"] = ElasticDistributedSampler(
         dataset,
         num_replicas=world,

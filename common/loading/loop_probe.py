@@ -70,7 +70,8 @@ class LoopProbe:
             return False
         if self.wall < 0.05 or self.cpu / self.wall >= self.LOW:
             return False
-        self.share, self.in_process = self.cpu / self.wall, True
+        self.share = self.cpu / self.wall
+        self.in_process = True
         _note(loader, self, mid_epoch=True)
         return True
 

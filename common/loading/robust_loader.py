@@ -80,8 +80,11 @@ class RobustLoader:
             )
         given = {"sampler": sampler, "batch_sampler": batch_sampler, "collate_fn": collate_fn}
         self._kwargs = {k: v for k, v in given.items() if v is not None} | loader_kwargs
-        self.dataset, self.batch_size, self.timeout = dataset, batch_size, timeout
-        self.max_restarts, self._ladder = max_restarts, ladder
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self.max_restarts = max_restarts
+        self._ladder = ladder
         self.restarts: list[tuple[str, dict[str, Any]]] = []
         self.loader = self._build({})
 
@@ -140,7 +143,8 @@ class RobustLoader:
         """Batches of one epoch. A failure is survived wherever the loop meets it: in `next()`,
         and in `iter()` itself, where persistent workers that died between epochs (the OOM
         killer during validation or a checkpoint) are found by DataLoader's `_reset`."""
-        failures, iterator = 0, None
+        failures = 0
+        iterator = None
         while True:
             try:
                 if iterator is None:

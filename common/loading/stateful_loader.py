@@ -134,7 +134,8 @@ class StatefulLoader(DataLoader):
             self.num_workers > 0
         ):  # workers start: no thread of this process inside a read ahead at the fork
             settle_reads_ahead()
-        rotate, self._rotate_next = getattr(self, "_rotate_next", 0), 0
+        rotate = getattr(self, "_rotate_next", 0)
+        self._rotate_next = 0
         if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
             return RotatedIter(self, rotate)
         return watched_iterator(
@@ -190,7 +191,8 @@ class StatefulLoader(DataLoader):
         current = self._passes.current
         if current is not None and not current.done:
             current.closed = True
-        iterator, self._iterator = self._iterator, None
+        iterator = self._iterator
+        self._iterator = None
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
 
@@ -233,7 +235,8 @@ class StatefulLoader(DataLoader):
                     else ""
                 )
             )
-        saved, mine = state.get("plan") or {}, self._plan()
+        saved = state.get("plan") or {}
+        mine = self._plan()
         diff = differences(saved, mine)
         if diff:
             raise ValueError(
@@ -288,7 +291,9 @@ os.register_at_fork(after_in_child=_disown_in_child)
 
 def _resumed_iterable(loader: StatefulLoader, current: Pass):
     """An iterator over the rest of an iterable dataset's epoch, after `current.skip` batches."""
-    dataset, skip, state = loader.dataset, current.skip, current.resumed or {}
+    dataset = loader.dataset
+    skip = current.skip
+    state = current.resumed or {}
     states = state.get("dataset_states")
     if states is not None and may_resume_itself(dataset):
         saved = int(state.get("dataset_workers", current.workers))
@@ -316,7 +321,8 @@ def _resumed_iterable(loader: StatefulLoader, current: Pass):
             stacklevel=3,
         )
         return _dropped(DataLoader.__iter__(loader), skip)
-    before, world = current.workers, state.get("world_size")
+    before = current.workers
+    world = state.get("world_size")
     whole = loader.collate_fn if loader.batch_size is not None else None
     if current.reshaped is not None:  # an elastic resume: the epoch's rest dealt over this shape
         rest = dataset.resume_after(
@@ -422,7 +428,8 @@ def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int)
         loader._iterator._shutdown_workers()
         loader._iterator = None
     user_init = loader.worker_init_fn
-    loader.worker_init_fn, loader._rotate_next = StateLoadingInit(user_init, states), first_worker
+    loader.worker_init_fn = StateLoadingInit(user_init, states)
+    loader._rotate_next = first_worker
     try:
         inner = loader._get_iterator()
     finally:

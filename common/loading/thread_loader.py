@@ -129,7 +129,8 @@ class ThreadLoader(StatefulLoader):
             self._whole and "pin_memory" in inspect.signature(dataset.read_batch).parameters
         )
         super().__init__(dataset, num_workers=0, **kwargs)
-        self.threads, self.prefetch = threads, prefetch or 2 * threads
+        self.threads = threads
+        self.prefetch = prefetch or 2 * threads
         self.seed = (
             int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
         )
@@ -207,10 +208,12 @@ class ThreadLoader(StatefulLoader):
         current = self._passes.current
         if current is not None and not current.done:
             current.closed = True
-        ahead, self._ahead = self._ahead, None
+        ahead = self._ahead
+        self._ahead = None
         if ahead is not None:
             ahead.cancel()
-        pool, self._pool = self._pool, None
+        pool = self._pool
+        self._pool = None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -232,7 +235,9 @@ class _Batches:
     between `iter()` and the first batch moves the pass to that epoch)."""
 
     def __init__(self, loader: ThreadLoader, indices, current):
-        self._loader, self._indices, self._pass = loader, indices, current
+        self._loader = loader
+        self._indices = indices
+        self._pass = current
         self._position: int | None = None  # batches of the epoch before the first one read here
         self._pending: collections.deque = collections.deque()
         self._ended = False
@@ -242,7 +247,8 @@ class _Batches:
         self._key = _UNREAD  # the dataset's read_ahead_key as this pass began, read once
         seen = loader._passes_read
         if seen[0] is not current:  # a pass, not a restart of one (RobustLoader)
-            seen[0], seen[1] = current, seen[1] + 1
+            seen[0] = current
+            seen[1] = seen[1] + 1
 
     def _fill(self) -> None:
         loader = self._loader
@@ -347,7 +353,8 @@ def _concat_items(dataset: ConcatDataset, indices: list[int], rng) -> list:
         by_part.setdefault(part, []).append((position, local))
     items: list = [None] * len(indices)
     for part, pairs in by_part.items():
-        source, local = dataset.datasets[part], [i for _, i in pairs]
+        source = dataset.datasets[part]
+        local = [i for _, i in pairs]
         if hasattr(source, "read_items"):
             got = source.read_items(local, rng)
         elif hasattr(source, "__getitems__"):

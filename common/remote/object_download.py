@@ -70,7 +70,8 @@ def pwrite_all(fd: int, data: bytes, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         if written <= 0:
             raise OSError(errno.EIO, f"a write at byte {offset:,} of a download wrote nothing")
-        view, offset = view[written:], offset + written
+        view = view[written:]
+        offset = offset + written
 
 
 def verify_download(url: str, fd: int, size: int | None, sha256: str | None) -> None:
@@ -103,7 +104,8 @@ def file_sha256(path: str | os.PathLike, info: os.stat_result) -> str:
 
 
 def _sha256_of(fd: int) -> str:
-    digest, offset = hashlib.sha256(), 0
+    digest = hashlib.sha256()
+    offset = 0
     while block := os.pread(fd, 1 << 20, offset):
         digest.update(block)
         offset += len(block)

@@ -129,18 +129,14 @@ class PrefetchCache:
                 f"{backoff!r}."
             )
         self.dir = Path(cache_dir)
-        self.max_bytes, self.depth, self.retries, self.backoff = (
-            max_bytes,
-            prefetch,
-            retries,
-            backoff,
-        )
+        self.max_bytes = max_bytes
+        self.depth = prefetch
+        self.retries = retries
+        self.backoff = backoff
         self.storage_options = dict(storage_options or {})
-        self.range_bytes, self.range_connections, self.max_connections = (
-            range_bytes,
-            range_connections,
-            max_connections,
-        )
+        self.range_bytes = range_bytes
+        self.range_connections = range_connections
+        self.max_connections = max_connections
         cache_folder.make_folder(self.dir)
         self._closed = False
         self._parts: dict[int, _ProcessPart] = {}  # by pid: a forked child never uses its parent's

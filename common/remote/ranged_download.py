@@ -132,7 +132,8 @@ class ConcurrencySearch:
     def __init__(
         self, level: torch.Tensor, cap: int, *, search: torch.Tensor | None = None, lock=None
     ):
-        self.level, self.cap = level, cap
+        self.level = level
+        self.cap = cap
         self.search = self.new_search(level, cap) if search is None else search
         if lock is None:
             local = threading.Lock()
@@ -164,7 +165,8 @@ class ConcurrencySearch:
                 self.level.fill_(int(below_level))  # no gain: back down, and stay
                 self.search[2] = 1.0
                 return
-            self.search[0], self.search[1] = float(level), float(rate)
+            self.search[0] = float(level)
+            self.search[1] = float(rate)
             if level >= self.cap:
                 self.search[2] = 1.0
             else:

@@ -81,7 +81,10 @@ class Carried:
     __slots__ = ("batch", "worker", "state", "ended")
 
     def __init__(self, batch, worker: int, state, ended: bool = False):
-        self.batch, self.worker, self.state, self.ended = batch, worker, state, ended
+        self.batch = batch
+        self.worker = worker
+        self.state = state
+        self.ended = ended
 
     def pin_memory(self, *args) -> Carried:  # DataLoader's pin-memory thread pins what it carries
         from torch.utils.data._utils.pin_memory import pin_memory
@@ -110,7 +113,8 @@ class StateLoadingInit:
     iterator's is loaded once `iter(dataset)` made it, `_init_with_state`)."""
 
     def __init__(self, user_init, states: dict[str, Any]):
-        self.user_init, self.states = user_init, states
+        self.user_init = user_init
+        self.states = states
 
     def __call__(self, worker_id: int) -> None:
         global _PENDING
@@ -138,12 +142,15 @@ def _init_with_state(self, dataset, auto_collation, collate_fn, drop_last) -> No
     `DatasetStateCarrier`, `iter(dataset)` waits for the first fetch (`_begin`); the first
     fetcher a resumed worker makes takes its saved iterator state along."""
     global _PENDING
-    pending, _PENDING = _PENDING, None
+    pending = _PENDING
+    _PENDING = None
     if get_worker_info() is None or not isinstance(collate_fn, DatasetStateCarrier):
         _plain_init(self, dataset, auto_collation, collate_fn, drop_last)
         return
     _fetch._BaseDatasetFetcher.__init__(self, dataset, auto_collation, collate_fn, drop_last)
-    self.dataset_iter, self.ended, self._pending = None, False, pending
+    self.dataset_iter = None
+    self.ended = False
+    self._pending = pending
 
 
 def _begin(self, index, worker: int) -> None:

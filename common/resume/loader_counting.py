@@ -36,7 +36,10 @@ class Counting:
         # iterator; `restart`: a weak method of the loader that begins a pass anew, returning
         # (pass, inner iterator): called when the pass is superseded before this handed a batch
         # over (a state loaded, or another epoch set: `Passes.superseded`)
-        self._passes, self._pass, self._inner, self._restart = passes, current, inner, restart
+        self._passes = passes
+        self._pass = current
+        self._inner = inner
+        self._restart = restart
         current.inner = weakref.ref(inner)
 
     def _target(self):
@@ -56,7 +59,8 @@ class Counting:
     def _begin_again(self) -> None:
         """The pass, superseded before a batch was handed over (`Passes.superseded`), begins
         again: the loaded state's, or the epoch `set_epoch` chose (the old read-ahead dropped)."""
-        current, start = self._pass, self._restart() if self._restart is not None else None
+        current = self._pass
+        start = self._restart() if self._restart is not None else None
         if start is None:  # the loader is gone
             return
         old = self._inner
@@ -92,7 +96,8 @@ class Counting:
             if isinstance(
                 batch, Carried
             ):  # a worker's batch (or stream end) with its dataset copy's state
-                target.dataset_states[batch.worker], target.last_worker = batch.state, batch.worker
+                target.dataset_states[batch.worker] = batch.state
+                target.last_worker = batch.worker
                 if batch.ended and batch.batch is None:
                     continue  # the end of a worker's stream: not a batch
                 batch = batch.batch

@@ -150,7 +150,8 @@ class Passes:
     # ---- a pass ------------------------------------------------------------------------
     def start(self, num_workers: int) -> Pass:
         """Begins a pass: the loaded state's, else a fresh epoch."""
-        pending, self.pending = self.pending, None
+        pending = self.pending
+        self.pending = None
         if (
             pending is not None
             and self.holder is not None
@@ -177,7 +178,8 @@ class Passes:
             and self.positioned is not None
             and pending.get("sampler") is not None
         ):
-            skip, length = 0, resumed_length(self.positioned, pending, self.known_length)
+            skip = 0
+            length = resumed_length(self.positioned, pending, self.known_length)
         if (reshaped := self._reshaped(pending)) is not None and self._new_shape(pending):
             # a new shape: the rest is dealt over these ranks and workers (`shard_reshape.py`)
             skip = 0
@@ -217,7 +219,8 @@ class Passes:
         if pending is None or not self.iterable or not getattr(self.dataset, "reshapes", False):
             return None
         earlier = [list(s) for s in pending.get("reshaped") or []]
-        world, nodes = pending.get("world_size"), int(pending.get("nodes", 1))
+        world = pending.get("world_size")
+        nodes = int(pending.get("nodes", 1))
         if world is not None and self._new_shape(pending) and int(pending["batches_yielded"]):
             return earlier + [
                 [
@@ -252,12 +255,10 @@ class Passes:
         state, then captures the one this order is drawn from."""
         if self.holder is not None and self._holder_epoch() != current.epoch:
             # set_epoch between iter() and the first batch (no workers: the order is drawn now)
-            current.epoch, current.resumed, current.skip, current.yielded = (
-                self._holder_epoch(),
-                None,
-                0,
-                0,
-            )
+            current.epoch = self._holder_epoch()
+            current.resumed = None
+            current.skip = 0
+            current.yielded = 0
             current.position = 0
         order = (current.resumed or {}).get("order") or {}
         restore(self.generators, order.get("generators", {}))
@@ -286,7 +287,9 @@ class Passes:
 
     def state(self) -> dict[str, Any]:
         self._warn_blind()
-        pending, current, epoch = self.pending, self.current, self._holder_epoch()
+        pending = self.pending
+        current = self.current
+        epoch = self._holder_epoch()
         if pending is not None:
             if self.holder is None or epoch == pending["epoch"]:
                 return {k: v for k, v in pending.items() if k != "plan"}
@@ -406,7 +409,8 @@ class Passes:
         """An iterable dataset's ranks; a pass that replays other ranks' rests (an elastic
         resume) saves where that replay began and how far it got."""
         resumed = current.resumed or {}
-        old_world, world = resumed.get("world_size"), int(self.dataset.world_size)
+        old_world = resumed.get("world_size")
+        world = int(self.dataset.world_size)
         state["world_size"] = world
         if int(getattr(self.dataset, "nodes", 1)) > 1:  # node-affine: the nodes shape the plan too
             state["nodes"] = int(self.dataset.nodes)

@@ -237,7 +237,8 @@ def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], prefix: str =
     """`key: saved -> mine` for every setting that differs (nested dicts by dotted key)."""
     out = []
     for key in sorted(set(saved) | set(mine)):
-        a, b = saved.get(key), mine.get(key)
+        a = saved.get(key)
+        b = mine.get(key)
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             out += differences(a, b, f"{prefix}{key}.")
         elif a != b:
@@ -271,7 +272,8 @@ class _SamplesPositioned:
     `k` batches are `k x batch_size` samples (every batch mid-epoch is whole)."""
 
     def __init__(self, batch_sampler: BatchSampler):
-        self.batches, self.sampler = batch_sampler, batch_sampler.sampler
+        self.batches = batch_sampler
+        self.sampler = batch_sampler.sampler
 
     def state_dict(self, *, batches_done: int | None = None) -> dict:
         return self.sampler.state_dict(

@@ -30,11 +30,13 @@ class PassSampler:
     skipped (indices only)."""
 
     def __init__(self, inner, passes):  # `loader_passes.Passes`
-        self.inner, self.passes = inner, passes
+        self.inner = inner
+        self.passes = passes
         self.created_for = passes.current  # the pass whose iterator reads this sampler first
 
     def __iter__(self):  # a generator: nothing runs until DataLoader asks for the first index
-        passes, current = self.passes, self.created_for
+        passes = self.passes
+        current = self.created_for
         if passes.iterable:
             yield from self._iterable_indices()
             return
@@ -53,7 +55,8 @@ class PassSampler:
             passes.warn_global(self.inner, drawn)
         skip = current.skip
         while skip and first is not _END:
-            first, skip = next(iterator, _END), skip - 1
+            first = next(iterator, _END)
+            skip = skip - 1
         if first is _END:
             return
         if passes.seed is None or passes.iterable:
@@ -82,7 +85,8 @@ class PassSampler:
     def _iterable_indices(self):
         """An iterable dataset that may resume itself: every index carries the pass's seed, from
         which each worker seeds its generators before `iter(dataset)` (`dataset_state.py`)."""
-        passes, current = self.passes, self.passes.current
+        passes = self.passes
+        current = self.passes.current
         if passes.seed is None or current is None or not passes.self_resuming:
             yield from self.inner
             return
@@ -104,7 +108,8 @@ class PassSampler:
 
     def _waiting_length(self) -> int | None:
         passes = self.passes
-        pending, positioned = passes.pending, passes.positioned
+        pending = passes.pending
+        positioned = passes.positioned
         if (
             pending is None
             or positioned is None

@@ -156,7 +156,9 @@ class LengthBucketSampler(Sampler[list[int]]):
     def _split(self, order: np.ndarray) -> list[np.ndarray]:
         """Greedy batches along ascending lengths: each as long as the limits allow."""
         padded = -(-self.lengths[order] // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        n, start, batches = len(order), 0, []
+        n = len(order)
+        start = 0
+        batches = []
         cap = self.batch_size or n
         while start < n:
             end = min(n, start + cap)

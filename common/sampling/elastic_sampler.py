@@ -106,7 +106,8 @@ class ElasticDistributedSampler(DistributedSampler):
     def deal(self, start: int = 0) -> np.ndarray:
         """This rank's indices of the order's rest from position `start`, padded (or cut) to
         an equal count on every rank."""
-        order, r = self.order(), self.num_replicas
+        order = self.order()
+        r = self.num_replicas
         rest = order[min(start, len(order)) :]
         if self.drop_last:
             rest = rest[: len(rest) - len(rest) % r]
@@ -168,7 +169,8 @@ class ElasticDistributedSampler(DistributedSampler):
         Raises:
             ValueError: a state saved for another dataset size or other settings.
         """
-        saved, mine = state.get("plan") or {}, self.plan_settings()
+        saved = state.get("plan") or {}
+        mine = self.plan_settings()
         differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if differ:
             raise ValueError(
@@ -178,7 +180,8 @@ class ElasticDistributedSampler(DistributedSampler):
                 "and settings (they decide the epoch's order)."
             )
         self.epoch = int(state["epoch"])
-        self._start, self._begin = int(state["samples_done"]), 0
+        self._start = int(state["samples_done"])
+        self._begin = 0
 
     def __repr__(self) -> str:
         return (

@@ -67,18 +67,17 @@ def parse_sources(values, weights, what: str) -> tuple[list[str], list, np.ndarr
                 f"`weights` must name the same sources as `{what}` ({sorted(values)}), but names "
                 f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}."
             )
-        names, weights, values = (
-            [str(k) for k in values],
-            [weights[k] for k in values],
-            list(values.values()),
-        )
+        names = [str(k) for k in values]
+        weights = [weights[k] for k in values]
+        values = list(values.values())
     elif isinstance(weights, Mapping):
         raise ValueError(
             f"`weights` is a mapping but `{what}` is not: give both as mappings from source name, "
             "or both as sequences."
         )
     else:
-        names, values = [str(i) for i in range(len(values))], list(values)
+        names = [str(i) for i in range(len(values))]
+        values = list(values)
     array = np.asarray(weights, dtype=np.float64)
     if not values or array.shape != (len(values),):
         raise ValueError(
@@ -190,8 +189,12 @@ class MixtureSampler:
                     "epoch (a source's size over its weight); give `num_samples` to cap the epoch."
                 )
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
-        self.num_samples, self.stop, self.seed, self.shuffle = num_samples, stop, int(seed), shuffle
-        self.batch_size, self.drop_last = batch_size, drop_last
+        self.num_samples = num_samples
+        self.stop = stop
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.batch_size = batch_size
+        self.drop_last = drop_last
         world, here = distributed_world()
         self.num_replicas = world if num_replicas is None else int(num_replicas)
         self.rank = here if rank is None else int(rank)
@@ -297,7 +300,8 @@ class MixtureSampler:
         """The plan's rest from position `start`, padded with its first indices to a multiple
         of the ranks."""
         plan = self.global_indices(epoch)
-        rest, r = plan[min(start, len(plan)) :], self.num_replicas
+        rest = plan[min(start, len(plan)) :]
+        r = self.num_replicas
         if len(rest) % r and len(plan):
             rest = np.concatenate([rest, plan[np.arange(r - len(rest) % r) % len(plan)]])
         return rest
@@ -327,7 +331,9 @@ class MixtureSampler:
             ].tolist()
             return
         plan = self._batch_plan(self.epoch, self._start)
-        self._begin, self._start, self._yielded = self._start, 0, 0
+        self._begin = self._start
+        self._start = 0
+        self._yielded = 0
         for batch in plan:
             self._yielded += 1
             yield batch.tolist()
@@ -405,7 +411,8 @@ class MixtureSampler:
         Raises:
             ValueError: a state saved under other sources, weights or settings.
         """
-        saved, mine = dict(state.get("plan") or {}), self.plan_settings()
+        saved = dict(state.get("plan") or {})
+        mine = self.plan_settings()
         saved.pop(
             "num_replicas", None
         )  # states of recipes before the index mode resumed elastically
@@ -462,7 +469,8 @@ class MixtureSources(ConcatDataset):
             ) from None
         if not len(wanted):
             return []
-        low, high = int(wanted.min()), int(wanted.max())
+        low = int(wanted.min())
+        high = int(wanted.max())
         if low < -n or high >= n:
             bad = next(int(i) for i in wanted if not -n <= i < n)
             raise IndexError(f"index {bad} is out of range for the {n} samples of these sources.")
@@ -476,7 +484,8 @@ class MixtureSources(ConcatDataset):
         at = 0
         for part, count in enumerate(np.bincount(parts, minlength=len(self.datasets)).tolist()):
             if count:
-                source, ids = self.datasets[part], local[at : at + count]
+                source = self.datasets[part]
+                ids = local[at : at + count]
                 got += (
                     source.__getitems__(ids)
                     if hasattr(source, "__getitems__")

@@ -67,7 +67,8 @@ class MixtureIterable(IterableDataset):
     ):
         self.names, self.datasets, self.weights = parse_sources(datasets, weights, "datasets")
         check_stop(stop, num_samples)
-        self.stop, self.num_samples = stop, check_count("num_samples", num_samples)
+        self.stop = stop
+        self.num_samples = check_count("num_samples", num_samples)
         self.seed = check_count("seed", seed, minimum=0)
         self.world_size = int(getattr(self.datasets[0], "world_size", distributed_world()[0]))
         self.rank = int(getattr(self.datasets[0], "rank", distributed_world()[1]))

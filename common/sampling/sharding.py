@@ -55,7 +55,8 @@ def shard_indices(
         )
     if even:
         per_rank = -(-n // world_size)
-        start, stop = rank * per_rank, (rank + 1) * per_rank
+        start = rank * per_rank
+        stop = (rank + 1) * per_rank
         positions = np.arange(start, stop, dtype=np.int64)
         rank_indices = positions % n if n else positions[:0]
     else:
@@ -69,7 +70,8 @@ def round_robin_position(batches: list[int], done: int) -> tuple[list[int], int]
     """Where DataLoader's round-robin over iterable workers stands after `done` batches, the
     workers having `batches[w]` each (a worker that runs out leaves the round): `(batches each
     worker gave, the worker whose batch comes next)` (worker 0 when the epoch is over)."""
-    skipped, round_ = [0] * len(batches), 0
+    skipped = [0] * len(batches)
+    round_ = 0
     while any(b > round_ for b in batches):
         for w, count in enumerate(batches):
             if count > round_:
@@ -148,23 +150,30 @@ def node_fragments(
     with `even` the last node's padding repeats its own first samples (no shard of another
     node's to download). O(fragments): positions stay runs, never arrays."""
     total = int((fragments[:, 2] - fragments[:, 1]).sum())
-    world, first = nodes * ranks_per_node, node * ranks_per_node
+    world = nodes * ranks_per_node
+    first = node * ranks_per_node
     if not even:
         runs = [
             (_block(total, world, first)[0], _block(total, world, first + ranks_per_node - 1)[1])
         ]
     else:
         per_rank = -(-total // world)
-        lo, hi = first * per_rank, (first + ranks_per_node) * per_rank
+        lo = first * per_rank
+        hi = (first + ranks_per_node) * per_rank
         if lo < total:  # its share, then (the last node) its own first samples again
-            runs, left, own = [(lo, min(hi, total))], hi - min(hi, total), (lo, total)
+            runs = [(lo, min(hi, total))]
+            left = hi - min(hi, total)
+            own = (lo, total)
         else:  # a node wholly past the end (fewer samples than ranks): the order again, from lo
-            runs, left, own = [], hi - lo, (0, total)
+            runs = []
+            left = hi - lo
+            own = (0, total)
         at = own[0] if lo < total else lo % max(total, 1)
         while left > 0 and total:
             take = min(left, own[1] - at)
             runs.append((at, at + take))
-            left, at = left - take, own[0]
+            left = left - take
+            at = own[0]
     lengths = fragments[:, 2] - fragments[:, 1]
     ends = np.cumsum(lengths)
     pieces: list[Piece] = []
@@ -185,13 +194,12 @@ def _run_pieces(
     fragments it spans at once: numpy, not a step per fragment)."""
     if lo >= hi:
         return
-    first, last = (
-        int(np.searchsorted(ends, lo, side="right")),
-        int(np.searchsorted(ends, hi - 1, side="right")),
-    )
+    first = int(np.searchsorted(ends, lo, side="right"))
+    last = int(np.searchsorted(ends, hi - 1, side="right"))
     span = slice(first, last + 1)
     begins = ends[span] - lengths[span]  # each spanned fragment's first position
-    low, high = np.maximum(begins, lo), np.minimum(ends[span], hi)
+    low = np.maximum(begins, lo)
+    high = np.minimum(ends[span], hi)
     keep = high > low
     starts = fragments[span, 1] + (low - begins)
     stops = fragments[span, 1] + (high - begins)
@@ -243,7 +251,8 @@ def shard_pieces(
     for w in range(worker):  # the earlier workers of this rank use their share of the quota first
         a, b = _block(rank_hi - rank_lo, num_workers, w)
         quota -= int(lengths[rank_lo + a : rank_lo + b].sum())
-    out, left = [], max(quota, 0)
+    out = []
+    left = max(quota, 0)
     for shard, _, _ in pieces:
         if left <= 0:
             break

@@ -65,7 +65,8 @@ def check_index(index, path: str) -> None:
         or index.get("version") not in VERSIONS
     ):
         raise ShardIndexError(f"{path} is not a {FORMAT} index of version {VERSIONS}; {rebuild}.")
-    shards, kind = index.get("shards"), index.get("shard_format")
+    shards = index.get("shards")
+    kind = index.get("shard_format")
     if (
         kind not in ("tar", "parquet")
         or not isinstance(shards, list)
@@ -126,7 +127,9 @@ def _ints(values, length: int | None = None) -> bool:
 
 
 def _tar_problem(entry: dict) -> str | None:
-    offsets, n, size = entry.get("offsets"), entry["samples"], entry.get("bytes")
+    offsets = entry.get("offsets")
+    n = entry["samples"]
+    size = entry.get("bytes")
     if not _ints(offsets):
         kind = "offsets that are not all integers" if isinstance(offsets, list) else "no offsets"
         return f"has {kind} (each sample's first tar header, in bytes)"
@@ -142,7 +145,8 @@ def _tar_problem(entry: dict) -> str | None:
         return f"has an offset past its size ({size:,} bytes)"
     if SUMS not in entry and "end" not in entry:
         return None  # a v1 entry (the version check requires them in v2)
-    end, crcs = entry.get("end"), entry.get(SUMS)
+    end = entry.get("end")
+    crcs = entry.get(SUMS)
     if (
         not isinstance(end, int)
         or end < (offsets[-1] + 512 if offsets else 0)
@@ -158,7 +162,8 @@ def _tar_problem(entry: dict) -> str | None:
 
 
 def _parquet_problem(entry: dict, columns) -> str | None:
-    groups, n = entry.get("row_groups"), entry["samples"]
+    groups = entry.get("row_groups")
+    n = entry["samples"]
     if not _ints(groups) or any(g < 0 for g in groups) or sum(groups) != n:
         return f"says {n} samples, but its row groups ({groups!r}) do not add up to it"
     if SUMS not in entry:
@@ -278,7 +283,8 @@ def tar_range_check(
             return
         view = memoryview(data)
         for i in range(start, stop):
-            lo, hi = offsets[i] - begin, (offsets[i + 1] if i + 1 < len(offsets) else end) - begin
+            lo = offsets[i] - begin
+            hi = (offsets[i + 1] if i + 1 < len(offsets) else end) - begin
             if hi > len(view) or xxhash.xxh3_64_intdigest(view[lo:hi]) != crcs[i]:
                 raise ShardFormatError(
                     f"{url}: sample {i} (bytes {offsets[i]:,} to {hi + begin:,}) does not match "
@@ -300,7 +306,8 @@ def check_starts(url: str, wanted: list[int], data: bytes, begin: int, first: in
             starts where the index lists no offset, naming the shard and the byte.
     """
     starts, known = tar_key_starts(data)
-    found, listed = set(starts), set(wanted)
+    found = set(starts)
+    listed = set(wanted)
     for i, at in enumerate(wanted, start=first):
         header = tar_header_at(data, at)
         if header is False or (header and at < known and at not in found):
@@ -322,18 +329,26 @@ def check_starts(url: str, wanted: list[int], data: bytes, begin: int, first: in
 def file_digests(f, bounds: Sequence[int]) -> tuple[int, str, list[int]]:
     """`(size, sha256, xxh3-64 of each [bounds[i], bounds[i+1]))` of the open file `f`, in one
     pass."""
-    sha, crcs, crc, pos, i = hashlib.sha256(), [], xxhash.xxh3_64(), 0, 0
+    sha = hashlib.sha256()
+    crcs = []
+    crc = xxhash.xxh3_64()
+    pos = 0
+    i = 0
     while chunk := f.read(1 << 22):
         sha.update(chunk)
-        view, at = memoryview(chunk), 0
+        view = memoryview(chunk)
+        at = 0
         while i + 1 < len(bounds):
-            lo, hi = max(bounds[i] - pos, at), bounds[i + 1] - pos
+            lo = max(bounds[i] - pos, at)
+            hi = bounds[i + 1] - pos
             if lo < min(hi, len(view)):
                 crc.update(view[lo : min(hi, len(view))])
             if hi > len(view):
                 break
             crcs.append(crc.intdigest())
-            crc, at, i = xxhash.xxh3_64(), hi, i + 1
+            crc = xxhash.xxh3_64()
+            at = hi
+            i = i + 1
         pos += len(chunk)
     return pos, sha.hexdigest(), crcs
 

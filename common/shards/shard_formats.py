@@ -42,7 +42,11 @@ def tar_sample(key: str, fields: list[tuple[str, bytes]]) -> bytes:
     parts = []
     for field, data in fields:
         info = tarfile.TarInfo(f"{key}.{field}")
-        info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o444, 0, 0
+        info.size = len(data)
+        info.mtime = 0
+        info.mode = 0o444
+        info.uid = 0
+        info.gid = 0
         info.uname = info.gname = ""
         parts += (
             info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"),
@@ -152,7 +156,8 @@ def tar_key_starts(data: bytes) -> tuple[list[int], int]:
         found, known = _tarfile_names(data)
     except ShardFormatError:
         known = found[-1][0] + 1 if found else 0
-    starts, last = [], None
+    starts = []
+    last = None
     for at, name in found:
         key = _key_field(name)[0]
         if key is not None and key != last:
@@ -195,7 +200,8 @@ def _members(data: bytes, bodies: bool = True) -> Iterator[tuple[int, str, bytes
     raises `_NotUstar` for extended headers (PAX, GNU long names) and `ShardFormatError` for damage.
     """
     view = memoryview(data)
-    pos, n = 0, len(data)
+    pos = 0
+    n = len(data)
     while pos + _BLOCK <= n:
         header = data[pos : pos + _BLOCK]
         if header[0] == 0 and header.count(0) == _BLOCK:
@@ -250,7 +256,8 @@ def _group(members, path) -> Iterator[tuple[int, dict]]:
             if current is not None:
                 yield first, current
             _check_new_key(key, seen, path)
-            current, first = {"__key__": key}, at
+            current = {"__key__": key}
+            first = at
         if field in current:
             raise _duplicate(path, name)
         current[field] = data
@@ -291,7 +298,11 @@ def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int],
     """
     import fsspec
 
-    offsets, fields, seen, end, last = [], set(), set(), 0, None
+    offsets = []
+    fields = set()
+    seen = set()
+    end = 0
+    last = None
     with fsspec.open(path, "rb", **(storage_options or {})) as raw:
         try:
             tar = tarfile.open(fileobj=raw, mode="r:")
@@ -303,7 +314,8 @@ def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int],
                 if key != last:
                     _check_new_key(key, seen, path)
                     offsets.append(member.offset)
-                    last, fields = key, set()
+                    last = key
+                    fields = set()
                 if field in fields:
                     raise _duplicate(path, member.name)
                 fields.add(field)
@@ -430,10 +442,8 @@ def read_parquet(
                 )
             first = 0
             for group, rows in enumerate(counts):
-                lo, hi = (
-                    max(start, first),
-                    rows + first if stop is None else min(stop, first + rows),
-                )
+                lo = max(start, first)
+                hi = rows + first if stop is None else min(stop, first + rows)
                 if lo < hi:
                     table = file.read_row_group(group, columns=list(columns) if columns else None)
                     if check is not None:

@@ -91,18 +91,24 @@ def mixing_schedule(
     reach = np.minimum(window * piece, START * piece + places)
     keys = places + rng.random(len(sizes)) * reach
     order = np.argsort(keys, kind="stable")
-    shards, starts, stops, sizes = shards[order], starts[order], stops[order], sizes[order]
+    shards = shards[order]
+    starts = starts[order]
+    stops = stops[order]
+    sizes = sizes[order]
     # each group's samples in a uniformly random interleaving: a random key in [0, 1) per sample
     # added to its group's number, one sort (groups follow one another)
     blocks = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
-    groups, noise = blocks // interleave, rng.random(total)
+    groups = blocks // interleave
+    noise = rng.random(total)
     if draws_needed is not None and draws_needed < total:
         cut = (
             int(np.searchsorted(groups, groups[draws_needed - 1], side="right"))
             if draws_needed > 0
             else 0
         )
-        blocks, groups, noise = blocks[:cut], groups[:cut], noise[:cut]
+        blocks = blocks[:cut]
+        groups = groups[:cut]
+        noise = noise[:cut]
     draws = blocks[np.argsort(groups + noise, kind="stable")]
     return Schedule(shards, starts, stops, draws)
 
@@ -110,7 +116,10 @@ def mixing_schedule(
 def _blocks(pieces, block_starts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The pieces cut at their shards' (ascending) block starts; each shard's asked for once (an
     elastic resume's rest holds many small pieces of the same shards)."""
-    shards, starts, stops, known = [], [], [], {}
+    shards = []
+    starts = []
+    stops = []
+    known = {}
     for shard, start, stop in pieces:
         cuts = known.get(shard)
         if cuts is None:
@@ -151,7 +160,8 @@ def mixed_samples(
     the block is first drawn, starting after its samples among the skipped draws.
     `first_need(k)` is called when the draws reach the `k`-th shard of `need_order` (to download
     the next ones)."""
-    done, draws = skip_counts(schedule, skip), schedule.draws[skip:]
+    done = skip_counts(schedule, skip)
+    draws = schedule.draws[skip:]
     rank = (
         {s: k for k, s in enumerate(need_order(schedule, skip))} if first_need is not None else {}
     )
@@ -190,7 +200,8 @@ def shuffled_samples(
 
 class _Permuted:
     def __init__(self, samples, order: np.ndarray):
-        self.samples, self.order = samples, order
+        self.samples = samples
+        self.order = order
 
     def __len__(self) -> int:
         return len(self.order)
@@ -203,7 +214,9 @@ class _Permuted:
 
 
 def _buffered(samples, rng, buffer_bytes: int):
-    held, sizes, total = [], [], 0
+    held = []
+    sizes = []
+    total = 0
     for sample in samples:
         held.append(sample)
         sizes.append(_sample_bytes(sample))

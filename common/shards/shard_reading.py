@@ -52,7 +52,8 @@ class ShardReading:
                     skip -= length
                     continue
                 if length is not None:
-                    start, skip = start + skip, 0
+                    start = start + skip
+                    skip = 0
             if self.cache is not None:  # the next shards, then the next epoch's first ones
                 self.cache.prefetch(
                     self.shards[s] for s, _, _ in after[k + 1 : k + 1 + self.cache.depth]
@@ -203,7 +204,8 @@ class _Pins:
         sharing = (1 if info is None else info.num_workers) * int(
             os.environ.get("LOCAL_WORLD_SIZE", "1") or 1
         )
-        self.reading, self.budget = reading, reading.cache.max_bytes // (4 * max(1, sharing))
+        self.reading = reading
+        self.budget = reading.cache.max_bytes // (4 * max(1, sharing))
         blocks = np.unique(schedule.draws[skip:])
         shards, counts = np.unique(schedule.shards[blocks], return_counts=True)
         self.left = dict(

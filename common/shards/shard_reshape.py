@@ -43,7 +43,9 @@ def consumer_ranges(
             schedule.starts,
             schedule.starts + skip_counts(schedule, skip),
         )
-    shards, starts, stops = [], [], []
+    shards = []
+    starts = []
+    stops = []
     for shard, start, stop in pieces:
         if skip <= 0:
             break
@@ -79,7 +81,8 @@ def rest_fragments(
     place = np.empty(len(order), dtype=np.int64)
     place[np.asarray(order, dtype=np.int64)] = np.arange(len(order))
     ordered = np.lexsort((rest, place[shard], owner[rest]))
-    rest, shard = rest[ordered], shard[ordered]
+    rest = rest[ordered]
+    shard = shard[ordered]
     local = rest - offsets[shard]
     first = np.ones(len(rest), dtype=bool)  # where a run of consecutive samples of one shard begins
     first[1:] = (shard[1:] != shard[:-1]) | (local[1:] != local[:-1] + 1)

@@ -71,7 +71,8 @@ class ShardSet:
     """
 
     def __init__(self, url: str, index: dict, storage_options: dict | None = None):
-        self.url, self.storage_options = url.rstrip("/"), storage_options
+        self.url = url.rstrip("/")
+        self.storage_options = storage_options
         self.format = index["shard_format"]
         self.entries = index["shards"]
         self.urls = [f"{self.url}/{e['name']}" for e in self.entries]
@@ -155,7 +156,8 @@ class ShardSet:
             check_local_shard(
                 str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified
             )
-        url, crcs = self.urls[shard], None if self.checksums is None else self.checksums[shard]
+        url = self.urls[shard]
+        crcs = None if self.checksums is None else self.checksums[shard]
         if self.format == "tar":
             offsets = entry.get("offsets")
             check = (
@@ -247,7 +249,8 @@ class _Blocks:
     a URL, runs of about `STREAM_BLOCK_BYTES` (one ranged request each) from the offsets."""
 
     def __init__(self, shards: ShardSet, streamed: bool):
-        self.shards, self.streamed = shards, streamed
+        self.shards = shards
+        self.streamed = streamed
         # for the loader state's settings
         self.name = f"{shards.format}-{'streamed' if streamed else 'local'}"
 
@@ -268,7 +271,10 @@ class _ShardReader:
     its cached copy's path, reads the range through the index."""
 
     def __init__(self, shards: ShardSet, cache, decode: bool, columns, transform):
-        self.shards, self.decode, self.columns, self.transform = shards, decode, columns, transform
+        self.shards = shards
+        self.decode = decode
+        self.columns = columns
+        self.transform = transform
         self.by_path = {url: i for i, url in enumerate(shards.urls)}
         if cache is not None:
             self.by_path.update({str(cache.path_for(url)): i for i, url in enumerate(shards.urls)})

@@ -151,7 +151,9 @@ class _Writer:
     def __init__(self, url: str, format: str, shard_bytes: int, storage_options: dict | None):
         import fsspec
 
-        self.url, self.format, self.shard_bytes = url.rstrip("/"), format, shard_bytes
+        self.url = url.rstrip("/")
+        self.format = format
+        self.shard_bytes = shard_bytes
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.local = "file" in _protocols(self.fs)
         self.schema = None
@@ -196,14 +198,17 @@ class _Writer:
     def write_stream(self, samples: Iterable[dict], progress: bool) -> list[dict]:
         from tqdm import tqdm
 
-        entries, pending, size = [], [], 0
+        entries = []
+        pending = []
+        size = 0
         total = len(samples) if hasattr(samples, "__len__") else None
         with tqdm(total=total, disable=not progress, desc="writing shards", unit="sample") as bar:
             for position, sample in enumerate(samples):
                 encoded, nbytes, key = self.encode(sample, position)
                 if pending and size + nbytes > self.shard_bytes:
                     entries.append(self.write_shard(len(entries), pending))
-                    pending, size = [], 0
+                    pending = []
+                    size = 0
                 pending.append((key, encoded))
                 size += nbytes
                 bar.update(1)
@@ -230,7 +235,8 @@ class _Writer:
             total=n, disable=not progress or rank != 0, desc="writing shards", unit="sample"
         ) as bar:
             for s in range(rank, len(bounds) - 1, world):
-                lo, hi = int(bounds[s]), int(bounds[s + 1])
+                lo = int(bounds[s])
+                hi = int(bounds[s + 1])
                 pending = [
                     (key, encoded)
                     for encoded, _, key in (self.encode(samples[i], i) for i in range(lo, hi))
@@ -258,7 +264,8 @@ class _Writer:
             )
             members = b"".join(blob for _, blob in pending)
             data = members + tar_end(len(members))
-            entry["offsets"], entry["end"] = [int(o) for o in offsets], len(members)
+            entry["offsets"] = [int(o) for o in offsets]
+            entry["end"] = len(members)
             entry[SUMS] = [xxhash.xxh3_64_intdigest(blob) for _, blob in pending]
         else:
             self.schema = (
@@ -266,7 +273,8 @@ class _Writer:
             )  # an empty write
             data = parquet_shard([row for _, row in pending], self.schema)
             entry["row_groups"], entry[SUMS], _ = parquet_digests(data)
-        entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+        entry["bytes"] = len(data)
+        entry["sha256"] = hashlib.sha256(data).hexdigest()
         self.publish(name, data)
         return entry
 
@@ -326,7 +334,8 @@ class _Writer:
 
 def _boundaries(sizes: np.ndarray, limit: int) -> list[int]:
     """Shard starts (and the end): a shard closes before the sample that would pass `limit`."""
-    bounds, size = [0], 0
+    bounds = [0]
+    size = 0
     for i, nbytes in enumerate(sizes.tolist()):
         if i > bounds[-1] and size + nbytes > limit:
             bounds.append(i)

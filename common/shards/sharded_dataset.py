@@ -112,7 +112,8 @@ class ShardedIterableDataset(IterableDataset):
             raise ValueError(
                 f"`blocks` must be a positive int or a callable, but is {blocks!r} instead."
             )
-        self.shuffle_window, self.blocks = shuffle_window, blocks
+        self.shuffle_window = shuffle_window
+        self.blocks = blocks
         if split not in ("auto", "samples"):
             raise ValueError(f"`split` must be 'auto' or 'samples', but is {split!r} instead.")
         if split == "samples" and shard_lengths is None:
@@ -147,7 +148,10 @@ class ShardedIterableDataset(IterableDataset):
                 "even=True under DDP needs `shard_lengths` to give every rank the same number of "
                 "samples; pass shard_lengths= (or even=False if your loop tolerates uneven ranks)."
             )
-        self.shuffle, self.seed, self.even, self.cache = shuffle, seed, even, cache
+        self.shuffle = shuffle
+        self.seed = seed
+        self.even = even
+        self.cache = cache
         # node-affine with a cache (one per node): the nodes of torchrun's LOCAL_WORLD_SIZE ranks
         # each
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -399,10 +403,13 @@ class ShardedIterableDataset(IterableDataset):
         """What no consumer received in the epoch's earlier `segments` (`resume_after`)."""
         rest = None
         for generation, (world, workers, batches, *nodes) in enumerate(segments):
-            consumers, workers = [], max(1, int(workers))
+            consumers = []
+            workers = max(1, int(workers))
             for rank in range(int(world)):
                 former = copy.copy(self)
-                former.rank, former.world_size, former._resume_world = rank, int(world), int(world)
+                former.rank = rank
+                former.world_size = int(world)
+                former._resume_world = int(world)
                 former.nodes = int(nodes[0]) if nodes else 1
                 former._rest = None if rest is None else (epoch, generation, rest)
                 former._resume = (int(batches), batch_size, bool(drop_last), workers, False)
@@ -445,7 +452,8 @@ class ShardedIterableDataset(IterableDataset):
         ):  # other ranks than the interrupted epoch: replay their rests
             for old_rank in range(self.rank, old_world, self.world_size):
                 former = copy.copy(self)
-                former.rank, former.world_size = old_rank, old_world
+                former.rank = old_rank
+                former.world_size = old_world
                 yield from former._interleaved(epoch, *former._resume_position(epoch))
             return
         skips, first = self._resume_position(epoch)

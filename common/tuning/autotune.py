@@ -287,7 +287,9 @@ def _trial(
         if sample is not None and not sample:
             sample.append(first)
         del first
-        samples, wait, start = 0, 0.0, time.perf_counter()
+        samples = 0
+        wait = 0.0
+        start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             asked = time.perf_counter()
             batch = next(batches)
@@ -318,7 +320,8 @@ def _step_alone(stepper, batch, seconds: float) -> float:
     loop nothing would keep (a loader in the loop's process slows the step itself when both
     need the GIL, which its data wait does not show)."""
     stepper(batch)  # a first call's one-off costs (allocations, a compile) are not the step's rate
-    steps, start = 0, time.perf_counter()
+    steps = 0
+    start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds or steps < 3:
         stepper(batch)
         steps += 1

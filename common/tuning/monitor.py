@@ -76,8 +76,10 @@ class LoaderMonitor:
             if not value > 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
         self.loader = loader
-        self.warn_batch_seconds, self.warn_memory_growth = warn_batch_seconds, warn_memory_growth
-        self.warn_wait_fraction, self.sample_seconds = warn_wait_fraction, sample_seconds
+        self.warn_batch_seconds = warn_batch_seconds
+        self.warn_memory_growth = warn_memory_growth
+        self.warn_wait_fraction = warn_wait_fraction
+        self.sample_seconds = sample_seconds
         self.warn_first_batch_seconds = warn_first_batch_seconds
         self.epochs: list[dict[str, Any]] = []
         self.timeline = StepTimeline()  # per step: data wait and compute, bounded (monitor_plot.py)
@@ -119,7 +121,8 @@ class LoaderMonitor:
                     epoch.last_sample = got
                     self._sample(epoch, iterator)
                     if epoch.batches == 1:
-                        epoch.first_batch_s, epoch.first_items = got - begin, epoch.samples
+                        epoch.first_batch_s = got - begin
+                        epoch.first_items = epoch.samples
                 handed_back = time.perf_counter()  # the step runs from here to the next ask
                 yield batch
         finally:  # also when the loop breaks out early (GeneratorExit) or a worker dies
@@ -451,7 +454,8 @@ def _growth(previous: dict | None, row: dict) -> float | None:
         return None
     growths = [0.0]
     for key in ("main_rss_bytes", "workers_uss_bytes"):
-        before, now = previous.get(key), row.get(key)
+        before = previous.get(key)
+        now = row.get(key)
         if before and now and now - before >= MIN_GROWTH_BYTES:
             growths.append(now / before - 1.0)
     return max(growths)

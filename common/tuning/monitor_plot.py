@@ -106,7 +106,8 @@ class StepTimeline:
         self.start[:half] = self.start[0::2]
         for values in (self.wait, self.compute):
             values[:half] = values[0::2] + values[1::2]
-        self.rows, self.stride = half, self.stride * 2
+        self.rows = half
+        self.stride = self.stride * 2
         self._in_row = self.stride  # the merged last row is full: the next step starts a row
 
     def data(self) -> TimelineData:
@@ -206,7 +207,8 @@ def plot_timeline(
         busy_line = np.column_stack([busy, np.full_like(busy, np.nan)]).ravel()
     else:
         xs = np.append(first_step, data.steps.sum())
-        compute_ms, wait_ms = np.append(data.compute_s, 0) * 1e3, np.append(data.wait_s, 0) * 1e3
+        compute_ms = np.append(data.compute_s, 0) * 1e3
+        wait_ms = np.append(data.wait_s, 0) * 1e3
         busy_line = np.append(busy, busy[-1])
     fig, (top, bottom) = plt.subplots(
         2, 1, sharex=True, figsize=(10, 5.5), height_ratios=[3, 1], layout="constrained"

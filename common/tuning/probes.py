@@ -54,7 +54,8 @@ def gpu_reading() -> tuple[float, int] | None:
             pynvml.nvmlInit()
             _NVML["module"] = pynvml
             _NVML["handle"] = pynvml.nvmlDeviceGetHandleByIndex(_device_index())
-        nvml, handle = _NVML["module"], _NVML["handle"]
+        nvml = _NVML["module"]
+        handle = _NVML["handle"]
         util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
         memory = nvml.nvmlDeviceGetMemoryInfo(handle).used
         return float(util), int(memory)
@@ -76,7 +77,8 @@ def prefetch_caches(loader) -> list:
     and those of a wrapped `.dataset`, as `Subset` has)."""
     from recipes.common.remote.prefetch_cache import PrefetchCache
 
-    found, seen = [], set()
+    found = []
+    seen = set()
     dataset = getattr(loader, "dataset", None)
     for holder in (dataset, getattr(dataset, "dataset", None)):
         if holder is None:

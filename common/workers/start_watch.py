@@ -47,7 +47,8 @@ class _Started:
     """The loader's `worker_init_fn`, after raising worker `worker_id`'s flag."""
 
     def __init__(self, flags: mmap.mmap, init_fn):
-        self.flags, self.init_fn = flags, init_fn
+        self.flags = flags
+        self.init_fn = init_fn
 
     def __call__(self, worker_id: int) -> None:
         self.flags[worker_id] = 1
@@ -74,11 +75,9 @@ def watched_iterator(loader, build):
     fork replaced before the iterator is returned. `loader`'s settings as they were after."""
     if not StartWatch.applies(loader):
         return build()
-    watch, init_fn, context = (
-        StartWatch(loader.num_workers),
-        loader.worker_init_fn,
-        loader.multiprocessing_context,
-    )
+    watch = StartWatch(loader.num_workers)
+    init_fn = loader.worker_init_fn
+    context = loader.multiprocessing_context
     loader.worker_init_fn, loader.multiprocessing_context = (
         _Started(watch.flags, init_fn),
         _WatchedFork(),
@@ -86,7 +85,8 @@ def watched_iterator(loader, build):
     try:
         iterator = build()
     finally:
-        loader.worker_init_fn, loader.multiprocessing_context = init_fn, context
+        loader.worker_init_fn = init_fn
+        loader.multiprocessing_context = context
     watch.settle(iterator)
     return iterator
 
@@ -114,7 +114,8 @@ class StartWatch:
         if not workers:
             return 0
         seconds = START_SECONDS if seconds is None else seconds
-        deadline, replaced = time.monotonic() + seconds, 0
+        deadline = time.monotonic() + seconds
+        replaced = 0
         while True:
             silent = [i for i, w in enumerate(workers) if not self.flags[i] and w.exitcode is None]
             if not silent:  # a worker that died is DataLoader's to report

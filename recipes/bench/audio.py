@@ -40,7 +40,8 @@ class WholeFileWindows:
     """The naive baseline: load the whole file with soundfile, slice the window, featurise."""
 
     def __init__(self, index, features):
-        self.index, self.features = index, features
+        self.index = index
+        self.features = features
 
     def __len__(self) -> int:
         return len(self.index)
@@ -50,7 +51,9 @@ class WholeFileWindows:
         import torch
 
         ds = self.index
-        f, start, frames = int(ds.item_file[i]), int(ds.item_start[i]), int(ds.item_frames[i])
+        f = int(ds.item_file[i])
+        start = int(ds.item_start[i])
+        frames = int(ds.item_frames[i])
         data, _ = sf.read(ds.files[f], dtype="float32", always_2d=True)  # the whole recording
         window = torch.from_numpy(data[start : start + frames].T.copy())
         chunk = round(ds.chunk_seconds * ds.sample_rate)
@@ -62,7 +65,8 @@ class OnTheFly:
     """Chunked reading with features computed per item."""
 
     def __init__(self, dataset, features):
-        self.dataset, self.features = dataset, features
+        self.dataset = dataset
+        self.features = features
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -187,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
 
     plot = getattr(args, "plot", None)
     if args.data is not None:
-        folder, short, long = args.data, None, None
+        folder = args.data
+        short = None
+        long = None
     else:
         folder, short, long = ensure_data()
     workers = smart_num_workers() if args.workers is None else args.workers
@@ -215,10 +221,8 @@ def run(args: argparse.Namespace) -> int:
             "(MiB) |"
         )
         print("|---|---:|---:|")
-        one, thirty = (
-            memory_per_item(short, args.chunk_seconds),
-            memory_per_item(long, args.chunk_seconds),
-        )
+        one = memory_per_item(short, args.chunk_seconds)
+        thirty = memory_per_item(long, args.chunk_seconds)
         names = {"baseline": "whole file (baseline)", "chunked": "ChunkedAudioDataset"}
         for key, name in names.items():
             print(f"| {name} | {one[key] / 2**20:,.1f} | {thirty[key] / 2**20:,.1f} |")
@@ -307,7 +311,8 @@ def _audio_step(name: str, device):
     widths = {"cnn": (64, 128, 256), "tiny": (8, 16, 32)}
     if name not in widths:
         raise ValueError(f"`--model` for audio must be cnn or tiny, but is {name!r} instead.")
-    layers, channels = [], 1
+    layers = []
+    channels = 1
     for width in widths[name]:
         layers += [
             torch.nn.Conv2d(channels, width, 3, stride=2, padding=1),

@@ -56,10 +56,8 @@ def train_setup(args, device):
     )
 
     def padded_to_device(b):
-        ids, real = (
-            b["input_ids"].to(device, non_blocking=True),
-            b["attention_mask"].to(device, non_blocking=True),
-        )
+        ids = b["input_ids"].to(device, non_blocking=True)
+        real = b["attention_mask"].to(device, non_blocking=True)
         t = ids.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         return {
@@ -111,13 +109,16 @@ def _lm_step(name: str, vocab: int, max_len: int, device):
     import torch.nn.functional as F
 
     size = _SIZES[name]
-    dim, heads = size["dim"], size["heads"]
+    dim = size["dim"]
+    heads = size["heads"]
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-            self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+            self.norm1 = torch.nn.LayerNorm(dim)
+            self.norm2 = torch.nn.LayerNorm(dim)
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.out = torch.nn.Linear(dim, dim)
             self.mlp = torch.nn.Sequential(
                 torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
             )
@@ -137,7 +138,8 @@ def _lm_step(name: str, vocab: int, max_len: int, device):
     class Decoder(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(max_len, dim)
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.pos = torch.nn.Embedding(max_len, dim)
             self.blocks = torch.nn.ModuleList(Block() for _ in range(size["layers"]))
             self.head = torch.nn.Linear(dim, vocab)
 

@@ -63,7 +63,9 @@ class _Tokenizing:
     """The baseline: tokenize each text in `__getitem__`."""
 
     def __init__(self, texts, tokenizer, max_length):
-        self.texts, self.tokenizer, self.max_length = texts, tokenizer, max_length
+        self.texts = texts
+        self.tokenizer = tokenizer
+        self.max_length = max_length
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -356,7 +358,8 @@ def _mlm_step(name: str, vocab: int, mask_id: int, device):
     autocast = device.type == "cuda"
 
     def step(batch):
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        ids = batch["input_ids"]
+        mask = batch["attention_mask"]
         chosen = (
             torch.rand(ids.shape, device=ids.device, generator=generator) < 0.15
         ) & mask.bool()

@@ -117,7 +117,9 @@ class _Epoch:
     """One epoch of `dataset` through a fresh DataLoader, timed from `set_epoch` on."""
 
     def __init__(self, dataset, epoch: int, workers: int):
-        self.dataset, self.epoch, self.workers = dataset, epoch, workers
+        self.dataset = dataset
+        self.epoch = epoch
+        self.workers = workers
 
     def __iter__(self):
         from torch.utils.data import DataLoader

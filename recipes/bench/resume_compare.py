@@ -29,7 +29,10 @@ from typing import Literal
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler
 
-N, BATCH, TAKEN, SEED = 48, 4, 5, 0
+N = 48
+BATCH = 4
+TAKEN = 5
+SEED = 0
 LOADERS = ("recipes", "torchdata")
 NAMES = {"recipes": "recipes make_loader", "torchdata": "torchdata StatefulDataLoader"}
 
@@ -178,7 +181,8 @@ def _compare(received, reference, outcome: Outcome) -> None:
     for epoch, (got, want) in enumerate(zip(received, reference, strict=True)):
         have = Counter(i for batch in got for i in batch)
         need = Counter(i for batch in want for i in batch)
-        repeated, lost = sum((have - need).values()), sum((need - have).values())
+        repeated = sum((have - need).values())
+        lost = sum((need - have).values())
         outcome.repeated += repeated
         outcome.lost += lost
         if got != want:
@@ -200,7 +204,8 @@ def _describe(error: BaseException) -> str:
 
 def run_situation(loader: str, key: str) -> Outcome:
     """One loader ("recipes" or "torchdata") in one situation (a key of `SITUATIONS`)."""
-    situation, outcome = SITUATIONS[key], Outcome()
+    situation = SITUATIONS[key]
+    outcome = Outcome()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

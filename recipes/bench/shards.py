@@ -66,7 +66,8 @@ def write_rows(
 
     samples = image_folder_samples(root)
     n = len(samples)
-    rows, notes = [], []
+    rows = []
+    notes = []
     best = {"ours": 0.0, "wds": 0.0}
     wds = None
     if _have("webdataset"):
@@ -131,7 +132,8 @@ class _Epochs:
     one."""
 
     def __init__(self, make, epoch: int = 0):
-        self.make, self.epoch = make, epoch
+        self.make = make
+        self.epoch = epoch
 
     def __iter__(self):
         loader = self.make()

@@ -189,7 +189,9 @@ class _DecodeOnly:
     "limit"); yields one range per batch as its decodes finish."""
 
     def __init__(self, dataset, batch_size: int, threads: int):
-        self.dataset, self.batch_size, self.threads = dataset, batch_size, threads
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.threads = threads
 
     def _decode(self, index: int) -> int:
         from recipes.vision.decoding.crop import eval_box
@@ -225,7 +227,8 @@ class _EmptyBatches:
     memory): the hand-over alone, no reading. Map-style, one batch per index."""
 
     def __init__(self, n: int, batch_size: int, h: int, w: int):
-        self.count, self.shape = max(1, n // batch_size), (batch_size, 3, h, w)
+        self.count = max(1, n // batch_size)
+        self.shape = (batch_size, 3, h, w)
 
     def __len__(self) -> int:
         return self.count
@@ -266,7 +269,8 @@ def cost_breakdown(eval_ds, train_ds, batch_size: int, images: int = 400) -> str
     try:
         n = min(images, len(eval_ds))
         h, w = eval_ds.resolution
-        view, cache = eval_ds.eval_view, train_ds.cache
+        view = eval_ds.eval_view
+        cache = train_ds.cache
         out = np.empty((h, w, 3), np.uint8)
         batch = new_uint8_batch(1, 3, h, w)
         scratch = np.empty(cache.max_side * cache.max_side * 3, np.uint8)

@@ -116,7 +116,8 @@ class _Reiterable:
     """`wrap(loader)` as an iterable that can be iterated more than once."""
 
     def __init__(self, loader, wrap):
-        self.loader, self.wrap = loader, wrap
+        self.loader = loader
+        self.wrap = wrap
 
     def __iter__(self):
         return self.wrap(self.loader)

@@ -99,9 +99,15 @@ class DeviceCropLoader:
                 "DeviceCropLoader: device='cuda' but CUDA is not available here; pass "
                 "device='cpu' (crops on the CPU) or use make_loader for CPU training."
             )
-        self.dataset, self.batch_size, self.sampler = dataset, batch_size, sampler
-        self.shuffle, self.seed, self.drop_last, self.dtype = shuffle, seed, drop_last, dtype
-        self.threads, self.epoch = threads, 0
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = sampler
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.dtype = dtype
+        self.threads = threads
+        self.epoch = 0
         std = torch.tensor(self.STD, dtype=torch.float32)
         self._scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1).to(self.device)
         self._shift = (
@@ -160,7 +166,8 @@ class DeviceCropLoader:
         rng = np.random.default_rng([self.seed, self.epoch, k])
         view = self._view()
         if view is not None:  # each slot holds its eval-view row: the identity box, resampled 1:1
-            boxes, flips = np.tile([0, 0, *view.size], (n, 1)), np.zeros(n, bool)
+            boxes = np.tile([0, 0, *view.size], (n, 1))
+            flips = np.zeros(n, bool)
         else:
             boxes, flips = self.boxes(self.dataset.cache.shapes[indices], rng)
         out = crop_resize(images, boxes, self.dataset.resolution, flips)

@@ -88,7 +88,8 @@ def eval_image(decoded: np.ndarray, size: tuple[int, int], crop_pct: float):
     uint8 image: uint8 `[3, h, w]`, channels-last in memory."""
     new_h, new_w = _resized(decoded.shape[0], decoded.shape[1], resize_side(size, crop_pct))
     resized = resize_uint8(decoded, (new_h, new_w))
-    top, left = int(round((new_h - size[0]) / 2.0)), int(round((new_w - size[1]) / 2.0))
+    top = int(round((new_h - size[0]) / 2.0))
+    left = int(round((new_w - size[1]) / 2.0))
     return resized[:, top : top + size[0], left : left + size[1]]
 
 
@@ -127,7 +128,10 @@ class EvalView:
         error: type[Exception],
         checks: ItemChecks,
     ):
-        self.path, self.size, self.count, self.checks = folder / f"{name}.bin", size, count, checks
+        self.path = folder / f"{name}.bin"
+        self.size = size
+        self.count = count
+        self.checks = checks
         self._rows = LazyMap(
             self.path, np.uint8, (count, size[0], size[1], 3), mode="c", error=error
         )
@@ -237,7 +241,8 @@ def build_eval_view(
     receives the parts written elsewhere (`build_ranks.py`), and each folder's leader joins and
     commits them there. Collective over `ranks`."""
     ranks = ranks or BuildRanks.alone()
-    size, count = dataset.resolution, len(dataset)
+    size = dataset.resolution
+    count = len(dataset)
     name = view_name(size, dataset.CROP_PCT)
     parts = None
     if ranks.leader:
@@ -278,7 +283,9 @@ def _decode_block(
     loader = build_loader(
         _EvalItems(dataset, block), num_workers=num_workers, batch_size=16, collate_fn=list
     )
-    hash_, sums, done = hasher(checksum), np.zeros(len(block), "<u8"), 0
+    hash_ = hasher(checksum)
+    sums = np.zeros(len(block), "<u8")
+    done = 0
     with (
         open(parts / f"data.part{ranks.rank}", "wb") as out,
         tqdm(total=count, disable=not progress, desc="eval view", unit="img") as bar,
@@ -287,7 +294,8 @@ def _decode_block(
             for image in images:
                 row = np.ascontiguousarray(image.permute(1, 2, 0).numpy())
                 out.write(row.tobytes())
-                sums[done], done = hash_(row), done + 1
+                sums[done] = hash_(row)
+                done = done + 1
             bar.update(len(images) * ranks.world)
         out.flush()
         os.fsync(out.fileno())
@@ -304,9 +312,11 @@ def _commit(
     error: type[Exception],
 ) -> None:
     """A leader: every rank's parts joined into the view's files, then committed in `folder`."""
-    size, count = dataset.resolution, len(dataset)
+    size = dataset.resolution
+    count = len(dataset)
     name = view_name(size, dataset.CROP_PCT)
-    data, sums = parts / "data", parts / "sums"
+    data = parts / "data"
+    sums = parts / "sums"
     for kind, joined in (("data", data), ("sums", sums)):
         os.replace(parts / f"{kind}.part0", joined)
         with open(joined, "ab") as out:
@@ -434,7 +444,8 @@ def _copy_view(
 
 class _EvalItems:
     def __init__(self, dataset: CacheSource, block: range):
-        self.dataset, self.block = dataset, block
+        self.dataset = dataset
+        self.block = block
 
     def __len__(self) -> int:
         return len(self.block)

@@ -78,11 +78,14 @@ class ImageCache:
         sums: np.ndarray,
         verify: VerifyMode = "first_read",
     ):
-        self.path, self.header = Path(path), header
-        self.count, self.max_side = int(header["count"]), int(header["max_side"])
+        self.path = Path(path)
+        self.header = header
+        self.count = int(header["count"])
+        self.max_side = int(header["max_side"])
         self.fingerprint: str = header["fingerprint"]
         self.skipped: tuple[int, ...] = tuple(header["skipped"])
-        self.shapes, self.offsets = shapes, offsets
+        self.shapes = shapes
+        self.offsets = offsets
         self.labels = labels  # `int64 [N]`, checked against its checksum on open
         # images.bin truncated or replaced after this open: ImageCacheError where it is mapped next
         self._images = LazyMap(
@@ -131,7 +134,8 @@ class ImageCache:
             f"{path}/header.json has invalid fields; rebuild it with {_BUILD_HINT}."
         )
         try:
-            count, max_side = int(header["count"]), int(header["max_side"])
+            count = int(header["count"])
+            max_side = int(header["max_side"])
             skipped = [int(i) for i in header["skipped"]]
         except (TypeError, ValueError):
             raise invalid from None
@@ -144,12 +148,11 @@ class ImageCache:
         read = functools.partial(
             read_checked, path, header=header, error=ImageCacheError, hint=_BUILD_HINT
         )
-        shapes, offsets = read("shapes.bin", "<i4").reshape(count, 2), read("offsets.bin", "<i8")
-        sums, labels, _ = (
-            read("checksums.bin", "<u8"),
-            read("labels.bin", "<i8"),
-            read("files.npy", np.uint8),
-        )
+        shapes = read("shapes.bin", "<i4").reshape(count, 2)
+        offsets = read("offsets.bin", "<i8")
+        sums = read("checksums.bin", "<u8")
+        labels = read("labels.bin", "<i8")
+        _ = read("files.npy", np.uint8)
         expected = np.concatenate(
             ([0], np.cumsum(shapes[:, 0].astype(np.int64) * shapes[:, 1] * 3))
         )

@@ -261,7 +261,8 @@ class _CacheItems:
     """Items `(index, [h, w, 3] array, target, skipped)` of `block`, for the cache build."""
 
     def __init__(self, dataset: CacheSource, block: range):
-        self.dataset, self.block = dataset, block
+        self.dataset = dataset
+        self.block = block
 
     def __len__(self) -> int:
         return len(self.block)
@@ -277,7 +278,8 @@ def _decode_part(dataset, build: FolderBuild, num_workers: int | None, progress:
     from tqdm import tqdm
 
     block = build.block(len(dataset))
-    shapes, labels = np.zeros((len(block), 2), np.int64), np.zeros(len(block), np.int64)
+    shapes = np.zeros((len(block), 2), np.int64)
+    labels = np.zeros(len(block), np.int64)
     sums = np.zeros(len(block), "<u8")
     skipped: list[int] = []
     loader = build_loader(

@@ -34,7 +34,9 @@ def stat_files(
     import os
 
     digest = hashlib.sha256(settings.encode())
-    rels, sizes, mtimes = [], [], []
+    rels = []
+    sizes = []
+    mtimes = []
     for path, target in zip(paths, targets.tolist(), strict=True):
         st = os.stat(path)
         rel = os.path.relpath(path, root)
@@ -60,7 +62,8 @@ def make_file_table(rel_paths: list[str], sizes: list[int], mtimes: list[int]) -
         )
         for p in rel_paths
     ]
-    table["size"], table["mtime"] = sizes, mtimes
+    table["size"] = sizes
+    table["mtime"] = mtimes
     return table
 
 
@@ -122,7 +125,8 @@ def describe_change(old_cache: Path, rel_paths: list[str], table: np.ndarray) ->
         int(h): (int(s), int(m))
         for h, s, m in zip(old["path"], old["size"], old["mtime"], strict=True)
     }
-    added, changed = [], []
+    added = []
+    changed = []
     for rel, (h, s, m) in zip(rel_paths, table.tolist(), strict=True):
         if h not in before:
             added.append(rel)

@@ -69,7 +69,8 @@ def eval_box(height: int, width: int, size: tuple[int, int], crop_pct: float = C
     """
     side = resize_side(size, crop_pct)
     new_h, new_w = _resized(height, width, side)
-    sy, sx = height / new_h, width / new_w
+    sy = height / new_h
+    sx = width / new_w
     top = int(round((new_h - size[0]) / 2.0))
     left = int(round((new_w - size[1]) / 2.0))
     return _clip_box(top * sy, left * sx, size[0] * sy, size[1] * sx, height, width)
@@ -96,7 +97,8 @@ def random_resized_box(
     per crop on the thread path."""
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    scale_range, log_range = scale[1] - scale[0], log_ratio[1] - log_ratio[0]
+    scale_range = scale[1] - scale[0]
+    log_range = log_ratio[1] - log_ratio[0]
     for _ in range(10):
         target_area = area * (scale[0] + scale_range * rng.random())
         aspect = math.exp(log_ratio[0] + log_range * rng.random())
@@ -108,11 +110,14 @@ def random_resized_box(
             return top, left, h, w
     in_ratio = width / height  # fallback: the central crop with the ratio clamped
     if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
+        w = width
+        h = int(round(width / min(ratio)))
     elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
+        h = height
+        w = int(round(height * max(ratio)))
     else:
-        w, h = width, height
+        w = width
+        h = height
     return (height - h) // 2, (width - w) // 2, h, w
 
 
@@ -123,8 +128,12 @@ def scale_box(box: Box, sy: float, sx: float, height: int, width: int) -> Box:
 
 
 def _clip_box(top: float, left: float, h: float, w: float, height: int, width: int) -> Box:
-    t, lft = int(round(top)), int(round(left))
-    b, r = int(round(top + h)), int(round(left + w))
-    t, lft = min(max(t, 0), height - 1), min(max(lft, 0), width - 1)
-    b, r = min(max(b, t + 1), height), min(max(r, lft + 1), width)
+    t = int(round(top))
+    lft = int(round(left))
+    b = int(round(top + h))
+    r = int(round(left + w))
+    t = min(max(t, 0), height - 1)
+    lft = min(max(lft, 0), width - 1)
+    b = min(max(b, t + 1), height)
+    r = min(max(r, lft + 1), width)
     return t, lft, b - t, r - lft

@@ -17,7 +17,8 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
-_JPEG_SOS, _JPEG_EOI = b"\xff\xda", b"\xff\xd9"
+_JPEG_SOS = b"\xff\xda"
+_JPEG_EOI = b"\xff\xd9"
 
 
 class ImageDecodeError(ValueError):
@@ -41,7 +42,8 @@ def read_header(data: bytes, *, path: str = "<bytes>", index: int | None = None)
     where = _where(path, index)
     if not data:
         raise ImageDecodeError(f"{where} is empty (0 bytes); remove it or pass on_error='skip'.")
-    jpeg, png = _jpeg_size(data), _png_size(data)
+    jpeg = _jpeg_size(data)
+    png = _png_size(data)
     if jpeg is not None:  # the common cases, read directly (Pillow's open costs ~100 us)
         width, height, fmt = *jpeg, "JPEG"
     elif png is not None:
@@ -93,7 +95,8 @@ def _jpeg_segments(data: bytes):
     """(marker, offset) of a JPEG's top-level marker segments from after SOI, up to and
     including the first scan's SOS (a thumbnail inside APP1 is skipped with its segment); stops
     early at anything that is not a marker or has a bad length."""
-    pos, n = 2, len(data)
+    pos = 2
+    n = len(data)
     while pos + 4 <= n and data[pos] == 0xFF:
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
@@ -113,7 +116,8 @@ def _png_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from a PNG's IHDR chunk, or None when `data` is not a PNG."""
     if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR" or len(data) < 24:
         return None
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    width = int.from_bytes(data[16:20], "big")
+    height = int.from_bytes(data[20:24], "big")
     return (width, height) if width and height else None
 
 

@@ -121,7 +121,8 @@ class _StderrSink:
         """A fresh sink and lock: the parent's file shares its offset with the parent."""
         if self._fd is not None and self._file is None:
             os.close(self._fd)
-        self._fd, self._file = None, None
+        self._fd = None
+        self._file = None
         self.lock = threading.Lock()
 
 

@@ -32,7 +32,9 @@ class CostlyItems(Dataset):
     then a dict of small tensors."""
 
     def __init__(self, n: int, item_us: float, *, wait: bool = False):
-        self.n, self.item_us, self.wait = n, item_us, wait
+        self.n = n
+        self.item_us = item_us
+        self.wait = wait
 
     def __len__(self) -> int:
         return self.n
@@ -146,7 +148,8 @@ def _trainer_classes():
     class Timed(Trainer):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            self.first_batch_s, self._asked = None, None
+            self.first_batch_s = None
+            self._asked = None
             outer = self
 
             class Clock(TrainerCallback):

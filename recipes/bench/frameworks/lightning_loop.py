@@ -51,7 +51,8 @@ class _Work:
     """Sample i: 256 float32 values drawn from seed i, after `item_us` of busy CPU work."""
 
     def __init__(self, n: int, item_us: float):
-        self.n, self.item_us = n, item_us
+        self.n = n
+        self.item_us = item_us
 
     def __len__(self) -> int:
         return self.n
@@ -103,12 +104,14 @@ def _plain_rates(args) -> list[float]:
     """Samples/s of each epoch after the first, our loop: forward, backward, step."""
     import torch
 
-    model, loader = _model(), _loader(_Work(args.samples, args.item_us), args)
+    model = _model()
+    loader = _loader(_Work(args.samples, args.item_us), args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     rates = []
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
-        start, seen = time.perf_counter(), 0
+        start = time.perf_counter()
+        seen = 0
         for batch in loader:
             loss = _loss(model, batch)
             optimizer.zero_grad(set_to_none=True)
@@ -196,7 +199,8 @@ def _checkpoint(args, dataset, position: int, path: Path) -> None:
                 trainer.save_checkpoint(path)
                 trainer.should_stop = True
 
-    cost, dataset.item_us = dataset.item_us, 0.0
+    cost = dataset.item_us
+    dataset.item_us = 0.0
     data = LoaderDataModule(dataset, **_loader_kwargs(args))
     _trainer(2, [Save()]).fit(_module(), datamodule=data)
     data.loader.close()
@@ -274,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
     turns: dict[str, list[float]] = {"bound": [], "free": []}  # each turn's ratio of median epochs
     for _ in range(args.repeat):  # in turns: a machine's slow spell lands on both loops
         for key, setting in (("bound", args), ("free", free)):
-            plain, lightning = _plain_rates(setting), _lightning_rates(setting)
+            plain = _plain_rates(setting)
+            lightning = _lightning_rates(setting)
             rates[key][0].extend(plain)
             rates[key][1].extend(lightning)
             turns[key].append(statistics.median(lightning) / statistics.median(plain))

@@ -69,7 +69,9 @@ class SimulatedStep:
     _BLOCK = bytes(64 * 1024)
 
     def __init__(self, gil_s: float, total_s: float, held: bool = True):
-        self.gil_s, self.total_s, self.held = gil_s, total_s, held
+        self.gil_s = gil_s
+        self.total_s = total_s
+        self.held = held
 
     def __call__(self, batch) -> None:
         import hashlib
@@ -91,7 +93,8 @@ class SimulatedStep:
 def rate(loader, step, batches: int, batch_size: int, warmup: int = 3) -> float:
     """Samples per second over `batches` batches of `loader` (epochs repeat as needed), each
     followed by `step(batch)` when given, after `warmup` batches."""
-    done, start = 0, None
+    done = 0
+    start = None
     while True:
         for batch in loader:
             if step is not None:

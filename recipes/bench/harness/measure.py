@@ -67,7 +67,8 @@ def measure(
     large heap (a test session, a notebook) a full collection landing on one row would time
     the harness, not the loader. Reference counting still frees every batch."""
     items = 0
-    first_seconds, first_items = 0.0, 0
+    first_seconds = 0.0
+    first_items = 0
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -77,7 +78,8 @@ def measure(
             for batch in batches:
                 items += counter(batch)
                 if not first_items:
-                    first_seconds, first_items = time.perf_counter() - start, items
+                    first_seconds = time.perf_counter() - start
+                    first_items = items
                 if max_items is not None and items >= max_items:
                     break
             seconds = time.perf_counter() - start

@@ -37,7 +37,8 @@ def _square(item):
         interpolation=cv2.INTER_AREA,
     )
     h, w = image.shape[:2]
-    top, left = (h - SQUARE) // 2, (w - SQUARE) // 2
+    top = (h - SQUARE) // 2
+    left = (w - SQUARE) // 2
     return {
         "image": np.ascontiguousarray(image[top : top + SQUARE, left : left + SQUARE]),
         "label": int(label),

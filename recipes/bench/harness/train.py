@@ -181,7 +181,9 @@ def train_with(
     from recipes.common.tuning.monitor import LoaderMonitor, LoaderWarning
 
     monitor = LoaderMonitor(loader, sample_seconds=1.0)
-    done, counted, start = 0, 0, None
+    done = 0
+    counted = 0
+    start = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LoaderWarning)  # the table says it
         while done < steps + 1:

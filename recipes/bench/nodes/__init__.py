@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         "epochs": 1,
         "batch": 8,
     }
-    rows, resumes = [], []
+    rows = []
+    resumes = []
     with tempfile.TemporaryDirectory(prefix="recipes-bench-nodes-") as tmp:
         tmp = Path(tmp)
         for name, nodes, alone in (

@@ -48,11 +48,9 @@ def instrument() -> None:
     from recipes.common.remote.prefetch_cache import PrefetchCache
     from recipes.vision.image_folder import ImageFolderFast
 
-    read, download, encoder = (
-        ImageFolderFast._read,
-        PrefetchCache._download,
-        token_cache.batch_encoder,
-    )
+    read = ImageFolderFast._read
+    download = PrefetchCache._download
+    encoder = token_cache.batch_encoder
 
     def counted_read(self, index):
         count("read")
@@ -71,7 +69,8 @@ def instrument() -> None:
 
         return call
 
-    ImageFolderFast._read, PrefetchCache._download = counted_read, counted_download
+    ImageFolderFast._read = counted_read
+    PrefetchCache._download = counted_download
     token_cache.batch_encoder = counted_encoder
 
 
@@ -100,7 +99,8 @@ class Keyed:
     """A mixture source whose items say where they come from: `"name:index"` (the item read)."""
 
     def __init__(self, dataset, name: str):
-        self.dataset, self.name = dataset, name
+        self.dataset = dataset
+        self.name = name
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -155,7 +155,8 @@ def _keys(samples):
 
 def main(spec: dict) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     Path("counts").mkdir(exist_ok=True)
     PHASE[1] = spec["run"]
     instrument()
@@ -169,7 +170,8 @@ def main(spec: dict) -> None:
     if spec.get("resume"):
         loader.load_state_dict(json.loads(checkpoint.read_text()))
     PHASE[0] = "epoch"
-    received, start_epoch = [], int(loader.state_dict()["epoch"])
+    received = []
+    start_epoch = int(loader.state_dict()["epoch"])
     holder = (
         loader.dataset
         if isinstance(loader.dataset, torch.utils.data.IterableDataset)
