@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from recipes.common.loader_warning import LoaderWarning
 from recipes.common.sampling.sharding import distributed_world
 
 
@@ -92,8 +93,12 @@ class LengthBucketSampler(Sampler[list[int]]):
         if self.lengths.ndim != 1 or (self.lengths < 0).any():
             raise ValueError("`lengths` must be a 1-D sequence of non-negative integers.")
         world, here = distributed_world()
-        self.num_replicas = world if num_replicas is None else num_replicas
-        self.rank = here if rank is None else rank
+        if num_replicas is None:
+            num_replicas = world
+        if rank is None:
+            rank = here
+        self.num_replicas = num_replicas
+        self.rank = rank
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(
                 f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead."
@@ -134,12 +139,16 @@ class LengthBucketSampler(Sampler[list[int]]):
 
     def global_batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """Every batch of `epoch` (default: the current one), in the order they are dealt."""
-        epoch = self.epoch if epoch is None else epoch
+        if epoch is None:
+            epoch = self.epoch
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        pool = None if self.mixture is None else self.mixture.global_indices(epoch)
-        n = len(self.lengths) if pool is None else len(pool)
+        pool = None
+        n = len(self.lengths)
+        if self.mixture is not None:
+            pool = self.mixture.global_indices(epoch)
+            n = len(pool)
         if self.shuffle:
             ties = torch.randperm(n, generator=g).numpy()
         else:
@@ -263,8 +272,6 @@ class LengthBucketSampler(Sampler[list[int]]):
         """
         ahead = getattr(self, "_read_ahead", 0)
         if batches_done is None and ahead and self._yielded:
-            from recipes.common.loader_warning import LoaderWarning
-
             warnings.warn(
                 f"{type(self).__name__}.state_dict() counts the {self._yielded} batches handed to "
                 f"the DataLoader's workers, up to {ahead} ahead of training; resuming from it "
@@ -273,11 +280,11 @@ class LengthBucketSampler(Sampler[list[int]]):
                 LoaderWarning,
                 stacklevel=2,
             )
-        done = self._yielded if batches_done is None else batches_done
+        done = self._yielded
+        if batches_done is not None:
+            done = batches_done
         total = len(self.global_batches())
-        begin = (
-            self._start if self._start else self._begin
-        )  # a pending resume, or where this pass began
+        begin = self._start or self._begin  # a pending resume, or where this pass began
         return {
             "epoch": self.epoch,
             "global_batches_done": min(total, begin + done * self.num_replicas),

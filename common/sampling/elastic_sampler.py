@@ -68,8 +68,12 @@ class ElasticDistributedSampler(DistributedSampler):
         drop_last: bool = False,
     ):
         world, here = distributed_world()
-        self.num_replicas = world if num_replicas is None else int(num_replicas)
-        self.rank = here if rank is None else int(rank)
+        if num_replicas is None:
+            num_replicas = world
+        if rank is None:
+            rank = here
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
         if self.num_replicas < 1:
             raise ValueError(f"`num_replicas` must be positive, but is {num_replicas!r} instead.")
         if not 0 <= self.rank < self.num_replicas:
@@ -92,7 +96,9 @@ class ElasticDistributedSampler(DistributedSampler):
     # ---- the order ---------------------------------------------------------------------
     def order(self, epoch: int | None = None) -> np.ndarray:
         """Every index of `epoch` (default: the current one) in order, on every rank alike."""
-        epoch = self.epoch if epoch is None else int(epoch)
+        if epoch is None:
+            epoch = self.epoch
+        epoch = int(epoch)
         if self._cache is None or self._cache[0] != epoch:
             n = self.num_samples_total
             if self.shuffle:
@@ -155,7 +161,7 @@ class ElasticDistributedSampler(DistributedSampler):
                 "received).",
                 stacklevel=2,
             )
-        begin = self._start if self._start else self._begin
+        begin = self._start or self._begin
         done = begin + int(samples_done or 0) * self.num_replicas
         return {
             "epoch": self.epoch,

@@ -8,7 +8,7 @@ sources still drawing, and the source gives its next index from a fresh permutat
 own (no index repeats within a source before the source is exhausted).
 Cost: per epoch, one vectorised draw of the plan (an int64 array of the epoch's length, the
 same on every rank), cached for the epoch; per index, nothing.
-Adapt here: `STOPS`.
+Adapt here: `STOPS` (`mixture_settings.py`); the draw itself in `mixture_plan.py`.
 Trade-off: the plan is a function of `(seed, epoch)` and the settings, so the loader's state
 is the epoch and the batches received (O(1), never O(samples)); a resume regenerates it.
 `stop` decides what a source that runs out does, each rule named for what it does (the
@@ -33,95 +33,26 @@ disjoint, equal counts; `state_dict(samples_done=)` resumes on another number of
 (elastic: the plan's rest dealt over the new ranks, as `ElasticDistributedSampler`). With
 `batch_size`, it is a batch sampler instead: global batches of the plan dealt round-robin, and
 `state_dict(batches_done=)` resumes on another number of ranks, as `LengthBucketSampler`.
+Rooms: the weights in `mixture_weights.py`, the epoch's plan in `mixture_plan.py`, the state's
+keys in `mixture_state.py`, the sources' batch reads in `mixture_sources.py` (`MixtureSources`).
 `MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset`
 shard sets, each exact over ranks and workers) by the same weights and stop rules, for remote
 corpora.
-Copy with: common/sampling/sharding.py."""
+Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_settings.py,
+  common/sampling/mixture_state.py, common/sampling/mixture_weights.py, common/sampling/sharding.py."""
 
 from __future__ import annotations
 
-import operator
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
-from torch.utils.data import ConcatDataset
 
+from recipes.common.sampling.mixture_plan import EpochPlan, MixturePlan
+from recipes.common.sampling.mixture_settings import check_count, check_stop
+from recipes.common.sampling.mixture_state import MixturePosition, read_state, write_state
+from recipes.common.sampling.mixture_weights import parse_sources
 from recipes.common.sampling.sharding import distributed_world
-
-STOPS = ("drop_exhausted", "first_exhausted", "cycle_until_all_exhausted", "never")
-# The longest epoch "cycle_until_all_exhausted" may plan without `num_samples`: about
-# max(size / weight) positions (an int64 array of it).
-MAX_CYCLED = 2**31
-
-
-def parse_sources(values, weights, what: str) -> tuple[list[str], list, np.ndarray]:
-    """`(names, values, normalised weights)` from two sequences, or two mappings by source name.
-
-    Raises:
-        ValueError: mismatched shapes or names; negative, non-finite or all-zero weights.
-    """
-    if isinstance(values, Mapping):
-        if not isinstance(weights, Mapping) or set(weights) != set(values):
-            raise ValueError(
-                f"`weights` must name the same sources as `{what}` ({sorted(values)}), but names "
-                f"{sorted(weights) if isinstance(weights, Mapping) else type(weights).__name__}."
-            )
-        names = [str(k) for k in values]
-        weights = [weights[k] for k in values]
-        values = list(values.values())
-    elif isinstance(weights, Mapping):
-        raise ValueError(
-            f"`weights` is a mapping but `{what}` is not: give both as mappings from source name, "
-            "or both as sequences."
-        )
-    else:
-        names = [str(i) for i in range(len(values))]
-        values = list(values)
-    array = np.asarray(weights, dtype=np.float64)
-    if not values or array.shape != (len(values),):
-        raise ValueError(
-            f"`{what}` and `weights` need one value per source, but have {len(values)} and "
-            f"{array.size}."
-        )
-    if not np.isfinite(array).all() or (array < 0).any() or array.sum() <= 0:
-        raise ValueError(
-            "`weights` must be non-negative and finite with a positive sum, but are "
-            f"{array.tolist()}."
-        )
-    if not np.isfinite(array.sum()):
-        raise ValueError(
-            f"`weights` sum to infinity in float64 (they are {array.tolist()}): only their ratios "
-            "matter, so scale them down (divide by the largest)."
-        )
-    return names, values, array / array.sum()
-
-
-def check_stop(stop: str, num_samples) -> None:
-    if stop == "all_exhausted":
-        raise ValueError(
-            "stop='all_exhausted' is ambiguous: Hugging Face `datasets` cycles exhausted sources "
-            "until all are seen whole (here 'cycle_until_all_exhausted': the proportions hold), "
-            "and recipes 0.1 dropped them (here 'drop_exhausted', the default: every sample "
-            "exactly once). Name the rule you want."
-        )
-    if stop not in STOPS:
-        raise ValueError(f"`stop` must be one of {STOPS}, but is {stop!r} instead.")
-    if stop == "never" and num_samples is None:
-        raise ValueError(
-            "stop='never' refills sources for ever: give `num_samples`, the epoch's length."
-        )
-
-
-def check_count(name: str, value, *, minimum: int = 1) -> int | None:
-    """`value` as a plain int (numpy ints too: states are JSON), checked; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer of at least {minimum}, but is {value!r} instead."
-        )
-    return int(value)
 
 
 class MixtureSampler:
@@ -164,137 +95,55 @@ class MixtureSampler:
         batch_size: int | None = None,
         drop_last: bool = False,
     ):
-        self.names, sizes, self.weights = parse_sources(sizes, weights, "sizes")
-        raw = np.asarray(sizes)
-        if raw.dtype.kind not in "iu" and not (
-            raw.dtype.kind == "f" and np.all(raw == np.floor(raw))
-        ):
-            raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
-        self.sizes = raw.astype(np.int64)
-        if (self.sizes <= 0).any():
-            raise ValueError(
-                f"every source needs samples; sizes are {self.sizes.tolist()} (source "
-                f"{self.names[int(np.argmin(self.sizes))]!r})."
-            )
+        sources = parse_sources(sizes, weights, "sizes")
+        self.names = sources.names
+        self.weights = sources.weights
+        self.sizes = _whole_sizes(sources.values, self.names)
         check_stop(stop, num_samples)
-        num_samples = check_count("num_samples", num_samples)
-        batch_size = check_count("batch_size", batch_size)
-        seed = check_count("seed", seed, minimum=0)
-        if stop == "cycle_until_all_exhausted" and num_samples is None:
-            drawn = self.weights > 0
-            longest = float((self.sizes[drawn] / self.weights[drawn]).max())
-            if longest > MAX_CYCLED:
-                raise ValueError(
-                    f"stop='cycle_until_all_exhausted' would plan about {longest:.3g} samples per "
-                    "epoch (a source's size over its weight); give `num_samples` to cap the epoch."
-                )
-        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]])
-        self.num_samples = num_samples
+        self.num_samples = check_count("num_samples", num_samples)
+        self.batch_size = check_count("batch_size", batch_size)
+        self.seed = int(check_count("seed", seed, minimum=0))
         self.stop = stop
-        self.seed = int(seed)
         self.shuffle = shuffle
-        self.batch_size = batch_size
         self.drop_last = drop_last
+        self._planner = MixturePlan(
+            self.sizes,
+            self.weights,
+            stop=stop,
+            num_samples=self.num_samples,
+            seed=self.seed,
+            shuffle=shuffle,
+        )
+        self._planner.check_length()
+        self.offsets = self._planner.offsets
         world, here = distributed_world()
-        self.num_replicas = world if num_replicas is None else int(num_replicas)
-        self.rank = here if rank is None else int(rank)
+        if num_replicas is None:
+            num_replicas = world
+        if rank is None:
+            rank = here
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(
                 f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead."
             )
         self.epoch = 0
-        self._start = self._begin = self._yielded = (
-            0  # batch mode: global batches done, as LengthBucketSampler
-        )
-        self._cache: tuple[int, np.ndarray] | None = None
+        # positions of the plan done before this pass (a loaded state; batch mode: global
+        # batches, as LengthBucketSampler)
+        self._start = 0
+        self._begin = 0  # where the current pass began
+        self._yielded = 0  # batch mode: local batches yielded in the current pass
+        self._cache: EpochPlan | None = None
 
-    # ---- the epoch's plan --------------------------------------------------------------
+    # ---- the epoch's plan, dealt over the ranks -------------------------------------------
     def global_indices(self, epoch: int | None = None) -> np.ndarray:
         """Every index of `epoch`'s plan (all ranks), in order: the same on every rank."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        if self._cache is None or self._cache[0] != epoch:
-            self._cache = (epoch, self._draw(epoch))
-        return self._cache[1]
-
-    def _draw(self, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch, 0x6D6978])
-        sources = self._sources(rng)
-        out = np.empty(len(sources), np.int64)
-        for s in range(len(self.sizes)):  # the k-th draw from s: pass k // n_s, position k % n_s
-            where = np.flatnonzero(sources == s)
-            if not len(where):
-                continue
-            out[where] = (
-                self.offsets[s]
-                + self._passes(epoch, s, -(-len(where) // int(self.sizes[s])))[: len(where)]
-            )
-        return out
-
-    def _passes(self, epoch: int, source: int, passes: int) -> np.ndarray:
-        """`passes` permutations of the source's indices, one after the other (all at once: a
-        tiny source drawn a million times is one array operation, not a million generators)."""
-        n = int(self.sizes[source])
-        tiled = np.tile(np.arange(n, dtype=np.int64), (passes, 1))
-        if self.shuffle:
-            np.random.default_rng([self.seed, epoch, source, 0x70]).permuted(
-                tiled, axis=1, out=tiled
-            )
-        return tiled.ravel()
-
-    def _sources(self, rng: np.random.Generator) -> np.ndarray:
-        """The source of every position of the epoch. With the exhausting rules, in phases: a
-        phase draws with fixed probabilities over the sources still drawing and ends where one
-        of them gives its last sample (one always does: a phase draws as many positions as
-        the active sources have samples left); the next phase renormalises without it."""
-        cap = self.num_samples
-        if self.stop == "never":
-            return rng.choice(len(self.sizes), size=cap, p=self.weights)
-        if self.stop == "cycle_until_all_exhausted":
-            return self._cycled(rng, cap)
-        left = self.sizes.copy()
-        active = self.weights > 0  # a source of weight 0 never draws
-        total = int(left[active].sum())
-        limit = total if cap is None else min(cap, total)
-        chunks: list[np.ndarray] = []
-        drawn = 0
-        while drawn < limit and active.any():
-            p = np.where(active, self.weights, 0.0)
-            chunk = rng.choice(len(self.sizes), size=int(left[active].sum()), p=p / p.sum())
-            end = len(chunk)
-            for s in np.flatnonzero(active):
-                hits = np.flatnonzero(chunk == s)
-                if len(hits) >= left[s]:
-                    end = min(end, int(hits[left[s] - 1]) + 1)
-            chunk = chunk[:end][: limit - drawn]
-            chunks.append(chunk)
-            drawn += len(chunk)
-            left -= np.bincount(chunk, minlength=len(left))
-            if self.stop == "first_exhausted" and (left[active] == 0).any():
-                break
-            active &= left > 0
-        return np.concatenate(chunks) if chunks else np.empty(0, np.int64)
-
-    def _cycled(self, rng: np.random.Generator, cap: int | None) -> np.ndarray:
-        """Sources drawn with the fixed weights (an exhausted one starts another pass in
-        `_draw`) up to the draw that completes the last source's first pass: that source's
-        `size`-th draw. Drawn in blocks of the sources' total size until every source drawing
-        has been drawn that often."""
-        drawing = self.weights > 0
-        counts = np.zeros(len(self.sizes), np.int64)
-        blocks: list[np.ndarray] = []
-        total = 0
-        while not (counts[drawing] >= self.sizes[drawing]).all() and (cap is None or total < cap):
-            block = rng.choice(len(self.sizes), size=int(self.sizes.sum()), p=self.weights)
-            blocks.append(block)
-            counts += np.bincount(block, minlength=len(self.sizes))
-            total += len(block)
-        draws = np.concatenate(blocks)
-        end = len(draws)
-        if (counts[drawing] >= self.sizes[drawing]).all():
-            end = 1 + max(
-                int(np.flatnonzero(draws == s)[self.sizes[s] - 1]) for s in np.flatnonzero(drawing)
-            )
-        return draws[: end if cap is None else min(end, cap)]
+        if epoch is None:
+            epoch = self.epoch
+        epoch = int(epoch)
+        if self._cache is None or self._cache.epoch != epoch:
+            self._cache = self._planner.draw(epoch)
+        return self._cache.indices
 
     def _padded(self, epoch: int, start: int = 0) -> np.ndarray:
         """The plan's rest from position `start`, padded with its first indices to a multiple
@@ -324,15 +173,14 @@ class MixtureSampler:
 
     # ---- Sampler protocol ----------------------------------------------------------------
     def __iter__(self) -> Iterator:
+        self._begin = self._start
+        self._start = 0  # a resumed epoch continues only once
         if self.batch_size is None:
-            self._begin, self._start = self._start, 0  # a resumed epoch continues only once
             yield from self._padded(self.epoch, self._begin)[
                 self.rank :: self.num_replicas
             ].tolist()
             return
-        plan = self._batch_plan(self.epoch, self._start)
-        self._begin = self._start
-        self._start = 0
+        plan = self._batch_plan(self.epoch, self._begin)
         self._yielded = 0
         for batch in plan:
             self._yielded += 1
@@ -348,7 +196,9 @@ class MixtureSampler:
         it is at already keeps a loaded position (Lightning sets it after `iter()`)."""
         if int(epoch) != self.epoch:
             self.epoch = int(epoch)
-            self._start = self._begin = self._yielded = 0
+            self._start = 0
+            self._begin = 0
+            self._yielded = 0
 
     # ---- what it drew ----------------------------------------------------------------------
     def source_of(self, indices) -> np.ndarray:
@@ -358,13 +208,14 @@ class MixtureSampler:
     def source_counts(self, samples_done: int | None = None, *, start: int = 0) -> dict[str, int]:
         """Samples per source among this rank's `samples_done` samples of the current pass from
         its `start`-th (all of them when None): the realised mixture, by name."""
-        mine = (
-            self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas]
-            if self.batch_size is None
-            else np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
-        )
-        mine = mine[start:] if samples_done is None else mine[start : start + samples_done]
-        counts = np.bincount(self.source_of(mine), minlength=len(self.sizes))
+        if self.batch_size is None:
+            mine = self._padded(self.epoch, self._begin)[self.rank :: self.num_replicas]
+        else:
+            mine = np.concatenate(self._batch_plan(self.epoch, 0) or [np.empty(0, np.int64)])
+        end = None
+        if samples_done is not None:
+            end = start + samples_done
+        counts = np.bincount(self.source_of(mine[start:end]), minlength=len(self.sizes))
         return {name: int(c) for name, c in zip(self.names, counts, strict=True)}
 
     # ---- resume ----------------------------------------------------------------------------
@@ -389,21 +240,18 @@ class MixtureSampler:
         any number of ranks): the global batches done after this rank's loop received
         `batches_done` batches (batch mode), or the samples done after `samples_done` samples
         (index mode); `make_loader`'s loader passes its counts itself."""
-        begin = self._start if self._start else self._begin
+        begin = self._start or self._begin  # a pending resume, or where this pass began
         if self.batch_size is None:
             done = begin + int(samples_done or 0) * self.num_replicas
-            return {
-                "epoch": self.epoch,
-                "samples_done": min(done, len(self.global_indices(self.epoch))),
-                "plan": self.plan_settings(),
-            }
-        done = self._yielded if batches_done is None else int(batches_done)
-        total = len(self._global_batches(self.epoch))
-        return {
-            "epoch": self.epoch,
-            "global_batches_done": min(total, begin + done * self.num_replicas),
-            "plan": self.plan_settings(),
-        }
+            total = len(self.global_indices(self.epoch))
+        else:
+            batches = self._yielded
+            if batches_done is not None:
+                batches = int(batches_done)
+            done = begin + batches * self.num_replicas
+            total = len(self._global_batches(self.epoch))
+        position = MixturePosition(self.epoch, min(done, total))
+        return write_state(position, self.plan_settings(), batch_mode=self.batch_size is not None)
 
     def load_state_dict(self, state: dict) -> None:
         """Continues the saved epoch (batch mode: on this sampler's number of ranks).
@@ -411,24 +259,12 @@ class MixtureSampler:
         Raises:
             ValueError: a state saved under other sources, weights or settings.
         """
-        saved = dict(state.get("plan") or {})
-        mine = self.plan_settings()
-        saved.pop(
-            "num_replicas", None
-        )  # states of recipes before the index mode resumed elastically
-        differ = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-        if differ:
-            raise ValueError(
-                "This MixtureSampler state was saved under other settings: "
-                + ", ".join(f"{k}={saved.get(k)!r} (saved) vs {mine.get(k)!r}" for k in differ)
-                + "; resume with the same sources, "
-                "weights and settings (they decide the epoch's plan)."
-            )
-        self.epoch = int(state["epoch"])
-        self._start = int(
-            state.get("global_batches_done" if self.batch_size else "samples_done", 0)
-        )
-        self._begin = self._yielded = 0
+        batch_mode = self.batch_size is not None
+        position = read_state(state, self.plan_settings(), batch_mode=batch_mode)
+        self.epoch = position.epoch
+        self._start = position.done
+        self._begin = 0
+        self._yielded = 0
 
     def __repr__(self) -> str:
         mix = ", ".join(
@@ -438,64 +274,20 @@ class MixtureSampler:
         return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"
 
 
-class MixtureSources(ConcatDataset):
-    """`ConcatDataset(datasets)` that reads a batch part by part: each part's `__getitems__`
-    (a token cache's one-call batch read) for its indices, the items back in the batch's order.
-    A plain `ConcatDataset` reads item by item (`__getitem__` through `bisect`): on a token
-    cache about half the rate. Use it for a `MixtureSampler`'s sources."""
+def _whole_sizes(sizes: list, names: list[str]) -> np.ndarray:
+    """`sizes` as int64, each a positive whole number.
 
-    def __init__(self, datasets):
-        super().__init__(datasets)
-        self._starts = np.asarray(
-            [0, *self.cumulative_sizes[:-1]], dtype=np.int64
-        )  # each source's first index
-
-    def __getitems__(self, indices: list[int]) -> list:
-        cumulative = self.cumulative_sizes
-        if len(cumulative) == 1:
-            source = self.datasets[0]
-            return (
-                source.__getitems__(indices)
-                if hasattr(source, "__getitems__")
-                else [source[i] for i in indices]
-            )
-        n = len(self)
-        try:
-            wanted = np.fromiter(indices, np.int64, len(indices))
-        except OverflowError:  # an index beyond int64 is beyond any dataset
-            bad = next(int(i) for i in indices if not -(2**63) <= int(i) < 2**63)
-            raise IndexError(
-                f"index {bad} is out of range for the {n} samples of these sources."
-            ) from None
-        if not len(wanted):
-            return []
-        low = int(wanted.min())
-        high = int(wanted.max())
-        if low < -n or high >= n:
-            bad = next(int(i) for i in wanted if not -n <= i < n)
-            raise IndexError(f"index {bad} is out of range for the {n} samples of these sources.")
-        if low < 0:
-            wanted = np.where(wanted < 0, wanted + n, wanted)
-        bounds = self._starts
-        parts = bounds.searchsorted(wanted, side="right") - 1  # each index's source
-        order = parts.argsort(kind="stable")  # the batch's indices source by source
-        local = (wanted - bounds[parts])[order].tolist()
-        got: list = []
-        at = 0
-        for part, count in enumerate(np.bincount(parts, minlength=len(self.datasets)).tolist()):
-            if count:
-                source = self.datasets[part]
-                ids = local[at : at + count]
-                got += (
-                    source.__getitems__(ids)
-                    if hasattr(source, "__getitems__")
-                    else [source[i] for i in ids]
-                )
-                at += count
-        if len(got) != len(order):
-            raise RuntimeError(f"the sources returned {len(got)} items for {len(order)} indices.")
-        if len(got) == 1:
-            return got
-        back = np.empty_like(order)
-        back[order] = np.arange(len(order))  # each batch position's place in `got`
-        return list(operator.itemgetter(*back.tolist())(got))  # the batch's order, in one C call
+    Raises:
+        ValueError: a fractional size, or a source without samples (named).
+    """
+    raw = np.asarray(sizes)
+    whole_floats = raw.dtype.kind == "f" and np.all(raw == np.floor(raw))
+    if raw.dtype.kind not in "iu" and not whole_floats:
+        raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
+    out = raw.astype(np.int64)
+    if (out <= 0).any():
+        raise ValueError(
+            f"every source needs samples; sizes are {out.tolist()} (source "
+            f"{names[int(np.argmin(out))]!r})."
+        )
+    return out

@@ -4,11 +4,13 @@
 Use when: the sources are remote corpora read as `ShardedIterableDataset` shard sets (each
 exact over ranks and workers by itself) and a map-style `ConcatDataset` is not possible.
 Cost: per sample, one weighted draw from a generator seeded by `(seed, epoch, rank, worker)`.
-Adapt here: nothing; the weights, stop rules and their checks are `mixture.py`'s.
+Adapt here: nothing; the weights and their checks are `mixture_weights.py`'s, the stop rules
+`mixture_settings.py`'s.
 Trade-off: the stream is a function of the epoch and the settings, so a loader resumes it
 exactly by reading its prefix again (it has no `resume_after`), with the same numbers of
 ranks and workers.
-Copy with: common/sampling/mixture.py, common/sampling/sharding.py.
+Copy with: common/sampling/mixture_settings.py, common/sampling/mixture_weights.py,
+  common/sampling/sharding.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import zlib
 import numpy as np
 from torch.utils.data import IterableDataset
 
-from recipes.common.sampling.mixture import check_count, check_stop, parse_sources
+from recipes.common.sampling.mixture_settings import check_count, check_stop
+from recipes.common.sampling.mixture_weights import parse_sources
 from recipes.common.sampling.sharding import distributed_world
 
 
@@ -65,7 +68,10 @@ class MixtureIterable(IterableDataset):
         num_samples: int | None = None,
         seed: int = 0,
     ):
-        self.names, self.datasets, self.weights = parse_sources(datasets, weights, "datasets")
+        sources = parse_sources(datasets, weights, "datasets")
+        self.names = sources.names
+        self.datasets = sources.values
+        self.weights = sources.weights
         check_stop(stop, num_samples)
         self.stop = stop
         self.num_samples = check_count("num_samples", num_samples)
@@ -111,7 +117,11 @@ class MixtureIterable(IterableDataset):
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker = 0
+        workers = 1
+        if info is not None:
+            worker = info.id
+            workers = info.num_workers
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker, 0x6974])
         share = None
         if (
