@@ -24,6 +24,9 @@ The header holds its own checksum and those of `offsets.bin` and `checksums.bin`
   damaged.json  written when a read (or `recipes cache verify`) finds a damaged sample: the folder
                 then fails to open, so `build_token_cache` rebuilds it instead of reusing it
 
+The build's pieces: the tokenizer's fingerprint and batch encoder in `tokenizing.py`, the parts
+each rank writes and their join in `token_cache_parts.py`.
+
 The tokenizers fork hazard: a Rust tokenizer that has used its thread pool in the parent
 can deadlock in forked DataLoader workers (tokenizers prints "The current process just got
 forked, after parallelism has already been used"). Cached datasets never tokenize in
@@ -35,16 +38,14 @@ Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/shards/shard_mixing.py, common/shards/shard_plan.py, common/shards/shard_reading.py,
   common/shards/shard_reshape.py, common/shards/shard_samples.py, common/shards/shard_set.py,
   common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, nlp/texts.py.
+  common/workers/process_lifetime.py, nlp/texts.py, nlp/token_cache_parts.py, nlp/tokenizing.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -65,6 +66,8 @@ from recipes.common.caches.cache_checks import (
 from recipes.common.caches.cache_files import LazyMap, check_size, read_header
 from recipes.common.caches.packed_strings import resolve_index, resolve_indices
 from recipes.nlp.texts import TextSource
+from recipes.nlp.token_cache_parts import join_parts, part_totals, write_part
+from recipes.nlp.tokenizing import batch_encoder, tokenizer_fingerprint
 
 FORMAT = "recipes-token-cache"
 FORMAT_VERSION = 2  # 2: per-sample checksums, a header checksum
@@ -161,9 +164,8 @@ class TokenCache(Dataset):
         sums = read_checked(path, "checksums.bin", "<u8", header, TokenCacheError, _BUILD_HINT)
         if offsets[0] != 0 or offsets[-1] != num_tokens or (count and (np.diff(offsets) < 0).any()):
             raise TokenCacheError(f"{path}/offsets.bin is corrupt; rebuild the cache.")
-        check_damage(
-            path, ("tokens.bin",), TokenCacheError, _BUILD_HINT
-        )  # a read found damage: rebuild
+        # a read found damage: rebuild
+        check_damage(path, ("tokens.bin",), TokenCacheError, _BUILD_HINT)
         return cls(path, header, offsets, sums, verify)
 
     @property
@@ -191,9 +193,8 @@ class TokenCache(Dataset):
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """A whole batch with one gather from the memory map; items are views of one tensor."""
         idx = resolve_indices(indices, len(self), f"the {len(self)} samples in {self.path}")
-        for i in self.checks.pending(
-            idx
-        ).tolist():  # each sample's first read in this process, by default
+        # each sample's first read in this process, by default
+        for i in self.checks.pending(idx).tolist():
             self.checks.check(i, self._map()[self.offsets[i] : self.offsets[i + 1]])
         starts = self.offsets[idx]
         lengths = self.lengths[idx]
@@ -208,37 +209,6 @@ class TokenCache(Dataset):
             f"TokenCache({str(self.path)!r}, n={len(self)}, tokens={self.header['num_tokens']:,}, "
             f"dtype={self.header['dtype']})"
         )
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """Everything that decides a tokenizer's output, as JSON-able data (never random)."""
-    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
-    info = {
-        "class": type(tokenizer).__name__,
-        "special_tokens": special,
-        "added_tokens": sorted((str(t), int(i)) for t, i in tokenizer.get_added_vocab().items()),
-        "truncation_side": getattr(tokenizer, "truncation_side", None),
-        "padding_side": getattr(tokenizer, "padding_side", None),
-    }
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # fast tokenizer: its tokenizer.json (model, normalizer, ...)
-        config = json.loads(backend.to_str())
-        # Calling the tokenizer with truncation= or padding= leaves that runtime state in the
-        # backend; the build sets its own, so it must not change the key (issue #10).
-        config.pop("truncation", None)
-        config.pop("padding", None)
-        info["tokenizer_json"] = hashlib.sha256(
-            json.dumps(config, sort_keys=True).encode("utf-8")
-        ).hexdigest()
-    else:
-        vocab = sorted(tokenizer.get_vocab().items())
-        info["vocab"] = hashlib.sha256(json.dumps(vocab).encode("utf-8")).hexdigest()
-        info["init_kwargs"] = {
-            k: v
-            for k, v in sorted(tokenizer.init_kwargs.items())
-            if isinstance(v, (str, int, float, bool, type(None)))
-        }
-    return info
 
 
 def cache_fingerprint(source: TextSource, tokenizer, *, max_length, add_special_tokens) -> str:
@@ -321,20 +291,24 @@ def build_token_cache(
     target = Path(cache_dir)
     build = FolderBuild(target, distributed=distributed, inputs=fingerprint)
     if build.needed(lambda: TokenCache.open(target, fingerprint=fingerprint), TokenCacheError):
-        dtype = np.dtype(np.uint16 if len(tokenizer) <= 2**16 else np.uint32).newbyteorder("<")
+        dtype = np.dtype(_token_type(len(tokenizer))).newbyteorder("<")
         with (
             build,
             tqdm(disable=not progress or build.rank != 0, desc="tokenizing", unit="text") as bar,
         ):
-            _write_part(
-                source, tokenizer, build, dtype, max_length, add_special_tokens, batch_size, bar
+            encode = batch_encoder(
+                tokenizer, max_length=max_length, add_special_tokens=add_special_tokens
             )
-            count, num_tokens = map(sum, zip(*build.gather(_part_totals(build)), strict=True))
+            batches = source.batches(batch_size, part=build.rank, parts=build.world)
+            write_part(batches, encode, build, dtype, bar)
+            totals = build.gather(part_totals(build))
+            count = sum(part.count for part in totals)
+            num_tokens = sum(part.num_tokens for part in totals)
             build.collect("tokens.bin", "lengths.bin")  # every part complete, in every folder
             checksum = build.gather(algorithm())[0]
             files = None
             if build.leader:  # in each folder (node-local disks: one per node)
-                _join_parts(build, batch_size, dtype)
+                join_parts(build, batch_size, dtype)
                 offsets = np.fromfile(build.path / "offsets.bin", "<i8")
                 write_item_sums(build.path, "tokens.bin", offsets * dtype.itemsize, checksum)
                 files = file_checksums(build.path, ("offsets.bin", "checksums.bin"), checksum)
@@ -358,111 +332,8 @@ def build_token_cache(
     return TokenCache.open(target, fingerprint=fingerprint)
 
 
-def batch_encoder(tokenizer, *, max_length: int | None, add_special_tokens: bool):
-    """`encode(list[str]) -> list[list[int]]`, equal to `tokenizer(texts, truncation=...,
-    max_length=...)["input_ids"]`. For fast tokenizers it calls the Rust batch encoder of a
-    copy configured for truncation (what `transformers` does inside, minus its conversions)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-
-        def encode_slow(texts):
-            return tokenizer(
-                texts,
-                add_special_tokens=add_special_tokens,
-                truncation=max_length is not None,
-                max_length=max_length,
-                return_attention_mask=False,
-                return_token_type_ids=False,
-            )["input_ids"]
-
-        return encode_slow
-    from tokenizers import Tokenizer
-
-    copy = Tokenizer.from_str(backend.to_str())
-    copy.no_padding()
-    if max_length is None:
-        copy.no_truncation()
-    else:
-        copy.enable_truncation(max_length, direction=getattr(tokenizer, "truncation_side", "right"))
-
-    # encode_batch_fast (tokenizers >= 0.20) skips the character offsets we do not store.
-    encode_batch = getattr(copy, "encode_batch_fast", copy.encode_batch)
-
-    def encode_fast(texts):
-        return [e.ids for e in encode_batch(texts, add_special_tokens=add_special_tokens)]
-
-    return encode_fast
-
-
-def _write_part(
-    source, tokenizer, build: FolderBuild, dtype, max_length, add_special_tokens, batch_size, bar
-):
-    """This rank's batches (`k % world == rank`): tokens and per-sample lengths, in order."""
-    encode = batch_encoder(tokenizer, max_length=max_length, add_special_tokens=add_special_tokens)
-    with (
-        open(build.part("tokens.bin"), "wb") as tokens_file,
-        open(build.part("lengths.bin"), "wb") as lengths_file,
-    ):
-        for batch in source.batches(batch_size, part=build.rank, parts=build.world):
-            ids = encode(batch)
-            lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
-            tokens_file.write(
-                np.fromiter(itertools.chain.from_iterable(ids), dtype, int(lengths.sum())).tobytes()
-            )
-            lengths_file.write(lengths.astype("<i8").tobytes())
-            bar.update(len(batch) * build.world)
-        for f in (tokens_file, lengths_file):
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def _part_totals(build: FolderBuild) -> tuple[int, int]:
-    lengths = np.fromfile(build.part("lengths.bin"), "<i8")
-    return len(lengths), int(lengths.sum())
-
-
-def _join_parts(build: FolderBuild, batch_size: int, dtype) -> None:
-    """Rank 0: the parts' batches back in source order (k = 0, 1, ...: rank k % world) into
-    `tokens.bin` and `offsets.bin`, as one process would have written them."""
-    lengths = [np.fromfile(build.part("lengths.bin", r), "<i8") for r in range(build.world)]
-    parts = [open(build.part("tokens.bin", r), "rb") for r in range(build.world)]  # noqa: SIM115
-    order = []
-    try:
-        with open(build.path / "tokens.bin", "wb") as out:
-            for k in itertools.count():
-                rank = k % build.world
-                j = k // build.world
-                seg = lengths[rank][j * batch_size : (j + 1) * batch_size]
-                if not len(seg):
-                    break
-                shutil.copyfileobj(
-                    _Limited(parts[rank], int(seg.sum()) * dtype.itemsize), out, 1 << 24
-                )
-                order.append(seg)
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        for f in parts:
-            f.close()
-    all_lengths = np.concatenate([np.zeros(1, np.int64), *order])
-    with open(build.path / "offsets.bin", "wb") as f:
-        f.write(np.cumsum(all_lengths).astype("<i8").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    for r in range(build.world):
-        build.part("tokens.bin", r).unlink()
-        build.part("lengths.bin", r).unlink()
-
-
-class _Limited:
-    """The next `size` bytes of a file object, for `shutil.copyfileobj`."""
-
-    def __init__(self, f, size: int):
-        self.f = f
-        self.left = size
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.left if n < 0 else min(n, self.left)
-        data = self.f.read(n)
-        self.left -= len(data)
-        return data
+def _token_type(vocab_size: int) -> type:
+    """The smallest unsigned type that holds every token id: 2 bytes when it fits."""
+    if vocab_size <= 2**16:
+        return np.uint16
+    return np.uint32
