@@ -196,13 +196,16 @@ class TokenCache(Dataset):
         # each sample's first read in this process, by default
         for i in self.checks.pending(idx).tolist():
             self.checks.check(i, self._map()[self.offsets[i] : self.offsets[i + 1]])
-        starts = self.offsets[idx]
-        lengths = self.lengths[idx]
-        # positions of every token of the batch: each start, then +1 within its sample
+        rows = self.read_spans(self.offsets[idx], self.lengths[idx])
+        return [{"input_ids": row} for row in rows]
+
+    def read_spans(self, starts: np.ndarray, lengths: np.ndarray) -> list[torch.Tensor]:
+        """The tokens `[start, start + length)` of each span, as int64 views of one tensor read
+        with one gather from the memory map (unchecked: `__getitems__` checks samples first)."""
+        # positions of every token of the spans: each start, then +1 within its span
         shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
         flat = self._map()[shift + np.arange(int(lengths.sum()))].astype(np.int64)
-        rows = torch.from_numpy(flat).split(lengths.tolist())
-        return [{"input_ids": row} for row in rows]
+        return list(torch.from_numpy(flat).split(lengths.tolist()))
 
     def __repr__(self) -> str:
         return (
