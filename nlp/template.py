@@ -48,6 +48,7 @@ from recipes.common import (
     make_loader,
 )
 from recipes.nlp import PadCollate, build_token_cache
+from recipes.testing import make_text_corpus, train_tokenizer
 
 MAX_LENGTH = 512  # ADAPT: the longest sample, in tokens (longer ones are truncated)
 
@@ -120,13 +121,11 @@ def build_model(vocab_size: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     from transformers import BertConfig, BertForMaskedLM
 
-    size = (
-        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-        if smoke
-        else dict(
-            hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048
+    size = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048)
+    if smoke:  # a tiny model: the smoke test checks the loop, not the learning
+        size = dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
         )
-    )
     return BertForMaskedLM(
         BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size)
     )
@@ -141,8 +140,6 @@ def prepare_data(args, rank: int, world: int):
         args.tokenizer = args.workdir / "tokenizer"
         args.cache = args.workdir / "tokens"
         if rank == 0 and not args.tokenizer.exists():
-            from recipes.testing import make_text_corpus, train_tokenizer
-
             texts = make_text_corpus(240, seed=0)
             Path(args.texts).write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
@@ -210,9 +207,9 @@ def main(argv=None) -> None:
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, rank, world)
-    lengths = (
-        cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
-    )
+    lengths = cache.lengths
+    if mixture is not None:  # every source's lengths, in the sources' order
+        lengths = np.concatenate([d.lengths for d in cache.datasets])
     sampler = LengthBucketSampler(
         lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture
     )
@@ -232,9 +229,13 @@ def main(argv=None) -> None:
         start_epoch = saved["epoch"]
         step = saved["step"]
         loader_state = saved["loader"]
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = model
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
     generator = torch.Generator(device).manual_seed(rank)
-    log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
+    log = None
+    if args.log_samples:
+        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         if loader_state is not None:
@@ -276,15 +277,14 @@ def main(argv=None) -> None:
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            shares = (
-                ""
-                if not summary.get("sources")
-                else ", "
-                + ", ".join(f"{name} {share:.0%}" for name, share in summary["sources"].items())
-            )
-            loss_text = (
-                "-" if loss is None else f"{loss.item():.3f}"
-            )  # a resume at the epoch's end: no batch left
+            shares = ""
+            if summary.get("sources"):
+                shares = ", " + ", ".join(
+                    f"{name} {share:.0%}" for name, share in summary["sources"].items()
+                )
+            loss_text = "-"  # a resume at the epoch's end: no batch left
+            if loss is not None:
+                loss_text = f"{loss.item():.3f}"
             print(
                 f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                 f"data wait {summary['wait_fraction']:.0%}{shares}",

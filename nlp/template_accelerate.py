@@ -57,6 +57,7 @@ from recipes.common import (
 )
 from recipes.common.frameworks.accelerate_glue import prepare_loader
 from recipes.nlp import PadCollate, build_token_cache
+from recipes.testing import make_text_corpus, train_tokenizer
 
 MAX_LENGTH = 512  # ADAPT: the longest sample, in tokens (longer ones are truncated)
 
@@ -112,13 +113,11 @@ def build_model(vocab_size: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     from transformers import BertConfig, BertForMaskedLM
 
-    size = (
-        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-        if smoke
-        else dict(
-            hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048
+    size = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048)
+    if smoke:  # a tiny model: the smoke test checks the loop, not the learning
+        size = dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
         )
-    )
     return BertForMaskedLM(
         BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size)
     )
@@ -133,8 +132,6 @@ def prepare_data(args, accelerator):
         args.tokenizer = args.workdir / "tokenizer"
         args.cache = args.workdir / "tokens"
         if accelerator.is_main_process and not args.tokenizer.exists():
-            from recipes.testing import make_text_corpus, train_tokenizer
-
             texts = make_text_corpus(240, seed=0)
             Path(args.texts).write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
@@ -217,7 +214,9 @@ def save_checkpoint(accelerator, workdir: Path, step: int, keep: int = 2) -> Non
 
 def latest_checkpoint(workdir: Path) -> Path | None:
     done = sorted(p.parent for p in (workdir / "checkpoints").glob("step-*/complete"))
-    return done[-1] if done else None
+    if not done:
+        return None
+    return done[-1]
 
 
 def main(argv=None) -> None:
@@ -232,9 +231,9 @@ def main(argv=None) -> None:
     device = accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, accelerator)
-    lengths = (
-        cache.lengths if mixture is None else np.concatenate([d.lengths for d in cache.datasets])
-    )
+    lengths = cache.lengths
+    if mixture is not None:  # every source's lengths, in the sources' order
+        lengths = np.concatenate([d.lengths for d in cache.datasets])
     # built after the Accelerator: it reads the ranks from torch.distributed
     sampler = LengthBucketSampler(
         lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture
@@ -254,7 +253,9 @@ def main(argv=None) -> None:
     if checkpoint is not None:  # resume: model, optimiser, random states, and the loader's place
         accelerator.load_state(str(checkpoint))
     generator = torch.Generator(device).manual_seed(rank)
-    log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
+    log = None
+    if args.log_samples:
+        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
     for epoch in range(
         loader.epoch, args.epochs
     ):  # the loader's state says which epoch to continue
@@ -289,15 +290,14 @@ def main(argv=None) -> None:
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
             summary = loader.summary()
-            shares = (
-                ""
-                if not summary.get("sources")
-                else ", "
-                + ", ".join(f"{name} {share:.0%}" for name, share in summary["sources"].items())
-            )
-            loss_text = (
-                "-" if loss is None else f"{loss.item():.3f}"
-            )  # a resume at the epoch's end: no batch left
+            shares = ""
+            if summary.get("sources"):
+                shares = ", " + ", ".join(
+                    f"{name} {share:.0%}" for name, share in summary["sources"].items()
+                )
+            loss_text = "-"  # a resume at the epoch's end: no batch left
+            if loss is not None:
+                loss_text = f"{loss.item():.3f}"
             print(
                 f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                 f"data wait {summary['wait_fraction']:.0%}{shares}",

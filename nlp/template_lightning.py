@@ -42,6 +42,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from recipes.common import LengthBucketSampler, make_loader
 from recipes.common.frameworks.lightning_glue import LoaderDataModule
 from recipes.nlp import PadCollate, build_token_cache
+from recipes.testing import make_text_corpus, train_tokenizer
 
 MAX_LENGTH = 512  # ADAPT: the longest sample, in tokens (longer ones are truncated)
 
@@ -84,13 +85,11 @@ def build_model(vocab_size: int, smoke: bool) -> torch.nn.Module:
     """ADAPT: your network."""
     from transformers import BertConfig, BertForMaskedLM
 
-    size = (
-        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-        if smoke
-        else dict(
-            hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048
+    size = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=2048)
+    if smoke:  # a tiny model: the smoke test checks the loop, not the learning
+        size = dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
         )
-    )
     return BertForMaskedLM(
         BertConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, **size)
     )
@@ -106,8 +105,6 @@ class Texts(LoaderDataModule):
     def prepare_data(self) -> None:  # once per node, before setup
         args = self.args
         if args.smoke and not args.tokenizer.exists():
-            from recipes.testing import make_text_corpus, train_tokenizer
-
             texts = make_text_corpus(240, seed=0)
             Path(args.texts).write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")
             train_tokenizer(texts, vocab_size=400).save_pretrained(args.tokenizer)
@@ -194,7 +191,9 @@ class MaskedLM(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         if self.global_rank == 0:  # a resume at an epoch's end has no batch left: no loss
-            loss = "-" if self.loss is None else f"{self.loss.item():.3f}"
+            loss = "-"
+            if self.loss is not None:
+                loss = f"{self.loss.item():.3f}"
             print(
                 f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss "
                 f"{loss}",
@@ -243,10 +242,10 @@ def main(argv=None) -> None:
         enable_model_summary=False,
     )
     resume = args.workdir / "checkpoints" / "checkpoint.ckpt"
+    if not resume.exists():  # a first run: nothing to resume
+        resume = None
     started = time.perf_counter()
-    trainer.fit(
-        MaskedLM(args), datamodule=Texts(args), ckpt_path=resume if resume.exists() else None
-    )
+    trainer.fit(MaskedLM(args), datamodule=Texts(args), ckpt_path=resume)
     if trainer.global_rank == 0:
         print(
             f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s",

@@ -29,6 +29,10 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
+from recipes.common.shards.shard_content import content_hash as shard_set_hash
+from recipes.common.shards.shard_content import listed_shard, read_checked
+from recipes.common.shards.shard_set import ShardSet
+
 _KINDS = (".txt", ".jsonl", ".parquet")
 
 
@@ -36,8 +40,6 @@ class TextSource:
     """Samples from `texts` (see `build_token_cache`), in batches, with a content hash."""
 
     def __init__(self, texts, *, text_field: str = "text"):
-        from recipes.common.shards.shard_set import ShardSet
-
         self.text_field = text_field
         self.url = self.strings = self.shards = self.files = None
         if isinstance(texts, ShardSet):
@@ -75,12 +77,12 @@ class TextSource:
         """A file (by its suffix), else a glob, a shard set's folder or a folder of text files."""
         # "?" starts a URL's query, a glob pattern only in a local path
         magic = any(c in self.url for c in "*[") or ("?" in self.url and "://" not in self.url)
-        shard = None if magic else _listed_shard(self.url, {})
-        if (
-            shard is not None
-        ):  # a shard file alone: read through its set's index, every sample checked
-            self._take_shards(shard)
-            return
+        if not magic:
+            # a shard file alone: read through its set's index, every sample checked
+            shard = listed_shard(self.url, {})
+            if shard is not None:
+                self._take_shards(shard)
+                return
         if not magic and _known(self.url):
             self.kind = _kind(self.url)
             return
@@ -90,15 +92,16 @@ class TextSource:
         if not magic and not fs.isdir(path):
             _kind(self.url)  # raises: an unknown file type
         if not magic and fs.exists(f"{path.rstrip('/')}/index.json"):
-            from recipes.common.shards.shard_set import ShardSet
-
             self._take_shards(ShardSet.open(self.url))
             return
-        found = sorted(fs.glob(path) if magic else fs.ls(path, detail=False))
-        local = "://" not in self.url
+        if magic:
+            found = sorted(fs.glob(path))
+        else:
+            found = sorted(fs.ls(path, detail=False))
+        if "://" in self.url:  # remote: the listing's paths back as URLs
+            found = [fs.unstrip_protocol(p) for p in found]
         sets = {}
-        found = [p if local else fs.unstrip_protocol(p) for p in found]
-        shards = {p: _listed_shard(p, sets) for p in found if p.endswith((".tar", ".parquet"))}
+        shards = {p: listed_shard(p, sets) for p in found if p.endswith((".tar", ".parquet"))}
         names = [
             p
             for p in found
@@ -106,8 +109,11 @@ class TextSource:
             and not p.rstrip("/").rsplit("/", 1)[-1].startswith((".", "_"))
         ]
         if not names:
+            where = "in it"
+            if magic:
+                where = "match"
             raise ValueError(
-                f"{self.url}: no .txt, .jsonl or .parquet files {'match' if magic else 'in it'} "
+                f"{self.url}: no .txt, .jsonl or .parquet files {where} "
                 f"({len(found)} other entries); pass a file, a folder or a glob of text files, "
                 "or ShardSet.open(url) for shards."
             )
@@ -138,19 +144,17 @@ class TextSource:
     def describe(self) -> str:
         if self.url is not None:
             return self.url
-        return (
-            f"<{len(self.files)} files>"
-            if self.files is not None
-            else f"<{len(self.strings)} {self.kind}>"
-        )
+        if self.files is not None:
+            return f"<{len(self.files)} files>"
+        return f"<{len(self.strings)} {self.kind}>"
 
     def content_hash(self) -> str:
-        field = self.text_field if self.kind in (".jsonl", ".parquet", "datasets", "shards") else ""
+        field = ""
+        if self.kind in (".jsonl", ".parquet", "datasets", "shards"):  # kinds with a text field
+            field = self.text_field
         digest = hashlib.sha256(f"{self.kind}|{field}|".encode())
         if self.shards is not None:  # from the index: no shard is read
-            from recipes.common.shards.shard_content import content_hash
-
-            digest.update(content_hash(self.shards, field).encode())
+            digest.update(shard_set_hash(self.shards, field).encode())
         elif self.files is not None:  # each file's own hash, in order
             for part in self.files:
                 digest.update(part.content_hash().encode())
@@ -210,11 +214,13 @@ class TextSource:
             return
         with self._open() as f:
             for number, raw in enumerate(f, start=1):
-                yield self._parse_line(raw, number) if wanted(number - 1) else None
+                if wanted(number - 1):
+                    yield self._parse_line(raw, number)
+                else:
+                    yield None
 
     def _parse_line(self, raw: bytes, number: int) -> str:
-        line = raw[:-1] if raw.endswith(b"\n") else raw
-        line = line[:-1] if line.endswith(b"\r") else line
+        line = raw.removesuffix(b"\n").removesuffix(b"\r")
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -233,7 +239,9 @@ class TextSource:
                 "file must be one JSON object."
             ) from None
         if not isinstance(record, dict) or self.text_field not in record:
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            keys = type(record).__name__
+            if isinstance(record, dict):
+                keys = sorted(record)
             raise ValueError(
                 f"{self.url}, line {number}: no field {self.text_field!r} (found {keys}); "
                 "pass text_field= with the right name."
@@ -272,9 +280,9 @@ class TextSource:
                     row += 1
 
     def _shard_samples(self) -> Iterator[str]:
-        from recipes.common.shards.shard_content import read_checked
-
-        columns = [self.text_field] if self.shards.format == "parquet" else None
+        columns = None
+        if self.shards.format == "parquet":  # read only the text's column
+            columns = [self.text_field]
         for shard, url in enumerate(self.shards.urls):
             for sample in read_checked(self.shards, shard, columns=columns):
                 where = f"shard {url.rsplit('/', 1)[-1]}, sample {sample.get('__key__')!r}"
@@ -300,16 +308,10 @@ class TextSource:
         return fsspec.open(self.url, "rb", compression="infer").open()
 
 
-def _listed_shard(path: str, sets: dict):
-    from recipes.common.shards.shard_content import listed_shard
-
-    return listed_shard(path, sets)
-
-
 def _source(path: str, text_field: str, sets: dict) -> TextSource:
     """A file's source: a shard listed by its set's index is read through the set (every sample
     checked against the index), never as a plain Parquet file."""
-    return TextSource(_listed_shard(path, sets) or path, text_field=text_field)
+    return TextSource(listed_shard(path, sets) or path, text_field=text_field)
 
 
 def _is_hf_dataset(texts) -> bool:
