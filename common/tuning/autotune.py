@@ -29,9 +29,10 @@ Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/l
   common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
   common/sampling/sharding.py, common/sizing/profiles.py, common/sizing/resources.py,
   common/sizing/sizing.py, common/sizing/tune_store.py, common/tuning/monitor.py,
-  common/tuning/monitor_plot.py, common/tuning/probes.py, common/tuning/tune_choice.py,
-  common/tuning/tune_trial.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py.
+  common/tuning/monitor_epoch.py, common/tuning/monitor_plot.py, common/tuning/monitor_rules.py,
+  common/tuning/probes.py, common/tuning/tune_choice.py, common/tuning/tune_trial.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  common/workers/start_watch.py, common/workers/worker.py.
 """
 
 from __future__ import annotations
