@@ -35,7 +35,7 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "AcceleratedLoader",
@@ -51,6 +51,13 @@ _END = object()
 _FORMAT = "recipes-loader-state"
 # names already prepared on each Accelerator (two loaders under one name would share a file)
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _ReadAhead(NamedTuple):
+    """The states around a batch read ahead of the loop."""
+
+    at_loop: dict  # the loader's state when the loop received its latest batch
+    at_loader: dict  # the loader's state after the batch read ahead
 
 
 class AcceleratedLoader:
@@ -77,14 +84,14 @@ class AcceleratedLoader:
                 "recipes.common.make_loader."
             )
         self.loader = loader
-        self.device = accelerator.device if device_placement else None
+        self.device = None
+        if device_placement:
+            self.device = accelerator.device
         self.non_blocking = bool(getattr(accelerator, "non_blocking", False))
         self.gradient_state = accelerator.gradient_state
         self.end_of_dataloader = False  # accelerate's DataLoaderStateMixin attributes
         self.remainder = -1
-        self._held: tuple[dict, dict] | None = (
-            None  # (the loop's state, the loader's) while a batch is read ahead
-        )
+        self._held: _ReadAhead | None = None  # while a batch is read ahead
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -107,12 +114,13 @@ class AcceleratedLoader:
         try:
             batch = next(iterator, _END)
             while batch is not _END:
-                received = (
-                    self.loader.state_dict()
-                )  # the loop's place: this batch received, the next not
+                # the loop's place: this batch received, the next not
+                received = self.loader.state_dict()
                 following = next(iterator, _END)
                 self.end_of_dataloader = following is _END
-                self._held = None if following is _END else (received, self.loader.state_dict())
+                self._held = None
+                if following is not _END:
+                    self._held = _ReadAhead(received, self.loader.state_dict())
                 yield self._placed(batch)
                 batch = following
         finally:
@@ -129,8 +137,8 @@ class AcceleratedLoader:
         """The loader's state at the loop's place: while a batch is read ahead, the state before
         it was read (unless the loader moved since: `set_epoch`, `load_state_dict`)."""
         live = self.loader.state_dict()
-        if self._held is not None and live == self._held[1]:
-            return self._held[0]
+        if self._held is not None and live == self._held.at_loader:
+            return self._held.at_loop
         return live
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -199,7 +207,9 @@ def prepare_loader(
             "`name=` for each loader (it names the loader's file in a checkpoint)."
         )
     names.add(name)
-    placement = accelerator.device_placement if device_placement is None else device_placement
+    placement = device_placement
+    if placement is None:
+        placement = accelerator.device_placement
     wrapped = AcceleratedLoader(loader, accelerator=accelerator, device_placement=placement)
     rank = accelerator.process_index
     world = accelerator.num_processes
@@ -313,11 +323,9 @@ def read_loader_state(folder, name: str, *, rank: int, world_size: int) -> dict[
         if record.get("world_size") == world_size:
             return record["state"]
     if not first.is_file():
-        found = (
-            sorted(p.name for p in Path(folder).glob("recipes_loader-*.json"))
-            if Path(folder).is_dir()
-            else []
-        )
+        found = []
+        if Path(folder).is_dir():
+            found = sorted(p.name for p in Path(folder).glob("recipes_loader-*.json"))
         raise FileNotFoundError(
             f"No state of the loader {name!r} in {folder} (expected {path.name}; found "
             f"{found or 'no loader state'}). Resume from a checkpoint saved while the loader was "

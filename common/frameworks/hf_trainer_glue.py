@@ -97,10 +97,11 @@ class LoaderTrainerMixin:
         if folder is True:
             from transformers.trainer_utils import get_last_checkpoint
 
-            folder = get_last_checkpoint(
-                self.args.output_dir
-            )  # None: the Trainer raises, naming output_dir
-        self._resume_folder = folder if isinstance(folder, (str, os.PathLike)) else None
+            # None: the Trainer raises, naming output_dir
+            folder = get_last_checkpoint(self.args.output_dir)
+        self._resume_folder = None
+        if isinstance(folder, (str, os.PathLike)):
+            self._resume_folder = folder
         if self._resume_folder is not None:
             _warn_partial_accumulation(self.train_loader, self.args.gradient_accumulation_steps)
         return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -121,7 +121,9 @@ class LoaderDataModuleMixin:
         of the dataset that `train_loader()` applies (a resolution schedule)."""
         if self._state_to_load is not None:
             return int(self._state_to_load["epoch"])
-        return 0 if self.trainer is None else int(self.trainer.current_epoch)
+        if self.trainer is None:
+            return 0
+        return int(self.trainer.current_epoch)
 
     def train_dataloader(self):
         loader = self.train_loader()
@@ -169,11 +171,10 @@ def check_sampler_kept(trainer, loader) -> None:
         getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", True
     ):
         return
-    own = (
-        f"batch sampler {type(loader.batch_sampler).__name__}"
-        if loader.batch_size is None
-        else f"sampler {type(loader.sampler).__name__}"
-    )
+    if loader.batch_size is None:
+        own = f"batch sampler {type(loader.batch_sampler).__name__}"
+    else:
+        own = f"sampler {type(loader.sampler).__name__}"
     raise ValueError(
         f"Trainer(use_distributed_sampler=True) would replace this {type(loader).__name__}'s {own} "
         "with a DistributedSampler, re-creating the loader (its loaded state lost; a batch "
@@ -215,7 +216,9 @@ def _warn_without_length(loader) -> None:
 
 
 def _ranks(trainer) -> tuple[int, int]:
-    return (1, 0) if trainer is None else (int(trainer.world_size), int(trainer.global_rank))
+    if trainer is None:
+        return 1, 0
+    return int(trainer.world_size), int(trainer.global_rank)
 
 
 def _epoch_callback():
@@ -239,13 +242,11 @@ def _epoch_callback():
 
 def _set_epochs(trainer) -> None:
     loaders = trainer.train_dataloader
-    for loader in (
-        loaders.values()
-        if isinstance(loaders, dict)
-        else loaders
-        if isinstance(loaders, (list, tuple))
-        else [loaders]
-    ):
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    elif not isinstance(loaders, (list, tuple)):
+        loaders = [loaders]
+    for loader in loaders:
         for holder in epoch_holders(loader):
             if getattr(holder, "epoch", None) != trainer.current_epoch:
                 holder.set_epoch(trainer.current_epoch)

@@ -196,6 +196,10 @@ class StatefulLoader(DataLoader):
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
 
+    def skipped_batches(self) -> int:
+        """Batches at the start of the current pass that a resume skipped (0 before a pass)."""
+        return getattr(self._passes.current, "skip", 0)
+
     def __enter__(self) -> StatefulLoader:
         return self
 

@@ -188,6 +188,10 @@ class LengthBucketSampler(Sampler[list[int]]):
                 stacklevel=4,
             )
 
+    def pass_batches(self) -> list[np.ndarray]:
+        """This rank's batches of the current pass, from where it began (a resume's position)."""
+        return self._plan(self.epoch, self._begin)
+
     def _plan(self, epoch: int, start: int) -> list[np.ndarray]:
         """This rank's batches: the global list from `start`, equalised over the ranks."""
         batches = self.global_batches(epoch)

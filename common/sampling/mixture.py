@@ -163,6 +163,10 @@ class MixtureSampler:
             batches.pop()
         return batches
 
+    def pass_batches(self) -> list[np.ndarray]:
+        """This rank's batches of the current pass, from where it began (a resume's position)."""
+        return self._batch_plan(self.epoch, self._begin)
+
     def _batch_plan(self, epoch: int, start: int) -> list[np.ndarray]:
         batches = self._global_batches(epoch)
         rest = batches[start:]

@@ -22,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from recipes.common.sizing.resources import Resources, detect_resources
+from recipes.common.sizing.resources import Resources
 from recipes.common.sizing.sizing import (
     WORKER_MEMORY_BYTES,
     estimate_loader_memory,
     loader_memory_budget,
-    local_world_size_from_env,
     max_workers_for_memory,
+    ranks_or_env,
+    resources_or_detect,
     smart_num_workers,
 )
 
@@ -104,8 +105,8 @@ def profile_settings(
         raise ValueError(
             f"`profile` must be one of {', '.join(PROFILES)}, but is {profile!r} instead."
         )
-    res = resources if resources is not None else detect_resources()
-    ranks = local_world_size if local_world_size is not None else local_world_size_from_env()
+    res = resources_or_detect(resources)
+    ranks = ranks_or_env(local_world_size)
     if cuda_available is None:
         import torch
 
@@ -172,25 +173,25 @@ def _workers_profile(
     if workers > 0:
         settings["prefetch_factor"] = prefetch
         settings["persistent_workers"] = persistent
-        reasons["prefetch_factor"] = (
-            "2 batches queued per worker hide decode-time jitter"
-            if prefetch == 2
-            else "1 batch queued per worker: the least memory in flight"
-        )
-        reasons["persistent_workers"] = (
-            "keep workers between epochs: no respawn stall, no re-import"
-            if persistent
-            else "workers exit each epoch and release their memory"
-        )
-    pin = pin_allowed and cuda
-    settings["pin_memory"] = pin
-    if not pin_allowed:
-        reasons["pin_memory"] = (
-            "off for text: small int batches copy fast, pinning costs more than it saves"
-        )
-    else:
-        reasons["pin_memory"] = "on: CUDA is available" if cuda else "off: no CUDA device"
+        reasons["prefetch_factor"] = "1 batch queued per worker: the least memory in flight"
+        if prefetch == 2:
+            reasons["prefetch_factor"] = "2 batches queued per worker hide decode-time jitter"
+        reasons["persistent_workers"] = "workers exit each epoch and release their memory"
+        if persistent:
+            reasons["persistent_workers"] = (
+                "keep workers between epochs: no respawn stall, no re-import"
+            )
+    settings["pin_memory"] = pin_allowed and cuda
+    reasons["pin_memory"] = _pin_reason(pin_allowed, cuda)
     return LoaderRecipe(profile, settings, reasons)
+
+
+def _pin_reason(pin_allowed: bool, cuda: bool) -> str:
+    if not pin_allowed:
+        return "off for text: small int batches copy fast, pinning costs more than it saves"
+    if cuda:
+        return "on: CUDA is available"
+    return "off: no CUDA device"
 
 
 def _profile_workers(profile: str, res: Resources, ranks: int) -> tuple[int, str]:

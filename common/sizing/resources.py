@@ -81,7 +81,9 @@ def detect_resources(
     root = Path(cgroup_root)
     affinity = _affinity_cpus()
     quota = _cpu_quota(root)
-    cpus = affinity if quota is None else max(1, min(affinity, math.ceil(quota)))
+    cpus = affinity
+    if quota is not None:
+        cpus = max(1, min(affinity, math.ceil(quota)))
 
     vm = psutil.virtual_memory()
     limit, usage = _memory_limit_and_usage(root)
@@ -133,8 +135,11 @@ def _cpu_quota(root: Path) -> float | None:
     for sub in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
         quota = _read(root / sub / "cpu.cfs_quota_us")
         period = _read(root / sub / "cpu.cfs_period_us")
-        if quota is not None and period:
-            return None if int(quota) < 0 else int(quota) / int(period)
+        if quota is None or not period:
+            continue
+        if int(quota) < 0:
+            return None
+        return int(quota) / int(period)
     return None
 
 
@@ -142,15 +147,22 @@ def _memory_limit_and_usage(root: Path) -> tuple[int | None, int | None]:
     """(limit, usage) in bytes from v2 `memory.max`/`memory.current`, else v1 files."""
     v2_limit = _read(root / "memory.max")
     if v2_limit is not None:
-        usage = _read(root / "memory.current")
-        limit = None if v2_limit == "max" else int(v2_limit)
-        return limit, int(usage) if usage else None
-    v1_limit = _read(root / "memory" / "memory.limit_in_bytes")
-    v1_usage = _read(root / "memory" / "memory.usage_in_bytes")
-    limit = int(v1_limit) if v1_limit else None
+        usage = _bytes(_read(root / "memory.current"))
+        if v2_limit == "max":
+            return None, usage
+        return int(v2_limit), usage
+    limit = _bytes(_read(root / "memory" / "memory.limit_in_bytes"))
+    usage = _bytes(_read(root / "memory" / "memory.usage_in_bytes"))
     if limit is not None and limit >= _V1_UNLIMITED:
         limit = None
-    return limit, int(v1_usage) if v1_usage else None
+    return limit, usage
+
+
+def _bytes(text: str | None) -> int | None:
+    """A cgroup file's number, None for a missing or empty file."""
+    if not text:
+        return None
+    return int(text)
 
 
 def _statvfs(path: str | os.PathLike) -> tuple[int, int]:
@@ -167,4 +179,6 @@ def _gpu_count() -> int:
     except ImportError:
         return 0
     # device_count() asks NVML and does not initialise CUDA, so fork stays safe afterwards.
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()

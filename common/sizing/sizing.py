@@ -37,6 +37,20 @@ def local_world_size_from_env() -> int:
         ) from None
 
 
+def resources_or_detect(resources: Resources | None) -> Resources:
+    """`resources`, or a fresh `detect_resources()` snapshot when None."""
+    if resources is None:
+        return detect_resources()
+    return resources
+
+
+def ranks_or_env(local_world_size: int | None) -> int:
+    """`local_world_size`, or the ranks on this node from the environment when None."""
+    if local_world_size is None:
+        return local_world_size_from_env()
+    return local_world_size
+
+
 def smart_num_workers(
     resources: Resources | None = None,
     *,
@@ -75,15 +89,17 @@ def smart_num_workers(
     _check_positive(max_workers=max_workers)
     if workers_per_gpu is not None:
         _check_positive(workers_per_gpu=workers_per_gpu)
-    res = resources if resources is not None else detect_resources()
-    ranks = local_world_size if local_world_size is not None else local_world_size_from_env()
+    res = resources_or_detect(resources)
+    ranks = ranks_or_env(local_world_size)
     _check_positive(local_world_size=ranks)
 
     cpus = res.cpus // ranks
     memory_per_rank = res.memory_available // ranks
     workers = min(cpus - reserved_cpus(cpus), memory_per_rank // WORKER_MEMORY_BYTES)
     if workers_per_gpu is not None:
-        gpus_per_rank = 1 if res.gpus == 0 else max(1, res.gpus // ranks)
+        gpus_per_rank = 1
+        if res.gpus:
+            gpus_per_rank = max(1, res.gpus // ranks)
         workers = min(workers, gpus_per_rank * workers_per_gpu)
     if cpus >= 2:
         workers = max(workers, 1)
@@ -122,8 +138,12 @@ def estimate_loader_memory(
     """
     _check_non_negative(num_workers=num_workers, sample_bytes=sample_bytes, margin=margin)
     _check_positive(batch_size=batch_size)
-    prefetch = 2 if prefetch_factor is None else prefetch_factor
-    batches = num_workers * prefetch if num_workers > 0 else 1
+    prefetch = prefetch_factor
+    if prefetch is None:
+        prefetch = 2
+    batches = 1
+    if num_workers > 0:
+        batches = num_workers * prefetch
     return int(batches * batch_size * sample_bytes * (1.0 + margin))
 
 
@@ -143,7 +163,9 @@ def max_workers_for_memory(
         prefetch_factor=prefetch_factor,
         margin=margin,
     )
-    return int(budget_bytes // per_worker) if per_worker > 0 else 1 << 30
+    if per_worker <= 0:
+        return 1 << 30
+    return int(budget_bytes // per_worker)
 
 
 def loader_memory_budget(resources: Resources, *, local_world_size: int = 1) -> int:

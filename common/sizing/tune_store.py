@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recipes.common.caches.cache_files import fsync_path, write_synced
+from recipes.common.sizing.sizing import local_world_size_from_env, resources_or_detect
+
 FORMAT_VERSION = 1
 
 
@@ -50,10 +53,7 @@ def dataset_key(dataset) -> str:
 
 def machine_key(res=None) -> str:
     """This machine as the loader sees it: host name, effective CPUs, GPUs, ranks per node."""
-    from recipes.common.sizing.resources import detect_resources
-    from recipes.common.sizing.sizing import local_world_size_from_env
-
-    res = res if res is not None else detect_resources()
+    res = resources_or_detect(res)
     ranks = local_world_size_from_env()
     return f"{socket.gethostname()}|cpus={res.cpus}|gpus={res.gpus}|ranks={ranks}"
 
@@ -67,8 +67,6 @@ def _path(dataset, res=None) -> Path:
 
 def save_tuned(dataset, settings: dict[str, Any], measured: dict[str, Any]) -> Path:
     """Stores `settings` for `dataset` on this machine (atomically: temp file, fsync, rename)."""
-    from recipes.common.caches.cache_files import fsync_path, write_synced
-
     path = _path(dataset)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {

@@ -8,29 +8,35 @@ likely cause and the fix. `plot()` draws the run's timeline (step by step: wait,
 Cost: two `perf_counter` calls and a bounded timeline's few numpy writes per batch; a resource
 reading (a few ms per process: smaps) at the first batch, then at most every `sample_seconds`.
 Adapt here: the thresholds (the defaults are the production rules: a batch over 1 s, memory
-growth over 20% between epochs, data wait over 20%), `items_in` for your batch type.
+growth over 20% between epochs, data wait over 20%), `items_in` for your batch type; the
+warnings' rules are a table in `monitor_rules.py`, an epoch's figures in `monitor_epoch.py`.
 Trade-off: step time is what the CPU sees. CUDA runs asynchronously, so a loop that never
 synchronises (no `loss.item()`, no logging) shows step time in the next `next()` instead;
 `profile_trace` shows the exact timeline.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
   common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
-  common/remote/ranged_download.py, common/remote/retries.py, common/tuning/monitor_plot.py,
-  common/tuning/probes.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/remote/ranged_download.py, common/remote/retries.py, common/tuning/monitor_epoch.py,
+  common/tuning/monitor_plot.py, common/tuning/monitor_rules.py, common/tuning/probes.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
 import warnings
 from typing import Any
 
-import numpy as np
-
 from recipes.common.loader_warning import LoaderWarning
+from recipes.common.tuning.monitor_epoch import (
+    EpochFigures,
+    memory_growth,
+    ratio,
+    realised_mixture,
+)
 from recipes.common.tuning.monitor_plot import StepTimeline, plot_timeline
+from recipes.common.tuning.monitor_rules import diagnose
 from recipes.common.tuning.probes import gpu_reading, prefetch_caches, process_memory
 
 
@@ -94,7 +100,7 @@ class LoaderMonitor:
         return getattr(self.loader, name)
 
     def __iter__(self):
-        epoch = _Epoch(len(self.epochs))
+        epoch = EpochFigures(len(self.epochs))
         net_before = _net_bytes()
         caches_before = {id(c): c.stats() for c in prefetch_caches(self.loader)}
         iterator = iter(self.loader)
@@ -107,12 +113,12 @@ class LoaderMonitor:
                 try:
                     batch = next(iterator)
                 except StopIteration:
-                    epoch.step_s += asked - handed_back if epoch.batches else 0.0
+                    if epoch.batches:
+                        epoch.step_s += asked - handed_back
                     break
                 except RuntimeError:
-                    self._sample(
-                        epoch, iterator
-                    )  # record the deaths behind "worker exited unexpectedly"
+                    # record the deaths behind "worker exited unexpectedly"
+                    self._sample(epoch, iterator)
                     raise
                 got = time.perf_counter()
                 self.timeline.open(asked, got, epoch.index)
@@ -130,7 +136,7 @@ class LoaderMonitor:
             self._close(epoch, begin, net_before, caches_before)
 
     # ---- readings --------------------------------------------------------------------------
-    def _sample(self, epoch: _Epoch, iterator) -> None:
+    def _sample(self, epoch: EpochFigures, iterator) -> None:
         for process in getattr(iterator, "_workers", None) or []:
             if process.pid is not None:
                 self._known_workers[process.pid] = process
@@ -151,34 +157,44 @@ class LoaderMonitor:
                 del self._known_workers[pid]
                 if code != 0:
                     epoch.deaths.append((pid, code))
-        with _quiet():
-            shm = shutil.disk_usage("/dev/shm").used if os.path.isdir("/dev/shm") else None
-        epoch.shm_used = max(epoch.shm_used or 0, shm) if shm is not None else epoch.shm_used
+        shm = _shm_used()
+        if shm is not None:
+            epoch.shm_used = max(epoch.shm_used or 0, shm)
         gpu = gpu_reading()
         if gpu is not None:
             epoch.gpu_util.append(gpu[0])
             epoch.gpu_memory = max(epoch.gpu_memory or 0, gpu[1])
 
     def _close(
-        self, epoch: _Epoch, begin: float, net_before: int | None, caches_before: dict
+        self, epoch: EpochFigures, begin: float, net_before: int | None, caches_before: dict
     ) -> None:
         epoch.seconds = time.perf_counter() - begin
         net = _net_bytes()
-        epoch.net_bytes = None if net is None or net_before is None else net - net_before
+        if net is not None and net_before is not None:
+            epoch.net_bytes = net - net_before
+        prefetch = None
+        if caches_before:
+            prefetch = self._prefetch_counts(caches_before)
+        row = epoch.row(prefetch)
+        row["sources"] = realised_mixture(self.loader, row["samples"])
+        # The first epoch is the workers' warm-up (forked, then touching what they use): growth
+        # is judged from the second epoch on.
+        previous = None
+        if len(self.epochs) >= 2:
+            previous = self.epochs[-1]
+        row["memory_growth"] = memory_growth(previous, row)
+        self.epochs.append(row)
+        for message in diagnose(row, self):
+            warnings.warn(message, LoaderWarning, stacklevel=3)
+
+    def _prefetch_counts(self, caches_before: dict) -> dict[str, int]:
+        """The `PrefetchCache` counters of the epoch: hits, misses, bytes downloaded."""
         prefetch = {"hits": 0, "misses": 0, "bytes_downloaded": 0}
         for cache in prefetch_caches(self.loader):
             before = caches_before.get(id(cache), {})
             for key, value in cache.stats().items():
                 prefetch[key] += value - before.get(key, 0)
-        row = epoch.row(prefetch if caches_before else None)
-        row["sources"] = _realised_mixture(self.loader, row["samples"])
-        # The first epoch is the workers' warm-up (forked, then touching what they use): growth
-        # is judged from the second epoch on.
-        previous = self.epochs[-1] if len(self.epochs) >= 2 else None
-        row["memory_growth"] = _growth(previous, row)
-        self.epochs.append(row)
-        for message in _diagnose(row, self):
-            warnings.warn(message, LoaderWarning, stacklevel=3)
+        return prefetch
 
     # ---- results ---------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -224,9 +240,9 @@ class LoaderMonitor:
             batches=total["batches"],
             samples=total["samples"],
             seconds=total["seconds"],
-            samples_per_s=total["samples"] / total["seconds"] if total["seconds"] > 0 else 0.0,
-            wait_fraction=_ratio(total["steady_wait_s"], total["steady_s"]),
-            wait_fraction_with_start=_ratio(total["wait_s"], total["wait_s"] + total["step_s"]),
+            samples_per_s=ratio(total["samples"], total["seconds"]),
+            wait_fraction=ratio(total["steady_wait_s"], total["steady_s"]),
+            wait_fraction_with_start=ratio(total["wait_s"], total["wait_s"] + total["step_s"]),
             max_batch_s=max(e["max_batch_s"] for e in self.epochs),
             worker_deaths=sum(e["worker_deaths"] for e in self.epochs),
         )
@@ -246,14 +262,15 @@ class LoaderMonitor:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for i, e in enumerate(self.epochs):
-            growth = "-" if e["memory_growth"] is None else f"{e['memory_growth']:+.0%}"
-            gpu = "-" if e["gpu_util"] is None else f"{e['gpu_util']:.0f}%"
+            gpu = "-"
+            if e["gpu_util"] is not None:
+                gpu = f"{e['gpu_util']:.0f}%"
             lines.append(
                 f"| {i} | {e['samples_per_s']:,.1f} | {e['wait_fraction']:.0%} | "
                 f"{e['first_batch_s']:.2f} | {e['max_batch_s']:.2f} | {e['batch_time_cv']:.2f} | "
-                f"{_mib(e['main_rss_bytes'])} | {_mib(e['workers_uss_bytes'])} | {growth} | "
-                f"{e['worker_deaths']} | {_mib(e['shm_used_bytes'])} | {gpu} | "
-                f"{_mib(e['net_bytes_recv'])} |"
+                f"{_mib(e['main_rss_bytes'])} | {_mib(e['workers_uss_bytes'])} | "
+                f"{_signed_percent(e['memory_growth'])} | {e['worker_deaths']} | "
+                f"{_mib(e['shm_used_bytes'])} | {gpu} | {_mib(e['net_bytes_recv'])} |"
             )
         return "\n".join(lines)
 
@@ -271,197 +288,13 @@ def items_in(batch) -> int:
         return 1
 
 
-class _Epoch:
-    """Running figures of one epoch."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.batches = self.samples = 0
-        self.wait_s = self.step_s = 0.0
-        self.waits: list[float] = []
-        self.first_batch_s = 0.0
-        self.first_items = 0
-        self.last_sample = 0.0
-        self.main_rss = self.workers_uss = self.workers_pss = self.workers = 0
-        self.deaths: list[tuple[int, int]] = []
-        self.per_worker: dict[int, tuple[int, int]] = {}
-        self.shm_used: int | None = None
-        self.gpu_util: list[float] = []
-        self.gpu_memory: int | None = None
-        self.seconds = 0.0
-        self.net_bytes: int | None = None
-
-    def add(self, wait: float, step: float, items: int) -> None:
-        self.batches += 1
-        self.samples += items
-        self.wait_s += wait
-        self.step_s += step
-        self.waits.append(wait)
-
-    def row(self, prefetch: dict | None) -> dict[str, Any]:
-        steady = self.waits[1:]
-        steady_wait = sum(steady)
-        steady_s = max(0.0, self.seconds - self.first_batch_s)
-        mean = sum(steady) / len(steady) if steady else 0.0
-        var = sum((w - mean) ** 2 for w in steady) / len(steady) if steady else 0.0
-        return {
-            "batches": self.batches,
-            "samples": self.samples,
-            "seconds": self.seconds,
-            "samples_per_s": self.samples / self.seconds if self.seconds > 0 else 0.0,
-            "steady_samples_per_s": _ratio(self.samples - self.first_items, steady_s),
-            "wait_s": self.wait_s,
-            "step_s": self.step_s,
-            "steady_wait_s": steady_wait,
-            "steady_s": steady_s,
-            "wait_fraction": _ratio(steady_wait, steady_s),
-            "wait_fraction_with_start": _ratio(self.wait_s, self.wait_s + self.step_s),
-            "first_batch_s": self.first_batch_s,
-            "max_batch_s": max(steady, default=self.waits[0] if self.waits else 0.0),
-            "batch_time_cv": math.sqrt(var) / mean if mean > 0 else 0.0,
-            "main_rss_bytes": self.main_rss,
-            "workers": self.workers,
-            "workers_uss_bytes": self.workers_uss or None,
-            "workers_pss_bytes": self.workers_pss or None,
-            "per_worker": [
-                {"pid": pid, "uss_bytes": uss, "pss_bytes": pss}
-                for pid, (uss, pss) in sorted(self.per_worker.items())
-            ],
-            "worker_deaths": len(self.deaths),
-            "worker_exit_codes": [code for _, code in self.deaths],
-            "shm_used_bytes": self.shm_used,
-            "gpu_util": sum(self.gpu_util) / len(self.gpu_util) if self.gpu_util else None,
-            "gpu_memory_bytes": self.gpu_memory,
-            "net_bytes_recv": self.net_bytes,
-            "prefetch": prefetch,
-        }
-
-
-def _realised_mixture(loader, samples: int) -> dict[str, float] | None:
-    """The share of each source among the `samples` samples this rank's loop received in the
-    epoch (after the batches a resume skipped), from the loader's `MixtureSampler` (its sampler
-    or batch sampler, or a bucketing sampler's `mixture`); None without one."""
-    inner = getattr(loader, "loader", loader)
-    current = getattr(getattr(inner, "_passes", None), "current", None)
-    skip = int(getattr(current, "skip", 0) or 0)  # batches of the epoch a resume skipped
-    batch_sampler = getattr(inner, "batch_sampler", None)
-    for candidate in (
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
-        getattr(inner, "sampler", None),
-    ):
-        if hasattr(candidate, "source_counts"):
-            if getattr(candidate, "batch_size", None) is not None and candidate is batch_sampler:
-                # a batch sampler resumes by itself: this pass's batches begin at its global
-                # position
-                mine = [
-                    int(i)
-                    for b in candidate._batch_plan(candidate.epoch, candidate._begin)[skip:]
-                    for i in b
-                ]
-                found = np.bincount(
-                    candidate.source_of(mine[:samples]), minlength=len(candidate.names)
-                )
-                counts = {name: int(c) for name, c in zip(candidate.names, found, strict=True)}
-            else:
-                counts = candidate.source_counts(
-                    samples, start=skip * int(getattr(inner, "batch_size", None) or 1)
-                )
-            break
-        mixture = getattr(candidate, "mixture", None)
-        if hasattr(mixture, "source_of") and hasattr(candidate, "_plan"):  # mixed, then bucketed
-            begin = int(
-                getattr(candidate, "_begin", 0)
-            )  # a bucketing sampler resumes by itself too
-            mine = [
-                int(i) for batch in candidate._plan(candidate.epoch, begin)[skip:] for i in batch
-            ][:samples]
-            found = (
-                np.bincount(mixture.source_of(mine), minlength=len(mixture.names)) if mine else []
-            )
-            counts = {name: int(c) for name, c in zip(mixture.names, found, strict=False)}
-            break
-    else:
+def _shm_used() -> int | None:
+    """Bytes used in `/dev/shm`, None where there is none or it cannot be read."""
+    if not os.path.isdir("/dev/shm"):
         return None
-    total = sum(counts.values())
-    return {name: count / total for name, count in counts.items()} if total else None
-
-
-def _diagnose(row: dict[str, Any], monitor: LoaderMonitor) -> list[str]:
-    """The warnings an epoch earns, each with its likely cause and fix."""
-    n = len(monitor.epochs) - 1
-    out = []
-    threads = getattr(monitor.loader, "read_ahead_threads", None)
-    if row["batches"] > 1 and row["wait_fraction"] > monitor.warn_wait_fraction:
-        fix = (
-            f"Likely cause: the {threads} thread(s) of the thread path (ThreadLoader) cannot make "
-            "batches as fast as the step uses them, or their work holds the GIL. Fix: a decoded "
-            "cache (build_image_cache, build_token_cache) if there is none, more CPUs for this "
-            "rank, or make_loader(..., path='workers') with `recipes tune` for work that is "
-            "Python per item."
-            if threads is not None
-            else "Likely cause: too few workers for the decode cost, or slow storage. Fix: "
-            "`recipes tune` / autotune() for num_workers and prefetch_factor, a decoded cache "
-            "(build_image_cache, build_token_cache), or PrefetchCache for remote data."
-        )
-        out.append(
-            f"epoch {n}: the loop waited for data {row['wait_fraction']:.0%} of the time "
-            f"(threshold {monitor.warn_wait_fraction:.0%}); the step is starved. {fix}"
-        )
-    if row["max_batch_s"] > monitor.warn_batch_seconds and row["batches"] > 1:
-        out.append(
-            f"epoch {n}: a batch took {row['max_batch_s']:.2f} s to arrive (threshold "
-            f"{monitor.warn_batch_seconds:.2f} s; batch-time CV {row['batch_time_cv']:.2f}). "
-            "Likely cause: a slow read (remote storage, a huge or corrupt file) or a straggling "
-            "worker. Fix: PrefetchCache for remote shards, a higher prefetch_factor "
-            "(ThreadLoader: `prefetch`) to absorb jitter, or check the files the slow indices map "
-            "to."
-        )
-    if row["first_batch_s"] > monitor.warn_first_batch_seconds:
-        out.append(
-            f"epoch {n}: the first batch took {row['first_batch_s']:.1f} s (threshold "
-            f"{monitor.warn_first_batch_seconds:.1f} s). Likely cause: workers started with spawn "
-            "or forkserver re-import torch, or a heavy dataset constructor. Fix: the fork start "
-            "method (make_loader's default) and persistent_workers=True."
-        )
-    growth = row["memory_growth"]
-    if growth is not None and growth > monitor.warn_memory_growth:
-        out.append(
-            f"epoch {n}: loader memory grew {growth:.0%} since the last epoch (threshold "
-            f"{monitor.warn_memory_growth:.0%}). Likely cause: forked workers touching Python "
-            "lists or dicts of the index (copy-on-read), or a per-worker cache without a bound. "
-            "Fix: keep the index in numpy arrays or PackedStrings, bound caches."
-        )
-    for code in row["worker_exit_codes"]:
-        cause = (
-            "killed by SIGKILL, usually the out-of-memory killer"
-            if code == -9
-            else "a bus error, usually a full /dev/shm"
-            if code == -7
-            else f"exit code {code}"
-        )
-        out.append(
-            f"epoch {n}: a DataLoader worker died ({cause}). Fix: fewer workers, "
-            "prefetch_factor=1, profile='memory', or a larger /dev/shm (docker --shm-size)."
-        )
-    return out
-
-
-def _growth(previous: dict | None, row: dict) -> float | None:
-    """The larger relative growth of main RSS and workers' USS since `previous`, counting only
-    growth of at least `MIN_GROWTH_BYTES` (a few MiB of a young worker are not a leak)."""
-    if previous is None:
-        return None
-    growths = [0.0]
-    for key in ("main_rss_bytes", "workers_uss_bytes"):
-        before = previous.get(key)
-        now = row.get(key)
-        if before and now and now - before >= MIN_GROWTH_BYTES:
-            growths.append(now / before - 1.0)
-    return max(growths)
-
-
-MIN_GROWTH_BYTES = 16 * 2**20
+    with _quiet():
+        return shutil.disk_usage("/dev/shm").used
+    return None
 
 
 def _net_bytes() -> int | None:
@@ -484,9 +317,13 @@ class _quiet:
         )
 
 
-def _ratio(part: float, whole: float) -> float:
-    return part / whole if whole > 0 else 0.0
-
-
 def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:,.0f}"
+    if value is None:
+        return "-"
+    return f"{value / 2**20:,.0f}"
+
+
+def _signed_percent(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.0%}"

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import threading
 
+from recipes.common.remote.prefetch_cache import PrefetchCache
+
 _NVML: dict = {}
 
 
@@ -75,15 +77,13 @@ def _device_index() -> int:
 def prefetch_caches(loader) -> list:
     """The `PrefetchCache`s a loader's dataset reads through (its attributes, one level deep,
     and those of a wrapped `.dataset`, as `Subset` has)."""
-    from recipes.common.remote.prefetch_cache import PrefetchCache
-
     found = []
     seen = set()
     dataset = getattr(loader, "dataset", None)
     for holder in (dataset, getattr(dataset, "dataset", None)):
-        if holder is None:
+        if holder is None or not hasattr(holder, "__dict__"):
             continue
-        for value in vars(holder).values() if hasattr(holder, "__dict__") else ():
+        for value in vars(holder).values():
             if isinstance(value, PrefetchCache) and id(value) not in seen:
                 seen.add(id(value))
                 found.append(value)

@@ -9,7 +9,7 @@ import torch
 from recipes.common import ThreadLoader, autotune, make_loader
 from recipes.common.loading.isolated_loader import IsolatedLoader
 from recipes.common.sizing.tune_store import load_tuned
-from recipes.common.tuning.autotune import _choose
+from recipes.common.tuning.tune_choice import choose_trial
 
 
 def _spin(seconds: float) -> None:
@@ -182,4 +182,4 @@ def _row(path, wait, rate, workers=0, prefetch=None, peak=1):
     ],
 )
 def test_the_choice_between_paths(rows, with_step, budget, expected):
-    assert _choose(rows, with_step, budget)["path"] == expected
+    assert choose_trial(rows, with_step, budget)["path"] == expected
