@@ -41,7 +41,7 @@ def _rows(name, make_loader, checks, repeat):
 def vision_rows(images: int, workers: int, repeat: int, batch_size: int = 32):
     from torch.utils.data import DataLoader
 
-    from recipes.bench.vision import ensure_data
+    from recipes.bench.images.data import ensure_data
     from recipes.common import make_loader
     from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
 

@@ -196,7 +196,7 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.vision import ensure_data
+    from recipes.bench.images.data import ensure_data
     from recipes.vision import ImageFolderFast, build_image_cache
 
     gil_ms = [float(v) for v in args.gil.split(",")]

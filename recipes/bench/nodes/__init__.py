@@ -74,7 +74,7 @@ def _work(folders: list[Path], what: str, run: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.vision import ensure_data
+    from recipes.bench.images.data import ensure_data
 
     per_rank = -(-args.images // (2 * args.ranks))  # images a rank reads in epoch 0 on 2 nodes
     stop = min(3, -(-per_rank // 8) - 1)  # a step of epoch 0 before its last batch
