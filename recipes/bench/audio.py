@@ -16,6 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
+from recipes.audio.spectrogram_cache import featurizer
+from recipes.bench.harness.bench_charts import Chart, write_chart
+from recipes.bench.harness.measure import measure, peak_rss_growth, show_table
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.common import ThreadLoader, make_loader, smart_num_workers, worker_init
+from recipes.testing import make_audio_files
+
 BENCH_VERSION = 1
 
 
@@ -83,7 +91,6 @@ def _data_root() -> Path:
 
 def ensure_data() -> tuple[Path, Path, Path]:
     """(folder of 4 x 5-minute FLACs, a 1-minute FLAC, a 30-minute FLAC), generated once."""
-    from recipes.testing import make_audio_files
 
     root = _data_root()
     if not (root / ".complete").exists():
@@ -102,11 +109,6 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
     """(rows, cache build seconds) for the baseline, chunked reading and the cache."""
     import torch
     from torch.utils.data import DataLoader
-
-    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
-    from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.harness.measure import measure
-    from recipes.common import ThreadLoader, worker_init
 
     chunked = ChunkedAudioDataset(folder, chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
@@ -171,10 +173,6 @@ def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
 
 
 def _probe(path: str, chunk_seconds: float, kind: str) -> None:
-    from recipes.audio import ChunkedAudioDataset
-    from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.harness.measure import peak_rss_growth
-
     chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
     reader = (
@@ -185,10 +183,6 @@ def _probe(path: str, chunk_seconds: float, kind: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.bench_charts import Chart, write_chart
-    from recipes.bench.harness.measure import show_table
-    from recipes.common import smart_num_workers
-
     plot = getattr(args, "plot", None)
     if args.data is not None:
         folder = args.data
@@ -247,11 +241,6 @@ def train_setup(args, device):
 
     import torch
     from torch.utils.data import DataLoader
-
-    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
-    from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.harness.train_setup import TrainSetup
-    from recipes.common import make_loader, smart_num_workers, worker_init
 
     cuda = device.type == "cuda"
     batch = args.batch_size or (64 if cuda else 16)

@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import time
 
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.common import LengthBucketSampler, make_loader
+from recipes.nlp import PadCollate, build_token_cache, document_attention_mask, packed_loader
+from recipes.testing import make_text_corpus, train_tokenizer
+
 _SIZES = {"gpt-small": dict(dim=512, layers=6, heads=8), "tiny": dict(dim=64, layers=2, heads=2)}
 
 
@@ -24,11 +29,6 @@ def train_setup(args, device):
     import tempfile
 
     import torch
-
-    from recipes.bench.harness.train_setup import TrainSetup
-    from recipes.common import LengthBucketSampler, make_loader
-    from recipes.nlp import PadCollate, build_token_cache, document_attention_mask, packed_loader
-    from recipes.testing import make_text_corpus, train_tokenizer
 
     cuda = device.type == "cuda"
     rows = args.batch_size or (8 if cuda else 4)

@@ -18,6 +18,22 @@ import time
 import warnings
 from pathlib import Path
 
+from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
+from recipes.bench.harness.measure import best_interleaved, measure
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.bench.nlp_mixture import run_mix
+from recipes.bench.nlp_pack import run_pack
+from recipes.common import (
+    LengthBucketSampler,
+    ThreadLoader,
+    make_loader,
+    smart_num_workers,
+    worker_init,
+)
+from recipes.nlp import PadCollate, build_token_cache
+from recipes.nlp.texts import TextSource
+from recipes.testing import make_text_corpus, train_tokenizer
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--texts", default=None, help=".txt or .jsonl corpus (default: generated)")
@@ -95,11 +111,7 @@ class _TokenCounter:
 
 
 def _inputs(args):
-    from recipes.testing import make_text_corpus, train_tokenizer
-
     if args.texts is not None:
-        from recipes.nlp.texts import TextSource
-
         texts = [t for batch in TextSource(args.texts).batches(10_000) for t in batch]
     else:
         texts = make_text_corpus(args.samples, seed=0)
@@ -129,10 +141,6 @@ def compare(
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
-
-    from recipes.bench.harness.measure import best_interleaved, measure
-    from recipes.common import LengthBucketSampler, ThreadLoader, worker_init
-    from recipes.nlp import PadCollate, build_token_cache
 
     hf_logging.set_verbosity_error()
     start = time.perf_counter()
@@ -206,18 +214,11 @@ def compare(
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
-    from recipes.common import smart_num_workers
-
     texts, tokenizer = _inputs(args)
     workers = smart_num_workers() if args.workers is None else args.workers
     if args.pack:
-        from recipes.bench.nlp_pack import run_pack
-
         return run_pack(args, texts, tokenizer, workers)
     if args.mix:
-        from recipes.bench.nlp_mixture import run_mix
-
         return run_mix(args, texts, tokenizer, workers)
     rates, rows, counters = compare(
         texts,
@@ -272,11 +273,6 @@ def train_setup(args, device):
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
-
-    from recipes.bench.harness.train_setup import TrainSetup
-    from recipes.common import LengthBucketSampler, make_loader, smart_num_workers, worker_init
-    from recipes.nlp import PadCollate, build_token_cache
-    from recipes.testing import make_text_corpus, train_tokenizer
 
     hf_logging.set_verbosity_error()
     cuda = device.type == "cuda"

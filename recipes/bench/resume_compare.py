@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler
 
+from recipes.common.loading.loader import make_loader
+
 N = 48
 BATCH = 4
 TAKEN = 5
@@ -113,7 +115,6 @@ def _build(loader: str, situation: Situation, workers: int):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(dataset, generator=torch.Generator().manual_seed(SEED), **kwargs)
-    from recipes.common.loading.loader import make_loader
 
     torch.manual_seed(SEED)
     return make_loader(dataset, **kwargs)

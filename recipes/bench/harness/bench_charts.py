@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from recipes.common.tuning.monitor_plot import import_pyplot, save_figure
+
 
 @dataclass(frozen=True)
 class Chart:
@@ -67,8 +69,6 @@ def prepare(folder: Path | None) -> None:
         return
     import tempfile
 
-    from recipes.common.tuning.monitor_plot import import_pyplot
-
     import_pyplot()
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,6 @@ def write_chart(chart: Chart, folder: Path | str | None) -> list[Path]:
         raise ValueError(
             f"`baseline` must index a row of chart {chart.name!r}, but is {chart.baseline} instead."
         )
-    from recipes.common.tuning.monitor_plot import import_pyplot, save_figure
 
     plt = import_pyplot()
     fig = _draw(plt, chart)

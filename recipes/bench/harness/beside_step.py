@@ -25,6 +25,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from recipes.bench.images.data import ensure_data
+from recipes.common import make_loader
+from recipes.vision import ImageFolderFast, build_image_cache
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -119,8 +123,6 @@ def loaders(dataset, batch_size: int, epoch_batches: int | None = None):
     import torch
     from torch.utils.data import RandomSampler
 
-    from recipes.common import make_loader
-
     def order():
         if epoch_batches is None:
             return {"shuffle": True}
@@ -196,9 +198,6 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.images.data import ensure_data
-    from recipes.vision import ImageFolderFast, build_image_cache
-
     gil_ms = [float(v) for v in args.gil.split(",")]
     root = ensure_data(args.images, kind="photos")
     with tempfile.TemporaryDirectory(prefix="recipes-bench-step-") as cache:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipes.bench.harness.bench_charts import chart_of_rows, slug, write_chart
 from recipes.common.tuning.probes import PeakMemory, tree_memory_bytes  # noqa: F401 (re-exported)
 
 
@@ -140,8 +141,6 @@ def show_table(
     print(f"\n## {heading}\n")
     print(format_table(rows, unit=unit, baseline=baseline, whole_epoch=whole_epoch))
     if plot is not None:
-        from recipes.bench.harness.bench_charts import chart_of_rows, slug, write_chart
-
         name = name or slug(heading.split(":")[0])
         write_chart(chart_of_rows(name, heading, rows, unit=unit, baseline=baseline), plot)
 
