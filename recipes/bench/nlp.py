@@ -17,18 +17,21 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import DataLoader
 
 from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
 from recipes.bench.harness.measure import best_interleaved, measure
 from recipes.bench.harness.train_setup import TrainSetup
+from recipes.bench.harness.workers import chosen_workers, worker_init_for, workers_override
 from recipes.bench.nlp_mixture import run_mix
 from recipes.bench.nlp_pack import run_pack
 from recipes.common import (
     LengthBucketSampler,
     ThreadLoader,
     make_loader,
-    smart_num_workers,
-    worker_init,
 )
 from recipes.nlp import PadCollate, build_token_cache
 from recipes.nlp.texts import TextSource
@@ -137,8 +140,6 @@ def compare(
 ):
     """Encode rates, then (rows, counters) for the baseline and the recipe: each loader's best of
     `repeat` epochs, taken in turns (an epoch lasts 0.1-1.5 s)."""
-    import torch
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
@@ -153,7 +154,7 @@ def compare(
         )
         build_seconds = time.perf_counter() - start
         common = dict(
-            num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None
+            num_workers=workers, pin_memory=False, worker_init_fn=worker_init_for(workers)
         )
         baseline = DataLoader(
             _Tokenizing(texts, tokenizer, max_length),
@@ -191,7 +192,9 @@ def compare(
 
         def once(k: int):
             name, loader = loaders[k]
-            counter = counters[k] if k not in counted else _TokenCounter()
+            counter = counters[k]
+            if k in counted:  # only the first epoch's tokens are counted
+                counter = _TokenCounter()
             counted.add(k)
             return measure(name, loader, counter=counter)
 
@@ -215,7 +218,7 @@ def compare(
 
 def run(args: argparse.Namespace) -> int:
     texts, tokenizer = _inputs(args)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     if args.pack:
         return run_pack(args, texts, tokenizer, workers)
     if args.mix:
@@ -264,24 +267,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- `recipes bench train --domain nlp` ----------------------------------------------------
+class TrainDefaults(NamedTuple):
+    """What `recipes bench train --domain nlp` uses where its arguments are left out."""
+
+    batch: int
+    samples: int  # texts generated
+    model: str
+
+
+# by whether the device is CUDA: a real model on the GPU, a tiny one that a CPU run can afford
+DEFAULTS = {True: TrainDefaults(128, 50_000, "bert-small"), False: TrainDefaults(16, 2_000, "tiny")}
+
+
 def train_setup(args, device):
     """A BERT masked-LM from a `BertConfig` (no weights; small on CUDA, tiny on CPU), fed by
     tokenize-in-__getitem__ random batches and by TokenCache + LengthBucketSampler + PadCollate.
     Counted in real (non-padding) tokens."""
-    import tempfile
-
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     cuda = device.type == "cuda"
-    batch = args.batch_size or (128 if cuda else 16)
-    texts = make_text_corpus(args.samples or (50_000 if cuda else 2_000), seed=0)
+    defaults = DEFAULTS[cuda]
+    batch = args.batch_size or defaults.batch
+    texts = make_text_corpus(args.samples or defaults.samples, seed=0)
     tokenizer = train_tokenizer(texts[:5000], vocab_size=8000)
-    model_name = args.model or ("bert-small" if cuda else "tiny")
+    model_name = args.model or defaults.model
     step = _mlm_step(model_name, len(tokenizer), tokenizer.mask_token_id, device)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     folder = tempfile.mkdtemp(prefix="recipes-train-bench-tokens-")
     start = time.perf_counter()
     cache = build_token_cache(texts, tokenizer, folder, max_length=512, progress=False)
@@ -293,10 +306,10 @@ def train_setup(args, device):
         collate_fn=DataCollatorWithPadding(tokenizer),
         num_workers=workers,
         persistent_workers=workers > 0,
-        worker_init_fn=worker_init if workers else None,
+        worker_init_fn=worker_init_for(workers),
     )
     sampler = LengthBucketSampler(cache.lengths, max_tokens=batch * 256, seed=0)
-    overrides = {} if args.workers is None else {"num_workers": args.workers}
+    overrides = workers_override(args.workers)
     recipe = make_loader(
         cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id), **overrides
     )
@@ -333,7 +346,6 @@ def train_setup(args, device):
 
 
 def _mlm_step(name: str, vocab: int, mask_id: int, device):
-    import torch
     from transformers import BertConfig, BertForMaskedLM
 
     sizes = {

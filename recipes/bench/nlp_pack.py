@@ -14,7 +14,8 @@ from pathlib import Path
 
 from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
 from recipes.bench.harness.measure import measure
-from recipes.common import LengthBucketSampler, worker_init
+from recipes.bench.harness.workers import worker_init_for
+from recipes.common import LengthBucketSampler
 from recipes.nlp import PadCollate, build_token_cache, packed_loader
 
 
@@ -69,9 +70,7 @@ def compare_pack(
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    common = dict(
-        num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None
-    )
+    common = dict(num_workers=workers, pin_memory=False, worker_init_fn=worker_init_for(workers))
     out = []
     with tempfile.TemporaryDirectory(prefix="recipes-bench-pack-") as folder:
         cache = build_token_cache(

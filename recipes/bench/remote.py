@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from recipes.bench.harness.measure import best_interleaved, measure, show_table
-from recipes.common import PrefetchCache, ShardedIterableDataset, smart_num_workers, worker_init
+from recipes.bench.harness.workers import chosen_workers, worker_init_for
+from recipes.common import PrefetchCache, ShardedIterableDataset
 from recipes.testing_servers import LocalHTTPServer, s3_store_process
 
 RECORD_BYTES = 8192
@@ -133,7 +134,7 @@ class _Epoch:
                 self.dataset,
                 batch_size=64,
                 num_workers=self.workers,
-                worker_init_fn=worker_init if self.workers else None,
+                worker_init_fn=worker_init_for(self.workers),
             )
         )
 
@@ -198,7 +199,7 @@ def compare(
 
 def run(args: argparse.Namespace) -> int:
     folder, per_shard = ensure_shards(args.shards, args.shard_mb)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     rows, level = compare(
         folder,
         per_shard,

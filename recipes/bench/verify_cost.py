@@ -60,9 +60,7 @@ def vision_rows(images: int, workers: int, repeat: int, batch_size: int = 32):
         build_image_cache(warm, folder, num_workers=workers, progress=False)
         train = ImageFolderFast(root, size=224, train=True, cache_dir=folder)
         for label, ds in (("eval view", warm), ("train crops", train)):
-            checks = functools.partial(
-                lambda d: [d.cache.checks] + ([d.eval_view.checks] if d.eval_view else []), ds
-            )
+            checks = functools.partial(_image_checks, ds)
             out += _rows(
                 f"ImageFolderFast warm ({label}), make_loader defaults (threads)",
                 lambda ds=ds: make_loader(ds, batch_size=batch_size),
@@ -78,6 +76,15 @@ def vision_rows(images: int, workers: int, repeat: int, batch_size: int = 32):
                 repeat,
             )
     return out
+
+
+def _image_checks(dataset) -> list:
+    """The checks an ImageFolderFast's warm reads pass: its cache's, and its eval view's when it
+    has one."""
+    checks = [dataset.cache.checks]
+    if dataset.eval_view:
+        checks.append(dataset.eval_view.checks)
+    return checks
 
 
 def nlp_rows(samples: int, repeat: int):

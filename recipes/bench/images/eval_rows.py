@@ -12,7 +12,6 @@ Trade-off: "warm" excludes the one-off cache build, whose time is returned separ
 from __future__ import annotations
 
 import functools
-import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from recipes.bench.harness.measure import best_interleaved, measure
 from recipes.bench.harness.peers import litdata_available, litdata_eval_loader
-from recipes.bench.harness.workers import worker_init_for
+from recipes.bench.harness.workers import usable_cpus, worker_init_for
 from recipes.bench.images.warm_costs import cost_breakdown
 from recipes.common import make_loader
 from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
@@ -80,7 +79,7 @@ def eval_loaders(root: Path, cold, warm, *, size: int, batch_size: int, workers:
         root,
         transform=T.Compose([T.Resize(int(size / 0.875)), T.CenterCrop(size), T.PILToTensor()]),
     )
-    threads = _usable_cpus()
+    threads = usable_cpus()
     return [
         ("torchvision ImageFolder + PIL (baseline)", DataLoader(baseline, **settings)),
         (
@@ -104,12 +103,6 @@ def eval_loaders(root: Path, cold, warm, *, size: int, batch_size: int, workers:
             make_loader(warm, batch_size=batch_size),
         ),
     ]
-
-
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _litdata_row(cold, cache_dir: str, size: int, batch_size: int, workers: int):

@@ -22,7 +22,7 @@ import torchvision.transforms as T
 from torch.utils.data import DataLoader
 
 from recipes.bench.harness.train_setup import TrainSetup
-from recipes.bench.harness.workers import chosen_workers, worker_init_for
+from recipes.bench.harness.workers import chosen_workers, worker_init_for, workers_override
 from recipes.bench.images.data import ensure_data
 from recipes.common import autotune, make_loader
 from recipes.vision import (
@@ -74,9 +74,7 @@ def train_setup(args, device):
     def to_device(b):
         return normalize(b[0], b[1])
 
-    overrides = {}
-    if args.workers is not None:
-        overrides = {"num_workers": args.workers}
+    overrides = workers_override(args.workers)
     common = dict(
         batch_size=batch, shuffle=True, drop_last=True, collate_fn=uint8_collate, **overrides
     )

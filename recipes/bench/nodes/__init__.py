@@ -189,10 +189,11 @@ def _print(args, rows, resumes) -> None:
     )
     print("| data | first batch | seconds |\n|---|---|---:|")
     for kind, name, seconds in resumes:
-        print(
-            f"| {'decoded image cache (threads)' if kind == 'images' else 'ShardSet (1 worker)'} | "
-            f"{name} | {seconds:.3f} |"
-        )
+        print(f"| {RESUMED_DATA[kind]} | {name} | {seconds:.3f} |")
+
+
+# the resume table's first column, by the kind of data resumed
+RESUMED_DATA = {"images": "decoded image cache (threads)", "shards": "ShardSet (1 worker)"}
 
 
 def _numbers(path, start, stop):

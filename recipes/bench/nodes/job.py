@@ -86,14 +86,12 @@ def images(spec: dict):
     dataset = ImageFolderFast(
         Path(spec["data"]) / spec.get("images", "photos"), size=64, train=False
     )
-    # every rank calls: split over all of them, each node's folder ending with the whole cache
-    build_image_cache(
-        dataset,
-        "cache",
-        num_workers=0,
-        progress=False,
-        distributed=False if spec.get("alone") else None,
-    )
+    # every rank calls: split over all of them, each node's folder ending with the whole cache;
+    # a node alone builds its own
+    distributed = None
+    if spec.get("alone"):
+        distributed = False
+    build_image_cache(dataset, "cache", num_workers=0, progress=False, distributed=distributed)
     return dataset
 
 
