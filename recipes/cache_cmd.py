@@ -77,11 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_vision(args: argparse.Namespace) -> int:
-    dataset = ImageFolderFast(
-        args.root, size=args.size, on_error="skip" if args.skip_bad else "raise"
-    )
+    on_error = "raise"
+    if args.skip_bad:
+        on_error = "skip"
+    dataset = ImageFolderFast(args.root, size=args.size, on_error=on_error)
     cache = build_image_cache(dataset, args.cache_dir, num_workers=args.workers, progress=True)
-    skipped = f", {len(cache.skipped)} bad images replaced" if cache.skipped else ""
+    skipped = ""
+    if cache.skipped:
+        skipped = f", {len(cache.skipped)} bad images replaced"
     print(f"{cache.path}: {cache.count} images, longer side at most {cache.max_side}{skipped}")
     return 0
 

@@ -44,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     resources = detect_resources(cgroup_root=args.cgroup_root, shm_path=args.shm_path)
     report = build_report(resources, sample_bytes=args.sample_bytes, planned_workers=args.workers)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
     return 0
 
 
@@ -57,9 +60,14 @@ def build_report(
     cuda_available: bool | None = None,
 ) -> dict[str, Any]:
     """The doctor report as a JSON-able dict."""
-    ranks = local_world_size if local_world_size is not None else local_world_size_from_env()
+    ranks = local_world_size
+    if ranks is None:
+        ranks = local_world_size_from_env()
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
+    visible_gpus = 0
+    if cuda_available:
+        visible_gpus = resources.gpus
     profiles = {}
     for name in PROFILES:
         recipe = profile_settings(
@@ -88,7 +96,7 @@ def build_report(
         "nofile_limit": resources.nofile_limit,
         "gpus": {
             "count": resources.gpus,
-            "names": _gpu_names(resources.gpus if cuda_available else 0),
+            "names": _gpu_names(visible_gpus),
         },
         "local_world_size": ranks,
         "versions": _versions(),
@@ -106,7 +114,9 @@ def build_report(
 def _warnings(report: dict, res: Resources, planned: int | None) -> list[dict[str, str]]:
     out = []
     production_workers = report["profiles"]["production"]["settings"]["num_workers"]
-    workers = planned if planned is not None else production_workers
+    workers = planned
+    if workers is None:
+        workers = production_workers
     if workers > 0 and res.shm_bytes < GiB:
         out.append(
             {
@@ -214,9 +224,13 @@ def format_report(report: dict) -> str:
     shm = report["shm"]
 
     def size(value):
-        return "none" if value is None else f"{value / mib:,.0f} MiB"
+        if value is None:
+            return "none"
+        return f"{value / mib:,.0f} MiB"
 
-    quota = "none" if cpus["cgroup_quota"] is None else f"{cpus['cgroup_quota']:g}"
+    quota = "none"
+    if cpus["cgroup_quota"] is not None:
+        quota = f"{cpus['cgroup_quota']:g}"
     lines = [
         "recipes doctor: data-loading report",
         f"  CPUs        logical {cpus['logical']}, affinity {cpus['affinity']}, cgroup quota "

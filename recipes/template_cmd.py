@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def template_module(domain: str, framework: str = "plain") -> str:
     """The module whose source is the template of `domain` for `framework`."""
-    return f"recipes.{domain}.template" + ("" if framework == "plain" else f"_{framework}")
+    if framework == "plain":
+        return f"recipes.{domain}.template"
+    return f"recipes.{domain}.template_{framework}"
 
 
 def run(args: argparse.Namespace) -> int:

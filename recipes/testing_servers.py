@@ -176,7 +176,9 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
         if ranged <= failing:
             self.send_error(503, "Slow Down")
             return None
-        stop = min(int(end) + 1 if end else len(data), len(data))
+        stop = len(data)  # an open range ("bytes=START-") runs to the end
+        if end:
+            stop = min(int(end) + 1, len(data))
         self.send_response(206)
         self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
         return data[start:stop], ranged <= failing + fixture.short_range.get(start, 0)
@@ -304,13 +306,7 @@ class MotoS3Server:
 
     def storage_options(self, port: int | None = None) -> dict:
         """s3fs options for this server, or for a proxy in front of it on `port`."""
-        return {
-            **self.KEYS,
-            "client_kwargs": {
-                "endpoint_url": f"http://127.0.0.1:{port or self.port}",
-                "region_name": "us-east-1",
-            },
-        }
+        return s3_storage_options(port or self.port)
 
     def client(self):
         import boto3
@@ -322,6 +318,14 @@ class MotoS3Server:
             endpoint_url=f"http://127.0.0.1:{self.port}",
             region_name="us-east-1",
         )
+
+
+def s3_storage_options(port: int | str) -> dict:
+    """s3fs options for moto's server, or a proxy in front of it, on 127.0.0.1:`port`."""
+    return {
+        **MotoS3Server.KEYS,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+    }
 
 
 @contextlib.contextmanager
@@ -355,13 +359,7 @@ def s3_store_process(
         line = proc.stdout.readline().split()
         if len(line) != 2:
             raise RuntimeError(f"the S3 store process failed to start (exit code {proc.poll()})")
-        yield {
-            **MotoS3Server.KEYS,
-            "client_kwargs": {
-                "endpoint_url": f"http://127.0.0.1:{line[1]}",
-                "region_name": "us-east-1",
-            },
-        }
+        yield s3_storage_options(line[1])
     finally:
         proc.stdin.close()
         try:

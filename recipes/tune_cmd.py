@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from recipes.common.tuning.autotune import autotune
+
 _SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -53,16 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    factory = _load(args.factory)  # a wrong MODULE:NAME is reported before torch is imported
-    collate = _load(args.collate) if args.collate else None
-    step = _load(args.step) if args.step else None
+    factory = _load(args.factory)  # a wrong MODULE:NAME is reported before the dataset is built
+    collate = _load_if_named(args.collate)
+    step = _load_if_named(args.step)
     if step is not None and not callable(step):
         raise ValueError(
             f"--step {args.step}: {type(step).__name__} is not callable; name a function of one "
             "batch."
         )
-    from recipes.common.tuning.autotune import autotune
-
     dataset = factory()
     result = autotune(
         dataset,
@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         store=not args.no_store,
         log=lambda line: print(line, file=sys.stderr),
     )
-    beside = args.step if step is not None else f"{args.step_ms:g} ms"
+    beside = f"{args.step_ms:g} ms"
+    if step is not None:
+        beside = args.step
     print(
         f"\n## tune: {type(dataset).__name__} ({args.factory}), batch {args.batch_size}, step "
         f"{beside}\n"
@@ -92,6 +94,13 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _load_if_named(spec: str | None):
+    """`_load(spec)` when `spec` names something; None when the option was left out."""
+    if not spec:
+        return None
+    return _load(spec)
 
 
 def _load(spec: str):

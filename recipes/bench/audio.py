@@ -16,6 +16,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from torch.utils.data import DataLoader
+
+from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
+from recipes.audio.spectrogram_cache import featurizer
+from recipes.bench.harness.bench_charts import Chart, write_chart
+from recipes.bench.harness.measure import measure, peak_rss_growth, show_table
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.bench.harness.workers import chosen_workers, worker_init_for, workers_override
+from recipes.common import ThreadLoader, make_loader
+from recipes.testing import make_audio_files
+
 BENCH_VERSION = 1
 
 
@@ -48,7 +60,6 @@ class WholeFileWindows:
 
     def __getitem__(self, i: int):
         import soundfile as sf
-        import torch
 
         ds = self.index
         f = int(ds.item_file[i])
@@ -83,7 +94,6 @@ def _data_root() -> Path:
 
 def ensure_data() -> tuple[Path, Path, Path]:
     """(folder of 4 x 5-minute FLACs, a 1-minute FLAC, a 30-minute FLAC), generated once."""
-    from recipes.testing import make_audio_files
 
     root = _data_root()
     if not (root / ".complete").exists():
@@ -100,13 +110,6 @@ def ensure_data() -> tuple[Path, Path, Path]:
 
 def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseline_items=48):
     """(rows, cache build seconds) for the baseline, chunked reading and the cache."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
-    from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.harness.measure import measure
-    from recipes.common import ThreadLoader, worker_init
 
     chunked = ChunkedAudioDataset(folder, chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
@@ -119,7 +122,7 @@ def compare(folder: Path, *, chunk_seconds=4.0, batch_size=16, workers=1, baseli
             generator=torch.Generator().manual_seed(0),
             num_workers=workers,
             collate_fn=pad_collate,
-            worker_init_fn=worker_init if workers else None,
+            worker_init_fn=worker_init_for(workers),
         )
 
     with tempfile.TemporaryDirectory(prefix="recipes-bench-mel-") as tmp:
@@ -171,24 +174,16 @@ def memory_per_item(path: Path, chunk_seconds: float) -> dict[str, int | None]:
 
 
 def _probe(path: str, chunk_seconds: float, kind: str) -> None:
-    from recipes.audio import ChunkedAudioDataset
-    from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.harness.measure import peak_rss_growth
-
     chunked = ChunkedAudioDataset([path], chunk_seconds=chunk_seconds)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
-    reader = (
-        WholeFileWindows(chunked, features) if kind == "baseline" else OnTheFly(chunked, features)
-    )
+    reader = OnTheFly(chunked, features)
+    if kind == "baseline":
+        reader = WholeFileWindows(chunked, features)
     OnTheFly(chunked, features)[0]  # warm up allocators and the mel filterbank
     print(peak_rss_growth(lambda: reader[len(chunked) // 2]))
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.bench_charts import Chart, write_chart
-    from recipes.bench.harness.measure import show_table
-    from recipes.common import smart_num_workers
-
     plot = getattr(args, "plot", None)
     if args.data is not None:
         folder = args.data
@@ -196,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         long = None
     else:
         folder, short, long = ensure_data()
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     rows, build_seconds, count = compare(
         folder,
         chunk_seconds=args.chunk_seconds,
@@ -240,39 +235,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- `recipes bench train --domain audio` --------------------------------------------------
+# by whether the device is CUDA: a real model on the GPU, a tiny one that a CPU run can afford
+DEFAULT_BATCH = {True: 64, False: 16}
+DEFAULT_MODEL = {True: "cnn", False: "tiny"}
+
+
 def train_setup(args, device):
     """A small CNN classifier on log-mels, fed by whole-file reads, ChunkedAudioDataset with
     features on the fly (cold) and the SpectrogramCache (warm)."""
-    import tempfile
-
-    import torch
-    from torch.utils.data import DataLoader
-
-    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
-    from recipes.audio.spectrogram_cache import featurizer
-    from recipes.bench.harness.train_setup import TrainSetup
-    from recipes.common import make_loader, smart_num_workers, worker_init
-
     cuda = device.type == "cuda"
-    batch = args.batch_size or (64 if cuda else 16)
+    batch = args.batch_size or DEFAULT_BATCH[cuda]
     folder, _, _ = ensure_data()
     chunked = ChunkedAudioDataset(folder, chunk_seconds=4.0)
     features = featurizer(chunked.sample_rate, n_fft=400, hop_length=160, n_mels=80, log=True)
-    model_name = args.model or ("cnn" if cuda else "tiny")
+    model_name = args.model or DEFAULT_MODEL[cuda]
     step = _audio_step(model_name, device)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     start = time.perf_counter()
     cache = build_spectrogram_cache(
         chunked, tempfile.mkdtemp(prefix="recipes-train-bench-mel-"), progress=False
     )
     build = time.perf_counter() - start
-    overrides = {} if args.workers is None else {"num_workers": args.workers}
+    overrides = workers_override(args.workers)
     common = dict(batch_size=batch, shuffle=True, drop_last=True, collate_fn=pad_collate)
     plain = DataLoader(
         WholeFileWindows(chunked, features),
         num_workers=workers,
         persistent_workers=workers > 0,
-        worker_init_fn=worker_init if workers else None,
+        worker_init_fn=worker_init_for(workers),
         pin_memory=cuda,
         **common,
     )
@@ -306,8 +296,6 @@ def train_setup(args, device):
 
 
 def _audio_step(name: str, device):
-    import torch
-
     widths = {"cnn": (64, 128, 256), "tiny": (8, 16, 32)}
     if name not in widths:
         raise ValueError(f"`--model` for audio must be cnn or tiny, but is {name!r} instead.")

@@ -13,6 +13,10 @@ from __future__ import annotations
 import argparse
 import gc
 
+from recipes.bench.harness.bench_charts import Chart, write_chart
+from recipes.common.caches.packed_strings import PackedStrings
+from recipes.common.workers.worker_memory import measure_worker_memory_growth
+
 
 class PathsDataset:
     """A dataset whose items are the lengths of its stored paths (reads every path once)."""
@@ -38,9 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `recipes --help` and its errors stay free of torch.
-    from recipes.bench.harness.bench_charts import Chart, write_chart
-    from recipes.common.caches.packed_strings import PackedStrings
-    from recipes.common.workers.worker_memory import measure_worker_memory_growth
 
     paths = _fake_paths(args.paths)
     packed = PackedStrings(paths)

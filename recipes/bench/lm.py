@@ -15,33 +15,53 @@ packing further.
 
 from __future__ import annotations
 
+import tempfile
 import time
+from typing import NamedTuple
+
+import torch
+
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.bench.harness.workers import workers_override
+from recipes.common import LengthBucketSampler, make_loader
+from recipes.nlp import PadCollate, build_token_cache, document_attention_mask, packed_loader
+from recipes.testing import make_text_corpus, train_tokenizer
 
 _SIZES = {"gpt-small": dict(dim=512, layers=6, heads=8), "tiny": dict(dim=64, layers=2, heads=2)}
 
 
+class TrainDefaults(NamedTuple):
+    """What `recipes bench train --domain lm` uses where its arguments are left out."""
+
+    rows: int  # B
+    seq_len: int  # T
+    samples: int  # texts generated
+    model: str
+
+
+# by whether the device is CUDA: a real model on the GPU, a tiny one that a CPU run can afford
+DEFAULTS = {
+    True: TrainDefaults(8, 2048, 50_000, "gpt-small"),
+    False: TrainDefaults(4, 256, 2_000, "tiny"),
+}
+
+
 def train_setup(args, device):
-    import tempfile
-
-    import torch
-
-    from recipes.bench.harness.train_setup import TrainSetup
-    from recipes.common import LengthBucketSampler, make_loader
-    from recipes.nlp import PadCollate, build_token_cache, document_attention_mask, packed_loader
-    from recipes.testing import make_text_corpus, train_tokenizer
-
     cuda = device.type == "cuda"
-    rows = args.batch_size or (8 if cuda else 4)
-    seq_len = 2048 if cuda else 256
-    texts = make_text_corpus(args.samples or (50_000 if cuda else 2_000), seed=0)
+    defaults = DEFAULTS[cuda]
+    rows = args.batch_size or defaults.rows
+    seq_len = defaults.seq_len
+    texts = make_text_corpus(args.samples or defaults.samples, seed=0)
     tokenizer = train_tokenizer(texts[:5000], vocab_size=8000)
-    model_name = args.model if args.model in _SIZES else ("gpt-small" if cuda else "tiny")
+    model_name = defaults.model
+    if args.model in _SIZES:
+        model_name = args.model
     step = _lm_step(model_name, len(tokenizer), seq_len, device)
     folder = tempfile.mkdtemp(prefix="recipes-train-bench-lm-")
     start = time.perf_counter()
     cache = build_token_cache(texts, tokenizer, folder, max_length=seq_len, progress=False)
     build = time.perf_counter() - start
-    overrides = {} if args.workers is None else {"num_workers": args.workers}
+    overrides = workers_override(args.workers)
     sampler = LengthBucketSampler(
         cache.lengths, max_tokens=rows * seq_len, pad_to_multiple_of=8, seed=0
     )

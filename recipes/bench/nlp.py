@@ -17,6 +17,25 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
+from recipes.bench.harness.measure import best_interleaved, measure
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.bench.harness.workers import chosen_workers, worker_init_for, workers_override
+from recipes.bench.nlp_mixture import run_mix
+from recipes.bench.nlp_pack import run_pack
+from recipes.common import (
+    LengthBucketSampler,
+    ThreadLoader,
+    make_loader,
+)
+from recipes.nlp import PadCollate, build_token_cache
+from recipes.nlp.texts import TextSource
+from recipes.testing import make_text_corpus, train_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,11 +114,7 @@ class _TokenCounter:
 
 
 def _inputs(args):
-    from recipes.testing import make_text_corpus, train_tokenizer
-
     if args.texts is not None:
-        from recipes.nlp.texts import TextSource
-
         texts = [t for batch in TextSource(args.texts).batches(10_000) for t in batch]
     else:
         texts = make_text_corpus(args.samples, seed=0)
@@ -125,14 +140,8 @@ def compare(
 ):
     """Encode rates, then (rows, counters) for the baseline and the recipe: each loader's best of
     `repeat` epochs, taken in turns (an epoch lasts 0.1-1.5 s)."""
-    import torch
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
-
-    from recipes.bench.harness.measure import best_interleaved, measure
-    from recipes.common import LengthBucketSampler, ThreadLoader, worker_init
-    from recipes.nlp import PadCollate, build_token_cache
 
     hf_logging.set_verbosity_error()
     start = time.perf_counter()
@@ -145,7 +154,7 @@ def compare(
         )
         build_seconds = time.perf_counter() - start
         common = dict(
-            num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None
+            num_workers=workers, pin_memory=False, worker_init_fn=worker_init_for(workers)
         )
         baseline = DataLoader(
             _Tokenizing(texts, tokenizer, max_length),
@@ -183,7 +192,9 @@ def compare(
 
         def once(k: int):
             name, loader = loaders[k]
-            counter = counters[k] if k not in counted else _TokenCounter()
+            counter = counters[k]
+            if k in counted:  # only the first epoch's tokens are counted
+                counter = _TokenCounter()
             counted.add(k)
             return measure(name, loader, counter=counter)
 
@@ -206,18 +217,11 @@ def compare(
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
-    from recipes.common import smart_num_workers
-
     texts, tokenizer = _inputs(args)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     if args.pack:
-        from recipes.bench.nlp_pack import run_pack
-
         return run_pack(args, texts, tokenizer, workers)
     if args.mix:
-        from recipes.bench.nlp_mixture import run_mix
-
         return run_mix(args, texts, tokenizer, workers)
     rates, rows, counters = compare(
         texts,
@@ -263,29 +267,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- `recipes bench train --domain nlp` ----------------------------------------------------
+class TrainDefaults(NamedTuple):
+    """What `recipes bench train --domain nlp` uses where its arguments are left out."""
+
+    batch: int
+    samples: int  # texts generated
+    model: str
+
+
+# by whether the device is CUDA: a real model on the GPU, a tiny one that a CPU run can afford
+DEFAULTS = {True: TrainDefaults(128, 50_000, "bert-small"), False: TrainDefaults(16, 2_000, "tiny")}
+
+
 def train_setup(args, device):
     """A BERT masked-LM from a `BertConfig` (no weights; small on CUDA, tiny on CPU), fed by
     tokenize-in-__getitem__ random batches and by TokenCache + LengthBucketSampler + PadCollate.
     Counted in real (non-padding) tokens."""
-    import tempfile
-
-    from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.harness.train_setup import TrainSetup
-    from recipes.common import LengthBucketSampler, make_loader, smart_num_workers, worker_init
-    from recipes.nlp import PadCollate, build_token_cache
-    from recipes.testing import make_text_corpus, train_tokenizer
-
     hf_logging.set_verbosity_error()
     cuda = device.type == "cuda"
-    batch = args.batch_size or (128 if cuda else 16)
-    texts = make_text_corpus(args.samples or (50_000 if cuda else 2_000), seed=0)
+    defaults = DEFAULTS[cuda]
+    batch = args.batch_size or defaults.batch
+    texts = make_text_corpus(args.samples or defaults.samples, seed=0)
     tokenizer = train_tokenizer(texts[:5000], vocab_size=8000)
-    model_name = args.model or ("bert-small" if cuda else "tiny")
+    model_name = args.model or defaults.model
     step = _mlm_step(model_name, len(tokenizer), tokenizer.mask_token_id, device)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     folder = tempfile.mkdtemp(prefix="recipes-train-bench-tokens-")
     start = time.perf_counter()
     cache = build_token_cache(texts, tokenizer, folder, max_length=512, progress=False)
@@ -297,10 +306,10 @@ def train_setup(args, device):
         collate_fn=DataCollatorWithPadding(tokenizer),
         num_workers=workers,
         persistent_workers=workers > 0,
-        worker_init_fn=worker_init if workers else None,
+        worker_init_fn=worker_init_for(workers),
     )
     sampler = LengthBucketSampler(cache.lengths, max_tokens=batch * 256, seed=0)
-    overrides = {} if args.workers is None else {"num_workers": args.workers}
+    overrides = workers_override(args.workers)
     recipe = make_loader(
         cache, batch_sampler=sampler, collate_fn=PadCollate(tokenizer.pad_token_id), **overrides
     )
@@ -337,7 +346,6 @@ def train_setup(args, device):
 
 
 def _mlm_step(name: str, vocab: int, mask_id: int, device):
-    import torch
     from transformers import BertConfig, BertForMaskedLM
 
     sizes = {

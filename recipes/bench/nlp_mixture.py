@@ -13,6 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from recipes.bench.harness.bench_charts import Chart, write_chart
+from recipes.bench.harness.measure import best_interleaved, measure
+from recipes.common import LengthBucketSampler, MixtureSampler, MixtureSources, make_loader
+from recipes.nlp import PadCollate, build_token_cache
+
 
 def compare_mix(
     texts,
@@ -29,10 +34,6 @@ def compare_mix(
     `LengthBucketSampler(mixture=)`), epochs of the same length through make_loader; returns
     the two rows and the plan's draw time per epoch (a one-off per epoch, inside the mixed rows)."""
     import numpy as np
-
-    from recipes.bench.harness.measure import best_interleaved, measure
-    from recipes.common import LengthBucketSampler, MixtureSampler, MixtureSources, make_loader
-    from recipes.nlp import PadCollate, build_token_cache
 
     half = len(texts) // 2
     whole = build_token_cache(
@@ -106,8 +107,6 @@ def mix_state_sizes(samples: int = 1_000_000, batch: int = 1000) -> tuple[int, i
     import torch
     from torch.utils.data import ConcatDataset, Dataset
 
-    from recipes.common import MixtureSampler, make_loader
-
     class Ints(Dataset):
         def __init__(self, n):
             self.n = n
@@ -139,7 +138,6 @@ def mix_state_sizes(samples: int = 1_000_000, batch: int = 1000) -> tuple[int, i
 
 
 def run_mix(args, texts, tokenizer, workers) -> int:
-
     with tempfile.TemporaryDirectory(prefix="recipes-bench-mix-") as tmp:
         rows, draw = compare_mix(
             list(texts),
@@ -149,7 +147,6 @@ def run_mix(args, texts, tokenizer, workers) -> int:
             max_tokens=args.max_tokens,
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
-    from recipes.bench.harness.bench_charts import Chart, write_chart
 
     single, mixed = rows
     heading = (

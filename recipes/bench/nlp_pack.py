@@ -12,6 +12,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
+from recipes.bench.harness.measure import measure
+from recipes.bench.harness.workers import worker_init_for
+from recipes.common import LengthBucketSampler
+from recipes.nlp import PadCollate, build_token_cache, packed_loader
+
 
 class _AsLists:
     """Cache items as `{"input_ids": list}`, the input `DataCollatorWithFlattening` expects."""
@@ -63,14 +69,8 @@ def compare_pack(
     from transformers import DataCollatorWithFlattening, DataCollatorWithPadding
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.harness.measure import measure
-    from recipes.common import LengthBucketSampler, worker_init
-    from recipes.nlp import PadCollate, build_token_cache, packed_loader
-
     hf_logging.set_verbosity_error()
-    common = dict(
-        num_workers=workers, pin_memory=False, worker_init_fn=worker_init if workers else None
-    )
+    common = dict(num_workers=workers, pin_memory=False, worker_init_fn=worker_init_for(workers))
     out = []
     with tempfile.TemporaryDirectory(prefix="recipes-bench-pack-") as folder:
         cache = build_token_cache(
@@ -134,7 +134,6 @@ def run_pack(args, texts, tokenizer, workers) -> int:
         max_length=args.max_length,
         workers=workers,
     )
-    from recipes.bench.harness.bench_charts import chart_of_rows, write_chart
 
     base = results[0][0].items_per_s
     heading = (

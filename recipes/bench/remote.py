@@ -25,6 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.bench.harness.measure import best_interleaved, measure, show_table
+from recipes.bench.harness.workers import chosen_workers, worker_init_for
+from recipes.common import PrefetchCache, ShardedIterableDataset
+from recipes.testing_servers import LocalHTTPServer, s3_store_process
+
 RECORD_BYTES = 8192
 BENCH_VERSION = 1
 BUCKET = "recipes-bench"
@@ -101,7 +106,6 @@ def served(folder: Path, names: list[str], *, latency: float, bandwidth: float, 
     """(urls, storage_options) of the shards behind a store with `latency` per request and
     `bandwidth` bytes/s per connection: the HTTP server (in this process), or moto's S3 behind
     a proxy (in a process of their own)."""
-    from recipes.testing_servers import LocalHTTPServer, s3_store_process
 
     if not s3:
         with LocalHTTPServer(folder, latency=latency, bandwidth=bandwidth) as server:
@@ -124,15 +128,13 @@ class _Epoch:
     def __iter__(self):
         from torch.utils.data import DataLoader
 
-        from recipes.common import worker_init
-
         self.dataset.set_epoch(self.epoch)
         return iter(
             DataLoader(
                 self.dataset,
                 batch_size=64,
                 num_workers=self.workers,
-                worker_init_fn=worker_init if self.workers else None,
+                worker_init_fn=worker_init_for(self.workers),
             )
         )
 
@@ -150,8 +152,6 @@ def compare(
 ):
     """Rows: streaming (baseline), simplecache epoch 1, PrefetchCache epoch 1, PrefetchCache
     epoch 2, local disk; and the PrefetchCache's `concurrency()` after epoch 1."""
-    from recipes.bench.harness.measure import best_interleaved, measure
-    from recipes.common import PrefetchCache, ShardedIterableDataset
 
     names = sorted(p.name for p in folder.glob("shard-*.bin"))
     lengths = [per_shard] * len(names)
@@ -198,11 +198,8 @@ def compare(
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import show_table
-    from recipes.common import smart_num_workers
-
     folder, per_shard = ensure_shards(args.shards, args.shard_mb)
-    workers = smart_num_workers() if args.workers is None else args.workers
+    workers = chosen_workers(args.workers)
     rows, level = compare(
         folder,
         per_shard,

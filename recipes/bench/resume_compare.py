@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 from torch.utils.data import DistributedSampler, RandomSampler
 
+from recipes.common.loading.loader import make_loader
+
 N = 48
 BATCH = 4
 TAKEN = 5
@@ -86,7 +88,10 @@ class Outcome:
     def cell(self) -> str:
         if self.error is not None:
             return "error"
-        return f"{self.repeated}/{self.lost}/{'yes' if self.order else 'no'}"
+        order = "no"
+        if self.order:
+            order = "yes"
+        return f"{self.repeated}/{self.lost}/{order}"
 
 
 def torchdata_available() -> bool:
@@ -113,7 +118,6 @@ def _build(loader: str, situation: Situation, workers: int):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         return StatefulDataLoader(dataset, generator=torch.Generator().manual_seed(SEED), **kwargs)
-    from recipes.common.loading.loader import make_loader
 
     torch.manual_seed(SEED)
     return make_loader(dataset, **kwargs)
@@ -187,10 +191,13 @@ def _compare(received, reference, outcome: Outcome) -> None:
         outcome.lost += lost
         if got != want:
             outcome.order = False
-            outcome.notes.append(
+            note = (
                 f"epoch {epoch}: {len(got)} of {len(want)} batches, {repeated} repeated, "
-                f"{lost} lost{'' if repeated or lost else ', other order'}"
+                f"{lost} lost"
             )
+            if not (repeated or lost):  # the same samples, in another order
+                note += ", other order"
+            outcome.notes.append(note)
 
 
 def _describe(error: BaseException) -> str:
@@ -198,8 +205,11 @@ def _describe(error: BaseException) -> str:
 
     frame = traceback.extract_tb(error.__traceback__)[-1]
     where = f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} `{(frame.line or '').strip()}`"
-    message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-    return f"{type(error).__name__}{': ' + message if message else ''} (at {where})"
+    text = str(error).strip()
+    described = type(error).__name__
+    if text:  # its message's first line, cut at 200 characters
+        described += ": " + text.splitlines()[0][:200]
+    return f"{described} (at {where})"
 
 
 def run_situation(loader: str, key: str) -> Outcome:
@@ -257,10 +267,15 @@ def format_table(results: dict[tuple[str, str], Outcome]) -> str:
     for key in keys:
         for loader in loaders:
             outcome = results[loader, key]
-            for text in ([outcome.error] if outcome.error else []) + outcome.notes:
+            texts = list(outcome.notes)
+            if outcome.error:
+                texts.insert(0, outcome.error)
+            for text in texts:
                 where.setdefault((loader, text), []).append(key)
     notes = [f"- {loader} ({', '.join(found)}): {text}" for (loader, text), found in where.items()]
-    return "\n".join(lines + ([""] + notes if notes else []))
+    if notes:  # after a blank line
+        lines += ["", *notes]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,19 @@ import functools
 import tempfile
 from pathlib import Path
 
+import recipes.audio.spectrogram_cache as audio
+import recipes.nlp.token_cache as nlp
+import recipes.vision.cache.eval_view as view
+import recipes.vision.cache.image_cache_build as image
+from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
+from recipes.bench.harness.measure import best_interleaved, measure, show_table
+from recipes.bench.images.data import ensure_data
+from recipes.common import LengthBucketSampler, ThreadLoader, make_loader
+from recipes.common.caches.cache_checks import algorithm
+from recipes.nlp import PadCollate, build_token_cache
+from recipes.testing import make_audio_files, make_text_corpus, train_tokenizer
+from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
+
 MODES = ("never", "first_read", "always")
 
 
@@ -29,7 +42,6 @@ def _set(checks, mode):
 
 def _rows(name, make_loader, checks, repeat):
     """`{mode: Measurement}` for one loader, the modes measured in turns."""
-    from recipes.bench.harness.measure import best_interleaved, measure
 
     def run(mode):
         _set(checks(), mode)
@@ -41,10 +53,6 @@ def _rows(name, make_loader, checks, repeat):
 def vision_rows(images: int, workers: int, repeat: int, batch_size: int = 32):
     from torch.utils.data import DataLoader
 
-    from recipes.bench.vision import ensure_data
-    from recipes.common import make_loader
-    from recipes.vision import ImageFolderFast, build_image_cache, uint8_collate
-
     root = ensure_data(images)
     out = []
     with tempfile.TemporaryDirectory(prefix="recipes-verify-") as folder:
@@ -52,9 +60,7 @@ def vision_rows(images: int, workers: int, repeat: int, batch_size: int = 32):
         build_image_cache(warm, folder, num_workers=workers, progress=False)
         train = ImageFolderFast(root, size=224, train=True, cache_dir=folder)
         for label, ds in (("eval view", warm), ("train crops", train)):
-            checks = functools.partial(
-                lambda d: [d.cache.checks] + ([d.eval_view.checks] if d.eval_view else []), ds
-            )
+            checks = functools.partial(_image_checks, ds)
             out += _rows(
                 f"ImageFolderFast warm ({label}), make_loader defaults (threads)",
                 lambda ds=ds: make_loader(ds, batch_size=batch_size),
@@ -72,11 +78,16 @@ def vision_rows(images: int, workers: int, repeat: int, batch_size: int = 32):
     return out
 
 
-def nlp_rows(samples: int, repeat: int):
-    from recipes.common import LengthBucketSampler, ThreadLoader
-    from recipes.nlp import PadCollate, build_token_cache
-    from recipes.testing import make_text_corpus, train_tokenizer
+def _image_checks(dataset) -> list:
+    """The checks an ImageFolderFast's warm reads pass: its cache's, and its eval view's when it
+    has one."""
+    checks = [dataset.cache.checks]
+    if dataset.eval_view:
+        checks.append(dataset.eval_view.checks)
+    return checks
 
+
+def nlp_rows(samples: int, repeat: int):
     texts = make_text_corpus(samples, seed=0)
     tokenizer = train_tokenizer(texts[:5000], vocab_size=8000)
     with tempfile.TemporaryDirectory(prefix="recipes-verify-") as folder:
@@ -100,10 +111,6 @@ def nlp_rows(samples: int, repeat: int):
 
 def audio_rows(repeat: int, workers: int):
     import torch
-
-    from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
-    from recipes.common import ThreadLoader
-    from recipes.testing import make_audio_files
 
     with tempfile.TemporaryDirectory(prefix="recipes-verify-") as tmp:
         folder = Path(tmp) / "audio"  # 4 x 2 minutes: 120 windows of 4 s
@@ -143,17 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.harness.measure import show_table
-    from recipes.common.caches.cache_checks import algorithm
-
     if (
         args.checksum is not None
     ):  # what a build with another hash writes: the builders' choice, replaced
-        import recipes.audio.spectrogram_cache as audio
-        import recipes.nlp.token_cache as nlp
-        import recipes.vision.cache.eval_view as view
-        import recipes.vision.cache.image_cache_build as image
-
         for module in (audio, nlp, view, image):
             module.algorithm = lambda: args.checksum
     print(f"checksum: {args.checksum or algorithm()}")

@@ -8,7 +8,7 @@ floor once, 77-92% in every quiet run), while a regression misses in every round
 
 import pytest
 
-from recipes.bench.vision import compare
+from recipes.bench.images.eval_rows import compare
 from recipes.testing import make_image_folder
 
 
@@ -60,7 +60,7 @@ def test_cold_beats_the_baseline_and_warm_is_3x(bench_tree):
 # a long run (12 s): the train rows of `recipes bench vision`; the eval rows run in the fast tier
 @pytest.mark.slow
 def test_train_rows_beat_the_baseline_and_region_decode_is_no_slower(bench_tree, tmp_path):
-    from recipes.bench.vision_train import compare_train
+    from recipes.bench.images.train_rows import compare_train
     from recipes.vision.decoding.region_decode import region_decode_available
 
     def check(rows):

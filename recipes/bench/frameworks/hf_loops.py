@@ -22,9 +22,15 @@ iterable one is read and discarded).
 from __future__ import annotations
 
 import argparse
+import importlib
 import tempfile
 import warnings
 from pathlib import Path
+
+# The measurements import transformers (8-20 s) and accelerate's glue at their top, and both
+# frameworks are optional: the module is imported when the command runs, as `recipes/cli.py`
+# imports a command's module, so that `recipes bench hf --help` needs neither.
+RUNS = "recipes.bench.frameworks.hf_loop_runs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,9 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
+    # the first two columns name the row, the others are figures (right-aligned)
+    aligns = ["---", "---", *["---:"] * (len(header) - 2)]
     lines = [
         "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
+        "|" + "|".join(aligns) + "|",
     ]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -70,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from accelerate import Accelerator
     from transformers.utils import logging as hf_logging
 
-    from recipes.bench.frameworks.hf_loop_runs import glue_cost, resume_rows, throughput_rows
+    runs = importlib.import_module(RUNS)
 
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -79,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="recipes-hf-loops-") as tmp:
         folder = Path(tmp)
         if args.part in ("all", "resume"):
-            resumed = resume_rows(accelerator, args, folder)
+            resumed = runs.resume_rows(accelerator, args, folder)
             print(
                 "\n## hf_loops: time to the first batch after a resume (s), an epoch of "
                 f"{args.batches:,} batches of {args.batch_size}, {args.item_us:g} us of CPU per "
@@ -99,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         if args.part in ("all", "loops"):
-            loops = throughput_rows(accelerator, args, folder)
-            direct, wrapped = glue_cost(accelerator, args)
+            loops = runs.throughput_rows(accelerator, args, folder)
+            direct, wrapped = runs.glue_cost(accelerator, args)
             print(
                 f"\n## hf_loops: one epoch of {args.loop_batches:,} batches of {args.batch_size} "
                 f"({args.loop_item_us:g} us per item, {args.workers} workers), the same loader in "

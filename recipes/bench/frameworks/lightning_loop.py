@@ -27,6 +27,9 @@ import time
 import warnings
 from pathlib import Path
 
+# its `LoaderDataModule` is built on first use (it imports Lightning): read where it is called
+from recipes.common.frameworks import lightning_glue
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=2048, help="samples per epoch (throughput)")
@@ -95,9 +98,8 @@ def _loader_kwargs(args, seed: int = 0) -> dict:
 def _loader(dataset, args, seed: int = 0):
     """The loader `LoaderDataModule` builds (outside a trainer: one rank): `make_loader` over a
     `DistributedSampler` (one rank), the same in both loops."""
-    from recipes.common.frameworks.lightning_glue import LoaderDataModule
 
-    return LoaderDataModule(dataset, **_loader_kwargs(args, seed)).train_loader()
+    return lightning_glue.LoaderDataModule(dataset, **_loader_kwargs(args, seed)).train_loader()
 
 
 def _plain_rates(args) -> list[float]:
@@ -166,8 +168,6 @@ def _lightning_rates(args) -> list[float]:
     on_train_epoch_end: the epoch's `iter()` is inside from the second epoch on)."""
     import lightning.pytorch as pl
 
-    from recipes.common.frameworks.lightning_glue import LoaderDataModule
-
     marks: list[tuple[float, float]] = []
 
     class Clock(pl.Callback):
@@ -177,7 +177,9 @@ def _lightning_rates(args) -> list[float]:
         def on_train_epoch_end(self, trainer, module):
             marks.append((self.start, time.perf_counter()))
 
-    data = LoaderDataModule(_Work(args.samples, args.item_us), **_loader_kwargs(args))
+    data = lightning_glue.LoaderDataModule(
+        _Work(args.samples, args.item_us), **_loader_kwargs(args)
+    )
     _trainer(args.epochs, [Clock()]).fit(_module(), datamodule=data)
     data.loader.close()
     return [args.samples / (end - start) for start, end in marks[1:]]
@@ -187,8 +189,6 @@ def _checkpoint(args, dataset, position: int, path: Path) -> None:
     """A Lightning checkpoint after `position` batches of epoch 1 (at epoch 0's end for 0), read
     for free (`item_us` 0 meanwhile)."""
     import lightning.pytorch as pl
-
-    from recipes.common.frameworks.lightning_glue import LoaderDataModule
 
     class Save(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, index):
@@ -201,7 +201,7 @@ def _checkpoint(args, dataset, position: int, path: Path) -> None:
 
     cost = dataset.item_us
     dataset.item_us = 0.0
-    data = LoaderDataModule(dataset, **_loader_kwargs(args))
+    data = lightning_glue.LoaderDataModule(dataset, **_loader_kwargs(args))
     _trainer(2, [Save()]).fit(_module(), datamodule=data)
     data.loader.close()
     dataset.item_us = cost
@@ -214,8 +214,6 @@ def _resume_waits(args, positions: list[int], folder: Path) -> list[tuple[float,
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
-
-    from recipes.common.frameworks.lightning_glue import LoaderDataModule
 
     class StopAtOnce(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, index):
@@ -237,7 +235,7 @@ def _resume_waits(args, positions: list[int], folder: Path) -> list[tuple[float,
         first_ours = time.perf_counter() - start
         ours.close()
         first: list[float] = []
-        resumed = LoaderDataModule(dataset, **_loader_kwargs(args))
+        resumed = lightning_glue.LoaderDataModule(dataset, **_loader_kwargs(args))
         start = time.perf_counter()
         _trainer(2, [StopAtOnce()]).fit(_module(first), datamodule=resumed, ckpt_path=saved)
         resumed.loader.close()

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from recipes.common.tuning.monitor_plot import import_pyplot, save_figure
+
 
 @dataclass(frozen=True)
 class Chart:
@@ -51,7 +53,11 @@ def slug(text: str, limit: int = 64) -> str:
     hyphen to at most `limit` characters."""
     stem = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     if len(stem) > limit:
-        stem = stem[: limit + 1].rsplit("-", 1)[0] if "-" in stem[: limit + 1] else stem[:limit]
+        head = stem[: limit + 1]
+        if "-" in head:  # at the last hyphen that keeps it within the limit
+            stem = head.rsplit("-", 1)[0]
+        else:
+            stem = stem[:limit]
     return stem or "table"
 
 
@@ -66,8 +72,6 @@ def prepare(folder: Path | None) -> None:
     if folder is None:
         return
     import tempfile
-
-    from recipes.common.tuning.monitor_plot import import_pyplot
 
     import_pyplot()
     try:
@@ -99,7 +103,6 @@ def write_chart(chart: Chart, folder: Path | str | None) -> list[Path]:
         raise ValueError(
             f"`baseline` must index a row of chart {chart.name!r}, but is {chart.baseline} instead."
         )
-    from recipes.common.tuning.monitor_plot import import_pyplot, save_figure
 
     plt = import_pyplot()
     fig = _draw(plt, chart)
@@ -121,7 +124,10 @@ def _draw(plt, chart: Chart):
     axes.xaxis.set_major_formatter(
         lambda value, _: _number(value)
     )  # 2,000,000 rather than 2.0 and "1e6"
-    axes.set_xlim(0, max(chart.values) * 1.3 if max(chart.values) > 0 else 1)
+    right = 1
+    if max(chart.values) > 0:  # room for the notes beside the longest bar
+        right = max(chart.values) * 1.3
+    axes.set_xlim(0, right)
     for bar, value, ratio, i in zip(bars, chart.values, chart.ratios(), range(rows), strict=True):
         note = "baseline" if i == chart.baseline else chart.ratio_format.format(ratio)
         axes.annotate(
@@ -136,7 +142,9 @@ def _draw(plt, chart: Chart):
 
 
 def _number(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
 
 
 def read_chart(path: Path | str) -> Chart:
@@ -150,13 +158,17 @@ def read_chart(path: Path | str) -> Chart:
         import xml.etree.ElementTree as ET
 
         node = ET.parse(path).find(".//{http://purl.org/dc/elements/1.1/}description")
-        text = None if node is None else node.text
+        text = None
+        if node is not None:
+            text = node.text
     else:
         from PIL import Image
 
         with Image.open(path) as image:
             text = image.text.get("Description")
-    payload = json.loads(text) if text else {}
+    payload = {}
+    if text:
+        payload = json.loads(text)
     if "chart" not in payload:
         raise ValueError(
             f"{path} carries no chart data (no JSON `chart` in its Description); write it with "

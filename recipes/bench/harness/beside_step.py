@@ -20,10 +20,14 @@ figure beside a step is the best of two rounds, in turns.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from dataclasses import dataclass
+
+from recipes.bench.harness.workers import usable_cpus
+from recipes.bench.images.data import ensure_data
+from recipes.common import make_loader
+from recipes.vision import ImageFolderFast, build_image_cache
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,8 +123,6 @@ def loaders(dataset, batch_size: int, epoch_batches: int | None = None):
     import torch
     from torch.utils.data import RandomSampler
 
-    from recipes.common import make_loader
-
     def order():
         if epoch_batches is None:
             return {"shuffle": True}
@@ -165,9 +167,7 @@ def measure(
         if name == "in-process threads (path='threads')":  # all its work is this process's CPU time
             cpu_per_batch = (time.process_time() - cpu) / (batches + 3)
     threads_alone = alone["in-process threads (path='threads')"]
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
+    cores = usable_cpus()
     total_s = (
         batch_size / threads_alone
     )  # balanced: the step alone as fast as the thread path alone
@@ -196,9 +196,6 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.vision import ensure_data
-    from recipes.vision import ImageFolderFast, build_image_cache
-
     gil_ms = [float(v) for v in args.gil.split(",")]
     root = ensure_data(args.images, kind="photos")
     with tempfile.TemporaryDirectory(prefix="recipes-bench-step-") as cache:

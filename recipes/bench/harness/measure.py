@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipes.bench.harness.bench_charts import chart_of_rows, slug, write_chart
 from recipes.common.tuning.probes import PeakMemory, tree_memory_bytes  # noqa: F401 (re-exported)
 
 
@@ -42,7 +43,16 @@ class Measurement:
         steady_seconds = self.seconds - self.first_batch_seconds
         if steady_items > 0 and steady_seconds > 0:
             return steady_items / steady_seconds
-        return self.items / self.seconds if self.seconds > 0 else float("inf")
+        if self.seconds > 0:
+            return self.items / self.seconds
+        return float("inf")
+
+    @property
+    def whole_epoch_per_s(self) -> float:
+        """The rate over the whole epoch, first batch included (0 when nothing was timed)."""
+        if self.seconds:
+            return self.items / self.seconds
+        return 0.0
 
 
 def count_items(batch) -> int:
@@ -106,17 +116,24 @@ def format_table(
     """A Markdown table of the rows with each rate's ratio to `rows[baseline]`; with
     `whole_epoch`, also each row's rate over the whole epoch, first batch included."""
     base = rows[baseline].items_per_s
-    whole_base = rows[baseline].items / rows[baseline].seconds if rows[baseline].seconds else 0.0
-    extra = f" whole epoch {unit} | vs baseline |" if whole_epoch else ""
+    whole_base = rows[baseline].whole_epoch_per_s
+    extra = ""
+    extra_align = ""
+    if whole_epoch:
+        extra = f" whole epoch {unit} | vs baseline |"
+        extra_align = "---:|---:|"
     lines = [
         f"| loader | {unit} | vs baseline |{extra} first batch (s) | peak memory (MiB) |",
-        "|---|---:|---:|" + ("---:|---:|" if whole_epoch else "") + "---:|---:|",
+        "|---|---:|---:|" + extra_align + "---:|---:|",
     ]
     for row in rows:
         cells = ""
         if whole_epoch:
-            whole = row.items / row.seconds if row.seconds else 0.0
-            cells = f" {whole:,.1f} | {whole / whole_base if whole_base else 0.0:.2f}x |"
+            whole = row.whole_epoch_per_s
+            whole_ratio = 0.0
+            if whole_base:
+                whole_ratio = whole / whole_base
+            cells = f" {whole:,.1f} | {whole_ratio:.2f}x |"
         lines.append(
             f"| {row.name} | {row.items_per_s:,.1f} | {row.items_per_s / base:.2f}x |{cells} "
             f"{row.first_batch_seconds:.2f} | {row.peak_bytes / 2**20:,.0f} |"
@@ -140,8 +157,6 @@ def show_table(
     print(f"\n## {heading}\n")
     print(format_table(rows, unit=unit, baseline=baseline, whole_epoch=whole_epoch))
     if plot is not None:
-        from recipes.bench.harness.bench_charts import chart_of_rows, slug, write_chart
-
         name = name or slug(heading.split(":")[0])
         write_chart(chart_of_rows(name, heading, rows, unit=unit, baseline=baseline), plot)
 

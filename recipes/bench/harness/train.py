@@ -5,8 +5,8 @@ hides what matters here: the main process also launches the step's kernels, the 
 thread competes for it, and worker start-up delays the first step.
 Cost: per domain, one resident-batch run of the model alone, then `--steps` training steps per
 loader (the plain torch way, the recipe cold, the recipe warm), each step synchronised.
-Adapt here: each domain's `train_setup` in `recipes.bench.<domain>` (model, step, loaders),
-which returns a `recipes.bench.harness.train_setup.TrainSetup`.
+Adapt here: each domain's `train_setup` in the module `TRAIN_SETUPS` names (model, step,
+loaders), which returns a `recipes.bench.harness.train_setup.TrainSetup`.
 Trade-off: `--steps` short runs carry noise; each loader's first batch is reported apart and
 excluded from the steady rate, whose data wait is the share of time spent in `next(loader)`.
 """
@@ -16,14 +16,29 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from recipes.bench.harness.train_setup import TrainSetup
+import torch
 
-DOMAINS = ("vision", "nlp", "audio", "lm")
+from recipes.bench.harness.bench_charts import Chart, slug, write_chart
+from recipes.bench.harness.train_setup import TrainSetup
+from recipes.common.tuning.monitor import LoaderMonitor, LoaderWarning
+
+# Each domain's `train_setup(args, device)`, imported when that domain runs (each module imports
+# its domain's library and models at its top).
+TRAIN_SETUPS = {
+    "vision": "recipes.bench.images.train_setup",
+    "nlp": "recipes.bench.nlp",
+    "audio": "recipes.bench.audio",
+    "lm": "recipes.bench.lm",
+}
+DOMAINS = tuple(TRAIN_SETUPS)
+# training steps per loader when `--steps` is left out, by whether the device is CUDA
+DEFAULT_STEPS = {True: 60, False: 8}
 
 
 @dataclass
@@ -86,16 +101,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from recipes.bench.harness.bench_charts import Chart, write_chart
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or _default_device())
     cuda = device.type == "cuda"
-    steps = args.steps or (60 if cuda else 8)
+    steps = args.steps or DEFAULT_STEPS[cuda]
+    domains = (args.domain,)
+    if args.domain == "all":
+        domains = DOMAINS
     results = {}
-    for domain in DOMAINS if args.domain == "all" else (args.domain,):
-        module = importlib.import_module(f"recipes.bench.{domain}")
+    for domain in domains:
+        module = importlib.import_module(TRAIN_SETUPS[domain])
         setup = module.train_setup(args, device)
         plot = getattr(args, "plot", None)
         rows, alone = measure_setup(setup, device, steps, plot=plot, prefix=f"train-{domain}")
@@ -125,17 +139,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _share(rate: float, alone: float) -> float:
+    """`rate` as a share of the model alone's (0 when the model alone was not measured)."""
+    if alone:
+        return rate / alone
+    return 0.0
+
+
 def measure_setup(
     setup: TrainSetup, device, steps: int, *, plot: Path | None = None, prefix: str = "train"
 ) -> tuple[list[TrainRow], float]:
     """The model alone, then each loader's row; with `plot`, each loader's run as a timeline
     chart `plot/<prefix>-<loader>-timeline.png` and `.svg` (`LoaderMonitor.plot`)."""
-    from recipes.bench.harness.bench_charts import slug
-
     before = model_alone(setup, device, steps)
     rows = []
     for name, loader, to_device in setup.loaders:
-        timeline = None if plot is None else Path(plot) / f"{prefix}-{slug(name, 56)}-timeline"
+        timeline = None
+        if plot is not None:
+            timeline = Path(plot) / f"{prefix}-{slug(name, 56)}-timeline"
         rows.append(
             train_with(name, loader, to_device, setup, device, steps, before, timeline=timeline)
         )
@@ -143,7 +170,7 @@ def measure_setup(
     # of the two; a first measurement alone was found slower than the step fed by a loader
     alone = max(before, model_alone(setup, device, steps))
     for row in rows:
-        row.of_model = row.rate / alone if alone else 0.0
+        row.of_model = _share(row.rate, alone)
     return rows, alone
 
 
@@ -178,8 +205,6 @@ def train_with(
     """`steps` steps fed by `loader` (epochs repeat as needed), after one first step that is
     timed apart; the data wait and GPU utilisation come from `LoaderMonitor`, whose timeline
     is drawn to `timeline` + .png and .svg when given."""
-    from recipes.common.tuning.monitor import LoaderMonitor, LoaderWarning
-
     monitor = LoaderMonitor(loader, sample_seconds=1.0)
     done = 0
     counted = 0
@@ -199,16 +224,17 @@ def train_with(
                 if done >= steps + 1:
                     break
     rate = counted / (time.perf_counter() - start)
-    for suffix in () if timeline is None else (".png", ".svg"):
-        monitor.plot(
-            timeline.with_name(timeline.name + suffix),
-            title=f"{name}: {setup.model} on {_device_name(device)}",
-        )
+    if timeline is not None:
+        for suffix in (".png", ".svg"):
+            monitor.plot(
+                timeline.with_name(timeline.name + suffix),
+                title=f"{name}: {setup.model} on {_device_name(device)}",
+            )
     summary = monitor.summary()
     return TrainRow(
         name,
         rate,
-        rate / alone if alone else 0.0,
+        _share(rate, alone),
         summary["wait_fraction"],
         monitor.epochs[0]["first_batch_s"],
         getattr(loader, "num_workers", 0),
@@ -218,24 +244,20 @@ def train_with(
 
 
 def _sync(device) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _device_name(device) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
 
 
 def _print(
     domain: str, setup: TrainSetup, rows: list[TrainRow], alone: float, device, steps: int
 ) -> str:
     """Prints the domain's table; returns its heading."""
-    import os
-
     heading = (
         f"train/{domain}: {setup.model} on {_device_name(device)} ({os.cpu_count()} CPUs), "
         f"{steps} steps per loader"
@@ -248,7 +270,9 @@ def _print(
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        gpu = "-" if r.gpu_util is None else f"{r.gpu_util:.0f}%"
+        gpu = "-"
+        if r.gpu_util is not None:
+            gpu = f"{r.gpu_util:.0f}%"
         print(
             f"| {r.name} | {r.workers} | {r.rate:,.1f} | {r.of_model:.0%} | {r.wait_fraction:.0%} "
             f"| {r.first_batch_s:.2f} | {gpu} |"

@@ -21,6 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from recipes.bench.images.data import ensure_data
+from recipes.bench.nodes import job
+from recipes.common import ShardedIterableDataset, write_shards
+from recipes.testing_nodes import kill_node, report, start_nodes, wait_nodes
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -33,8 +38,6 @@ def _launch(
     folders: list[Path], spec: dict, ranks: int, *, lose_node_after: int | None = None
 ) -> list[dict]:
     """One run; with `lose_node_after`, node 1 is killed once rank 0 checkpointed at that step."""
-    from recipes.bench.nodes import job
-    from recipes.testing_nodes import kill_node, report, start_nodes, wait_nodes
 
     shared = Path(spec["shared"]) / spec["run"]
     nodes = start_nodes(folders, Path(job.__file__), json.dumps(spec), per_node=ranks)
@@ -52,7 +55,6 @@ def _launch(
 
 def _lose_a_node(nodes, shared: Path, ranks: int, lose_node_after: int | None) -> None:
     """With `lose_node_after`: node 1 killed once every rank reported its checkpoint."""
-    from recipes.testing_nodes import kill_node, report, wait_nodes
 
     if lose_node_after is not None:
         deadline = time.monotonic() + 600
@@ -74,8 +76,6 @@ def _work(folders: list[Path], what: str, run: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recipes.bench.vision import ensure_data
-
     per_rank = -(-args.images // (2 * args.ranks))  # images a rank reads in epoch 0 on 2 nodes
     stop = min(3, -(-per_rank // 8) - 1)  # a step of epoch 0 before its last batch
     if stop < 1:
@@ -189,10 +189,11 @@ def _print(args, rows, resumes) -> None:
     )
     print("| data | first batch | seconds |\n|---|---|---:|")
     for kind, name, seconds in resumes:
-        print(
-            f"| {'decoded image cache (threads)' if kind == 'images' else 'ShardSet (1 worker)'} | "
-            f"{name} | {seconds:.3f} |"
-        )
+        print(f"| {RESUMED_DATA[kind]} | {name} | {seconds:.3f} |")
+
+
+# the resume table's first column, by the kind of data resumed
+RESUMED_DATA = {"images": "decoded image cache (threads)", "shards": "ShardSet (1 worker)"}
 
 
 def _numbers(path, start, stop):
@@ -204,8 +205,6 @@ def _at_imagenet_scale() -> tuple[float, float, float]:
     import warnings
 
     from torch.utils.data import DataLoader
-
-    from recipes.common import ShardedIterableDataset
 
     dataset = ShardedIterableDataset(
         [f"shard-{i:05d}" for i in range(1281)],
@@ -230,7 +229,6 @@ def _at_imagenet_scale() -> tuple[float, float, float]:
 
 def _write_shards(root: Path, out: Path) -> Path:
     """The photographs as tar shards of their bytes, about 16 per class folder's worth, sorted."""
-    from recipes.common import write_shards
 
     files = sorted(root.glob("*/*.jpg"))
     samples = [

@@ -34,6 +34,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import recipes.nlp.token_cache as token_cache
+from recipes.common import MixtureSampler, MixtureSources, ShardSet, make_loader
+from recipes.common.remote.prefetch_cache import PrefetchCache
+from recipes.nlp import build_token_cache
+from recipes.vision import build_image_cache
+from recipes.vision.image_folder import ImageFolderFast
+
 PHASE = ["build", "run"]  # the phase, the run's name
 
 
@@ -44,9 +51,6 @@ def count(what: str, line: str = "1") -> None:
 
 def instrument() -> None:
     """Counts image file reads, texts tokenized and downloads, in this process and its workers."""
-    import recipes.nlp.token_cache as token_cache
-    from recipes.common.remote.prefetch_cache import PrefetchCache
-    from recipes.vision.image_folder import ImageFolderFast
 
     read = ImageFolderFast._read
     download = PrefetchCache._download
@@ -79,19 +83,15 @@ def image_hash(image: torch.Tensor) -> str:
 
 
 def images(spec: dict):
-    from recipes.vision import ImageFolderFast, build_image_cache
-
     dataset = ImageFolderFast(
         Path(spec["data"]) / spec.get("images", "photos"), size=64, train=False
     )
-    # every rank calls: split over all of them, each node's folder ending with the whole cache
-    build_image_cache(
-        dataset,
-        "cache",
-        num_workers=0,
-        progress=False,
-        distributed=False if spec.get("alone") else None,
-    )
+    # every rank calls: split over all of them, each node's folder ending with the whole cache;
+    # a node alone builds its own
+    distributed = None
+    if spec.get("alone"):
+        distributed = False
+    build_image_cache(dataset, "cache", num_workers=0, progress=False, distributed=distributed)
     return dataset
 
 
@@ -111,8 +111,6 @@ class Keyed:
 
 
 def build_loader(spec: dict):
-    from recipes.common import make_loader
-
     batch = spec["batch"]
     if spec["kind"] == "images":
         dataset = images(spec)
@@ -120,8 +118,6 @@ def build_loader(spec: dict):
             image_hash(x) for x in b[0]
         ]
     if spec["kind"] == "shards":
-        from recipes.common import PrefetchCache, ShardSet
-
         shards = ShardSet.open(spec["url"], storage_options=spec["storage_options"])
         cache = PrefetchCache(
             "shard-cache", max_bytes=256 * 2**20, storage_options=spec["storage_options"]
@@ -129,9 +125,6 @@ def build_loader(spec: dict):
         dataset = shards.dataset(cache=cache, decode=False)
         return make_loader(dataset, batch_size=batch, num_workers=1, collate_fn=_keys), lambda b: b
     from transformers import AutoTokenizer
-
-    from recipes.common import MixtureSampler, MixtureSources
-    from recipes.nlp import build_token_cache
 
     tokenizer = AutoTokenizer.from_pretrained(
         Path(spec["data"]) / "tokenizer", local_files_only=True

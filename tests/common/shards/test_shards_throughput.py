@@ -9,8 +9,9 @@ pytest.importorskip("webdataset")
 
 @pytest.mark.slow
 def test_shards_bench_rows(tmp_path):
-    from recipes.bench.shards import read_rows, write_rows
-    from recipes.bench.vision import ensure_data
+    from recipes.bench.images.data import ensure_data
+    from recipes.bench.storage.reads import read_rows
+    from recipes.bench.storage.writes import write_rows
 
     written, _ = write_rows(ensure_data(160), tmp_path, 2 * 2**20)
     rates = {name.split()[0]: rate for name, rate, _ in written}
@@ -39,8 +40,8 @@ def test_shuffle_quality_rows_of_the_bench(tmp_path):
     """The bench's table on the generated folder (10 classes, sorted): the README's way mixes
     like i.i.d. (distinct classes within 15%, majority share at most 1.5x) and epochs differ;
     shard order alone on sorted shards does not."""
-    from recipes.bench.shards import quality_rows
-    from recipes.bench.vision import ensure_data
+    from recipes.bench.images.data import ensure_data
+    from recipes.bench.storage.quality import quality_rows
 
     rows, (iid_distinct, iid_majority) = quality_rows(ensure_data(800), tmp_path, workers=2)
     by_name = {name: (distinct, majority, differ) for name, _, distinct, majority, differ in rows}

@@ -13,6 +13,23 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import torch
+import torchvision
+import torchvision.transforms as T
+from torch.utils.data import DataLoader
+
+from recipes.bench.harness.measure import best_interleaved, measure
+from recipes.bench.harness.workers import worker_init_for
+from recipes.common import make_loader
+from recipes.vision import (
+    GpuDecode,
+    ImageFolderFast,
+    build_image_cache,
+    encoded_collate,
+    uint8_collate,
+)
+from recipes.vision.decoding.region_decode import region_decode_available
+
 
 def compare_train(
     root: Path,
@@ -29,28 +46,15 @@ def compare_train(
     `decode="gpu"` with `GpuDecode` (synchronised per batch) and, with `warm_dir`, crops from a
     decoded cache built there through DataLoader workers and through make_loader's defaults
     (threads). Returns the rows."""
-    import torch
-    import torchvision
-    import torchvision.transforms as T
-    from torch.utils.data import DataLoader
-
-    from recipes.bench.harness.measure import best_interleaved, measure
-    from recipes.common import make_loader, worker_init
-    from recipes.vision import (
-        GpuDecode,
-        ImageFolderFast,
-        build_image_cache,
-        encoded_collate,
-        uint8_collate,
-    )
-    from recipes.vision.decoding.region_decode import region_decode_available
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None and torch.cuda.is_available():
+        device = "cuda"
+    elif device is None:
+        device = "cpu"
     settings = dict(
         batch_size=batch_size,
         num_workers=workers,
         pin_memory=device == "cuda",
-        worker_init_fn=worker_init if workers else None,
+        worker_init_fn=worker_init_for(workers),
     )
     baseline = torchvision.datasets.ImageFolder(
         root,
