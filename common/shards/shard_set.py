@@ -17,11 +17,13 @@ and, for tar, each sample's first header offset, the end of its last sample and 
 xxh3-64; for Parquet, rows per row group and an xxh3-64 per row group and column. Every read checks
 what it serves against it (see `recipes.common.shards.shard_checks`); v1 indexes read, unverified.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
-  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/sharded_dataset.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from recipes.common.shards.epochs.shard_mixing import WINDOW
 from recipes.common.shards.shard_checks import (
     INDEX_NAME,
     SUMS,
@@ -48,7 +51,6 @@ from recipes.common.shards.shard_formats import (
     read_parquet,
     read_tar,
 )
-from recipes.common.shards.shard_mixing import WINDOW
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     decode_sample,

@@ -25,10 +25,13 @@ Why 64 MiB shards by default: LitData (`chunk_bytes="64MB"`) and MosaicML Stream
 bandwidth, `PrefetchCache` holds a few per worker within a small disk budget, and a 100 GB set
 still has ~1,600 shards for exact splits over ranks x workers.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
-  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
+  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
 
@@ -47,6 +50,7 @@ import numpy as np
 import xxhash
 
 from recipes.common.sampling.sharding import distributed_world
+from recipes.common.shards.epochs.shard_mixing import shuffled_samples
 from recipes.common.shards.shard_checks import (
     FORMAT,
     INDEX_NAME,
@@ -63,7 +67,6 @@ from recipes.common.shards.shard_formats import (
     tar_end,
     tar_sample,
 )
-from recipes.common.shards.shard_mixing import shuffled_samples
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     sample_fields,

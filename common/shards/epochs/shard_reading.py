@@ -10,7 +10,7 @@ Adapt here: nothing; the dataset sets every field.
 Trade-off: a mixed block is read whole when first drawn (memory: `INTERLEAVE` blocks), so a
 reader's lazy iteration within a block is not kept.
 Copy with: common/caches/packed_strings.py, common/sampling/sharding.py,
-  common/shards/shard_mixing.py."""
+  common/shards/epochs/shard_mixing.py."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import Piece
-from recipes.common.shards.shard_mixing import mixed_samples, mixing_schedule, need_order
+from recipes.common.shards.epochs.shard_mixing import mixed_samples, mixing_schedule, need_order
 
 
 @dataclass(frozen=True)
