@@ -82,11 +82,9 @@ class ShardSet:
         self.columns = index.get("columns")
         # per shard, its samples' xxh3-64s (tar) or its row groups' x columns' (Parquet); None for a
         # v1 index (its samples are not checked byte for byte)
-        self.checksums = (
-            None
-            if index.get("version", VERSION) < 2
-            else [np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
-        )
+        self.checksums = None
+        if index.get("version", VERSION) >= 2:
+            self.checksums = [np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
 
     @classmethod
     def open(cls, url: str | os.PathLike, storage_options: dict | None = None) -> ShardSet:
@@ -151,22 +149,25 @@ class ShardSet:
                 header.
         """
         entry = self.entries[shard]
-        source = path if path is not None else self.urls[shard]
-        options = None if path is not None else self.storage_options
+        source = self.urls[shard]
+        options = self.storage_options
+        if path is not None:  # a local copy
+            source = path
+            options = None
         local = "://" not in str(source) or str(source).startswith("file://")
         if local:
             check_local_shard(
                 str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified
             )
         url = self.urls[shard]
-        crcs = None if self.checksums is None else self.checksums[shard]
+        crcs = None
+        if self.checksums is not None:
+            crcs = self.checksums[shard]
         if self.format == "tar":
             offsets = entry.get("offsets")
-            check = (
-                None
-                if offsets is None
-                else tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
-            )
+            check = None
+            if offsets is not None:
+                check = tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
             items = read_tar(
                 source,
                 start,
@@ -176,9 +177,11 @@ class ShardSet:
                 check=check,
                 storage_options=options,
             )
-            items = (decode_sample(s, url) for s in items) if decode else items
         else:
-            check = parquet_group_check(url, self.columns, None if crcs is None else crcs.tolist())
+            group_crcs = None
+            if crcs is not None:
+                group_crcs = crcs.tolist()
+            check = parquet_group_check(url, self.columns, group_crcs)
             items = read_parquet(
                 source,
                 start,
@@ -188,11 +191,12 @@ class ShardSet:
                 check=check,
                 storage_options=options,
             )
-            items = (decode_sample(r, url) for r in items) if decode else items
-        want = max(
-            0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start
-        )
-        return counted(items, want, url)
+        if decode:
+            items = (decode_sample(sample, url) for sample in items)
+        end = int(entry["samples"])
+        if stop is not None:
+            end = min(end, stop)
+        return counted(items, max(0, end - start), url)
 
     def dataset(
         self,
@@ -254,7 +258,9 @@ class _Blocks:
         self.shards = shards
         self.streamed = streamed
         # for the loader state's settings
-        self.name = f"{shards.format}-{'streamed' if streamed else 'local'}"
+        self.name = f"{shards.format}-local"
+        if streamed:
+            self.name = f"{shards.format}-streamed"
 
     def __call__(self, shard: int) -> np.ndarray:
         entry = self.shards.entries[shard]
@@ -283,7 +289,9 @@ class _ShardReader:
 
     def __call__(self, path, start, stop):
         shard = self.by_path[str(path)]
-        local = None if str(path) == self.shards.urls[shard] else str(path)
+        local = str(path)
+        if local == self.shards.urls[shard]:  # the shard's URL, not a copy
+            local = None
         # a cached copy: the dataset read it through `cache.pinned(url, sha256=)`, which checked it
         items = self.shards.read(
             shard,
@@ -294,4 +302,6 @@ class _ShardReader:
             columns=self.columns,
             verified=local is not None,
         )
-        return items if self.transform is None else map(self.transform, items)
+        if self.transform is None:
+            return items
+        return map(self.transform, items)
