@@ -19,8 +19,8 @@ counts and offsets, not their bytes; one whose entries carry the v2 checksums is
 damaged (its version was changed, which would turn the checks off). Every offset a tar read
 uses must start a key's first header (`ShardIndexError`, a `ShardFormatError` too).
 Copy with: common/caches/cache_folder.py, common/remote/object_download.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/shards/shard_samples.py, common/shards/tar_members.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 import xxhash
 
 from recipes.common.remote.object_download import file_sha256
-from recipes.common.shards.shard_formats import tar_header_at, tar_key_starts
 from recipes.common.shards.shard_samples import ShardFormatError
+from recipes.common.shards.tar_members import tar_header_at, tar_key_starts
 
 FORMAT, VERSION, VERSIONS = (
     "recipes-shards",

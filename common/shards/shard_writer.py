@@ -31,8 +31,8 @@ Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
   common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+  common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -64,8 +64,6 @@ from recipes.common.shards.shard_formats import (
     parquet_shard,
     parquet_value,
     scan_tar,
-    tar_end,
-    tar_sample,
 )
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
@@ -73,6 +71,7 @@ from recipes.common.shards.shard_samples import (
     sample_key,
 )
 from recipes.common.shards.shard_set import ShardSet
+from recipes.common.shards.tar_members import tar_end, tar_sample
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
 SHARD_NAME = "shard-{:06d}.{}"
