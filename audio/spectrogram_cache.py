@@ -30,9 +30,10 @@ Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py,
   common/shards/epochs/shard_mixing.py, common/shards/epochs/shard_plan.py,
   common/shards/epochs/shard_reading.py, common/shards/epochs/shard_reshape.py,
   common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
-  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
-  common/shards/tar_members.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, common/workers/start_watch.py.
+  common/shards/shard_index.py, common/shards/shard_samples.py, common/shards/shard_set.py,
+  common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
+  common/workers/start_watch.py.
 """
 
 from __future__ import annotations

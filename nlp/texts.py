@@ -19,9 +19,10 @@ Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
-  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_index.py,
+  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
+  common/shards/tar_members.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations

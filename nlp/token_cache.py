@@ -35,9 +35,10 @@ Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
-  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py, nlp/texts.py.
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_index.py,
+  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
+  common/shards/tar_members.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, nlp/texts.py.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
   common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
@@ -31,7 +31,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from recipes.common.shards.shard_checks import FORMAT, INDEX_NAME, VERSION
+from recipes.common.shards.shard_index import FORMAT, INDEX_NAME, VERSION
 from recipes.common.shards.shard_set import ShardSet
 
 

@@ -8,23 +8,24 @@ exactly once per epoch over ranks and workers:
 `webdataset.ShardWriter`, Parquet exports).
 Cost: fetches the index once, then each consumer's shards (or sample ranges: tar member
 offsets, Parquet row groups).
-Adapt here: nothing; the index's name is `shard_checks.INDEX_NAME`.
+Adapt here: nothing; the index's name is `shard_index.INDEX_NAME`.
 Trade-off: what is served is checked against the index on every path (local, cached, streamed,
 ranged); a v1 index (no checksums) is read unverified.
 
 The index (`index.json`, JSON, version 2) per shard: its name, sample count, byte size, sha256
 and, for tar, each sample's first header offset, the end of its last sample and each sample's
 xxh3-64; for Parquet, rows per row group and an xxh3-64 per row group and column. Every read checks
-what it serves against it (see `recipes.common.shards.shard_checks`); v1 indexes read, unverified.
+what it serves against it (see `recipes.common.shards.shard_checks`; the index's own checks:
+`shard_index.py`); v1 indexes read, unverified.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/remote/object_download.py, common/sampling/sharding.py,
   common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
   common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/sharded_dataset.py,
-  common/shards/tar_members.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
+  common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -37,13 +38,7 @@ import numpy as np
 
 from recipes.common.shards.epochs.shard_mixing import WINDOW
 from recipes.common.shards.shard_checks import (
-    INDEX_NAME,
-    SUMS,
-    VERSION,
-    ShardIndexError,
-    check_index,
     check_local_shard,
-    check_versioned,
     counted,
     parquet_group_check,
     tar_range_check,
@@ -51,6 +46,14 @@ from recipes.common.shards.shard_checks import (
 from recipes.common.shards.shard_formats import (
     read_parquet,
     read_tar,
+)
+from recipes.common.shards.shard_index import (
+    INDEX_NAME,
+    SUMS,
+    VERSION,
+    ShardIndexError,
+    check_index,
+    check_versioned,
 )
 from recipes.common.shards.shard_samples import (
     ShardFormatError,

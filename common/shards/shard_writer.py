@@ -30,8 +30,8 @@ Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
   common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
@@ -51,20 +51,14 @@ import xxhash
 
 from recipes.common.sampling.sharding import distributed_world
 from recipes.common.shards.epochs.shard_mixing import shuffled_samples
-from recipes.common.shards.shard_checks import (
-    FORMAT,
-    INDEX_NAME,
-    SUMS,
-    VERSION,
-    file_digests,
-    parquet_digests,
-)
+from recipes.common.shards.shard_checks import file_digests, parquet_digests
 from recipes.common.shards.shard_formats import (
     parquet_schema,
     parquet_shard,
     parquet_value,
     scan_tar,
 )
+from recipes.common.shards.shard_index import FORMAT, INDEX_NAME, SUMS, VERSION
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     sample_fields,
