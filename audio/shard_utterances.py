@@ -14,11 +14,15 @@ Trade-off: one item per sample, so the cache is ragged (utterances); `info["file
 sample's position in the set (its key is `info["key"]` here, not in the cache). Cut long
 recordings into windows before writing the shards, or cache `ChunkedAudioDataset` windows.
 Copy with: audio/shard_audio.py, common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_mixing.py,
-  common/shards/shard_plan.py, common/shards/shard_reading.py, common/shards/shard_reshape.py,
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_index.py,
   common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/shards/tar_members.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations

@@ -34,10 +34,13 @@ workers; `recipes.common.worker_init` also sets TOKENIZERS_PARALLELISM=false in 
 Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/cache_folder.py,
   common/caches/packed_strings.py, common/remote/object_download.py, common/sampling/sharding.py,
-  common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
-  common/shards/shard_mixing.py, common/shards/shard_plan.py, common/shards/shard_reading.py,
-  common/shards/shard_reshape.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_index.py,
+  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
+  common/shards/tar_members.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, nlp/texts.py, nlp/token_cache_parts.py, nlp/tokenizing.py.
 """
 

@@ -1,5 +1,6 @@
-"""What a shard index promises, checked: its own consistency when it is opened, and each sample's
-bytes (an xxh3-64 per tar sample, per Parquet row group and column) before the sample is served.
+"""What a shard index promises about the shards, checked: each shard's size and sha256 where the
+whole file is at hand, each sample's bytes (an xxh3-64 per tar sample, per Parquet row group and
+column) before the sample is served, and the digests `write_shards` records.
 
 Use when: reading shards through `ShardSet` (`recipes.common.shards.shard_set`), on every path: a
 local file, `PrefetchCache`'s copy, a remote object streamed or read by sample ranges. The sha256 of
@@ -13,19 +14,18 @@ Cost: xxhash's xxh3-64 over the bytes read, about 60 GB/s on one core (`zlib.crc
 Adapt here: `column_crc` (how a Parquet column is hashed: value bytes, lengths and nulls; other
 types through their Python values).
 Trade-off: a 64-bit checksum detects damage (all but 1 in 2^64 of random changes), not
-tampering; that is the shard's sha256's job where the file is whole. A v1 index (written
-before the checksums) still reads, with a warning: its samples are checked against their
-counts and offsets, not their bytes; one whose entries carry the v2 checksums is refused as
-damaged (its version was changed, which would turn the checks off). Every offset a tar read
-uses must start a key's first header (`ShardIndexError`, a `ShardFormatError` too).
+tampering; that is the shard's sha256's job where the file is whole. A v1 index reads
+unverified (`shard_index.py`). Every offset a tar read uses must start a key's first header
+(`ShardIndexError`, a `ShardFormatError` too).
 Copy with: common/caches/cache_folder.py, common/remote/object_download.py,
-  common/shards/shard_formats.py, common/shards/shard_samples.py,
+  common/shards/shard_index.py, common/shards/shard_samples.py, common/shards/tar_members.py,
   common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections.abc import Sequence
 
@@ -33,182 +33,9 @@ import numpy as np
 import xxhash
 
 from recipes.common.remote.object_download import file_sha256
-from recipes.common.shards.shard_formats import tar_header_at, tar_key_starts
+from recipes.common.shards.shard_index import ShardIndexError
 from recipes.common.shards.shard_samples import ShardFormatError
-
-FORMAT, VERSION, VERSIONS = (
-    "recipes-shards",
-    2,
-    (1, 2),
-)  # 2: per-sample xxh3-64s (`xxh3`) and tar `end`
-INDEX_NAME = "index.json"
-SUMS = "xxh3"  # an entry's key for its checksums
-_LIMIT = 2**64
-
-
-class ShardIndexError(ShardFormatError):
-    """An index that is missing, damaged, of another version, or disagrees with its shards (a
-    `ShardFormatError` too, and a `ValueError`: one `except ShardFormatError` catches both)."""
-
-
-def check_index(index, path: str) -> None:
-    """Everything an index states about itself agrees: counts with offsets, row groups and
-    checksums, offsets that start samples in order inside the shard, names used once.
-
-    Raises:
-        ShardIndexError: naming the index and, for a shard entry, the shard.
-    """
-    rebuild = "rebuild it with index_shards() or rewrite the shards"
-    if (
-        not isinstance(index, dict)
-        or index.get("format") != FORMAT
-        or index.get("version") not in VERSIONS
-    ):
-        raise ShardIndexError(f"{path} is not a {FORMAT} index of version {VERSIONS}; {rebuild}.")
-    shards = index.get("shards")
-    kind = index.get("shard_format")
-    if (
-        kind not in ("tar", "parquet")
-        or not isinstance(shards, list)
-        or not all(
-            isinstance(e, dict) and isinstance(e.get("name"), str) and _count(e.get("samples"))
-            for e in shards
-        )
-    ):
-        raise ShardIndexError(
-            f"{path} is incomplete or damaged (no shard_format, or a shard entry without its "
-            f"name and sample count); {rebuild}."
-        )
-    names = [e["name"] for e in shards]
-    if len(set(names)) != len(names) or any("/" in n or not n for n in names):
-        raise ShardIndexError(f"{path} names a shard twice, or by a path: damaged; {rebuild}.")
-    columns = index.get("columns")
-    if (
-        kind == "parquet"
-        and (index["version"] > 1 or columns is not None)
-        and not (
-            isinstance(columns, list)
-            and columns
-            and all(
-                isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c)
-                for c in columns
-            )
-        )
-    ):
-        raise ShardIndexError(
-            f"{path} has no valid `columns` (name and type per Parquet column); {rebuild}."
-        )
-    for entry in shards:
-        problem = _tar_problem(entry) if kind == "tar" else _parquet_problem(entry, columns)
-        if problem is None and index["version"] > 1 and not isinstance(entry.get("bytes"), int):
-            problem = "has no byte size"
-        if problem is not None:
-            raise ShardIndexError(
-                f"{path}: the entry of shard {entry['name']} {problem}: damaged, or not the index "
-                f"of these shards; {rebuild}."
-            )
-    if not _count(index.get("samples")) or index["samples"] != sum(e["samples"] for e in shards):
-        raise ShardIndexError(
-            f"{path} says {index.get('samples')!r} samples, but its shards' counts add up to "
-            f"{sum(e['samples'] for e in shards)}: damaged; {rebuild}."
-        )
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _ints(values, length: int | None = None) -> bool:
-    return (
-        isinstance(values, list)
-        and (length is None or len(values) == length)
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
-    )
-
-
-def _tar_problem(entry: dict) -> str | None:
-    offsets = entry.get("offsets")
-    n = entry["samples"]
-    size = entry.get("bytes")
-    if not _ints(offsets):
-        kind = "offsets that are not all integers" if isinstance(offsets, list) else "no offsets"
-        return f"has {kind} (each sample's first tar header, in bytes)"
-    if len(offsets) != n:
-        return f"says {n} samples but lists {len(offsets)} offsets"
-    if offsets and (
-        offsets[0] < 0
-        or any(b <= a for a, b in zip(offsets, offsets[1:], strict=False))
-        or any(o % 512 for o in offsets)
-    ):
-        return "has offsets that are not increasing tar block boundaries (each starts a new sample)"
-    if isinstance(size, int) and offsets and offsets[-1] + 512 > size:
-        return f"has an offset past its size ({size:,} bytes)"
-    if SUMS not in entry and "end" not in entry:
-        return None  # a v1 entry (the version check requires them in v2)
-    end = entry.get("end")
-    crcs = entry.get(SUMS)
-    if (
-        not isinstance(end, int)
-        or end < (offsets[-1] + 512 if offsets else 0)
-        or (isinstance(size, int) and end > size)
-        or end % 512
-    ):
-        return f"has an `end` ({end!r}) before its last sample or past its size"
-    if not _ints(crcs, n) or any(not 0 <= c < _LIMIT for c in crcs):
-        return (
-            f"says {n} samples but lists {len(crcs) if isinstance(crcs, list) else 'no'} checksums"
-        )
-    return None
-
-
-def _parquet_problem(entry: dict, columns) -> str | None:
-    groups = entry.get("row_groups")
-    n = entry["samples"]
-    if not _ints(groups) or any(g < 0 for g in groups) or sum(groups) != n:
-        return f"says {n} samples, but its row groups ({groups!r}) do not add up to it"
-    if SUMS not in entry:
-        return None
-    crcs = entry[SUMS]
-    if (
-        columns is None
-        or not isinstance(crcs, list)
-        or len(crcs) != len(groups)
-        or not all(_ints(c, len(columns)) and all(0 <= x < _LIMIT for x in c) for c in crcs)
-    ):
-        return f"does not list a checksum per row group ({len(groups)}) and column ({len(columns)})"
-    return None
-
-
-def check_versioned(index: dict, path: str) -> None:
-    """A v2 index must carry the checksums; a v1 index reads, with a warning that says what it
-    lacks."""
-    if index["version"] == 1 and any(SUMS in e or "end" in e for e in index["shards"]):
-        raise ShardIndexError(
-            f"{path} is damaged: a version-1 index with version-2 checksums (`xxh3`, `end`), "
-            "so its version was changed and its checks would be skipped; rebuild it with "
-            "index_shards() or rewrite the shards."
-        )
-    if index["version"] >= 2:
-        missing = [
-            e["name"]
-            for e in index["shards"]
-            if SUMS not in e or (index["shard_format"] == "tar" and "end" not in e)
-        ]
-        if missing:
-            raise ShardIndexError(
-                f"{path}: the entry of shard {missing[0]} has no `xxh3` checksums, which a "
-                f"v{index['version']} index holds for every shard: damaged; rebuild it with "
-                "index_shards() or rewrite the shards."
-            )
-        return
-    import warnings
-
-    warnings.warn(
-        f"{path} is a v1 shard index: samples are checked against its counts and offsets, not "
-        "their bytes (no per-sample checksums). Rebuild it with index_shards() (`recipes shards "
-        "index`) to verify every sample read.",
-        stacklevel=3,
-    )
+from recipes.common.shards.tar_members import tar_header_at, tar_key_starts
 
 
 # ---- a shard as a whole ----------------------------------------------------------------------
@@ -275,7 +102,8 @@ def tar_range_check(
     stop)` starts the tar header of a new key (`ShardIndexError` naming the offset), then (with
     `crcs`) each sample has the checksum of the index (a sample runs to the next one's offset, the
     last to `end`)."""
-    stop = len(offsets) if stop is None else min(stop, len(offsets))
+    if stop is None or stop > len(offsets):
+        stop = len(offsets)
 
     def check(data: bytes, begin: int) -> None:
         check_starts(url, [int(offsets[i]) - begin for i in range(start, stop)], data, begin, start)
@@ -284,7 +112,9 @@ def tar_range_check(
         view = memoryview(data)
         for i in range(start, stop):
             lo = offsets[i] - begin
-            hi = (offsets[i + 1] if i + 1 < len(offsets) else end) - begin
+            hi = end - begin  # the last sample runs to `end`, the others to the next offset
+            if i + 1 < len(offsets):
+                hi = offsets[i + 1] - begin
             if hi > len(view) or xxhash.xxh3_64_intdigest(view[lo:hi]) != crcs[i]:
                 raise ShardFormatError(
                     f"{url}: sample {i} (bytes {offsets[i]:,} to {hi + begin:,}) does not match "
@@ -361,7 +191,9 @@ def column_crc(column) -> int:
     import pyarrow as pa
     import pyarrow.types as pt
 
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    chunks = [column]
+    if isinstance(column, pa.ChunkedArray):
+        chunks = column.chunks
     kind = column.type
     head = xxhash.xxh3_64(str(kind).encode())
     if column.null_count:  # the null mask (none: nothing to hash)
@@ -410,13 +242,13 @@ def parquet_digests(
     Raises:
         ShardFormatError: it does not read as Parquet (naming `url`).
     """
-    import io
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        file = pq.ParquetFile(io.BytesIO(source) if isinstance(source, bytes) else source)
+        if isinstance(source, bytes):
+            source = io.BytesIO(source)
+        file = pq.ParquetFile(source)
         groups = [file.read_row_group(g) for g in range(file.num_row_groups)]
         crcs = [[column_crc(t.column(i)) for i in range(t.num_columns)] for t in groups]
         return (

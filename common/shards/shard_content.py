@@ -13,11 +13,14 @@ Adapt here: `_download` (e.g. through a `PrefetchCache`).
 Trade-off: the key trusts the index: a shard rewritten under an old index is caught when it is
 read (`ShardFormatError`), not by the key.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
-  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from recipes.common.shards.shard_checks import FORMAT, INDEX_NAME, VERSION
+from recipes.common.shards.shard_index import FORMAT, INDEX_NAME, VERSION
 from recipes.common.shards.shard_set import ShardSet
 
 

@@ -3,20 +3,21 @@ machine, read by sample ranges.
 
 Use when: writing or reading the shards of `recipes.common.shards.shard_set` (`write_shards`,
 `ShardSet`), or reading tars and Parquet files that other tools wrote (`read_tar`, `read_parquet`).
-What a sample's fields become as bytes, and back, is `recipes.common.shards.shard_samples`'s.
+What a sample's fields become as bytes, and back, is `recipes.common.shards.shard_samples`'s;
+a tar's members as bytes (written, parsed, grouped by key) are `tar_members.py`'s.
 Cost: a tar shard is its samples' members concatenated (512-byte headers, padded data): each
 sample is encoded once to bytes, so its size and its offset in the shard are known before the
-shard is written. A Parquet shard is one `pyarrow` table, in row groups.
+shard is written; a ranged read reads its range's bytes in one read. A Parquet shard is one
+`pyarrow` table, in row groups.
 Adapt here: `ROW_GROUPS` (row groups per Parquet shard: the grain of a ranged read).
 Trade-off: tar headers are fixed (mtime 0, uid/gid 0, mode 0444) so that the same samples give
 the same bytes on every rank and every run. Readers refuse what WebDataset refuses or would
 read another way: a member twice in one sample, a key's members apart, a zero-byte file.
-Copy with: common/shards/shard_samples.py.
+Copy with: common/shards/shard_samples.py, common/shards/tar_members.py.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import tarfile
 from collections.abc import Iterator, Sequence
@@ -29,40 +30,21 @@ from recipes.common.shards.shard_samples import ShardFormatError, check_codec, c
 from recipes.common.shards.shard_samples import (
     decode_sample as decode_sample,  # re-exported: read_tar's samples decoded
 )
+from recipes.common.shards.tar_members import (
+    BLOCK,
+    NotUstar,
+    check_new_key,
+    duplicate_member,
+    group_samples,
+    key_field,
+    tar_members,
+    tarfile_members,
+)
 
 ROW_GROUPS = 16
-_BLOCK = 512
-_RECORD = 20 * _BLOCK  # tarfile's record size: an archive ends padded to it
 
 
 # ---- tar ------------------------------------------------------------------------------------
-def tar_sample(key: str, fields: list[tuple[str, bytes]]) -> bytes:
-    """The tar members of one sample (`key.field` each), headers fixed so that the bytes depend
-    on the sample only (tarfile's PAX headers: a plain ustar header unless a name needs more)."""
-    parts = []
-    for field, data in fields:
-        info = tarfile.TarInfo(f"{key}.{field}")
-        info.size = len(data)
-        info.mtime = 0
-        info.mode = 0o444
-        info.uid = 0
-        info.gid = 0
-        info.uname = info.gname = ""
-        parts += (
-            info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"),
-            data,
-            b"\0" * (-len(data) % _BLOCK),
-        )
-    return b"".join(parts)
-
-
-def tar_end(size: int) -> bytes:
-    """The end of an archive of `size` bytes of members: two zero blocks, then zeros up to a
-    whole record, as tarfile writes it."""
-    total = size + 2 * _BLOCK
-    return b"\0" * (2 * _BLOCK + (-total) % _RECORD)
-
-
 def read_tar(
     path,
     start: int = 0,
@@ -87,16 +69,25 @@ def read_tar(
         ShardFormatError: the file is not a tar (a zero-byte file is not), a member twice in one
             sample, the members of one key not adjacent, or a sample not where `offsets` says.
     """
-    stop = None if stop is None else int(stop)
-    if (stop is not None and stop <= start) or (offsets is not None and start >= len(offsets)):
-        return
-    begin = int(offsets[start]) if offsets is not None else 0
-    if offsets is not None and stop is not None and stop < len(offsets):
-        end = int(offsets[stop])
-    skip = 0 if offsets is not None else start
+    if stop is not None:
+        stop = int(stop)
+        if stop <= start:
+            return
+    begin = 0
+    skip = start  # without offsets, the samples before `start` are read past
+    if offsets is not None:
+        if start >= len(offsets):
+            return
+        begin = int(offsets[start])
+        skip = 0
+        if stop is not None and stop < len(offsets):
+            end = int(offsets[stop])
     with _open(path, storage_options) as raw:
         raw.seek(begin)
-        data = raw.read() if end is None else raw.read(max(0, end - begin))
+        if end is None:
+            data = raw.read()
+        else:
+            data = raw.read(max(0, end - begin))
     if not data and begin == 0:
         raise ShardFormatError(
             f"{path} is empty (0 bytes), which is not a tar file: an upload or a copy that "
@@ -105,21 +96,22 @@ def read_tar(
     if check is not None:
         check(data, begin)
     try:
-        members = list(_members(data))
-    except _NotUstar:  # PAX or GNU long names, other tar dialects: tarfile reads them
-        members = _tarfile_members(data, path)
+        members = list(tar_members(data))
+    except NotUstar:  # PAX or GNU long names, other tar dialects: tarfile reads them
+        members = tarfile_members(data, path)
     except ShardFormatError as error:
         raise ShardFormatError(f"{path} is not a tar file, or a damaged one ({error}).") from None
-    count = None if stop is None else stop - start
     done = 0
-    for at, sample in _group(members, path):
+    for at, sample in group_samples(members, path):
         if skip:
             skip -= 1
             continue
         if offsets is not None and (
             start + done >= len(offsets) or begin + at != int(offsets[start + done])
         ):
-            expected = int(offsets[start + done]) if start + done < len(offsets) else "none"
+            expected = "none"
+            if start + done < len(offsets):
+                expected = int(offsets[start + done])
             raise ShardFormatError(
                 f"{path}: sample {start + done} ({sample['__key__']!r}) starts at byte "
                 f"{begin + at:,}, but its index says {expected}: damaged, or not the shard the "
@@ -127,7 +119,7 @@ def read_tar(
             )
         yield sample
         done += 1
-        if count is not None and done >= count:
+        if stop is not None and done >= stop - start:
             return
 
 
@@ -137,156 +129,6 @@ def _open(path, storage_options):
     import fsspec
 
     return fsspec.open(path, "rb", **(storage_options or {})).open()
-
-
-class _NotUstar(Exception):
-    pass
-
-
-def tar_key_starts(data: bytes) -> tuple[list[int], int]:
-    """Where each key's first member header starts in tar bytes (`read_tar`'s grouping; an
-    extended header counts as its member's), and the byte up to which that is known: all of the
-    data, or up to the last header before one that does not parse (damage: the checksums say so)."""
-    found: list[tuple[int, str]] = []
-    try:
-        for at, name, _ in _members(data, bodies=False):
-            found.append((at, name))
-        known = len(data)
-    except _NotUstar:
-        found, known = _tarfile_names(data)
-    except ShardFormatError:
-        known = found[-1][0] + 1 if found else 0
-    starts = []
-    last = None
-    for at, name in found:
-        key = _key_field(name)[0]
-        if key is not None and key != last:
-            starts.append(at)
-            last = key
-    return starts, known
-
-
-def tar_header_at(data: bytes, pos: int) -> bool | None:
-    """Whether a tar header starts at `pos`: True, False, or None for a damaged one (the ustar
-    magic, but a header checksum that fails) or the end of the data."""
-    header = data[pos : pos + _BLOCK]
-    field = header[148:156].split(b"\0", 1)[0].strip()
-    if (
-        len(header) == _BLOCK
-        and header.count(0) != _BLOCK
-        and field
-        and set(field) <= set(b"01234567")
-        and int(field, 8) == sum(header[:148]) + 8 * 32 + sum(header[156:_BLOCK])
-    ):
-        return True
-    return None if len(header) < _BLOCK or header[257:262] == b"ustar" else False
-
-
-def _tarfile_names(data: bytes) -> tuple[list[tuple[int, str]], int]:
-    found: list[tuple[int, str]] = []
-    try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
-        found = [(m.offset, m.name) for m in tar if m.isfile()]
-    except tarfile.TarError:
-        return found, 0
-    clean = (
-        data.count(0, tar.offset) == len(data) - tar.offset
-    )  # tarfile stops quietly at a damaged header
-    return found, len(data) if clean else (found[-1][0] + 1 if found else 0)
-
-
-def _members(data: bytes, bodies: bool = True) -> Iterator[tuple[int, str, bytes | None]]:
-    """`(header offset, name, bytes)` of the regular files in tar bytes with plain ustar/v7 headers;
-    raises `_NotUstar` for extended headers (PAX, GNU long names) and `ShardFormatError` for damage.
-    """
-    view = memoryview(data)
-    pos = 0
-    n = len(data)
-    while pos + _BLOCK <= n:
-        header = data[pos : pos + _BLOCK]
-        if header[0] == 0 and header.count(0) == _BLOCK:
-            return  # the end-of-archive blocks
-        kind = header[156:157]
-        if kind in (b"x", b"g", b"L", b"K"):
-            raise _NotUstar
-        stored = sum(header[:148]) + 8 * 32 + sum(header[156:_BLOCK])
-        try:
-            checksum = int(header[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
-            size = int(header[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
-        except ValueError:
-            raise ShardFormatError(f"a damaged tar header at byte {pos}") from None
-        if checksum != stored:
-            raise ShardFormatError(f"a damaged tar header at byte {pos} (checksum)")
-        name = header[:100].split(b"\0", 1)[0]
-        if header[257:262] == b"ustar" and header[345]:
-            name = header[345:500].split(b"\0", 1)[0] + b"/" + name
-        body = pos + _BLOCK
-        if body + size > n:
-            raise ShardFormatError(f"a tar member at byte {pos} runs past the end of the data")
-        if kind in (b"0", b"\0", b"7"):
-            yield (
-                pos,
-                name.decode("utf-8", "surrogateescape"),
-                bytes(view[body : body + size]) if bodies else None,
-            )
-        pos = body + size + (-size % _BLOCK)
-    if pos < n and data.count(0, pos) != n - pos:
-        raise ShardFormatError(f"{n - pos} bytes at byte {pos} that are not a tar header")
-
-
-def _tarfile_members(data: bytes, path) -> list[tuple[int, str, bytes]]:
-    try:
-        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
-        return [(m.offset, m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
-    except tarfile.ReadError as error:
-        raise ShardFormatError(f"{path} is not a tar file ({error}).") from None
-
-
-def _group(members, path) -> Iterator[tuple[int, dict]]:
-    """`(first header offset, sample)` from `(offset, name, bytes)` members: adjacent members of
-    one key, WebDataset's way."""
-    current: dict | None = None
-    seen: set[str] = set()
-    first = 0
-    for at, name, data in members:
-        key, field = _key_field(name)
-        if key is None:
-            continue  # WebDataset ignores members without an extension
-        if current is None or current["__key__"] != key:
-            if current is not None:
-                yield first, current
-            _check_new_key(key, seen, path)
-            current = {"__key__": key}
-            first = at
-        if field in current:
-            raise _duplicate(path, name)
-        current[field] = data
-    if current is not None:
-        yield first, current
-
-
-def _key_field(name: str) -> tuple[str | None, str]:
-    directory, base = os.path.split(name)
-    if "." not in base:
-        return None, ""
-    stem, field = base.split(".", 1)
-    return (f"{directory}/{stem}" if directory else stem), field
-
-
-def _check_new_key(key: str, seen: set, path) -> None:
-    if key in seen:
-        raise ShardFormatError(
-            f"{path}: the members of key {key!r} are not adjacent; a WebDataset tar groups each "
-            "sample's files together (GNU tar: --sort=name)."
-        )
-    seen.add(key)
-
-
-def _duplicate(path, name: str) -> ShardFormatError:
-    return ShardFormatError(
-        f"{path}: the member {name!r} appears twice in one sample (webdataset refuses it as a "
-        "duplicate file name; which copy is the sample's?). Rewrite the shard with one each."
-    )
 
 
 def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int], int]:
@@ -307,20 +149,22 @@ def scan_tar(path, storage_options: dict | None = None) -> tuple[int, list[int],
         try:
             tar = tarfile.open(fileobj=raw, mode="r:")
             for member in tar:
-                end = member.offset_data + member.size + (-member.size % _BLOCK)
-                key, field = _key_field(member.name)
+                end = member.offset_data + member.size + (-member.size % BLOCK)
+                key, field = key_field(member.name)
                 if not member.isfile() or key is None:
                     continue
                 if key != last:
-                    _check_new_key(key, seen, path)
+                    check_new_key(key, seen, path)
                     offsets.append(member.offset)
                     last = key
                     fields = set()
                 if field in fields:
-                    raise _duplicate(path, member.name)
+                    raise duplicate_member(path, member.name)
                 fields.add(field)
         except tarfile.TarError as error:
-            empty = " (0 bytes)" if "empty file" in str(error) else ""
+            empty = ""
+            if "empty file" in str(error):
+                empty = " (0 bytes)"
             raise ShardFormatError(
                 f"{path} is not a tar file{empty}, or a damaged one ({error})."
             ) from None
@@ -351,10 +195,11 @@ def parquet_value(value: Any, key: str, field: str):
         isinstance(value, (bytes, bytearray, memoryview, str))
         and field.rsplit(".", 1)[-1] in stored.DECODED
     ):
-        stored.text_bytes(
-            value, key, field
-        )  # what readers decode it as: refused now if it does not decode
-        return value if isinstance(value, str) else bytes(value)
+        # what readers decode it as: refused now if it does not decode
+        stored.text_bytes(value, key, field)
+        if isinstance(value, str):
+            return value
+        return bytes(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     if isinstance(value, str):
@@ -393,18 +238,19 @@ def parquet_schema(sample: dict, key: str):
                 "strings."
             )
         check_field_name(field, key)
-        value = parquet_value(value, key, field)
-        kind = (
-            pa.binary()
-            if isinstance(value, bytes)
-            else pa.string()
-            if isinstance(value, str)
-            else pa.int64()
-            if isinstance(value, int)
-            else pa.float64()
-        )
-        types.append((field, kind))
+        types.append((field, _column_type(pa, parquet_value(value, key, field))))
     return pa.schema(types)
+
+
+def _column_type(pa, value):
+    """The Parquet type of a column whose first value (`parquet_value`'s) is `value`."""
+    if isinstance(value, bytes):
+        return pa.binary()
+    if isinstance(value, str):
+        return pa.string()
+    if isinstance(value, int):
+        return pa.int64()
+    return pa.float64()
 
 
 def read_parquet(
@@ -430,6 +276,9 @@ def read_parquet(
 
     pa = _pyarrow()
     group = None
+    wanted = None
+    if columns:
+        wanted = list(columns)
     try:
         with fsspec.open(path, "rb", **(storage_options or {})) as raw:
             file = pa.parquet.ParquetFile(raw)
@@ -443,9 +292,11 @@ def read_parquet(
             first = 0
             for group, rows in enumerate(counts):
                 lo = max(start, first)
-                hi = rows + first if stop is None else min(stop, first + rows)
+                hi = first + rows
+                if stop is not None:
+                    hi = min(stop, hi)
                 if lo < hi:
-                    table = file.read_row_group(group, columns=list(columns) if columns else None)
+                    table = file.read_row_group(group, columns=wanted)
                     if check is not None:
                         check(group, table)
                     yield from table.slice(lo - first, hi - lo).to_pylist()
@@ -455,7 +306,9 @@ def read_parquet(
     except (ShardFormatError, FileNotFoundError, PermissionError):
         raise
     except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as error:
-        where = "its footer" if group is None else f"row group {group}"
+        where = "its footer"
+        if group is not None:
+            where = f"row group {group}"
         raise ShardFormatError(
             f"{path} does not read as Parquet at {where}: damaged, or not a Parquet file "
             f"({type(error).__name__}: {str(error)[:200]})."

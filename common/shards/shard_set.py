@@ -8,20 +8,24 @@ exactly once per epoch over ranks and workers:
 `webdataset.ShardWriter`, Parquet exports).
 Cost: fetches the index once, then each consumer's shards (or sample ranges: tar member
 offsets, Parquet row groups).
-Adapt here: nothing; the index's name is `shard_checks.INDEX_NAME`.
+Adapt here: nothing; the index's name is `shard_index.INDEX_NAME`.
 Trade-off: what is served is checked against the index on every path (local, cached, streamed,
 ranged); a v1 index (no checksums) is read unverified.
 
 The index (`index.json`, JSON, version 2) per shard: its name, sample count, byte size, sha256
 and, for tar, each sample's first header offset, the end of its last sample and each sample's
 xxh3-64; for Parquet, rows per row group and an xxh3-64 per row group and column. Every read checks
-what it serves against it (see `recipes.common.shards.shard_checks`); v1 indexes read, unverified.
+what it serves against it (see `recipes.common.shards.shard_checks`; the index's own checks:
+`shard_index.py`); v1 indexes read, unverified.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
-  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
-  common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
+  common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -32,14 +36,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from recipes.common.shards.epochs.shard_mixing import WINDOW
 from recipes.common.shards.shard_checks import (
-    INDEX_NAME,
-    SUMS,
-    VERSION,
-    ShardIndexError,
-    check_index,
     check_local_shard,
-    check_versioned,
     counted,
     parquet_group_check,
     tar_range_check,
@@ -48,7 +47,14 @@ from recipes.common.shards.shard_formats import (
     read_parquet,
     read_tar,
 )
-from recipes.common.shards.shard_mixing import WINDOW
+from recipes.common.shards.shard_index import (
+    INDEX_NAME,
+    SUMS,
+    VERSION,
+    ShardIndexError,
+    check_index,
+    check_versioned,
+)
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     decode_sample,
@@ -80,11 +86,9 @@ class ShardSet:
         self.columns = index.get("columns")
         # per shard, its samples' xxh3-64s (tar) or its row groups' x columns' (Parquet); None for a
         # v1 index (its samples are not checked byte for byte)
-        self.checksums = (
-            None
-            if index.get("version", VERSION) < 2
-            else [np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
-        )
+        self.checksums = None
+        if index.get("version", VERSION) >= 2:
+            self.checksums = [np.array(e[SUMS], dtype=np.uint64) for e in self.entries]
 
     @classmethod
     def open(cls, url: str | os.PathLike, storage_options: dict | None = None) -> ShardSet:
@@ -149,22 +153,25 @@ class ShardSet:
                 header.
         """
         entry = self.entries[shard]
-        source = path if path is not None else self.urls[shard]
-        options = None if path is not None else self.storage_options
+        source = self.urls[shard]
+        options = self.storage_options
+        if path is not None:  # a local copy
+            source = path
+            options = None
         local = "://" not in str(source) or str(source).startswith("file://")
         if local:
             check_local_shard(
                 str(source).removeprefix("file://"), entry, self.urls[shard], hash=not verified
             )
         url = self.urls[shard]
-        crcs = None if self.checksums is None else self.checksums[shard]
+        crcs = None
+        if self.checksums is not None:
+            crcs = self.checksums[shard]
         if self.format == "tar":
             offsets = entry.get("offsets")
-            check = (
-                None
-                if offsets is None
-                else tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
-            )
+            check = None
+            if offsets is not None:
+                check = tar_range_check(url, offsets, entry.get("end"), crcs, start, stop)
             items = read_tar(
                 source,
                 start,
@@ -174,9 +181,11 @@ class ShardSet:
                 check=check,
                 storage_options=options,
             )
-            items = (decode_sample(s, url) for s in items) if decode else items
         else:
-            check = parquet_group_check(url, self.columns, None if crcs is None else crcs.tolist())
+            group_crcs = None
+            if crcs is not None:
+                group_crcs = crcs.tolist()
+            check = parquet_group_check(url, self.columns, group_crcs)
             items = read_parquet(
                 source,
                 start,
@@ -186,11 +195,12 @@ class ShardSet:
                 check=check,
                 storage_options=options,
             )
-            items = (decode_sample(r, url) for r in items) if decode else items
-        want = max(
-            0, min(int(entry["samples"]), int(entry["samples"]) if stop is None else stop) - start
-        )
-        return counted(items, want, url)
+        if decode:
+            items = (decode_sample(sample, url) for sample in items)
+        end = int(entry["samples"])
+        if stop is not None:
+            end = min(end, stop)
+        return counted(items, max(0, end - start), url)
 
     def dataset(
         self,
@@ -252,7 +262,9 @@ class _Blocks:
         self.shards = shards
         self.streamed = streamed
         # for the loader state's settings
-        self.name = f"{shards.format}-{'streamed' if streamed else 'local'}"
+        self.name = f"{shards.format}-local"
+        if streamed:
+            self.name = f"{shards.format}-streamed"
 
     def __call__(self, shard: int) -> np.ndarray:
         entry = self.shards.entries[shard]
@@ -281,7 +293,9 @@ class _ShardReader:
 
     def __call__(self, path, start, stop):
         shard = self.by_path[str(path)]
-        local = None if str(path) == self.shards.urls[shard] else str(path)
+        local = str(path)
+        if local == self.shards.urls[shard]:  # the shard's URL, not a copy
+            local = None
         # a cached copy: the dataset read it through `cache.pinned(url, sha256=)`, which checked it
         items = self.shards.read(
             shard,
@@ -292,4 +306,6 @@ class _ShardReader:
             columns=self.columns,
             verified=local is not None,
         )
-        return items if self.transform is None else map(self.transform, items)
+        if self.transform is None:
+            return items
+        return map(self.transform, items)

@@ -25,11 +25,14 @@ Why 64 MiB shards by default: LitData (`chunk_bytes="64MB"`) and MosaicML Stream
 bandwidth, `PrefetchCache` holds a few per worker within a small disk budget, and a 100 GB set
 still has ~1,600 shards for exact splits over ranks x workers.
 Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/remote/object_download.py, common/sampling/sharding.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_mixing.py, common/shards/shard_plan.py,
-  common/shards/shard_reading.py, common/shards/shard_reshape.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py.
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
+  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -47,29 +50,22 @@ import numpy as np
 import xxhash
 
 from recipes.common.sampling.sharding import distributed_world
-from recipes.common.shards.shard_checks import (
-    FORMAT,
-    INDEX_NAME,
-    SUMS,
-    VERSION,
-    file_digests,
-    parquet_digests,
-)
+from recipes.common.shards.epochs.shard_mixing import shuffled_samples
+from recipes.common.shards.shard_checks import file_digests, parquet_digests
 from recipes.common.shards.shard_formats import (
     parquet_schema,
     parquet_shard,
     parquet_value,
     scan_tar,
-    tar_end,
-    tar_sample,
 )
-from recipes.common.shards.shard_mixing import shuffled_samples
+from recipes.common.shards.shard_index import FORMAT, INDEX_NAME, SUMS, VERSION
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     sample_fields,
     sample_key,
 )
 from recipes.common.shards.shard_set import ShardSet
+from recipes.common.shards.tar_members import tar_end, tar_sample
 
 DEFAULT_SHARD_BYTES = 64 * 2**20
 SHARD_NAME = "shard-{:06d}.{}"

@@ -22,8 +22,10 @@ Who reads what (whole shards or sample ranges, `even`, node-affine with a cache 
 `shard_plan.py`'s. A resume on another number of ranks or nodes deals what no rank received
 over the new ones (`shard_reshape.py`); `even` then repeats at most `world_size - 1` again.
 Copy with: common/caches/packed_strings.py, common/sampling/sharding.py,
-  common/shards/shard_mixing.py, common/shards/shard_plan.py, common/shards/shard_reading.py,
-  common/shards/shard_reshape.py.
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py.
 """
 
 from __future__ import annotations
@@ -31,24 +33,26 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+import recipes.common.shards.epochs.plan_settings as keys
 from recipes.common.caches.packed_strings import PackedStrings
-from recipes.common.sampling.sharding import (
-    Piece,
-    distributed_world,
-    fragment_pieces,
-    round_robin_position,
+from recipes.common.sampling.sharding import Piece, distributed_world
+from recipes.common.shards.epochs.epoch_resume import ResumePoint, rest_after, resumed_samples
+from recipes.common.shards.epochs.plan_settings import (
+    blocks_crc,
+    lengths_crc,
+    mixing_settings,
+    shards_crc,
 )
-from recipes.common.shards.shard_mixing import INTERLEAVE, ORDER_VERSION, START, WINDOW, need_order
-from recipes.common.shards.shard_plan import ShardPlan
-from recipes.common.shards.shard_reading import ShardReading, takes_range
-from recipes.common.shards.shard_reshape import consumer_ranges, rest_fragments
+from recipes.common.shards.epochs.rank_epoch import EpochRest, RankEpoch
+from recipes.common.shards.epochs.shard_mixing import WINDOW, need_order
+from recipes.common.shards.epochs.shard_plan import ShardPlan
+from recipes.common.shards.epochs.shard_reading import ShardReading, takes_range
 
 
 class ShardedIterableDataset(IterableDataset):
@@ -122,23 +126,28 @@ class ShardedIterableDataset(IterableDataset):
                 "ranges."
             )
         self.split = split
-        self.shard_sha256 = None if shard_sha256 is None else list(shard_sha256)
+        self.shard_sha256 = None
+        if shard_sha256 is not None:
+            self.shard_sha256 = list(shard_sha256)
         self.shards = PackedStrings(shards)
         if len(self.shards) == 0:
             raise ValueError("`shards` is empty; pass at least one shard.")
         self.read_shard = read_shard
-        self.shard_lengths = (
-            None if shard_lengths is None else np.asarray(shard_lengths, dtype=np.int64)
-        )
-        if self.shard_lengths is not None and (
-            self.shard_lengths.shape != (len(self.shards),) or (self.shard_lengths < 0).any()
-        ):
-            raise ValueError(
-                f"`shard_lengths` must hold one non-negative count per shard ({len(self.shards)})."
-            )
+        self.shard_lengths = None
+        if shard_lengths is not None:
+            self.shard_lengths = np.asarray(shard_lengths, dtype=np.int64)
+            if self.shard_lengths.shape != (len(self.shards),) or (self.shard_lengths < 0).any():
+                raise ValueError(
+                    "`shard_lengths` must hold one non-negative count per shard "
+                    f"({len(self.shards)})."
+                )
         world, here = distributed_world()
-        self.world_size = world if world_size is None else world_size
-        self.rank = here if rank is None else rank
+        self.world_size = world_size
+        if world_size is None:
+            self.world_size = world
+        self.rank = rank
+        if rank is None:
+            self.rank = here
         if not 0 <= self.rank < self.world_size:
             raise ValueError(
                 f"`rank` must be in [0, {self.world_size}), but is {self.rank!r} instead."
@@ -152,23 +161,25 @@ class ShardedIterableDataset(IterableDataset):
         self.seed = seed
         self.even = even
         self.cache = cache
-        # node-affine with a cache (one per node): the nodes of torchrun's LOCAL_WORLD_SIZE ranks
-        # each
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        self.nodes = (
-            self.world_size // per_node
-            if cache is not None
-            and shuffle
-            and self.shard_lengths is not None
-            and per_node
-            and self.world_size % per_node == 0
-            else 1
-        )
+        self.nodes = self._node_count()
         self._ranged = takes_range(read_shard)
-        self._epoch = torch.zeros(
-            1, dtype=torch.int64
-        ).share_memory_()  # reaches persistent workers
+        # in shared memory: reaches persistent workers
+        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._workers_seen = torch.zeros(1, dtype=torch.int64).share_memory_()  # written by workers
+        self._resume: ResumePoint | None = None  # set by `resume_after` on its copy
+        self._rest: EpochRest | None = None  # an elastic resume's rest of the epoch
+        self._shards_crc: str | None = None  # `plan_settings`' checksums, computed once
+        self._blocks_crc: str | None = None
+
+    def _node_count(self) -> int:
+        """Node-affine with a cache (one per node): the nodes of torchrun's `LOCAL_WORLD_SIZE`
+        ranks each; else 1."""
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if self.cache is None or not self.shuffle or self.shard_lengths is None or not per_node:
+            return 1
+        if self.world_size % per_node:
+            return 1
+        return self.world_size // per_node
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch (in shared memory, so persistent workers see it); call before `iter`.
@@ -187,19 +198,23 @@ class ShardedIterableDataset(IterableDataset):
         find them in place or in flight (the cache's per-key lock). `num_workers`: the
         DataLoader's (`make_loader`'s loader passes it), else the count the workers reported
         last epoch, else one. Returns the futures."""
-        if self.cache is None or getattr(self, "_resume", None):  # a resume reads another order
+        if self.cache is None or self._resume is not None:  # a resume reads another order
             return []
         workers = num_workers or int(self._workers_seen.item())
-        consumers = range(max(workers, 1))
-        if self.mixes:  # the order the mixed draws first need them
-            orders = [need_order(self._schedule(self.epoch, w, max(workers, 1))) for w in consumers]
-        else:
-            orders = [[p[0] for p in self.plan(self.epoch, w, max(workers, 1))] for w in consumers]
+        consumers = max(workers, 1)
+        reads = self._reads()
+        orders = []
+        for w in range(consumers):
+            if self.mixes:  # the order the mixed draws first need them
+                orders.append(need_order(reads.schedule(self.epoch, w, consumers)))
+            else:
+                orders.append([piece[0] for piece in reads.pieces(self.epoch, w, consumers)])
         rounds = itertools.zip_longest(*orders)
         firsts = dict.fromkeys(self.shards[s] for r in rounds for s in r if s is not None)
-        return self.cache.prefetch(
-            list(firsts)[: max(self.cache.depth, workers) * (2 if self.mixes else 1)]
-        )
+        ahead = max(self.cache.depth, workers)
+        if self.mixes:
+            ahead *= 2
+        return self.cache.prefetch(list(firsts)[:ahead])
 
     @property
     def epoch(self) -> int:
@@ -208,43 +223,29 @@ class ShardedIterableDataset(IterableDataset):
     def plan_settings(self) -> dict:
         """Every setting that shapes an epoch's plan, as JSON (not the ranks: a resume may
         change them); a loader state carries it and refuses to resume under others."""
-        if getattr(self, "_shards_crc", None) is None:
-            data = self.shards.data.tobytes() + self.shards.offsets.tobytes()
-            lengths = b"" if self.shard_lengths is None else self.shard_lengths.tobytes()
-            self._shards_crc = (
-                f"{zlib.crc32(data):08x}",
-                None if self.shard_lengths is None else f"{zlib.crc32(lengths):08x}",
-            )
+        if self._shards_crc is None:
+            self._shards_crc = shards_crc(self.shards)
         settings = {
-            "num_shards": len(self.shards),
-            "shards": self._shards_crc[0],
-            "shard_lengths": self._shards_crc[1],
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "even": self.even,
+            keys.NUM_SHARDS: len(self.shards),
+            keys.SHARDS: self._shards_crc,
+            keys.SHARD_LENGTHS: lengths_crc(self.shard_lengths),
+            keys.SHUFFLE: self.shuffle,
+            keys.SEED: self.seed,
+            keys.EVEN: self.even,
         }
         if self.split != "auto":  # states saved before `split` existed still match "auto"
-            settings["split"] = self.split
+            settings[keys.SPLIT] = self.split
         if self.mixes:  # the sample order (states of shard-order reading do not match)
-            settings["mixing"] = {
-                "order": ORDER_VERSION,
-                "window": self.shuffle_window,
-                "start": START,
-                "interleave": INTERLEAVE,
-                "blocks": self._blocks_key(),
-            }
+            settings[keys.MIXING] = mixing_settings(self.shuffle_window, self._blocks_key())
         return settings
 
     def _blocks_key(self):
         """`blocks` as it shapes the order: an int or None as it is; a callable by a checksum of
-        the cuts it gives for every shard (two callables that cut alike match, others do not)."""
+        the cuts it gives for every shard (`plan_settings.blocks_crc`)."""
         if self.blocks is None or isinstance(self.blocks, int):
             return self.blocks
-        if getattr(self, "_blocks_crc", None) is None:
-            crc = 0
-            for shard in range(len(self.shards)):
-                crc = zlib.crc32(np.asarray(self.blocks(shard), dtype=np.int64).tobytes(), crc)
-            self._blocks_crc = f"{crc:08x}"
+        if self._blocks_crc is None:
+            self._blocks_crc = blocks_crc(self.blocks, len(self.shards))
         return self._blocks_crc
 
     # ---- the plan ----------------------------------------------------------------------
@@ -255,23 +256,7 @@ class ShardedIterableDataset(IterableDataset):
     def plan(self, epoch: int, worker: int = 0, num_workers: int = 1) -> list[Piece]:
         """The pieces (shard, start, stop) that consumer (self.rank, worker) reads in `epoch`: of
         the epoch's shards (`shard_plan.py`), or of an elastic resume's rest (`resume_after`)."""
-        rest = getattr(self, "_rest", None)
-        if rest is not None and rest[0] == epoch:
-            return fragment_pieces(
-                rest[2],
-                rank=self.rank,
-                world_size=self.world_size,
-                worker=worker,
-                num_workers=num_workers,
-                even=self.even,
-            )
-        return self._rules().pieces(
-            epoch,
-            rank=self.rank,
-            world_size=self.world_size,
-            worker=worker,
-            num_workers=num_workers,
-        )
+        return self._reads().pieces(epoch, worker, num_workers)
 
     def _rules(self) -> ShardPlan:
         return ShardPlan(
@@ -284,7 +269,34 @@ class ShardedIterableDataset(IterableDataset):
             self.nodes,
         )
 
-    # ---- resuming ----------------------------------------------------------------------
+    def _reads(self) -> RankEpoch:
+        """This rank's reads (`rank_epoch.py`): the plan, the reading and the rest, if any."""
+        reading = ShardReading(
+            self.shards,
+            self.read_shard,
+            self._ranged,
+            self.shard_lengths,
+            self.cache,
+            self.shard_sha256,
+            self.blocks,
+            self.shuffle_window,
+        )
+        return RankEpoch(
+            self._rules(), reading, self.rank, self.world_size, self.mixes, rest=self._rest
+        )
+
+    @property
+    def mixes(self) -> bool:
+        """Whether samples mix (`shuffle` with a window, `shard_lengths`, and a ranged `read_shard`
+        or explicit `blocks`); otherwise each shard is read front to back."""
+        return bool(
+            self.shuffle
+            and self.shuffle_window
+            and self.shard_lengths is not None
+            and (self._ranged or self.blocks is not None)
+        )
+
+    # ---- resuming (`epoch_resume.py`) ----------------------------------------------------
     @property
     def reshapes(self) -> bool:
         """Whether a resume on another shape deals the epoch's rest over the new ranks and workers
@@ -325,207 +337,35 @@ class ShardedIterableDataset(IterableDataset):
         """
         resumed = copy.copy(self)
         if reshaped:
-            resumed._rest = (
-                self.epoch,
-                len(reshaped),
-                self._rest_fragments(self.epoch, reshaped, batch_size, drop_last),
-            )
+            fragments = rest_after(self._reads(), self.epoch, reshaped, batch_size, drop_last)
+            resumed._rest = EpochRest(self.epoch, len(reshaped), fragments)
+        old_world = self.world_size
         if world_size is not None and world_size != self.world_size:
             if world_size <= 0:
                 raise ValueError(f"`world_size` must be positive, but is {world_size!r} instead.")
             interleave = True
-        resumed._resume = (
+            old_world = world_size
+        resumed._resume = ResumePoint(
             int(batches_done),
             batch_size,
             bool(drop_last),
             max(1, int(num_workers)),
             interleave,
+            old_world,
         )
-        resumed._resume_world = world_size if world_size is not None else self.world_size
         return resumed
-
-    def _resume_position(self, epoch: int) -> tuple[list[int], int]:
-        """`(samples each worker skips, the worker that yields the next batch)` of a resume."""
-        done, batch_size, drop_last, workers, _ = self._resume
-        per_batch = 1 if batch_size is None else batch_size
-        batches = []
-        for w in range(workers):
-            n = self._plan_samples(self.plan(epoch, w, workers))
-            batches.append(
-                None if n is None else (n // per_batch if drop_last else -(-n // per_batch))
-            )
-        if (
-            None in batches
-        ):  # unknown lengths: one worker made every batch; several may have run out
-            return (
-                ([done * per_batch], 0)
-                if workers == 1
-                else self._replayed_position(epoch, done, per_batch, drop_last, workers)
-            )
-        skipped, first = round_robin_position(batches, done)
-        return [s * per_batch for s in skipped], first
-
-    def _replayed_position(
-        self, epoch: int, done: int, per_batch: int, drop_last: bool, workers: int
-    ) -> tuple[list[int], int]:
-        """Without `shard_lengths`: the workers' streams read in the DataLoader's round-robin
-        (a worker that runs out leaves it) up to `done` batches, to find each one's position.
-        Exact, at the cost of reading the epoch's first `done` batches (in every worker)."""
-        streams = {w: self._stream(epoch, w, workers) for w in range(workers)}
-        skipped = [0] * workers
-        while streams:
-            for w in range(workers):
-                if w not in streams:
-                    continue
-                if done == 0:
-                    return [s * per_batch for s in skipped], w
-                got = sum(1 for _ in itertools.islice(streams[w], per_batch))
-                if got == 0 or (drop_last and got < per_batch):
-                    del streams[w]
-                    continue
-                skipped[w] += 1
-                done -= 1
-        return [s * per_batch for s in skipped], 0
-
-    def _plan_samples(self, pieces: list[Piece]) -> int | None:
-        total = 0
-        for shard, start, stop in pieces:
-            if stop is None:
-                if self.shard_lengths is None:
-                    return None
-                stop = int(self.shard_lengths[shard])
-            total += stop - start
-        return total
-
-    def _rest_fragments(
-        self, epoch: int, segments, batch_size: int | None, drop_last: bool
-    ) -> np.ndarray:
-        """What no consumer received in the epoch's earlier `segments` (`resume_after`)."""
-        rest = None
-        for generation, (world, workers, batches, *nodes) in enumerate(segments):
-            consumers = []
-            workers = max(1, int(workers))
-            for rank in range(int(world)):
-                former = copy.copy(self)
-                former.rank = rank
-                former.world_size = int(world)
-                former._resume_world = int(world)
-                former.nodes = int(nodes[0]) if nodes else 1
-                former._rest = None if rest is None else (epoch, generation, rest)
-                former._resume = (int(batches), batch_size, bool(drop_last), workers, False)
-                for w, skip in enumerate(former._resume_position(epoch)[0]):
-                    pieces = [
-                        (a, b, int(self.shard_lengths[a]) if c is None else c)
-                        for a, b, c in former.plan(epoch, w, workers)
-                    ]
-                    mixing = (
-                        former._schedule(epoch, w, workers, pieces, draws_needed=skip)
-                        if former.mixes
-                        else None
-                    )
-                    consumers.append(consumer_ranges(pieces, mixing, skip))
-            rest = rest_fragments(self.shard_lengths, self.order(epoch), consumers)
-        return rest
-
-    def _mixing(self, epoch: int, worker: int) -> dict:
-        """The mixing's seed (and in an elastic resume's rest the samples a piece stands for)."""
-        rest = getattr(self, "_rest", None)
-        if rest is not None and rest[0] == epoch:
-            return {
-                "seed": (self.seed, epoch, self.rank, worker, rest[1]),
-                "piece": float(self.shard_lengths.mean()) if len(self.shard_lengths) else None,
-            }
-        return {"seed": (self.seed, epoch, self.rank, worker)}
 
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:
         info = get_worker_info()
-        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        worker = 0
+        num_workers = 1
+        if info is not None:
+            worker = info.id
+            num_workers = info.num_workers
         self._workers_seen.fill_(num_workers)
         epoch = self.epoch
-        if not getattr(self, "_resume", None):
-            yield from self._stream(epoch, worker, num_workers)
+        if self._resume is None:
+            yield from self._reads().stream(epoch, worker, num_workers)
             return
-        old_world = getattr(self, "_resume_world", self.world_size)
-        if (
-            old_world != self.world_size
-        ):  # other ranks than the interrupted epoch: replay their rests
-            for old_rank in range(self.rank, old_world, self.world_size):
-                former = copy.copy(self)
-                former.rank = old_rank
-                former.world_size = old_world
-                yield from former._interleaved(epoch, *former._resume_position(epoch))
-            return
-        skips, first = self._resume_position(epoch)
-        workers = self._resume[3]
-        if self._resume[4]:  # other worker count than the interrupted epoch: replay its order here
-            yield from self._interleaved(epoch, skips, first)
-            return
-        # DataLoader starts its round-robin at worker 0: rotate the roles so that the worker due
-        # next in the interrupted epoch comes first.
-        worker = (worker + first) % workers
-        yield from self._stream(epoch, worker, workers, skips[worker])
-
-    def _stream(self, epoch: int, worker: int, num_workers: int, skip: int = 0) -> Iterator:
-        """The samples of consumer (rank, worker) in `epoch`, after the first `skip`."""
-        pieces = self.plan(epoch, worker, num_workers)
-        upcoming = (
-            (lambda: self.plan(epoch + 1, worker, num_workers)) if self.cache is not None else list
-        )
-        reading = self._reading()
-        if self.mixes:
-            yield from reading.mixed(pieces, skip, upcoming, **self._mixing(epoch, worker))
-        else:
-            yield from reading.in_order(pieces, skip, upcoming)
-
-    @property
-    def mixes(self) -> bool:
-        """Whether samples mix (`shuffle` with a window, `shard_lengths`, and a ranged `read_shard`
-        or explicit `blocks`); otherwise each shard is read front to back."""
-        return bool(
-            self.shuffle
-            and self.shuffle_window
-            and self.shard_lengths is not None
-            and (self._ranged or self.blocks is not None)
-        )
-
-    def _reading(self) -> ShardReading:
-        return ShardReading(
-            self.shards,
-            self.read_shard,
-            self._ranged,
-            self.shard_lengths,
-            self.cache,
-            self.shard_sha256,
-            self.blocks,
-            self.shuffle_window,
-        )
-
-    def _schedule(
-        self,
-        epoch: int,
-        worker: int,
-        num_workers: int = 1,
-        pieces: list[Piece] | None = None,
-        draws_needed=None,
-    ):
-        pieces = self.plan(epoch, worker, num_workers) if pieces is None else pieces
-        return self._reading().schedule(
-            pieces, **self._mixing(epoch, worker), draws_needed=draws_needed
-        )
-
-    def _interleaved(self, epoch: int, skips: list[int], first: int) -> Iterator:
-        """The rest of an interrupted epoch in the order its DataLoader would have yielded it:
-        the old workers' batches round-robin, as lists (or single samples without batching)."""
-        _, batch_size, drop_last, workers, _ = self._resume
-        order = [(first + j) % workers for j in range(workers)]
-        streams = {w: self._stream(epoch, w, workers, skips[w]) for w in order}
-        while streams:
-            for w in order:
-                if w not in streams:
-                    continue
-                batch = list(itertools.islice(streams[w], batch_size or 1))
-                if not batch or (drop_last and batch_size and len(batch) < batch_size):
-                    del streams[w]
-                    continue
-                yield batch if batch_size else batch[0]
+        yield from resumed_samples(self._reads(), epoch, self._resume, worker)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from recipes.common import ShardedIterableDataset, ShardSet, make_loader, write_shards
-from recipes.common.shards.shard_mixing import mixing_schedule, shuffled_samples, skip_counts
+from recipes.common.shards.epochs.shard_mixing import mixing_schedule, shuffled_samples, skip_counts
 
 CLASSES, PER_CLASS, BATCH = 15, 48, 32
 

@@ -13,7 +13,7 @@ is ordered by the old consumer that was to read each sample (rank-major), then b
 shard order, so the new ranks of a node tend to get the rest of the old ranks of that node, whose
 shards its cache holds. Only what the old plan had (its ranks' padding repeats and, with whole
 shards, the surplus it skipped aside) is in the rest, so the epoch covers what it would have.
-Copy with: common/shards/shard_mixing.py.
+Copy with: common/shards/epochs/shard_mixing.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recipes.common.shards.shard_mixing import Schedule, skip_counts
+from recipes.common.shards.epochs.shard_mixing import Schedule, skip_counts
 
 Ranges = tuple[
     np.ndarray, np.ndarray, np.ndarray

@@ -10,7 +10,7 @@ Adapt here: nothing; the dataset sets every field.
 Trade-off: a mixed block is read whole when first drawn (memory: `INTERLEAVE` blocks), so a
 reader's lazy iteration within a block is not kept.
 Copy with: common/caches/packed_strings.py, common/sampling/sharding.py,
-  common/shards/shard_mixing.py."""
+  common/shards/epochs/shard_mixing.py."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import Piece
-from recipes.common.shards.shard_mixing import mixed_samples, mixing_schedule, need_order
+from recipes.common.shards.epochs.shard_mixing import mixed_samples, mixing_schedule, need_order
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class ShardReading:
 
     def in_order(self, pieces: list[Piece], skip: int, upcoming: Callable[[], list]) -> Iterator:
         """The pieces one after another, each front to back, after the first `skip` samples."""
-        after = pieces + (upcoming() if self.cache is not None else [])
+        after = list(pieces)
+        if self.cache is not None:
+            after += upcoming()
         for k, (shard, start, stop) in enumerate(pieces):
             if skip:
                 length = self._length(shard, start, stop)
@@ -75,9 +77,12 @@ class ShardReading:
                 break
             yield item
         if got != want:
+            gave = got
+            if got > want:
+                gave = "more"
             raise ValueError(
                 f"read_shard({self.shards[shard]!r}, {start}, {start + want}) gave "
-                f"{'more' if got > want else got} samples where the range holds {want} "
+                f"{gave} samples where the range holds {want} "
                 "(`shard_lengths` says how many each shard holds): a stale length, or a reader "
                 "that ignores `start`/`stop`?"
             )
@@ -90,7 +95,7 @@ class ShardReading:
         piece: float | None = None,
         draws_needed: int | None = None,
     ):
-        pieces = [(s, a, int(self.shard_lengths[s]) if b is None else b) for s, a, b in pieces]
+        pieces = [(shard, start, self._stop(shard, stop)) for shard, start, stop in pieces]
         return mixing_schedule(
             pieces,
             block_starts=self.block_starts,
@@ -131,9 +136,9 @@ class ShardReading:
         """The samples `[start, stop)` of `shard` (from `path`, a pinned copy, if given; else
         pinned meanwhile), reversed (taken from the end with `pop`)."""
         with contextlib.ExitStack() as held:
-            items = list(
-                self._read_path(self._path(shard, held) if path is None else path, start, stop)
-            )
+            if path is None:
+                path = self.pinned_path(shard, held)
+            items = list(self._read_path(path, start, stop))
         if len(items) != stop - start:
             raise ValueError(
                 f"read_shard({self.shards[shard]!r}, {start}, {stop}) gave {len(items)} samples "
@@ -145,14 +150,17 @@ class ShardReading:
 
     def read(self, shard: int, start: int, stop: int | None) -> Iterator:
         with contextlib.ExitStack() as held:
-            yield from self._read_path(self._path(shard, held), start, stop)
+            yield from self._read_path(self.pinned_path(shard, held), start, stop)
 
     def block_starts(self, shard: int) -> np.ndarray:
         if callable(self.blocks):
             return np.asarray(self.blocks(shard), dtype=np.int64)
-        size = self.blocks or (1 if self.ranged else None)
-        if size is None:  # whole pieces: a reader without ranges reads from the shard's start
+        size = self.blocks
+        if size is None and not self.ranged:
+            # whole pieces: a reader without ranges reads from the shard's start
             return np.zeros(1, dtype=np.int64)
+        if size is None:
+            size = 1
         return np.arange(0, int(self.shard_lengths[shard]), size, dtype=np.int64)
 
     def _prefetch_after(self, at: int, order: list[int], upcoming) -> None:
@@ -172,13 +180,21 @@ class ShardReading:
             stop = int(self.shard_lengths[shard])
         return stop - start
 
-    def _path(self, shard: int, held: contextlib.ExitStack):
+    def _stop(self, shard: int, stop: int | None) -> int:
+        """A piece's stop, known (`None`: the end of the shard)."""
+        if stop is None:
+            return int(self.shard_lengths[shard])
+        return stop
+
+    def pinned_path(self, shard: int, held: contextlib.ExitStack):
         """Where to read `shard` from: its URL, or its copy in the cache, pinned until `held`
         closes."""
         url = self.shards[shard]
         if self.cache is None:
             return url
-        sha256 = None if self.shard_sha256 is None else self.shard_sha256[shard]
+        sha256 = None
+        if self.shard_sha256 is not None:
+            sha256 = self.shard_sha256[shard]
         return held.enter_context(self.cache.pinned(url, sha256=sha256))
 
     def _read_path(self, path, start: int, stop: int | None) -> Iterable:
@@ -187,6 +203,14 @@ class ShardReading:
         if start or stop is not None:
             return itertools.islice(self.read_shard(path), start, stop)
         return self.read_shard(path)
+
+
+class _Pin(NamedTuple):
+    """A cached copy held pinned: the stack that releases it, its path and its size."""
+
+    stack: contextlib.ExitStack
+    path: object
+    size: int
 
 
 class _Pins:
@@ -201,9 +225,9 @@ class _Pins:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        sharing = (1 if info is None else info.num_workers) * int(
-            os.environ.get("LOCAL_WORLD_SIZE", "1") or 1
-        )
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if info is not None:
+            sharing *= info.num_workers
         self.reading = reading
         self.budget = reading.cache.max_bytes // (4 * max(1, sharing))
         blocks = np.unique(schedule.draws[skip:])
@@ -211,7 +235,7 @@ class _Pins:
         self.left = dict(
             zip(shards.tolist(), counts.tolist(), strict=True)
         )  # blocks still to read per shard
-        self.held: dict[int, tuple[contextlib.ExitStack, object, int]] = {}
+        self.held: dict[int, _Pin] = {}
         self.bytes = 0
 
     def read_block(self, shard: int, start: int, stop: int) -> list:
@@ -223,25 +247,25 @@ class _Pins:
             and self.reading.cache.used_bytes() <= self.reading.cache.max_bytes // 2
         ):  # room to spare
             stack = contextlib.ExitStack()
-            path = self.reading._path(shard, stack)
+            path = self.reading.pinned_path(shard, stack)
             size = _file_size(path)
             if self.bytes + size <= self.budget:
-                self.held[shard] = (stack, path, size)
+                self.held[shard] = _Pin(stack, path, size)
                 self.bytes += size
             else:
                 stack.close()
-        entry = self.held.get(shard)
-        items = self.reading.read_block(
-            shard, start, stop, path=None if entry is None else entry[1]
-        )
-        if entry is not None and not self.left[shard]:
+        pin = self.held.get(shard)
+        if pin is None:
+            return self.reading.read_block(shard, start, stop)
+        items = self.reading.read_block(shard, start, stop, path=pin.path)
+        if not self.left[shard]:
             self._release(shard)
         return items
 
     def _release(self, shard: int) -> None:
-        stack, _, size = self.held.pop(shard)
-        self.bytes -= size
-        stack.close()
+        pin = self.held.pop(shard)
+        self.bytes -= pin.size
+        pin.stack.close()
 
     def close(self) -> None:
         for shard in list(self.held):
