@@ -20,6 +20,7 @@ epoch (cache warming) is tuned as it is now. Results are stored per dataset, bat
 and `make_loader` reuses them.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
   common/loading/batch_ring.py, common/loading/epoch_read_ahead.py,
+  common/loading/isolated/child.py, common/loading/isolated/protocol.py,
   common/loading/isolated_loader.py, common/loading/loader.py, common/loading/loader_path.py,
   common/loading/loop_probe.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
   common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
