@@ -218,7 +218,7 @@ class _Child:
         self._dropped = set()
         self._done: dict[int, Any] = {}
         self._slots: dict[int, int] = {}  # request -> slot
-        # a child stuck in its fork is forked again: see NOTE [start watch]
+        # See NOTE [start watch]: a child stuck in its fork is forked again.
         for _ in range(REPLACEMENTS + 1):
             self.conn, child_end = context.Pipe(duplex=True)
             self.process = context.Process(

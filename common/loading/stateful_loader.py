@@ -138,9 +138,8 @@ class StatefulLoader(DataLoader):
         self._rotate_next = 0
         if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
             return RotatedIter(self, rotate)
-        return watched_iterator(
-            self, super()._get_iterator
-        )  # a worker stuck in its fork is replaced
+        # See NOTE [start watch]: a worker stuck in its fork is replaced.
+        return watched_iterator(self, super()._get_iterator)
 
     # The one hook into DataLoader's internals (see the module doc). The wrapper holds the
     # pass tracker, never the loader (see `Passes`).

@@ -47,7 +47,8 @@ def serve(loader, ring: Ring, conn, parent_end, started) -> None:
     its slot of `ring`, answers with its layout; ends on `Stop`, or when the loop's process is
     gone. `loader` is the child's copy of the `IsolatedLoader` (it reads batches, as a
     `ThreadLoader` does)."""
-    started[0] = 1  # its first act: see NOTE [start watch]
+    # See NOTE [start watch]: raising its flag is its first act.
+    started[0] = 1
     _prepare(loader, parent_end)
     replies = _Replies(loader, ring, conn)
     pool = ThreadPoolExecutor(loader.threads, thread_name_prefix="IsolatedLoader")
