@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+import recipes.common.resume.state_keys as keys
 from recipes.common.loading.epoch_read_ahead import settle_reads_ahead
-from recipes.common.resume import state_keys as keys
 from recipes.common.resume.batch_seeds import SeededFetcher
 from recipes.common.resume.dataset_state import (
     DatasetStateCarrier,

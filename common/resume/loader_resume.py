@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, IterableDataset
 
+import recipes.common.resume.state_keys as keys
 from recipes.common.loader_warning import LoaderWarning
-from recipes.common.resume import state_keys as keys
 from recipes.common.resume.dataset_state import Carried, may_resume_itself
 from recipes.common.resume.loader_contract import ResumableIterable
 from recipes.common.resume.loader_passes import Pass
