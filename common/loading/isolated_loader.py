@@ -12,33 +12,44 @@ the next epoch); per batch a copy into a shared-memory slot in the child and a f
 bytes of layout through a pipe (`batch_ring.py`). No pickling of the batch, no new segment per
 batch.
 Adapt here: `threads`, `prefetch` (as `ThreadLoader`'s), `timeout`, `niceness` (the child below the
-loop). Trade-off: needs the `fork` start method (Linux; elsewhere `make_loader` keeps the in-process
+loop). This module is the parent's side; the child's is `isolated/child.py`, and the messages
+between them are typed in `isolated/protocol.py` (with the child's life as a state diagram).
+Trade-off: needs the `fork` start method (Linux; elsewhere `make_loader` keeps the in-process
 thread path). The batches are the same as `ThreadLoader`'s for the same seed, sampler and state
 (each batch's draws come from `(seed, epoch, position)`), so a state saved on either path resumes on
 the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the loop's process.
 Copy with: common/loader_warning.py, common/loading/batch_ring.py,
-  common/loading/epoch_read_ahead.py, common/loading/loader_path.py, common/loading/loop_probe.py,
+  common/loading/epoch_read_ahead.py, common/loading/isolated/child.py,
+  common/loading/isolated/protocol.py, common/loading/loader_path.py, common/loading/loop_probe.py,
   common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
   common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sizing/resources.py,
-  common/sizing/sizing.py, common/workers/process_lifetime.py, common/workers/start_watch.py,
-  common/workers/worker.py.
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_resume.py,
+  common/resume/loader_state.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/sizing/resources.py, common/sizing/sizing.py, common/workers/process_lifetime.py,
+  common/workers/start_watch.py, common/workers/worker.py.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import os
-import threading
 import time
-import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.reduction import recv_handle
 from typing import Any
 
 import recipes.common.loading.epoch_read_ahead as ahead
-from recipes.common.loading.batch_ring import _TARGET, Ring, flatten, unflatten
+from recipes.common.loading.batch_ring import Ring, unflatten
+from recipes.common.loading.isolated.child import serve
+from recipes.common.loading.isolated.protocol import (
+    Batch,
+    Changed,
+    Failed,
+    Kind,
+    Raised,
+    Read,
+    Stop,
+)
 from recipes.common.loading.loader_path import check_niceness, isolated_available
 from recipes.common.loading.loop_probe import LoopProbe, TimedBatches
 from recipes.common.loading.thread_loader import ThreadLoader, _pinned
@@ -150,7 +161,9 @@ class IsolatedLoader(ThreadLoader):
     @property
     def child_pid(self) -> int | None:
         """The pid of the epoch's child process (None before the first `iter` and after `close`)."""
-        return None if self._child is None else self._child.process.pid
+        if self._child is None:
+            return None
+        return self._child.process.pid
 
     @property
     def ring_slots(self) -> int:
@@ -205,13 +218,12 @@ class _Child:
         self._dropped = set()
         self._done: dict[int, Any] = {}
         self._slots: dict[int, int] = {}  # request -> slot
-        for _ in range(
-            REPLACEMENTS + 1
-        ):  # a child stuck in its fork (start_watch.py) is forked again
+        # See NOTE [start watch]: a child stuck in its fork is forked again.
+        for _ in range(REPLACEMENTS + 1):
             self.conn, child_end = context.Pipe(duplex=True)
             self.process = context.Process(
-                target=_child_main,
-                args=(loader, child_end, self.conn, watch.flags),
+                target=serve,
+                args=(loader, self.ring, child_end, self.conn, watch.flags),
                 daemon=True,
                 name="IsolatedLoader",
             )
@@ -234,19 +246,11 @@ class _Child:
         slot = self.ring.take()
         self._next_request += 1
         self._slots[request] = slot
+        if seed is None:
+            seed = self.loader.seed
+        read = Read(request, slot, indices, epoch, position, seed, token)
         try:
-            self.conn.send(
-                (
-                    "read",
-                    request,
-                    slot,
-                    indices,
-                    epoch,
-                    position,
-                    self.loader.seed if seed is None else seed,
-                    token,
-                )
-            )
+            self.conn.send(read)
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass  # the child is gone: wait() says so
         return _Remote(self, request)
@@ -270,78 +274,58 @@ class _Child:
         waited = 0.0
         while request not in self._done:
             start = time.monotonic()
+            message = None
             try:
-                ready = self.conn.poll(_POLL_SECONDS)
-                message = self.conn.recv() if ready else None
+                if self.conn.poll(_POLL_SECONDS):
+                    message = self.conn.recv()
             except (EOFError, ConnectionResetError, OSError):
                 raise self._died() from None
-            if message is None:
-                if not self.process.is_alive():
-                    raise self._died()
-                waited += time.monotonic() - start
-                if self.loader.timeout is not None and waited >= self.loader.timeout:
-                    raise IsolatedProcessHung(
-                        f"IsolatedLoader: no batch from its child process (pid {self.process.pid}) "
-                        f"within {self.loader.timeout:g} seconds (a hung read)"
-                    )
+            if message is not None:
+                self._take(message)
                 continue
-            self._take(message)
+            if not self.process.is_alive():
+                raise self._died()
+            waited += time.monotonic() - start
+            if self.loader.timeout is not None and waited >= self.loader.timeout:
+                raise IsolatedProcessHung(
+                    f"IsolatedLoader: no batch from its child process (pid {self.process.pid}) "
+                    f"within {self.loader.timeout:g} seconds (a hung read)"
+                )
         result = self._done.pop(request)
         if isinstance(result, BaseException):
             raise result
         return result
 
     def _take(self, message) -> None:
-        kind = message[0]
-        request = message[1]
-        slot = self._slots.pop(request)
-        if (
-            kind in ("error", "failed", "changed") and request in self._dropped
-        ):  # a batch nobody waits for
-            self.ring.give_back(slot)
-            self._dropped.discard(request)
+        """One reply of the child: its batch (or error) is done, or dropped if nobody waits."""
+        slot = self._slots.pop(message.request)
+        if message.kind is Kind.BATCH:
+            self._take_batch(message, slot)
             return
-        if kind == "changed":  # a read ahead whose dataset changed under it: read anew in its epoch
-            self.ring.give_back(slot)
-            self._done[request] = ahead.CHANGED
+        self.ring.give_back(slot)  # no batch in it
+        if message.request in self._dropped:  # a batch nobody waits for
+            self._dropped.discard(message.request)
             return
-        if kind == "error":
-            self.ring.give_back(slot)
-            self._done[request] = _rebuilt(message[2], message[3])
-            return
-        if kind == "failed":
-            self.ring.give_back(slot)
-            self._done[request] = IsolatedHandOverError(
-                f"IsolatedLoader could not hand a batch over from its child process: {message[2]}. "
-                "A batch crosses as tensors, numpy arrays, numbers and strings in tuples, lists "
-                "and dicts (anything else must pickle); a slot needs shared memory. The batch is "
-                "not counted as received: RobustLoader resumes there, on the in-process thread "
-                "path if it fails again."
-            )
-            return
-        _, _, new_segment, spec, layouts = message
-        if new_segment:
-            from multiprocessing.reduction import recv_handle
+        self._done[message.request] = _OUTCOMES[message.kind](message)
 
+    def _take_batch(self, message: Batch, slot: int) -> None:
+        if message.new_segment:
             try:
                 self.ring.attach(slot, recv_handle(self.conn))
             except (EOFError, ConnectionResetError, OSError):  # the child died between the two
                 self.ring.give_back(slot)
                 raise self._died() from None
-        batch = unflatten(spec, self.ring.read(slot, layouts))
-        if request in self._dropped:
-            self._dropped.discard(request)
+        batch = unflatten(message.spec, self.ring.read(slot, message.layouts))
+        if message.request in self._dropped:
+            self._dropped.discard(message.request)
             return
-        self._done[request] = _pinned(batch) if self.loader.pin else batch
+        if self.loader.pin:
+            batch = _pinned(batch)
+        self._done[message.request] = batch
 
     def _died(self) -> IsolatedProcessDied:
         self.process.join(1.0)
-        code = self.process.exitcode
-        how = (
-            "is still running but its pipe closed"
-            if code is None
-            else (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        )
+        how = _how_it_ended(self.process.exitcode)
         return IsolatedProcessDied(
             f"IsolatedLoader's child process (pid {self.process.pid}) {how} under the "
             "epoch (the OOM killer, a signal, or a crash in native code). RobustLoader "
@@ -360,13 +344,16 @@ class _Child:
         if self.conn.closed:
             return
         try:
-            self.conn.send(("stop",))
+            self.conn.send(Stop())
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
-        self.process.join(2.0 if wait else 0.25)
+        patience = 0.25  # a finalizer's: at most 0.5 s in all
+        if wait:
+            patience = 2.0
+        self.process.join(patience)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(2.0 if wait else 0.25)
+            self.process.join(patience)
         self.conn.close()
         for slot in self._slots.values():  # asked, never received: their slots are free again
             self.ring.give_back(slot)
@@ -382,86 +369,33 @@ def _rebuilt(error: BaseException | None, text: str) -> BaseException:
     return error
 
 
-def _child_main(loader: IsolatedLoader, conn, parent_end, started) -> None:
-    """The child: reads each asked batch in a pool of `loader.threads`, writes it into its slot,
-    answers with its layout; ends on "stop", or when the loop's process is gone."""
-    started[0] = 1  # its first act (start_watch.py)
-    from recipes.common.workers.process_lifetime import _exit_when_orphaned, lower_priority
-    from recipes.common.workers.worker import (
-        _single_threaded_libraries,
-        keep_inherited_pages_shared,
+def _how_it_ended(code: int | None) -> str:
+    """The child's end, from its exit code, as the error says it."""
+    if code is None:
+        return "is still running but its pipe closed"
+    if code < 0:
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _failed(message: Failed) -> IsolatedHandOverError:
+    return IsolatedHandOverError(
+        f"IsolatedLoader could not hand a batch over from its child process: {message.reason}. "
+        "A batch crosses as tensors, numpy arrays, numbers and strings in tuples, lists "
+        "and dicts (anything else must pickle); a slot needs shared memory. The batch is "
+        "not counted as received: RobustLoader resumes there, on the in-process thread "
+        "path if it fails again."
     )
 
-    keep_inherited_pages_shared()  # no collection copies the loop's process's pages into the child
-    parent_end.close()
-    # ends with the loop's process, whichever of its threads forked it (a prctl death signal is
-    # tied to the forking thread: a loop that began its epoch in a short-lived thread would lose it)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    _single_threaded_libraries()  # OpenCV inline in each pool thread (its pool's locks were forked)
-    loader.pin = False  # pinned in the loop's process, where CUDA is
-    lower_priority(loader.niceness)  # before the pool: its threads inherit it
-    send = threading.Lock()
-    pool = ThreadPoolExecutor(loader.threads, thread_name_prefix="IsolatedLoader")
 
-    def work(request: int, slot: int, indices, epoch: int, position: int, seed: int, token) -> None:
-        from multiprocessing.reduction import ForkingPickler
-
-        fd = reply = None
-        _TARGET.slot = (
-            loader._ring,
-            slot,
-            0,
-        )  # read_batch may make its batch in the slot (slot_tensor)
-        try:
-            batch = ahead.read_if_unchanged(loader, token, indices, epoch, position, seed)
-        except BaseException as caught:  # noqa: BLE001 - the dataset's error (SystemExit too) goes to the loop
-            reply = ForkingPickler.dumps(
-                ("error", request, _picklable(caught), traceback.format_exc())
-            )
-        else:
-            reply = ForkingPickler.dumps(("changed", request)) if batch is ahead.CHANGED else None
-        if reply is None:
-            # the hand-over's own failure (no memory for a slot, a leaf that does not pickle): not
-            # the dataset's
-            try:
-                spec, tensors = flatten(batch)
-                layouts, fd = loader._ring.write(slot, tensors)
-                reply = ForkingPickler.dumps(("batch", request, fd is not None, spec, layouts))
-            except Exception as caught:  # noqa: BLE001
-                if fd is not None:
-                    os.close(fd)
-                fd = None
-                reply = ForkingPickler.dumps(
-                    ("failed", request, f"{type(caught).__name__}: {caught}")
-                )
-        _TARGET.slot = None
-        with send:
-            conn.send_bytes(reply)
-            if fd is not None:
-                from multiprocessing.reduction import send_handle
-
-                send_handle(conn, fd, os.getppid())
-                os.close(fd)
-
-    try:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                break
-            if message[0] == "stop":
-                break
-            pool.submit(work, *message[1:])
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        os._exit(0)  # no atexit handlers of the parent's copy
+def _read_anew(message: Changed):
+    """A read ahead whose dataset changed under it: read anew in its epoch."""
+    return ahead.CHANGED
 
 
-def _picklable(error: BaseException) -> BaseException | None:
-    import pickle
+def _raised(message: Raised) -> BaseException:
+    return _rebuilt(message.error, message.text)
 
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # noqa: BLE001
-        return None
+
+# What a reply without a batch leaves for the loop to take, by its kind (`_Child._take`)
+_OUTCOMES = {Kind.CHANGED: _read_anew, Kind.RAISED: _raised, Kind.FAILED: _failed}

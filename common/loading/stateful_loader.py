@@ -24,39 +24,45 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 (checked on load); `"sampler"` (a `PositionedBatchSampler`'s global position) and
 `"world_size"` (an iterable dataset's ranks) make a resume elastic, from N ranks to M;
 `"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
-state are computed in `loader_passes.py`.
+state are computed in `loader_passes.py`; the plan, the checks on load and an iterable dataset's
+resumed epoch in `loader_resume.py`.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
   common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/workers/start_watch.py.
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_resume.py,
+  common/resume/loader_state.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/workers/start_watch.py.
 """
 
 from __future__ import annotations
 
-import copy
 import os
-import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from recipes.common.loader_warning import LoaderWarning
+import recipes.common.resume.state_keys as keys
 from recipes.common.loading.epoch_read_ahead import settle_reads_ahead
 from recipes.common.resume.batch_seeds import SeededFetcher
 from recipes.common.resume.dataset_state import (
-    Carried,
     DatasetStateCarrier,
     RotatedIter,
     StateLoadingInit,
-    may_resume_itself,
 )
-from recipes.common.resume.loader_contract import Prefetching, ReadAheadAware, ResumableIterable
+from recipes.common.resume.loader_contract import Prefetching, ReadAheadAware
 from recipes.common.resume.loader_counting import Counting
-from recipes.common.resume.loader_passes import STATE_VERSION, Pass, Passes
-from recipes.common.resume.loader_state import differences, find_generators, plan_settings
+from recipes.common.resume.loader_passes import Passes
+from recipes.common.resume.loader_resume import (
+    EpochStarts,
+    check_loadable,
+    loader_plan,
+    resumed_iterable,
+    resumes_iterable,
+)
+from recipes.common.resume.loader_state import find_generators
 from recipes.common.resume.pass_sampler import PassSampler
+from recipes.common.resume.state_keys import STATE_VERSION
 from recipes.common.workers.start_watch import watched_iterator
 
 __all__ = ["STATE_VERSION", "StatefulLoader"]
@@ -106,11 +112,11 @@ class StatefulLoader(DataLoader):
         self._passes.seed = int(
             torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
         )
-        if (
-            self._passes.self_resuming and self.num_workers
-        ):  # each batch brings its worker's dataset state back
+        if self._passes.self_resuming and self.num_workers:
+            # each batch brings its worker's dataset state back
             self.collate_fn = DatasetStateCarrier(self.collate_fn)
-        if self.num_workers:  # a sampler's own count now runs ahead of the loop: let it say so
+        if self.num_workers:
+            # a sampler's own count now runs ahead of the loop: let it say so
             for holder in (self.batch_sampler, self.sampler):
                 if isinstance(holder, ReadAheadAware):
                     holder.note_read_ahead(self.num_workers * (self.prefetch_factor or 2))
@@ -130,17 +136,15 @@ class StatefulLoader(DataLoader):
             self.generator = _order_generator(self.generator)
 
     def _get_iterator(self):
-        if (
-            self.num_workers > 0
-        ):  # workers start: no thread of this process inside a read ahead at the fork
+        if self.num_workers > 0:
+            # workers start: no thread of this process inside a read ahead at the fork
             settle_reads_ahead()
         rotate = getattr(self, "_rotate_next", 0)
         self._rotate_next = 0
         if rotate and self.num_workers > 0:  # a resumed epoch of a dataset with its own state
             return RotatedIter(self, rotate)
-        return watched_iterator(
-            self, super()._get_iterator
-        )  # a worker stuck in its fork is replaced
+        # See NOTE [start watch]: a worker stuck in its fork is replaced.
+        return watched_iterator(self, super()._get_iterator)
 
     # The one hook into DataLoader's internals (see the module doc). The wrapper holds the
     # pass tracker, never the loader (see `Passes`).
@@ -159,29 +163,45 @@ class StatefulLoader(DataLoader):
         current = self._passes.start(self.num_workers)
         iterable = isinstance(self.dataset, IterableDataset)
         if iterable:
-            current.drawn = (
-                True  # nothing to draw: the order is the dataset's (epoch, rank, worker)
-            )
-        resumed = current.resumed or {}
-        if iterable and (
-            current.skip
-            or resumed.get("replayed")
-            or resumed.get("dataset_states") is not None
-            or current.reshaped is not None
-        ):
-            inner = _resumed_iterable(self, current)
+            # nothing to draw: the order is the dataset's (epoch, rank, worker)
+            current.drawn = True
+        if iterable and resumes_iterable(current):
+            starts = EpochStarts(plain=self._plain_epoch, loading_states=self._loading_states)
+            inner = resumed_iterable(self, current, starts)
         else:
             if current.resumed is None and isinstance(self.dataset, Prefetching):
-                self.dataset.start_downloads(
-                    num_workers=max(1, self.num_workers)
-                )  # before the workers fork
+                # before the workers fork
+                self.dataset.start_downloads(num_workers=max(1, self.num_workers))
             inner = super().__iter__()
-            if (
-                hasattr(inner, "_dataset_fetcher") and not iterable
-            ):  # no workers: batches made here, seeded
+            if hasattr(inner, "_dataset_fetcher") and not iterable:
+                # no workers: batches made here, seeded
                 inner._dataset_fetcher = SeededFetcher(inner._dataset_fetcher)
         _track(inner)
         return current, inner
+
+    def _plain_epoch(self):
+        """DataLoader's own iterator over one epoch (`EpochStarts.plain`)."""
+        return DataLoader.__iter__(self)
+
+    def _loading_states(self, states: dict, first_worker: int):
+        """Fresh workers, each loading its dataset copy's state from `states` first, the
+        round-robin begun at `first_worker` (`EpochStarts.loading_states`). Persistent workers
+        started here stay for the next epochs, as the saving run's did."""
+        if self._iterator is not None:
+            # persistent workers hold copies that went on: fresh ones load the states
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        user_init = self.worker_init_fn
+        self.worker_init_fn = StateLoadingInit(user_init, states)
+        self._rotate_next = first_worker
+        try:
+            inner = self._get_iterator()
+        finally:
+            self.worker_init_fn = user_init
+        if self.persistent_workers:
+            # the resumed copies go on into the next epochs, as the saving run's did
+            self._iterator = inner
+        return inner
 
     def close(self) -> None:
         """Shuts its persistent workers down now; otherwise they end when the loader is garbage
@@ -211,8 +231,8 @@ class StatefulLoader(DataLoader):
         random state its order was drawn from, and the settings that shape it (see the module
         doc and `loader_contract.py` for what a state saved at each point resumes)."""
         state = self._passes.state()
-        state["plan"] = self._plan()
-        state["batch_seed"] = self._passes.seed
+        state[keys.PLAN] = loader_plan(self)
+        state[keys.BATCH_SEED] = self._passes.seed
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -224,47 +244,10 @@ class StatefulLoader(DataLoader):
         Raises:
             ValueError: not a loader state of this version, or one saved under other settings.
         """
-        if (
-            not isinstance(state, dict)
-            or state.get("version") != STATE_VERSION
-            or "batches_yielded" not in state
-        ):
-            older = isinstance(state, dict) and state.get("version") == 1
-            raise ValueError(
-                f"not a StatefulLoader state (version {STATE_VERSION}): {state!r:.200}"
-                + (
-                    "; version 1 states (recipes 0.1) resumed exactly only in a first epoch "
-                    "without persistent workers: resume from a checkpoint saved by this version"
-                    if older
-                    else ""
-                )
-            )
-        saved = state.get("plan") or {}
-        mine = self._plan()
-        diff = differences(saved, mine)
-        if diff:
-            raise ValueError(
-                "This loader state was saved under other settings than this loader's, and they "
-                "decide which samples each batch holds: "
-                + "; ".join(diff)
-                + ". Build the loader as the run "
-                "that saved it did."
-            )
+        check_loadable(state, loader_plan(self))
         self._passes.load(state)
-        if state.get("batch_seed") is not None:
-            self._passes.seed = int(state["batch_seed"])
-
-    def _plan(self) -> dict[str, Any]:
-        plan: dict[str, Any] = {"batch_size": self.batch_size, "drop_last": self.drop_last}
-        if isinstance(self.dataset, IterableDataset):
-            plan["dataset"] = plan_settings(self.dataset)
-            return plan
-        plan["num_samples"] = len(self.dataset)
-        if self.batch_size is None and self.batch_sampler is not None:  # the user's batch sampler
-            plan["batch_sampler"] = plan_settings(self.batch_sampler)
-        else:
-            plan["sampler"] = plan_settings(self.sampler)
-        return plan
+        if state.get(keys.BATCH_SEED) is not None:
+            self._passes.seed = int(state[keys.BATCH_SEED])
 
 
 def _order_generator(seeded_from: torch.Generator | None) -> torch.Generator:
@@ -291,169 +274,3 @@ def _disown_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_disown_in_child)
-
-
-def _resumed_iterable(loader: StatefulLoader, current: Pass):
-    """An iterator over the rest of an iterable dataset's epoch, after `current.skip` batches."""
-    dataset = loader.dataset
-    skip = current.skip
-    state = current.resumed or {}
-    states = state.get("dataset_states")
-    if states is not None and may_resume_itself(dataset):
-        saved = int(state.get("dataset_workers", current.workers))
-        if saved != loader.num_workers:
-            raise ValueError(
-                f"This state holds the own states of {type(dataset).__name__}'s copies in {saved} "
-                f"worker(s) (each copy's share of the data); this loader has {loader.num_workers}. "
-                f"Resume with num_workers={saved}, or from a state saved by a loader without a "
-                "dataset state."
-            )
-        return _resumed_by_dataset(loader, states, int(state.get("next_worker", 0)))
-    if not isinstance(dataset, ResumableIterable):
-        if current.workers != max(loader.num_workers, 0) and state.get("num_workers") is not None:
-            raise ValueError(
-                f"{type(dataset).__name__} has no resume_after(): it resumes by reading the "
-                f"epoch's first {skip} batches again, which only gives the same batches with the "
-                f"same number of workers (saved with {current.workers}, this loader has "
-                f"{loader.num_workers}). Resume with num_workers={current.workers}, or from a "
-                "state saved at an epoch's end."
-            )
-        warnings.warn(
-            f"{type(dataset).__name__} has no resume_after(); reading and discarding the first "
-            f"{skip} batches of the epoch to resume.",
-            LoaderWarning,
-            stacklevel=3,
-        )
-        return _dropped(DataLoader.__iter__(loader), skip)
-    before = current.workers
-    world = state.get("world_size")
-    whole = loader.collate_fn if loader.batch_size is not None else None
-    if current.reshaped is not None:  # an elastic resume: the epoch's rest dealt over this shape
-        rest = dataset.resume_after(
-            skip,
-            batch_size=loader.batch_size,
-            drop_last=loader.drop_last,
-            num_workers=before,
-            interleave=before != loader.num_workers,
-            reshaped=current.reshaped,
-        )
-        if (
-            before != loader.num_workers
-        ):  # within the rest, another worker count: its old order here
-            return iter(
-                DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory)
-            )
-        return _fresh_workers(loader, rest)
-    if world is not None and world != dataset.world_size:  # other ranks: replay their rests here
-        replay = state.get("replay_world")
-        if state.get("replayed") and replay != dataset.world_size:
-            raise ValueError(
-                f"This state was saved while {replay} rank(s) replayed the rest of an epoch begun "
-                f"on {world}; resume it on {replay} rank(s), or from a state saved in another "
-                "epoch."
-            )
-        rest = dataset.resume_after(
-            skip,
-            batch_size=loader.batch_size,
-            drop_last=loader.drop_last,
-            num_workers=before,
-            interleave=True,
-            world_size=world,
-        )
-        iterator = iter(
-            DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory)
-        )
-        return _dropped(iterator, int(state.get("replayed", 0)))
-    if (
-        before != loader.num_workers
-    ):  # the epoch began with other workers: replay its order in-process
-        rest = dataset.resume_after(
-            skip,
-            batch_size=loader.batch_size,
-            drop_last=loader.drop_last,
-            num_workers=before,
-            interleave=True,
-        )
-        return iter(
-            DataLoader(rest, batch_size=None, collate_fn=whole, pin_memory=loader.pin_memory)
-        )
-    rest = dataset.resume_after(
-        skip,
-        batch_size=loader.batch_size,
-        drop_last=loader.drop_last,
-        num_workers=loader.num_workers,
-    )
-    return _fresh_workers(loader, rest)
-
-
-def _fresh_workers(loader: StatefulLoader, rest):
-    """One epoch of `rest` (a resumed copy of the dataset) on fresh workers, then the loader's own
-    again."""
-    kwargs = dict(
-        batch_size=loader.batch_size,
-        drop_last=loader.drop_last,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-    )
-    if loader.num_workers:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return iter(
-        DataLoader(rest, **kwargs)
-    )  # one epoch on fresh workers, then the loader's own again
-
-
-def _resumed_by_dataset(loader: StatefulLoader, states: dict, first_worker: int):
-    """The rest of an epoch (or the next epoch) of a dataset that resumes itself: each dataset
-    copy (this process's, or each worker's, in fresh workers) loads the state it had after its
-    last batch the loop received, in torchdata's order (the dataset's, `iter`, the iterator's),
-    and the round-robin resumes at the worker whose turn was next. Persistent workers started
-    here stay for the next epochs, as the saving run's did."""
-    if (
-        not loader.num_workers
-    ):  # torchdata's order: the dataset's state, iter(dataset), the iterator's state
-        main = copy.deepcopy(
-            states.get("main") or {}
-        )  # a dataset may keep and change what it is given
-        if main.get("dataset") is not None:
-            loader.dataset.load_state_dict(main["dataset"])
-        inner = DataLoader.__iter__(loader)
-        fetcher = inner._dataset_fetcher
-        if main.get("iterator") is not None:
-            fetcher.dataset_iter.load_state_dict(main["iterator"])
-        fetcher.ended = bool(main.get("ended"))
-        return inner
-    if (
-        loader._iterator is not None
-    ):  # persistent workers hold copies that went on: fresh ones load the states
-        loader._iterator._shutdown_workers()
-        loader._iterator = None
-    user_init = loader.worker_init_fn
-    loader.worker_init_fn = StateLoadingInit(user_init, states)
-    loader._rotate_next = first_worker
-    try:
-        inner = loader._get_iterator()
-    finally:
-        loader.worker_init_fn = user_init
-    if (
-        loader.persistent_workers
-    ):  # the resumed copies go on into the next epochs, as the saving run's did
-        loader._iterator = inner
-    return inner
-
-
-_END = object()
-
-
-def _dropped(iterator, count: int):
-    """`iterator` after its first `count` batches (read and discarded; a worker's stream end,
-    `dataset_state.Carried`, is not one)."""
-    while count > 0:
-        item = next(iterator, _END)
-        if item is _END:
-            break
-        count -= not (isinstance(item, Carried) and item.ended and item.batch is None)
-    return iterator

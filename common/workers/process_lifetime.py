@@ -42,12 +42,14 @@ def die_with_parent() -> None:
     else:
         import threading
 
-        threading.Thread(target=_exit_when_orphaned, args=(parent.pid,), daemon=True).start()
+        threading.Thread(target=exit_when_orphaned, args=(parent.pid,), daemon=True).start()
     if os.getppid() != parent.pid:  # the parent died before the signal was armed
         os._exit(1)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def exit_when_orphaned(parent_pid: int) -> None:
+    """Polls once a second until this process's parent is no longer `parent_pid`, then exits
+    (a thread's body: a death signal where prctl is missing, or tied to a short-lived thread)."""
     import time
 
     while os.getppid() == parent_pid:

@@ -8,21 +8,7 @@ Cost: the iterator's creation waits until every worker has run its first line of
 Adapt here: `START_SECONDS` (how long a worker may take to start), `REPLACEMENTS`.
 Trade-off: the start of an epoch blocks on the slowest worker's start, not on the first batch.
 
-Why: on CPython before 3.12 (3.11.9, 3.10.14 and older) `os.fork()` can copy the interpreter's
-thread-state lock while another thread holds it, and the child waits on it forever before it
-runs any Python (CPython gh-112275). A thread that enters Python from C++ (torch.distributed's
-and Lightning's threads do) takes that lock without the GIL, so under DDP about one epoch start
-in a hundred left a worker stuck: the loop waited forever for its batches (DataLoader sees a
-live process), and `RobustLoader` only after its `timeout`. Measured here: 1 of 93 launches of
-a 2-rank Lightning run (`test_lightning_resume.py`), gdb showing the worker in
-`PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept`.
-
-How: each worker raises its flag in a shared page as the first act of its `worker_init_fn`.
-A worker silent after `START_SECONDS` is stopped (SIGSTOP), its flag read again (a slow worker
-is let go on), then killed and replaced by a new process with the same arguments: the same
-index queue (the indices already put in it), worker id and seed, so its batches are the ones
-the stuck worker would have made. It had not run any Python, so it held none of the queues'
-locks.
+Why and how: NOTE [start watch] below.
 Copy with: common/loader_warning.py.
 """
 
@@ -37,6 +23,24 @@ import time
 import warnings
 
 from recipes.common.loader_warning import LoaderWarning
+
+# NOTE [start watch]
+# Why: on CPython before 3.12 (3.11.9, 3.10.14 and older) `os.fork()` can copy the interpreter's
+# thread-state lock while another thread holds it, and the child waits on it forever before it
+# runs any Python (CPython gh-112275). A thread that enters Python from C++ (torch.distributed's
+# and Lightning's threads do) takes that lock without the GIL, so under DDP about one epoch start
+# in a hundred left a worker stuck: the loop waited forever for its batches (DataLoader sees a
+# live process), and `RobustLoader` only after its `timeout`. Measured here: 1 of 93 launches of
+# a 2-rank Lightning run (`test_lightning_resume.py`), gdb showing the worker in
+# `PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept`.
+#
+# How: each worker raises its flag in a shared page as the first act of its `worker_init_fn`.
+# A worker silent after `START_SECONDS` is stopped (SIGSTOP), its flag read again (a slow worker
+# is let go on), then killed and replaced by a new process with the same arguments: the same
+# index queue (the indices already put in it), worker id and seed, so its batches are the ones
+# the stuck worker would have made. It had not run any Python, so it held none of the queues'
+# locks. The isolated loader's child raises flag 0 as its first act, and one silent for
+# `START_SECONDS` is killed and forked again (`StartWatch.started`).
 
 START_SECONDS = 15.0
 REPLACEMENTS = 3  # per iterator; beyond them the workers are left as they are, with a warning
@@ -78,10 +82,9 @@ def watched_iterator(loader, build):
     watch = StartWatch(loader.num_workers)
     init_fn = loader.worker_init_fn
     context = loader.multiprocessing_context
-    loader.worker_init_fn, loader.multiprocessing_context = (
-        _Started(watch.flags, init_fn),
-        _WatchedFork(),
-    )  # as workers start
+    # as workers start
+    loader.worker_init_fn = _Started(watch.flags, init_fn)
+    loader.multiprocessing_context = _WatchedFork()
     try:
         iterator = build()
     finally:
@@ -113,7 +116,8 @@ class StartWatch:
         workers = getattr(iterator, "_workers", None)
         if not workers:
             return 0
-        seconds = START_SECONDS if seconds is None else seconds
+        if seconds is None:
+            seconds = START_SECONDS
         deadline = time.monotonic() + seconds
         replaced = 0
         while True:
@@ -139,7 +143,8 @@ class StartWatch:
     def started(self, process, seconds: float | None = None) -> bool:
         """Waits until `process` (flag 0: the isolated loader's child) has started or ended: True;
         False when it stayed silent for `seconds` (default `START_SECONDS`) and was killed."""
-        seconds = START_SECONDS if seconds is None else seconds
+        if seconds is None:
+            seconds = START_SECONDS
         deadline = time.monotonic() + seconds
         while not self.flags[0] and process.exitcode is None:
             if time.monotonic() >= deadline:
@@ -167,7 +172,7 @@ class StartWatch:
         return True
 
     def _replace(self, iterator, i: int, seconds: float) -> int:
-        from torch.utils.data._utils import signal_handling
+        from torch.utils.data._utils import signal_handling  # torch only where workers are
 
         old = iterator._workers[i]
         registered = getattr(iterator, "_worker_pids_set", False)

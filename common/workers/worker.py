@@ -2,7 +2,7 @@
 
 Use when: any DataLoader with `num_workers > 0` (`make_loader` installs it for you).
 Cost: a few microseconds once per worker start.
-Adapt here: add your library's thread pools to `_single_threaded_libraries`.
+Adapt here: add your library's thread pools to `single_threaded_libraries`.
 Trade-off: single-threaded decoders inside workers; parallelism comes from the workers.
 
 Why each step:
@@ -57,7 +57,7 @@ def worker_init(worker_id: int) -> None:
     die_with_parent()
     if torch.utils.data.get_worker_info() is not None:  # a worker: never the loop's own process
         keep_inherited_pages_shared()
-    _single_threaded_libraries()
+    single_threaded_libraries()
     seed = torch.initial_seed()  # base_seed + worker_id, set by DataLoader before this call
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -69,7 +69,9 @@ def keep_inherited_pages_shared() -> None:
     gc.freeze()
 
 
-def _single_threaded_libraries() -> None:
+def single_threaded_libraries() -> None:
+    """Thread pools of the libraries a forked process inherits, made single-threaded (torch,
+    tokenizers, OpenCV: see the module doc)."""
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     cv2 = sys.modules.get("cv2")
