@@ -72,8 +72,11 @@ class EvalView:
     def read_into(self, out: np.ndarray, index: int) -> np.ndarray:
         """Raises: the cache's error: the row differs from its checksum (a damaged view)."""
         self._rows.read_into(out, index * self.size[0] * self.size[1] * 3)
-        if self.checks.needed(index):  # `out` may be a list of row buffers (device_crop.py)
-            self.checks.check(index, *(out if isinstance(out, list) else [out]))
+        if self.checks.needed(index):
+            rows = out  # a list of row buffers (device_crop.py), or one array
+            if not isinstance(out, list):
+                rows = [out]
+            self.checks.check(index, *rows)
         return out
 
     def __repr__(self) -> str:
@@ -112,7 +115,9 @@ def find_eval_view(
         return None, f"there is no {name}.json"
     except (OSError, ValueError) as why:
         return None, f"{name}.json is damaged ({why})"
-    seal = header.pop("header_sha256", None) if isinstance(header, dict) else None
+    seal = None
+    if isinstance(header, dict):
+        seal = header.pop("header_sha256", None)
     if not isinstance(header, dict) or (
         seal != _seal(header) and (seal or header.get("version") == FORMAT_VERSION)
     ):

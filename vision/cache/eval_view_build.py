@@ -268,17 +268,14 @@ def _copy_view(
     if ranks.rank == source:
         ranks.send(source, [cache.path / f"{name}.{kind}" for kind in kinds])
         return
-    parts = (
-        Path(
-            tempfile.mkdtemp(
-                prefix=f".{name}.{_host()}.{os.getpid()}.", suffix=".tmp", dir=cache.path
-            )
-        )
-        if needs
-        else None
-    )
+    parts = None
+    targets = [None for _ in kinds]  # this folder holds a valid view: nothing to receive
+    if needs:
+        prefix = f".{name}.{_host()}.{os.getpid()}."
+        parts = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=cache.path))
+        targets = [parts / kind for kind in kinds]
     try:
-        ranks.send(source, [None if parts is None else parts / kind for kind in kinds])
+        ranks.send(source, targets)
         if parts is not None:
             with folder_lock(cache.path):
                 if (

@@ -112,11 +112,9 @@ def attach_image_cache(
     if cache_dir.is_dir():
         sweep_dead_temps(cache_dir, path.name)  # a build killed midway leaves its temp folder
     if not path.exists():
-        stale = (
-            find_stale_caches(cache_dir, os.path.abspath(root), fingerprint)
-            if cache_dir.is_dir()
-            else []
-        )
+        stale = []
+        if cache_dir.is_dir():
+            stale = find_stale_caches(cache_dir, os.path.abspath(root), fingerprint)
         if stale:
             warnings.warn(
                 f"Not using the image cache in {cache_dir}: it was built from other inputs "
