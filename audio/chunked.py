@@ -93,13 +93,15 @@ class ChunkedAudioDataset(Dataset):
             )
         self.files = PackedStrings(_list_files(files))
         self.chunk_seconds = chunk_seconds
-        self.hop_seconds = hop_seconds if hop_seconds is not None else chunk_seconds
+        self.hop_seconds = hop_seconds
+        if hop_seconds is None:
+            self.hop_seconds = chunk_seconds
         self.mono = mono
         self.last_chunk = last_chunk
         self.file_frames, self.file_rates, self.file_channels = _read_headers(self.files)
-        self.sample_rate = (
-            sample_rate if sample_rate is not None else _common_rate(self.files, self.file_rates)
-        )
+        self.sample_rate = sample_rate
+        if sample_rate is None:
+            self.sample_rate = _common_rate(self.files, self.file_rates)
         for rate in np.unique(self.file_rates).tolist():
             if rate != self.sample_rate:
                 f = int(np.flatnonzero(self.file_rates == rate)[0])
@@ -191,7 +193,9 @@ class ChunkedAudioDataset(Dataset):
                 "is truncated or changed since indexing."
             )
         wave = torch.from_numpy(data.T.copy())  # [C, T]
-        return wave.mean(dim=0, keepdim=True) if self.mono and wave.shape[0] > 1 else wave
+        if self.mono and wave.shape[0] > 1:
+            return wave.mean(dim=0, keepdim=True)
+        return wave
 
     def _handle(self, f: int):
         """An open `SoundFile` per file, at most `_OPEN_FILES` per process (LRU)."""
@@ -229,7 +233,9 @@ class ChunkedAudioDataset(Dataset):
         return state
 
     def __repr__(self) -> str:
-        mode = "utterances" if self.chunk_seconds is None else f"{self.chunk_seconds}s windows"
+        mode = "utterances"
+        if self.chunk_seconds is not None:
+            mode = f"{self.chunk_seconds}s windows"
         return (
             f"ChunkedAudioDataset({len(self.files)} files, {len(self)} items, {mode}, "
             f"{self.sample_rate} Hz)"
@@ -362,9 +368,9 @@ def _wav_data_sizes(path: str) -> tuple[int | None, int]:
             chunk_id = head[:4]
             chunk_size = struct.unpack("<I", head[4:])[0]
             if chunk_id == b"data":
-                declared = (
-                    None if chunk_size in (0, 0xFFFFFFFF) else chunk_size
-                )  # streaming writers
+                declared = chunk_size
+                if chunk_size in (0, 0xFFFFFFFF):  # streaming writers
+                    declared = None
                 return declared, size - f.tell()
             f.seek(chunk_size + (chunk_size & 1), os.SEEK_CUR)
 

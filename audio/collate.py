@@ -68,7 +68,9 @@ def _split(item, position: int) -> tuple[torch.Tensor, Mapping]:
     if isinstance(item, torch.Tensor):
         return item, {}
     if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor):
-        return item[0], item[1] if isinstance(item[1], Mapping) else {}
+        if isinstance(item[1], Mapping):
+            return item[0], item[1]
+        return item[0], {}
     raise TypeError(
         f"AudioPadCollate: item {position} is {type(item).__name__}; expected a tensor or "
         "(tensor, info)."

@@ -245,7 +245,9 @@ def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, lo
 
     def features(wave: torch.Tensor) -> torch.Tensor:
         spec = mel(wave.mean(dim=0))
-        return torch.log(spec + 1e-6) if log else spec
+        if log:
+            return torch.log(spec + 1e-6)
+        return spec
 
     return features
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
 from recipes.common import LengthBucketSampler, LoaderMonitor, make_loader
+from recipes.testing import make_audio_files
 
 CHUNK_SECONDS = 4.0  # ADAPT: the window length (None: one item per recording)
 SAMPLE_RATE = 16000  # ADAPT: every file is resampled to this rate
@@ -77,11 +78,13 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
     local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)
-    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu")
+    if not cuda:
+        dist.init_process_group("gloo")
+        return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(local)
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}")
 
 
 def barrier(world: int) -> None:
@@ -121,8 +124,6 @@ def prepare_data(args, rank: int, world: int):
         args.audio = args.workdir / "audio"
         args.cache = args.workdir / "mels"
         if rank == 0 and not (args.audio / ".complete").exists():
-            from recipes.testing import make_audio_files
-
             make_audio_files(args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0)
             (args.audio / ".complete").touch()
     barrier(world)
@@ -163,8 +164,12 @@ def main(argv=None) -> None:
         loader_state = saved["loader"]
     if world > 1 and device.type == "cuda":  # batch statistics over every rank's windows
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
+    ddp = model
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    log = None
+    if args.log_samples:
+        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         if loader_state is not None:
@@ -208,9 +213,9 @@ def main(argv=None) -> None:
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            loss_text = (
-                "-" if loss is None else f"{loss.item():.3f}"
-            )  # a resume at the epoch's end: no batch left
+            loss_text = "-"  # a resume at the epoch's end: no batch left
+            if loss is not None:
+                loss_text = f"{loss.item():.3f}"
             print(
                 f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                 f"data wait {summary['wait_fraction']:.0%}",

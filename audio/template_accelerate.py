@@ -47,6 +47,7 @@ import torch
 from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
 from recipes.common import LengthBucketSampler, LoaderMonitor, make_loader
 from recipes.common.frameworks.accelerate_glue import prepare_loader
+from recipes.testing import make_audio_files
 
 CHUNK_SECONDS = 4.0  # ADAPT: the window length (None: one item per recording)
 SAMPLE_RATE = 16000  # ADAPT: every file is resampled to this rate
@@ -117,8 +118,6 @@ def prepare_data(args, accelerator):
         args.audio = args.workdir / "audio"
         args.cache = args.workdir / "mels"
         if accelerator.is_main_process and not (args.audio / ".complete").exists():
-            from recipes.testing import make_audio_files
-
             make_audio_files(args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0)
             (args.audio / ".complete").touch()
     accelerator.wait_for_everyone()
@@ -157,7 +156,9 @@ def save_checkpoint(accelerator, workdir: Path, step: int, keep: int = 2) -> Non
 
 def latest_checkpoint(workdir: Path) -> Path | None:
     done = sorted(p.parent for p in (workdir / "checkpoints").glob("step-*/complete"))
-    return done[-1] if done else None
+    if not done:
+        return None
+    return done[-1]
 
 
 def main(argv=None) -> None:
@@ -188,7 +189,9 @@ def main(argv=None) -> None:
     checkpoint = latest_checkpoint(args.workdir)
     if checkpoint is not None:  # resume: model, optimiser, random states, and the loader's place
         accelerator.load_state(str(checkpoint))
-    log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
+    log = None
+    if args.log_samples:
+        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
     for epoch in range(
         loader.epoch, args.epochs
     ):  # the loader's state says which epoch to continue
@@ -223,9 +226,9 @@ def main(argv=None) -> None:
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
             summary = loader.summary()
-            loss_text = (
-                "-" if loss is None else f"{loss.item():.3f}"
-            )  # a resume at the epoch's end: no batch left
+            loss_text = "-"  # a resume at the epoch's end: no batch left
+            if loss is not None:
+                loss_text = f"{loss.item():.3f}"
             print(
                 f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                 f"data wait {summary['wait_fraction']:.0%}",

@@ -41,6 +41,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from recipes.audio import ChunkedAudioDataset, build_spectrogram_cache, pad_collate
 from recipes.common import LengthBucketSampler, make_loader
 from recipes.common.frameworks.lightning_glue import LoaderDataModule
+from recipes.testing import make_audio_files
 
 CHUNK_SECONDS = 4.0  # ADAPT: the window length (None: one item per recording)
 SAMPLE_RATE = 16000  # ADAPT: every file is resampled to this rate
@@ -115,8 +116,6 @@ class Recordings(LoaderDataModule):
 
     def prepare_data(self) -> None:  # once per node, before setup
         if self.args.smoke and not (self.args.audio / ".complete").exists():
-            from recipes.testing import make_audio_files
-
             make_audio_files(
                 self.args.audio, count=6, seconds=[4.0, 6.5, 3.2, 8.0, 5.1, 2.4], seed=0
             )
@@ -185,7 +184,9 @@ class Classifier(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         if self.global_rank == 0:  # a resume at an epoch's end has no batch left: no loss
-            loss = "-" if self.loss is None else f"{self.loss.item():.3f}"
+            loss = "-"
+            if self.loss is not None:
+                loss = f"{self.loss.item():.3f}"
             print(
                 f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss "
                 f"{loss}",
@@ -219,24 +220,30 @@ def main(argv=None) -> None:
         every_n_train_steps=args.checkpoint_every,
         enable_version_counter=False,
     )
+    strategy = "auto"
+    if devices * nodes > 1:
+        strategy = "ddp"
+    precision = "32-true"
+    if torch.cuda.is_available():
+        precision = "bf16-mixed"
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="auto",
         devices=devices,
         num_nodes=nodes,
-        strategy="ddp" if devices * nodes > 1 else "auto",
+        strategy=strategy,
         callbacks=[checkpoints],
         use_distributed_sampler=False,  # LengthBucketSampler splits the batches over the ranks
-        precision="bf16-mixed" if torch.cuda.is_available() else "32-true",
+        precision=precision,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     resume = args.workdir / "checkpoints" / "checkpoint.ckpt"
+    if not resume.exists():
+        resume = None
     started = time.perf_counter()
-    trainer.fit(
-        Classifier(args), datamodule=Recordings(args), ckpt_path=resume if resume.exists() else None
-    )
+    trainer.fit(Classifier(args), datamodule=Recordings(args), ckpt_path=resume)
     if trainer.global_rank == 0:
         print(
             f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s",

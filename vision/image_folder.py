@@ -24,11 +24,12 @@ Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/loader_warning.py, common/loading/batch_ring.py, common/loading/build_loader.py,
   common/loading/epoch_read_ahead.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, common/workers/start_watch.py,
-  vision/batches/batch_buffers.py, vision/batches/device.py, vision/batches/thread_batches.py,
-  vision/cache/cache_source.py, vision/cache/cached_batches.py, vision/cache/eval_view.py,
-  vision/cache/image_cache.py, vision/cache/image_cache_build.py, vision/cache/stale_caches.py,
-  vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py.
+  vision/batches/batch_buffers.py, vision/batches/device.py, vision/batches/gpu_decode.py,
+  vision/batches/thread_batches.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
+  vision/cache/eval_view.py, vision/cache/eval_view_build.py, vision/cache/image_cache.py,
+  vision/cache/image_cache_build.py, vision/cache/stale_caches.py, vision/decoding/bad_files.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py, vision/folder_index.py.
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common.caches.packed_strings import PackedStrings, resolve_index
+from recipes.vision.batches import thread_batches
 from recipes.vision.batches.batch_buffers import new_uint8_batch, trim_heap
 from recipes.vision.batches.device import uint8_collate
-from recipes.vision.batches.thread_batches import read_ahead_key, read_batch, read_items
+from recipes.vision.batches.gpu_decode import encoded_item
+from recipes.vision.batches.thread_batches import ReadAheadKey
 from recipes.vision.cache.cached_batches import eval_view_of, fill_cached_batch, read_cached_item
-from recipes.vision.cache.eval_view import EvalView, eval_record_of
+from recipes.vision.cache.eval_view import EvalView
+from recipes.vision.cache.eval_view_build import eval_record_of
 from recipes.vision.cache.image_cache import ImageCache
 from recipes.vision.cache.image_cache_build import attach_image_cache, cache_inputs, decode_stored
 from recipes.vision.decoding.bad_files import BadFiles
@@ -62,8 +66,9 @@ from recipes.vision.decoding.crop import (
     random_resized_box,
 )
 from recipes.vision.decoding.decode import resize_uint8
-from recipes.vision.decoding.image_header import check_encoded, read_image_file
-from recipes.vision.decoding.region_decode import decode_box, region_decode_available
+from recipes.vision.decoding.image_header import read_image_file
+from recipes.vision.decoding.region_decode import decode_box
+from recipes.vision.folder_index import checked_settings, index_folder
 
 
 class ImageFolderFast(Dataset):
@@ -127,59 +132,41 @@ class ImageFolderFast(Dataset):
         region_decode: bool | None = None,
         strict: bool = True,
     ):
-        from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
-
         if on_error not in ("raise", "skip"):
             raise ValueError(f"`on_error` must be 'raise' or 'skip', but is {on_error!r} instead.")
         self.root = os.fspath(root)
-        self.size = output_size(size)
-        if decode not in ("cpu", "gpu"):
-            raise ValueError(f"`decode` must be 'cpu' or 'gpu', but is {decode!r} instead.")
-        if decode == "gpu" and (transform is not None or cache_dir is not None):
-            raise ValueError(
-                "decode='gpu' decodes files on the device: a uint8 `transform` or a decoded cache "
-                "(`cache_dir`) belongs to the CPU path (decode='cpu')."
-            )
-        if decode == "gpu" and not torch.cuda.is_available():
-            raise RuntimeError(
-                "decode='gpu' needs CUDA, which is not available here; use the CPU path "
-                "(decode='cpu', the default), which is as fast as this machine's cores allow."
-            )
+        settings = checked_settings(
+            size,
+            decode=decode,
+            transform=transform,
+            cache_dir=cache_dir,
+            region_decode=region_decode,
+            max_side=max_side,
+        )
+        self.size = settings.size
         self.decode = decode
-        if region_decode and not region_decode_available():
-            raise ImportError(
-                'region_decode=True needs nvImageCodec: pip install "loader-recipes[roi]" '
-                "(nvidia-nvimgcodec-cu12; its CPU decoder needs no GPU)."
-            )
         self.region_decode = region_decode
-        self.max_side = 2 * max(self.size) if max_side is None else max_side
-        if not isinstance(self.max_side, int) or self.max_side < max(self.size):
-            raise ValueError(
-                f"`max_side` must be an int of at least the output side {max(self.size)}, but is "
-                f"{max_side!r} instead."
-            )
+        self.max_side = settings.max_side
         self.train = train
         self.transform = transform
         self.on_error = on_error
         self.strict = bool(strict)
         self.classes, self.class_to_idx = self.find_classes(self.root)
-        if extensions is None and is_valid_file is None:
-            extensions = IMG_EXTENSIONS
-        samples = make_dataset(self.root, self.class_to_idx, extensions, is_valid_file)
-        self._paths = PackedStrings(path for path, _ in samples)
-        self._targets = np.fromiter((t for _, t in samples), np.int64, len(samples))
-        del samples
+        index = index_folder(self.root, self.class_to_idx, extensions, is_valid_file)
+        self._paths = index.paths
+        self._targets = index.targets
         # Shared memory: visible to (persistent) workers after they started.
         self._resolution = torch.tensor(self.size, dtype=torch.int32).share_memory_()
         self._bad = BadFiles(len(self._paths), f"the {len(self._paths)} images under {self.root}")
-        self._checked = torch.zeros(
-            len(self._paths), dtype=torch.uint8
-        ).share_memory_()  # strict: 1 once checked
-        self._rng_key, self._rng = None, None  # (pid, torch seed) of the draws' np.random.Generator
+        # strict: 1 once a file's first decode was checked
+        self._checked = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()
+        self._rng_key = None  # (pid, torch seed) of the draws' np.random.Generator
+        self._rng = None
         self.cache: ImageCache | None = None
         self._views: dict = {}  # eval views by resolution (eval_view_of), opened per process
-        self.cache_dir = None if cache_dir is None else Path(cache_dir)
-        if self.cache_dir is not None:
+        self.cache_dir = None
+        if cache_dir is not None:
+            self.cache_dir = Path(cache_dir)
             attach_image_cache(
                 self.cache_dir,
                 self.root,
@@ -275,14 +262,27 @@ class ImageFolderFast(Dataset):
         and decode="cpu" (a `preadv` or a read and a decode, then a resize: all release the GIL)."""
         return self.transform is None and self.decode == "cpu"
 
-    read_batch, read_ahead_key = (
-        read_batch,
-        read_ahead_key,
-    )  # batches/thread_batches.py (the public side below)
-    read_items = read_items  # read_batch's items, for a collate function of the user's
-    read_batch_collate = staticmethod(
-        uint8_collate
-    )  # read_batch returns what it would: make_loader keeps threads
+    def read_batch(
+        self, indices: list[int], rng: np.random.Generator, *, pin_memory: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`, made by the calling
+        thread, crops and flips drawn from `rng`: `thread_batches.read_batch`."""
+        return thread_batches.read_batch(self, indices, rng, pin_memory=pin_memory)
+
+    def read_items(
+        self, indices: list[int], rng: np.random.Generator
+    ) -> list[tuple[torch.Tensor, int]]:
+        """`read_batch`'s items, for a collate function of the user's (`thread_batches`)."""
+        return thread_batches.read_items(self, indices, rng)
+
+    def read_ahead_key(self) -> ReadAheadKey:
+        """What its batches depend on besides indices and generator (`thread_batches`)."""
+        return thread_batches.read_ahead_key(self)
+
+    @property
+    def read_batch_collate(self) -> Callable:
+        """`uint8_collate`: `read_batch` returns what it would, so make_loader keeps threads."""
+        return uint8_collate
 
     def crop_settings(self) -> CropSettings:
         """The crops its items get now: train or eval, at the current resolution."""
@@ -337,30 +337,22 @@ class ImageFolderFast(Dataset):
         return resize_uint8(image, size, out=into, mirror=mirror), int(self._targets[index])
 
     def _encoded_item(self, index: int) -> tuple[dict, int]:
-        """decode="gpu": the file's bytes (checked as far as a header allows), its crop box in
-        source pixels and its flip, drawn as the CPU path draws them."""
+        """decode="gpu": the file's bytes, crop box and flip (`gpu_decode.encoded_item`)."""
         path, data, header = self._read(index)
-        is_jpeg = check_encoded(data, header, path=path, index=index)
-        out = self.resolution
-        if self.train:
-            box = random_resized_box(
-                header.height, header.width, self._generator(), self.SCALE, self.RATIO
-            )
-            flip = bool(self._generator().random() < 0.5)
-        else:
-            box = eval_box(header.height, header.width, out, self.CROP_PCT)
-            flip = False
-        item = {
-            "data": torch.frombuffer(bytearray(data), dtype=torch.uint8),
-            "box": torch.tensor(box, dtype=torch.int64),
-            "flip": flip,
-            "jpeg": is_jpeg,
-            "index": index,
-            "size": out,
-        }
+        item = encoded_item(
+            data, header, self.crop_settings(), self._generator(), path=path, index=index
+        )
         return item, int(self._targets[index])
 
-    _decode_box = decode_box  # region decode or a DCT-scaled decode of the crop (region_decode.py)
+    def _decode_box(self, data: bytes, header, box, out, path: str, index: int) -> np.ndarray:
+        """The pixels of `box`: a region or DCT-scaled decode (`region_decode.decode_box`), a
+        file's first decode checked with `strict`."""
+        checked = None
+        if self.strict:
+            checked = self._checked
+        return decode_box(
+            data, header, box, out, path, index, checked=checked, region_decode=self.region_decode
+        )
 
     def _cache_image(self, index: int) -> tuple[np.ndarray, int]:
         """`([h, w, 3] uint8, target)`: the whole image, its longer side at most `max_side`."""
@@ -437,7 +429,9 @@ class ImageFolderFast(Dataset):
     def _finish(self, image: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
         if self.train and (rng or self._generator()).random() < 0.5:
             image = image.flip(-1)
-        return self.transform(image) if self.transform is not None else image
+        if self.transform is None:
+            return image
+        return self.transform(image)
 
     def _generator(self) -> np.random.Generator:
         """Crop and flip draws, seeded from torch's seed when it changes: base_seed + worker_id
@@ -454,7 +448,9 @@ class ImageFolderFast(Dataset):
         return state
 
     def __repr__(self) -> str:
-        source = f"cache {self.cache.path}" if self.cache is not None else "files"
+        source = "files"
+        if self.cache is not None:
+            source = f"cache {self.cache.path}"
         return (
             f"ImageFolderFast(root={self.root!r}, n={len(self)}, classes={len(self.classes)}, "
             f"size={self.resolution}, train={self.train}, from {source})"

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.common import ElasticDistributedSampler, LoaderMonitor, make_loader
+from recipes.testing import make_image_folder
 from recipes.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -83,11 +84,13 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
     local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)
-    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu")
+    if not cuda:
+        dist.init_process_group("gloo")
+        return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(local)
+    return dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}")
 
 
 def barrier(world: int) -> None:
@@ -117,8 +120,6 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
         args.data = args.workdir / "data"
         args.cache = args.workdir / "cache"
         if rank == 0 and not (args.data / ".complete").exists():
-            from recipes.testing import make_image_folder
-
             make_image_folder(args.data, classes=48, per_class=1, size=(160, 120), seed=0)
             (args.data / ".complete").touch()
     barrier(world)
@@ -179,8 +180,12 @@ def main(argv=None) -> None:
         start_epoch = saved["epoch"]
         step = saved["step"]
         loader_state = saved["loader"]
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
+    ddp = model
+    if world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    log = None
+    if args.log_samples:
+        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         schedule.apply(dataset, epoch)  # reaches persistent workers (shared memory)
@@ -214,9 +219,9 @@ def main(argv=None) -> None:
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
             summary = loader.summary()
-            loss_text = (
-                "-" if loss is None else f"{loss.item():.3f}"
-            )  # a resume at the epoch's end: no batch left
+            loss_text = "-"  # a resume at the epoch's end: no batch left
+            if loss is not None:
+                loss_text = f"{loss.item():.3f}"
             print(
                 f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                 f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "

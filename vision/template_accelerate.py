@@ -45,6 +45,7 @@ import torch
 
 from recipes.common import ElasticDistributedSampler, LoaderMonitor, make_loader
 from recipes.common.frameworks.accelerate_glue import prepare_loader
+from recipes.testing import make_image_folder
 from recipes.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -108,8 +109,6 @@ def prepare_data(args, accelerator) -> ImageFolderFast:
         args.data = args.workdir / "data"
         args.cache = args.workdir / "cache"
         if accelerator.is_main_process and not (args.data / ".complete").exists():
-            from recipes.testing import make_image_folder
-
             make_image_folder(args.data, classes=48, per_class=1, size=(160, 120), seed=0)
             (args.data / ".complete").touch()
     accelerator.wait_for_everyone()
@@ -146,7 +145,9 @@ def save_checkpoint(accelerator, workdir: Path, step: int, keep: int = 2) -> Non
 
 def latest_checkpoint(workdir: Path) -> Path | None:
     done = sorted(p.parent for p in (workdir / "checkpoints").glob("step-*/complete"))
-    return done[-1] if done else None
+    if not done:
+        return None
+    return done[-1]
 
 
 def main(argv=None) -> None:
@@ -196,7 +197,9 @@ def main(argv=None) -> None:
     checkpoint = latest_checkpoint(args.workdir)
     if checkpoint is not None:  # resume: model, optimiser, random states, and the loader's place
         accelerator.load_state(str(checkpoint))
-    log = open(args.workdir / f"samples-rank{rank}.txt", "a") if args.log_samples else None  # noqa: SIM115
+    log = None
+    if args.log_samples:
+        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
     for epoch in range(
         loader.epoch, args.epochs
     ):  # the loader's state says which epoch to continue
@@ -224,9 +227,9 @@ def main(argv=None) -> None:
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
             summary = loader.summary()
-            loss_text = (
-                "-" if loss is None else f"{loss.item():.3f}"
-            )  # a resume at the epoch's end: no batch left
+            loss_text = "-"  # a resume at the epoch's end: no batch left
+            if loss is not None:
+                loss_text = f"{loss.item():.3f}"
             print(
                 f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
                 f"resolution {dataset.resolution[0]}, data wait {summary['wait_fraction']:.0%}, "

@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from recipes.common import ElasticDistributedSampler, make_loader
 from recipes.common.frameworks.lightning_glue import LoaderDataModule
+from recipes.testing import make_image_folder
 from recipes.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -102,8 +103,6 @@ class Images(LoaderDataModule):
 
     def prepare_data(self) -> None:  # once per node, before setup
         if self.args.smoke and not (self.args.data / ".complete").exists():
-            from recipes.testing import make_image_folder
-
             make_image_folder(self.args.data, classes=48, per_class=1, size=(160, 120), seed=0)
             (self.args.data / ".complete").touch()
 
@@ -195,7 +194,9 @@ class Classifier(pl.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         if self.global_rank == 0:  # a resume at an epoch's end has no batch left: no loss
-            loss = "-" if self.loss is None else f"{self.loss.item():.3f}"
+            loss = "-"
+            if self.loss is not None:
+                loss = f"{self.loss.item():.3f}"
             print(
                 f"epoch {self.current_epoch}: {time.perf_counter() - self.started:.1f} s, loss "
                 f"{loss}, resolution {self.trainer.datamodule.dataset.resolution[0]}",
@@ -231,23 +232,29 @@ def main(argv=None) -> None:
         every_n_train_steps=args.checkpoint_every,
         enable_version_counter=False,
     )
+    strategy = "auto"
+    if devices * nodes > 1:
+        strategy = "ddp"
+    precision = "32-true"
+    if torch.cuda.is_available():
+        precision = "bf16-mixed"
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="auto",
         devices=devices,
         num_nodes=nodes,
-        strategy="ddp" if devices * nodes > 1 else "auto",
+        strategy=strategy,
         callbacks=[checkpoints],
-        precision="bf16-mixed" if torch.cuda.is_available() else "32-true",
+        precision=precision,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     resume = args.workdir / "checkpoints" / "checkpoint.ckpt"
+    if not resume.exists():
+        resume = None
     started = time.perf_counter()
-    trainer.fit(
-        Classifier(args), datamodule=Images(args), ckpt_path=resume if resume.exists() else None
-    )
+    trainer.fit(Classifier(args), datamodule=Images(args), ckpt_path=resume)
     if trainer.global_rank == 0:
         print(
             f"trained to epoch {trainer.current_epoch} in {time.perf_counter() - started:.1f} s",

@@ -121,8 +121,12 @@ class DeviceCropLoader:
             self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        n = len(self.sampler) if self.sampler is not None else len(self.dataset)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        n = len(self.dataset)
+        if self.sampler is not None:
+            n = len(self.sampler)
+        if self.drop_last:
+            return n // self.batch_size
+        return -(-n // self.batch_size)
 
     def _order(self) -> np.ndarray:
         if self.sampler is not None:
@@ -177,7 +181,9 @@ class DeviceCropLoader:
 
     def _view(self):
         view = self.dataset.eval_view
-        return view if view is not None and max(view.size) <= self.dataset.cache.max_side else None
+        if view is None or max(view.size) > self.dataset.cache.max_side:
+            return None
+        return view
 
     def boxes(self, shapes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """`(int [n, 4] top/left/height/width boxes, bool [n] flips)` for images of `shapes`

@@ -20,18 +20,44 @@ recovers from (libjpeg's "Corrupt JPEG data", which the CPU path's `strict` chec
 an `ImageDecodeError`) is not detected on the device: torchvision's nvJPEG decode reports no
 such warning, so those images are served as decoded. Check a dataset once with the CPU path
 (e.g. `build_image_cache`, or an epoch with `on_error="skip"`) to find them.
-Copy with: vision/batches/batch_buffers.py, vision/batches/device.py, vision/decoding/decode.py,
-  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: vision/batches/batch_buffers.py, vision/batches/device.py, vision/decoding/crop.py,
+  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from recipes.vision.batches.device import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize
+from recipes.vision.decoding.crop import CropSettings, eval_box, random_resized_box
 from recipes.vision.decoding.decode import decode_image
+from recipes.vision.decoding.image_header import check_encoded
+
+
+def encoded_item(
+    data: bytes, header, crops: CropSettings, rng: np.random.Generator, *, path: str, index: int
+) -> dict:
+    """`ImageFolderFast(decode="gpu")`'s item (before its target): the file's bytes (checked as
+    far as a header allows), its crop box in source pixels and its flip, drawn from `rng` as the
+    CPU path draws them; what `encoded_collate` packs."""
+    is_jpeg = check_encoded(data, header, path=path, index=index)
+    flip = False
+    if crops.train:
+        box = random_resized_box(header.height, header.width, rng, crops.scale, crops.ratio)
+        flip = bool(rng.random() < 0.5)
+    else:
+        box = eval_box(header.height, header.width, crops.size, crops.crop_pct)
+    return {
+        "data": torch.frombuffer(bytearray(data), dtype=torch.uint8),
+        "box": torch.tensor(box, dtype=torch.int64),
+        "flip": flip,
+        "jpeg": is_jpeg,
+        "index": index,
+        "size": crops.size,
+    }
 
 
 def encoded_collate(batch: list[tuple[dict, int]]) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Whole batches of an `ImageFolderFast` made by threads of the training process (`ThreadLoader`).
 
 Use when: `make_loader` picks the thread path (`thread_batches()` is true: no `transform`,
-decode="cpu"); `ImageFolderFast.read_batch` and `read_items` are these functions. Each batch is
+decode="cpu"); `ImageFolderFast.read_batch`, `read_items` and `read_ahead_key` call these
+functions. Each batch is
 one uint8 `[B, 3, H, W]` tensor (channels-last in memory), filled row by row: from the decoded
 cache when one is attached (`fill_cached_batch`: a `preadv` and a resize, or an eval view's row),
 else decoded from the files, each image resized (and flipped) straight into its row.
@@ -12,19 +13,19 @@ Trade-off: Python per image still holds the GIL (the crop draws, the loop): on m
 rate per thread falls; workers (`make_loader(..., path="workers")`) scale further.
 It reads the dataset through its public side: `thread_batches()`, `len()`, `root`,
 `resolution`, `cache`, `eval_view`, `crop_settings()` and `read_item(i, rng, into=)`.
-Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
-  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/packed_strings.py,
-  common/loader_warning.py, common/loading/batch_ring.py, common/loading/build_loader.py,
-  common/loading/epoch_read_ahead.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, common/workers/start_watch.py,
-  vision/batches/batch_buffers.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
-  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/decoding/crop.py,
-  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
+  common/caches/packed_strings.py, common/loading/batch_ring.py, common/loading/epoch_read_ahead.py,
+  common/workers/held_descriptors.py, vision/batches/batch_buffers.py,
+  vision/cache/cached_batches.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from recipes.common.loading.batch_ring import slot_tensor
 from recipes.common.loading.epoch_read_ahead import ByIdentity
 from recipes.vision.batches.batch_buffers import trim_heap
 from recipes.vision.cache.cached_batches import fill_cached_batch
+from recipes.vision.decoding.crop import CropSettings
 
 
 def read_batch(
@@ -56,12 +58,7 @@ def read_batch(
     ]
     h, w = dataset.resolution
     shape = (len(indices), h, w, 3)
-    made = (
-        None if pin_memory else slot_tensor(shape, torch.uint8)
-    )  # in the isolated loader's slot: no copy
-    batch = (
-        made if made is not None else torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
-    ).permute(0, 3, 1, 2)
+    batch = _batch_tensor(shape, pin_memory).permute(0, 3, 1, 2)
     if dataset.cache is None:
         targets = np.empty(len(indices), np.int64)
         for row, index in enumerate(indices):  # resized into the row (no transform on this path)
@@ -74,6 +71,16 @@ def read_batch(
     return batch, torch.from_numpy(np.asarray(dataset.cache.labels[indices], dtype=np.int64))
 
 
+def _batch_tensor(shape: tuple[int, ...], pin_memory: bool) -> torch.Tensor:
+    """An uninitialised uint8 tensor of `shape`: pinned with `pin_memory`, else in the isolated
+    loader's slot when there is one (no copy), else plain."""
+    if not pin_memory:
+        made = slot_tensor(shape, torch.uint8)
+        if made is not None:
+            return made
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
+
+
 def read_items(
     dataset, indices: list[int], rng: np.random.Generator
 ) -> list[tuple[torch.Tensor, int]]:
@@ -83,29 +90,50 @@ def read_items(
     return [(images[row], int(t)) for row, t in enumerate(targets.tolist())]
 
 
-def read_ahead_key(dataset) -> tuple:
+@dataclass(frozen=True)
+class ReadAheadKey:
     """What `ImageFolderFast`'s batches depend on besides their indices and generator
     (`loader_contract.ReadAheadKeyed`): the crops' settings (the resolution in them), the cache
     attached (the object itself: a new one never compares equal), the error policy, the
     decoder and checksums of the targets and the cache's labels (rewritten in place). The thread
-    paths make the next epoch's first batches ahead while it stays the same; called from the
-    pool's threads too (as each read ahead starts and ends): cheap, no side effects. A subclass
-    whose batches depend on more adds it here."""
-    cache = (
-        dataset.cache
-    )  # its labels are the cached path's: checked as the targets are (pseudo-labelling)
-    return (
-        type(dataset),
-        dataset.root,
-        dataset.crop_settings(),
-        ByIdentity(cache),
-        dataset.cache_dir,
-        dataset.on_error,
-        dataset.strict,
-        dataset.max_side,
-        dataset.region_decode,
-        dataset.decode,
-        dataset.transform is None,
-        zlib.crc32(dataset.targets),
-        None if cache is None else zlib.crc32(cache.labels),
+    paths make the next epoch's first batches ahead while it stays the same. A subclass whose
+    batches depend on more adds it to its own key."""
+
+    dataset_type: type
+    root: str
+    crops: CropSettings
+    cache: ByIdentity
+    cache_dir: Path | None
+    on_error: str
+    strict: bool
+    max_side: int
+    region_decode: bool | None
+    decode: str
+    no_transform: bool
+    targets_crc: int
+    # the cache's labels are the cached path's: checked as the targets are (pseudo-labelling)
+    labels_crc: int | None
+
+
+def read_ahead_key(dataset) -> ReadAheadKey:
+    """`ImageFolderFast.read_ahead_key()`: its `ReadAheadKey` now; called from the pool's
+    threads too (as each read ahead starts and ends): cheap, no side effects."""
+    cache = dataset.cache
+    labels_crc = None
+    if cache is not None:
+        labels_crc = zlib.crc32(cache.labels)
+    return ReadAheadKey(
+        dataset_type=type(dataset),
+        root=dataset.root,
+        crops=dataset.crop_settings(),
+        cache=ByIdentity(cache),
+        cache_dir=dataset.cache_dir,
+        on_error=dataset.on_error,
+        strict=dataset.strict,
+        max_side=dataset.max_side,
+        region_decode=dataset.region_decode,
+        decode=dataset.decode,
+        no_transform=dataset.transform is None,
+        targets_crc=zlib.crc32(dataset.targets),
+        labels_crc=labels_crc,
     )

@@ -13,12 +13,10 @@ Cost: per image one `preadv` (eval view) or one `preadv` plus one resize; the GI
 in both.
 Adapt here: nothing; the crops are the dataset's (`CropSettings`: `SCALE`/`RATIO`/`CROP_PCT`).
 Trade-off: the scratch buffer is per call (`max_side^2 * 3` bytes), not per thread.
-Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
-  common/caches/cache_checks.py, common/caches/cache_files.py, common/loader_warning.py,
-  common/loading/build_loader.py, common/workers/held_descriptors.py,
-  common/workers/process_lifetime.py, common/workers/start_watch.py, vision/cache/cache_source.py,
-  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/decoding/crop.py,
-  vision/decoding/decode.py, vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
+Copy with: common/caches/cache_checks.py, common/caches/cache_files.py,
+  common/workers/held_descriptors.py, vision/cache/eval_view.py, vision/cache/image_cache.py,
+  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
+  vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations

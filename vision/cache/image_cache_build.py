@@ -17,9 +17,9 @@ Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/caches/cache_checks.py, common/caches/cache_files.py, common/loader_warning.py,
   common/loading/build_loader.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, common/workers/start_watch.py, vision/cache/cache_source.py,
-  vision/cache/eval_view.py, vision/cache/image_cache.py, vision/cache/stale_caches.py,
-  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
-  vision/decoding/jpeg_damage.py.
+  vision/cache/eval_view.py, vision/cache/eval_view_build.py, vision/cache/image_cache.py,
+  vision/cache/stale_caches.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from recipes.common.caches.cache_checks import algorithm, file_checksums, hasher
 from recipes.common.caches.cache_files import write_synced
 from recipes.common.loading.build_loader import build_loader
 from recipes.vision.cache.cache_source import CacheSource
-from recipes.vision.cache.eval_view import ensure_eval_view
+from recipes.vision.cache.eval_view_build import ensure_eval_view
 from recipes.vision.cache.image_cache import (
     FORMAT,
     FORMAT_VERSION,
@@ -112,11 +112,9 @@ def attach_image_cache(
     if cache_dir.is_dir():
         sweep_dead_temps(cache_dir, path.name)  # a build killed midway leaves its temp folder
     if not path.exists():
-        stale = (
-            find_stale_caches(cache_dir, os.path.abspath(root), fingerprint)
-            if cache_dir.is_dir()
-            else []
-        )
+        stale = []
+        if cache_dir.is_dir():
+            stale = find_stale_caches(cache_dir, os.path.abspath(root), fingerprint)
         if stale:
             warnings.warn(
                 f"Not using the image cache in {cache_dir}: it was built from other inputs "

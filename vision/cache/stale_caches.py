@@ -79,11 +79,9 @@ def find_stale_caches(cache_dir: Path, root: str, fingerprint: str) -> list[Path
             elif path.suffix == ".bin":
                 with open(path, "rb") as f:
                     raw = f.read(4096)
-                header = (
-                    json.loads(raw[len(_LEGACY_MAGIC) :].decode("utf-8"))
-                    if raw.startswith(_LEGACY_MAGIC)
-                    else {}
-                )
+                header = {}
+                if raw.startswith(_LEGACY_MAGIC):
+                    header = json.loads(raw[len(_LEGACY_MAGIC) :].decode("utf-8"))
             else:
                 continue
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -98,11 +96,9 @@ def find_stale_caches(cache_dir: Path, root: str, fingerprint: str) -> list[Path
 
 
 def _sidecar(cache: Path) -> Path:
-    return (
-        cache / "files.npy"
-        if cache.is_dir()
-        else cache.with_name(cache.name.removesuffix(".bin") + ".files.npy")
-    )
+    if cache.is_dir():
+        return cache / "files.npy"
+    return cache.with_name(cache.name.removesuffix(".bin") + ".files.npy")
 
 
 def remove_cache(path: Path) -> None:

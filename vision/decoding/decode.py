@@ -94,7 +94,10 @@ def decode_image(
     header = header or read_header(data, path=path, index=index)
     is_jpeg = check_encoded(data, header, path=path, index=index)
     rgb = getattr(cv2, "IMREAD_COLOR_RGB", None)
-    flags = (rgb if rgb is not None else cv2.IMREAD_COLOR) | cv2.IMREAD_IGNORE_ORIENTATION
+    color = rgb
+    if rgb is None:
+        color = cv2.IMREAD_COLOR
+    flags = color | cv2.IMREAD_IGNORE_ORIENTATION
     if is_jpeg:
         flags |= _REDUCED_BITS[reduce]
     if is_jpeg:

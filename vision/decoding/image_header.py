@@ -173,4 +173,6 @@ def _ends_with_eoi(data: bytes) -> bool:
 
 
 def _where(path: str, index: int | None) -> str:
-    return f"image {path!r}" + (f" (index {index})" if index is not None else "")
+    if index is None:
+        return f"image {path!r}"
+    return f"image {path!r} (index {index})"

@@ -73,9 +73,14 @@ def decode_region(
 
         def run():
             image = dec.decode(region, params=params)
-            return None if image is None else np.asarray(image)  # the pixels are written by now
+            if image is None:
+                return None
+            return np.asarray(image)  # the pixels are written by now
 
-        pixels = checked_by_libjpeg(run, path=path, index=index) if strict else run()
+        if strict:
+            pixels = checked_by_libjpeg(run, path=path, index=index)
+        else:
+            pixels = run()
     except ImageDecodeError:
         raise
     except (RuntimeError, ValueError):
@@ -88,7 +93,9 @@ def decode_region(
         pixels = pixels[:height, left : left + width]
     if pixels.shape[2] == 1:
         pixels = np.repeat(pixels, 3, axis=2)
-    return pixels if pixels.shape == (height, width, 3) else None
+    if pixels.shape != (height, width, 3):
+        return None
+    return pixels
 
 
 def region_decode_available() -> bool:
@@ -169,28 +176,37 @@ _REGION = threading.local()  # .decoder: (pid, (module, decoder, params) or None
 
 
 def decode_box(
-    dataset, data: bytes, header, box: Box, out: tuple[int, int], path: str, index: int
+    data: bytes,
+    header,
+    box: Box,
+    out: tuple[int, int],
+    path: str,
+    index: int,
+    *,
+    checked: torch.Tensor | None,
+    region_decode: bool | None,
 ) -> np.ndarray:
     """`ImageFolderFast._decode_box`: decodes the whole image at the coarsest DCT scale that
     keeps `box` at least `out`, then crops it; or, when no DCT scale applies, only `box` (region
-    decode). With the dataset's `strict`, a file's first decode is checked and marked in
-    `dataset._checked`: a whole decode through TurboJPEG when it is installed (the check reads
-    the whole scan anyway, and TurboJPEG reads it faster, the GIL released; cropped, the region
-    decode's pixels), else a region decode that reads on to the image's bottom. A file's pixels
-    do not depend on whether it was checked: a resumed epoch sees what the first one saw."""
+    decode, unless `region_decode` is False). With `checked` (the dataset's shared uint8 flags per
+    file: `strict`), a file's first decode is checked and marked in `checked`: a whole decode
+    through TurboJPEG when it is installed (the check reads the whole scan anyway, and TurboJPEG
+    reads it faster, the GIL released; cropped, the region decode's pixels), else a region decode
+    that reads on to the image's bottom. A file's pixels do not depend on whether it was checked:
+    a resumed epoch sees what the first one saw."""
     reduce = dct_reduction((box[2], box[3]), out)
-    check = dataset.strict and not dataset._checked[index]
-    if reduce == 1 and dataset.region_decode is not False and header.format == "JPEG":
+    check = checked is not None and not checked[index]
+    if reduce == 1 and region_decode is not False and header.format == "JPEG":
         check_encoded(data, header, path=path, index=index)
         if not (check and turbo_available()):  # else the check reads the whole scan anyway, and
             region = decode_region(data, box, strict=check, path=path, index=index)  # TurboJPEG
             if region is not None:  # reads it fastest (the GIL released); its crop is the region's
                 if check:  # pixels
-                    dataset._checked[index] = 1
+                    checked[index] = 1
                 return region
     decoded = decode_image(data, reduce=reduce, header=header, path=path, index=index, strict=check)
     if check:
-        dataset._checked[index] = 1
+        checked[index] = 1
     h, w = decoded.shape[:2]
     if (h, w) != (header.height, header.width):
         box = scale_box(box, h / header.height, w / header.width, h, w)

@@ -10,7 +10,7 @@ from PIL import Image
 
 from recipes.testing import natural_image
 from recipes.vision import ImageFolderFast, uint8_collate
-from recipes.vision import image_folder as image_folder_module
+from recipes.vision import folder_index as folder_index_module
 from recipes.vision.decoding import region_decode as decode_module
 from recipes.vision.decoding.decode import decode_image, turbo_available
 from recipes.vision.decoding.region_decode import decode_region, region_decode_available
@@ -148,7 +148,7 @@ def test_truncated_jpeg_still_raises_naming_the_file(own_tree):
 
 
 def test_region_decode_true_without_nvimagecodec_says_how_to_install(image_tree, monkeypatch):
-    monkeypatch.setattr(image_folder_module, "region_decode_available", lambda: False)
+    monkeypatch.setattr(folder_index_module, "region_decode_available", lambda: False)
     with pytest.raises(ImportError, match=r"recipes\[roi\]"):
         ImageFolderFast(image_tree, region_decode=True)
     assert ImageFolderFast(image_tree).region_decode is None  # auto: no error
