@@ -45,11 +45,15 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes.common.caches.packed_strings import PackedStrings, resolve_index
-from recipes.vision.batches import thread_batches
 from recipes.vision.batches.batch_buffers import new_uint8_batch, trim_heap
 from recipes.vision.batches.device import uint8_collate
 from recipes.vision.batches.gpu_decode import encoded_item
-from recipes.vision.batches.thread_batches import ReadAheadKey
+from recipes.vision.batches.thread_batches import (
+    ReadAheadKey,
+    batch_of,
+    items_of,
+    read_ahead_key_of,
+)
 from recipes.vision.cache.cached_batches import eval_view_of, fill_cached_batch, read_cached_item
 from recipes.vision.cache.eval_view import EvalView
 from recipes.vision.cache.eval_view_build import eval_record_of
@@ -266,18 +270,18 @@ class ImageFolderFast(Dataset):
         self, indices: list[int], rng: np.random.Generator, *, pin_memory: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`, made by the calling
-        thread, crops and flips drawn from `rng`: `thread_batches.read_batch`."""
-        return thread_batches.read_batch(self, indices, rng, pin_memory=pin_memory)
+        thread, crops and flips drawn from `rng` (`thread_batches.batch_of`)."""
+        return batch_of(self, indices, rng, pin_memory=pin_memory)
 
     def read_items(
         self, indices: list[int], rng: np.random.Generator
     ) -> list[tuple[torch.Tensor, int]]:
         """`read_batch`'s items, for a collate function of the user's (`thread_batches`)."""
-        return thread_batches.read_items(self, indices, rng)
+        return items_of(self, indices, rng)
 
     def read_ahead_key(self) -> ReadAheadKey:
         """What its batches depend on besides indices and generator (`thread_batches`)."""
-        return thread_batches.read_ahead_key(self)
+        return read_ahead_key_of(self)
 
     @property
     def read_batch_collate(self) -> Callable:

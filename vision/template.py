@@ -132,6 +132,13 @@ def prepare_data(args, rank: int, world: int) -> ImageFolderFast:
     return dataset
 
 
+def open_sample_log(args, rank: int):
+    """The file this rank logs every step's targets to (`--log-samples`), else None."""
+    if not args.log_samples:
+        return None
+    return open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
+
+
 def save_checkpoint(path: Path, **state) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -180,12 +187,8 @@ def main(argv=None) -> None:
         start_epoch = saved["epoch"]
         step = saved["step"]
         loader_state = saved["loader"]
-    ddp = model
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-    log = None
-    if args.log_samples:
-        log = open(args.workdir / f"samples-rank{rank}.txt", "a")  # noqa: SIM115
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    log = open_sample_log(args, rank)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         schedule.apply(dataset, epoch)  # reaches persistent workers (shared memory)

@@ -2,7 +2,7 @@
 
 Use when: `make_loader` picks the thread path (`thread_batches()` is true: no `transform`,
 decode="cpu"); `ImageFolderFast.read_batch`, `read_items` and `read_ahead_key` call these
-functions. Each batch is
+functions (`batch_of`, `items_of`, `read_ahead_key_of`). Each batch is
 one uint8 `[B, 3, H, W]` tensor (channels-last in memory), filled row by row: from the decoded
 cache when one is attached (`fill_cached_batch`: a `preadv` and a resize, or an eval view's row),
 else decoded from the files, each image resized (and flipped) straight into its row.
@@ -38,7 +38,7 @@ from recipes.vision.cache.cached_batches import fill_cached_batch
 from recipes.vision.decoding.crop import CropSettings
 
 
-def read_batch(
+def batch_of(
     dataset, indices: list[int], rng: np.random.Generator, *, pin_memory: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`read_batch(indices, rng)`: `(images uint8 [B, 3, H, W] channels-last, targets int64 [B])`,
@@ -81,12 +81,12 @@ def _batch_tensor(shape: tuple[int, ...], pin_memory: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8, pin_memory=pin_memory)
 
 
-def read_items(
+def items_of(
     dataset, indices: list[int], rng: np.random.Generator
 ) -> list[tuple[torch.Tensor, int]]:
     """`read_batch`'s items, `(image, target)` each (rows of one batch tensor), for a collate
     function of the user's on the thread path: the same draws from `rng`."""
-    images, targets = read_batch(dataset, indices, rng)
+    images, targets = batch_of(dataset, indices, rng)
     return [(images[row], int(t)) for row, t in enumerate(targets.tolist())]
 
 
@@ -115,7 +115,7 @@ class ReadAheadKey:
     labels_crc: int | None
 
 
-def read_ahead_key(dataset) -> ReadAheadKey:
+def read_ahead_key_of(dataset) -> ReadAheadKey:
     """`ImageFolderFast.read_ahead_key()`: its `ReadAheadKey` now; called from the pool's
     threads too (as each read ahead starts and ends): cheap, no side effects."""
     cache = dataset.cache
