@@ -207,8 +207,9 @@ def main(argv=None) -> None:
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, rank, world)
-    lengths = cache.lengths
-    if mixture is not None:  # every source's lengths, in the sources' order
+    if mixture is None:
+        lengths = cache.lengths
+    else:  # every source's lengths, in the sources' order
         lengths = np.concatenate([d.lengths for d in cache.datasets])
     sampler = LengthBucketSampler(
         lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture

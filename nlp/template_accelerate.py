@@ -231,8 +231,9 @@ def main(argv=None) -> None:
     device = accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, accelerator)
-    lengths = cache.lengths
-    if mixture is not None:  # every source's lengths, in the sources' order
+    if mixture is None:
+        lengths = cache.lengths
+    else:  # every source's lengths, in the sources' order
         lengths = np.concatenate([d.lengths for d in cache.datasets])
     # built after the Accelerator: it reads the ranks from torch.distributed
     sampler = LengthBucketSampler(
