@@ -202,13 +202,32 @@ def save_checkpoint(path: Path, **state) -> None:
     os.replace(tmp, path)  # a crash mid-save leaves the previous checkpoint whole
 
 
+def print_epoch(epoch: int, seconds: float, loss: torch.Tensor | None, summary: dict) -> None:
+    """One line per epoch: its time, its last loss, the share of the time spent waiting on data
+    and, for a mixture, each source's realised share."""
+    shares = ""
+    if summary.get("sources"):
+        shares = ", " + ", ".join(
+            f"{name} {share:.0%}" for name, share in summary["sources"].items()
+        )
+    loss_text = "-"  # a resume at the epoch's end: no batch left
+    if loss is not None:
+        loss_text = f"{loss.item():.3f}"
+    print(
+        f"epoch {epoch}: {seconds:.1f} s, loss {loss_text}, "
+        f"data wait {summary['wait_fraction']:.0%}{shares}",
+        flush=True,
+    )
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, device = setup_distributed()
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, rank, world)
-    lengths = cache.lengths
-    if mixture is not None:  # every source's lengths, in the sources' order
+    if mixture is None:
+        lengths = cache.lengths
+    else:  # every source's lengths, in the sources' order
         lengths = np.concatenate([d.lengths for d in cache.datasets])
     sampler = LengthBucketSampler(
         lengths, max_tokens=args.max_tokens, pad_to_multiple_of=8, seed=0, mixture=mixture
@@ -276,20 +295,7 @@ def main(argv=None) -> None:
                 barrier(world)
                 os._exit(0)  # a simulated crash: no clean-up, as a killed job
         if rank == 0:
-            summary = loader.summary()
-            shares = ""
-            if summary.get("sources"):
-                shares = ", " + ", ".join(
-                    f"{name} {share:.0%}" for name, share in summary["sources"].items()
-                )
-            loss_text = "-"  # a resume at the epoch's end: no batch left
-            if loss is not None:
-                loss_text = f"{loss.item():.3f}"
-            print(
-                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                f"data wait {summary['wait_fraction']:.0%}{shares}",
-                flush=True,
-            )
+            print_epoch(epoch, time.perf_counter() - start, loss, loader.summary())
             save_checkpoint(
                 checkpoint,
                 model=model.state_dict(),

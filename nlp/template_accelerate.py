@@ -219,6 +219,24 @@ def latest_checkpoint(workdir: Path) -> Path | None:
     return done[-1]
 
 
+def print_epoch(epoch: int, seconds: float, loss: torch.Tensor | None, summary: dict) -> None:
+    """One line per epoch: its time, its last loss, the share of the time spent waiting on data
+    and, for a mixture, each source's realised share."""
+    shares = ""
+    if summary.get("sources"):
+        shares = ", " + ", ".join(
+            f"{name} {share:.0%}" for name, share in summary["sources"].items()
+        )
+    loss_text = "-"  # a resume at the epoch's end: no batch left
+    if loss is not None:
+        loss_text = f"{loss.item():.3f}"
+    print(
+        f"epoch {epoch}: {seconds:.1f} s, loss {loss_text}, "
+        f"data wait {summary['wait_fraction']:.0%}{shares}",
+        flush=True,
+    )
+
+
 def main(argv=None) -> None:
     from accelerate import Accelerator
 
@@ -231,8 +249,9 @@ def main(argv=None) -> None:
     device = accelerator.device
     args.workdir.mkdir(parents=True, exist_ok=True)
     tokenizer, cache, mixture = prepare_data(args, accelerator)
-    lengths = cache.lengths
-    if mixture is not None:  # every source's lengths, in the sources' order
+    if mixture is None:
+        lengths = cache.lengths
+    else:  # every source's lengths, in the sources' order
         lengths = np.concatenate([d.lengths for d in cache.datasets])
     # built after the Accelerator: it reads the ranks from torch.distributed
     sampler = LengthBucketSampler(
@@ -289,20 +308,7 @@ def main(argv=None) -> None:
         if progress.step % args.checkpoint_every:  # the epoch's end (the next epoch starts afresh)
             save_checkpoint(accelerator, args.workdir, progress.step)
         if accelerator.is_main_process:
-            summary = loader.summary()
-            shares = ""
-            if summary.get("sources"):
-                shares = ", " + ", ".join(
-                    f"{name} {share:.0%}" for name, share in summary["sources"].items()
-                )
-            loss_text = "-"  # a resume at the epoch's end: no batch left
-            if loss is not None:
-                loss_text = f"{loss.item():.3f}"
-            print(
-                f"epoch {epoch}: {time.perf_counter() - start:.1f} s, loss {loss_text}, "
-                f"data wait {summary['wait_fraction']:.0%}{shares}",
-                flush=True,
-            )
+            print_epoch(epoch, time.perf_counter() - start, loss, loader.summary())
     if accelerator.is_main_process:
         print(loader.report())
     accelerator.wait_for_everyone()

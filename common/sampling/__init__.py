@@ -1,5 +1,6 @@
 """Sampling: exact sharding of indices over ranks, `LengthBucketSampler`, and mixtures
-(`MixtureSampler`, `MixtureIterable`).
+(`MixtureSampler`, `MixtureIterable`; a mixture's weights, shared settings, epoch plan, saved
+state and batch reads of its sources in the `mixture_*.py` modules beside them).
 
 May import: `resume`, `loader_warning`.
 """
