@@ -39,13 +39,8 @@ keys in `mixture_state.py`, the sources' batch reads in `mixture_sources.py` (`M
 shard sets, each exact over ranks and workers) by the same weights and stop rules, for remote
 corpora.
 Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_settings.py,
-<<<<<<< HEAD
-  common/sampling/mixture_state.py, common/sampling/mixture_weights.py,
-  common/sampling/sharding.py."""
-=======
   common/sampling/mixture_state.py, common/sampling/mixture_weights.py, common/sampling/sharding.py.
 """
->>>>>>> h-nlp
 
 from __future__ import annotations
 
