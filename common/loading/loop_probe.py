@@ -12,11 +12,13 @@ released) moves to threads of this process, where its hand-over costs less. The 
 taken at each epoch's start from the last epoch's batches, and once mid-epoch, after an
 epoch's first `EARLY` batches on the child, towards threads of this process only.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
-  common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sizing/resources.py,
-  common/sizing/sizing.py, common/workers/start_watch.py.
+  common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/stateful_loader.py,
+  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
+  common/resume/state_keys.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/resources.py, common/sizing/sizing.py, common/workers/process_lifetime.py,
+  common/workers/start_watch.py, common/workers/worker.py.
 """
 
 from __future__ import annotations
