@@ -7,8 +7,9 @@ for each are in `loader.recipe`.
 Cost: `detect_resources()` (a few file reads) and, for `profile="auto"` on a map-style
 dataset, one `dataset[0]` to measure a sample.
 Adapt here: the rules, in tables run in order: `loader_path.py` (`PATH_RULES`,
-`THREAD_PATH_RULES`) and `loader_rules.py` (`SAMPLER_RULES`, `ORDER_RULES`, `SAFETY_RULES`);
-this module only builds the loader they describe. Overrides always win.
+`THREAD_PATH_RULES`), `loader_rules.py` (`SAMPLER_RULES`, `ORDER_RULES`) and `worker_rules.py`
+(`START_METHOD_RULES`, `SAFETY_RULES`); this module only builds the loader they describe.
+Overrides always win.
 Trade-off: switching to the `file_system` sharing strategy is process-wide (torch offers no
 per-loader switch); it is done only when `ulimit -n` is too low for `file_descriptor`.
 
@@ -17,7 +18,7 @@ Traps handled:
 - Pinning without CUDA only warns and wastes a thread: pinned only when CUDA is available.
 - The start method stays `fork`, also after CUDA is initialised; a dataset whose workers do
   use CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and the
-  dataset's module preloaded into the fork server. See NOTE [fork and CUDA] (loader_rules.py).
+  dataset's module preloaded into the fork server. See NOTE [fork and CUDA] (worker_rules.py).
 - `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata", pytorch#973)
   under a low `ulimit -n`: `file_system` instead.
 - Copy-on-read growth: a dataset holding Python lists, dicts or tuples of more than 100k items
@@ -32,12 +33,13 @@ Traps handled:
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
   common/loading/epoch_read_ahead.py, common/loading/isolated_loader.py,
   common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/loop_probe.py,
-  common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
-  common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
-  common/sampling/sharding.py, common/sizing/profiles.py, common/sizing/resources.py,
-  common/sizing/sizing.py, common/sizing/tune_store.py, common/workers/held_descriptors.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/loading/worker_rules.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
+  common/resume/state_keys.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/sizing/tune_store.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py.
 """
 
@@ -61,25 +63,27 @@ from recipes.common.loading.loader_path import (
     choose_path,
 )
 from recipes.common.loading.loader_rules import (
-    COPY_ON_READ_ITEMS,
-    LOW_NOFILE,
     ORDER_RULES,
-    SAFETY_RULES,
     SAMPLER_RULES,
-    SHARING_STRATEGY,
-    WORKER_ARGUMENTS,
-    ZERO_WORKERS_DROPPED,
     Decision,
     OrderFacts,
     decide,
-    preload_forkserver,
     rank_facts,
+)
+from recipes.common.loading.stateful_loader import StatefulLoader
+from recipes.common.loading.thread_loader import ThreadLoader
+from recipes.common.loading.worker_rules import (
+    COPY_ON_READ_ITEMS,
+    LOW_NOFILE,
+    SAFETY_RULES,
+    SHARING_STRATEGY,
+    WORKER_ARGUMENTS,
+    ZERO_WORKERS_DROPPED,
+    preload_forkserver,
     start_method_name,
     warn_copy_on_read,
     worker_facts,
 )
-from recipes.common.loading.stateful_loader import StatefulLoader
-from recipes.common.loading.thread_loader import ThreadLoader
 from recipes.common.sizing.profiles import LoaderRecipe, profile_settings
 from recipes.common.sizing.resources import Resources, detect_resources
 from recipes.common.sizing.sizing import local_world_size_from_env

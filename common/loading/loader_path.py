@@ -16,10 +16,9 @@ measurement on both built-in image sets (`tests/vision/test_throughput.py`; `rec
 vision --set both` measures it on your machine): cold decoding in threads beat a DataLoader
 worker 1.70x on photographs (81% of the decode-only limit) and tied it (1.01x) on small
 generated JPEGs, 2 cores, 2026-12-01.
-Copy with: common/loader_warning.py, common/loading/loader_rules.py,
-  common/resume/loader_contract.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/workers/process_lifetime.py,
-  common/workers/worker.py.
+Copy with: common/loading/loader_rules.py, common/resume/loader_contract.py,
+  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/resources.py,
+  common/sizing/sizing.py.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
   common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
   common/sampling/sharding.py, common/sizing/resources.py, common/sizing/sizing.py,
-  common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py.
+  common/workers/start_watch.py.
 """
 
 from __future__ import annotations
