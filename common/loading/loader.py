@@ -122,7 +122,7 @@ def make_loader(
             memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is
             given, in a child process (`IsolatedLoader`) for epochs of 16 batches or more, else
             worker processes; "isolated", "threads" or "workers" to choose.
-            `loader.recipe.reasons["path"]` says why.
+            `loader.recipe.reasons["path"]` says why (NOTE [the GIL and the thread paths]).
         distributed: split a map-style dataset over the ranks of the initialised process
             group with an `ElasticDistributedSampler` (`shuffle`, `drop_last`, seed 0 on every
             rank as `DistributedSampler`'s, never `generator`'s, which may differ per rank; a

@@ -50,6 +50,7 @@ WORKER_ONLY = (
 THREAD_ONLY = ("threads", "prefetch", "seed")
 # Fewer batches than this an epoch: the thread path stays in this process (`short_epoch`).
 ISOLATE_MIN_BATCHES = 16
+# See NOTE [the GIL and the thread paths]
 ISOLATED_WHY = (
     "; the threads run in one child process (IsolatedLoader), whose GIL is its own: beside a "
     "training step that holds the GIL (an eager step's Python), threads of this process wait for "

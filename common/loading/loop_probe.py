@@ -5,8 +5,8 @@ Use when: reading why `make_loader`'s isolated path moved to threads of this pro
 (`loader.recipe.reasons["path_measured"]`), or tuning when it does (`LoopProbe.LOW`, `HIGH`).
 Cost: two clock reads (`perf_counter`, `thread_time`) per batch, in the loop's thread.
 Adapt here: `LOW`, `HIGH`.
-Trade-off: the CPU time cannot tell Python (which holds the GIL) from a computation that
-releases it: either keeps the child (beside the second the two paths are about even,
+Trade-off: (see NOTE [the GIL and the thread paths], loader_path.py) the CPU time cannot tell
+Python (which holds the GIL) from a computation that releases it: either keeps the child (beside the second the two paths are about even,
 `recipes bench step`'s last rows); only a loop that mostly waits (on the device, GIL
 released) moves to threads of this process, where its hand-over costs less. The decision is
 taken at each epoch's start from the last epoch's batches, and once mid-epoch, after an
@@ -30,8 +30,10 @@ from recipes.common.loading.thread_loader import _Batches
 class LoopProbe:
     """The loop's thread between batches: its wall time and its CPU time (`time.thread_time`),
     summed over the last epoch's batches. A thread on a CPU for most of that time runs Python
-    (it holds the GIL) or computes; one that mostly waits (on the device, GIL released) leaves
-    the GIL to threads of its own process, which then hand batches over for less."""
+    or computes; one that mostly waits leaves the GIL to threads of its own process, which then
+    hand batches over for less."""
+
+    # See NOTE [the GIL and the thread paths]
 
     LOW, HIGH = (
         0.10,

@@ -12,8 +12,8 @@ order comes from the sampler in the main process, as in a DataLoader without wor
 Adapt here: `threads` (the CPUs of this rank by default), `prefetch` (batches in flight, also
 across an epoch's end: `epoch_read_ahead.py`).
 Trade-off: only as fast as the dataset's `read_batch` releases the GIL (numpy reads, OpenCV
-resizes and torch copies do; Python per-item work does not, and belongs in worker processes:
-`make_loader(..., path="workers")`).
+resizes and torch copies do); Python per-item work belongs in worker processes
+(`make_loader(..., path="workers")`): see NOTE [the GIL and the thread paths] (loader_path.py).
 
 A dataset opts in by implementing `ThreadBatched` (`loader_contract.py`): `thread_batches()`
 says whether its items are memory-speed reads now (a cache attached). A pool thread then makes
