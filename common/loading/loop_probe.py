@@ -5,12 +5,13 @@ Use when: reading why `make_loader`'s isolated path moved to threads of this pro
 (`loader.recipe.reasons["path_measured"]`), or tuning when it does (`LoopProbe.LOW`, `HIGH`).
 Cost: two clock reads (`perf_counter`, `thread_time`) per batch, in the loop's thread.
 Adapt here: `LOW`, `HIGH`.
-Trade-off: (see NOTE [the GIL and the thread paths], loader_path.py) the CPU time cannot tell
-Python (which holds the GIL) from a computation that releases it: either keeps the child (beside the second the two paths are about even,
+Trade-off: the CPU time cannot tell Python (which holds the GIL) from a computation that
+releases it: either keeps the child (beside the second the two paths are about even,
 `recipes bench step`'s last rows); only a loop that mostly waits (on the device, GIL
-released) moves to threads of this process, where its hand-over costs less. The decision is
-taken at each epoch's start from the last epoch's batches, and once mid-epoch, after an
-epoch's first `EARLY` batches on the child, towards threads of this process only.
+released) moves to threads of this process, where its hand-over costs less (see NOTE [the GIL
+and the thread paths], loader_path.py). The decision is taken at each epoch's start from the
+last epoch's batches, and once mid-epoch, after an epoch's first `EARLY` batches on the child,
+towards threads of this process only.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
   common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/stateful_loader.py,
   common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
