@@ -24,6 +24,7 @@ Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from recipes.common.loading.thread_loader import _Batches
 
@@ -36,13 +37,11 @@ class LoopProbe:
 
     # See NOTE [the GIL and the thread paths]
 
-    LOW, HIGH = (
-        0.10,
-        0.20,
-    )  # the CPU share below which threads of this process serve, above which the child does
-    EARLY = (
-        48  # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
-    )
+    # the CPU share below which threads of this process serve, above which the child does
+    LOW = 0.10
+    HIGH = 0.20
+    # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
+    EARLY = 48
 
     def __init__(self):
         self.wall = self.cpu = 0.0
@@ -54,11 +53,11 @@ class LoopProbe:
         """Whether the coming epoch runs in this process; updates `loader.recipe`'s reason."""
         if self.gaps >= 8 and self.wall >= 0.05:
             self.share = self.cpu / self.wall
-            switched = self.in_process != (
-                self.share < (self.HIGH if self.in_process else self.LOW)
-            )
-            self.in_process = not self.in_process if switched else self.in_process
-            if switched:
+            threshold = self.LOW
+            if self.in_process:
+                threshold = self.HIGH
+            if self.in_process != (self.share < threshold):
+                self.in_process = not self.in_process
                 _note(loader, self)
         self.wall = self.cpu = 0.0
         self.gaps = 0
@@ -84,19 +83,28 @@ def _note(loader, probe: LoopProbe, mid_epoch: bool = False) -> None:
     recipe = getattr(loader, "recipe", None)
     if recipe is None:
         return
-    where = (
-        "threads of this process from "
-        f"{f'batch {probe.EARLY} of this epoch' if mid_epoch else 'this epoch'}"
-        if probe.in_process
-        else "the child's threads again"
+    measured = (
+        f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time between batches"
     )
+    if not probe.in_process:
+        recipe.reasons["path_measured"] = (
+            f"{measured} (it runs Python) -> the child's threads again"
+        )
+        return
+    since = "this epoch"
+    if mid_epoch:
+        since = f"batch {probe.EARLY} of this epoch"
     recipe.reasons["path_measured"] = (
-        f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
-        f"between batches (the step waits, GIL released) -> {where}"
-        if probe.in_process
-        else f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
-        f"between batches (it runs Python) -> {where}"
+        f"{measured} (the step waits, GIL released) -> threads of this process from {since}"
     )
+
+
+@dataclass(frozen=True)
+class _Clocks:
+    """The loop's thread's clocks at one moment: wall (`perf_counter`) and CPU (`thread_time`)."""
+
+    wall: float
+    cpu: float
 
 
 class TimedBatches(_Batches):
@@ -104,14 +112,14 @@ class TimedBatches(_Batches):
 
     def __init__(self, loader, indices, current):
         super().__init__(loader, indices, current)
-        self._left: tuple[float, float] | None = None
+        self._left: _Clocks | None = None  # the clocks as the loop received the last batch
 
     def __next__(self):
         loader = self._loader
         if self._left is not None:
             probe = loader._probe
-            probe.wall += time.perf_counter() - self._left[0]
-            probe.cpu += time.thread_time() - self._left[1]
+            probe.wall += time.perf_counter() - self._left.wall
+            probe.cpu += time.thread_time() - self._left.cpu
             probe.gaps += 1
             if probe.early(loader):  # the next batches are asked of this process's threads; the
                 loader._in_process_pool()  # child's, asked already, still come from the child
@@ -120,4 +128,4 @@ class TimedBatches(_Batches):
         try:
             return super().__next__()
         finally:
-            self._left = (time.perf_counter(), time.thread_time())
+            self._left = _Clocks(time.perf_counter(), time.thread_time())
