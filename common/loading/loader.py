@@ -318,14 +318,18 @@ def _apply_tuned(
     return record
 
 
+# The least value of each size `make_loader` checks, and its name in the error.
+_LEAST = {"batch_size": (1, "positive"), "num_workers": (0, "non-negative")}
+
+
 def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:
     for name, value in (("batch_size", batch_size), ("num_workers", overrides.get("num_workers"))):
         if value is None:
             continue
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise ValueError(f"`{name}` must be an integer, but is {value!r} instead.")
-        if value < (1 if name == "batch_size" else 0):
-            kind = "positive" if name == "batch_size" else "non-negative"
+        least, kind = _LEAST[name]
+        if value < least:
             raise ValueError(f"`{name}` must be {kind}, but is {value!r} instead.")
     prefetch = overrides.get("prefetch_factor")
     if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
@@ -376,7 +380,9 @@ def _printable(settings: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in settings.items():
         if isinstance(value, ChainedWorkerInit):
             user = value.user_fn
-            value = "worker_init" + (f" + {getattr(user, '__name__', repr(user))}" if user else "")
+            value = "worker_init"
+            if user:
+                value += f" + {getattr(user, '__name__', repr(user))}"
         elif callable(value) or not isinstance(value, (int, float, str, bool, type(None))):
             value = getattr(value, "__name__", type(value).__name__)
         out[key] = value
