@@ -269,7 +269,9 @@ class Ring:
             need = sum(_aligned(_bytes(t)) for t in tensors if _bytes(t) >= INLINE_BYTES)
             fd, mapping = new_segment(need + need // 4)  # room for a batch a little larger
             self.maps[slot] = mapping
-            placed, used = {}, 0  # all copied into the new segment
+            # all copied into the new segment
+            placed = {}
+            used = 0
         layouts = []
         offset = used
         for i, (tensor, grad) in enumerate(zip(tensors, grads, strict=True)):
