@@ -17,13 +17,13 @@ thread path). The batches are the same as `ThreadLoader`'s for the same seed, sa
 (each batch's draws come from `(seed, epoch, position)`), so a state saved on either path resumes on
 the other. With `pin_memory` on CUDA, each batch is copied into pinned memory in the loop's process.
 Copy with: common/loader_warning.py, common/loading/batch_ring.py,
-  common/loading/epoch_read_ahead.py, common/loading/loader_path.py, common/loading/loader_rules.py,
-  common/loading/loop_probe.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/loading/epoch_read_ahead.py, common/loading/loader_path.py, common/loading/loop_probe.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py, common/resume/batch_seeds.py,
+  common/resume/dataset_state.py, common/resume/loader_contract.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
-  common/sampling/sharding.py, common/sizing/resources.py, common/sizing/sizing.py,
-  common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py.
+  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sizing/resources.py,
+  common/sizing/sizing.py, common/workers/process_lifetime.py, common/workers/start_watch.py,
+  common/workers/worker.py.
 """
 
 from __future__ import annotations

@@ -57,17 +57,17 @@ from recipes.common.loading.loader_path import (
     THREAD_KEYS,
     THREAD_ONLY,
     THREAD_PATH_RULES,
+    Decision,
     ThreadPathFacts,
     autotuned_path,
     child_arguments,
     choose_path,
+    decide,
 )
 from recipes.common.loading.loader_rules import (
     ORDER_RULES,
     SAMPLER_RULES,
-    Decision,
     OrderFacts,
-    decide,
     rank_facts,
 )
 from recipes.common.loading.stateful_loader import StatefulLoader

@@ -5,7 +5,8 @@ Use when: reading why `make_loader` returned a `ThreadLoader` (`loader.recipe.re
 or forcing a path (`make_loader(..., path="workers")` or `path="threads"`). A path `autotune`
 measured for the dataset (`recipes tune --step`) wins over the rules (`autotuned_path`).
 Cost: one `thread_batches()` call on the dataset.
-Adapt here: `WORKER_ONLY`, the arguments that ask for worker processes; the tables `PATH_RULES`
+Adapt here: `WORKER_ONLY`, the arguments that ask for worker processes; `Decision` and `decide`,
+a rule's answer and the run of a table (every table of `make_loader`'s); the tables `PATH_RULES`
 (workers or threads) and `THREAD_PATH_RULES` (threads of this process or of a child), run in
 order, the first rule that answers deciding. See NOTE [the GIL and the thread paths].
 Trade-off: "auto" takes threads only for a dataset that says its batches are made by code
@@ -16,21 +17,19 @@ measurement on both built-in image sets (`tests/vision/test_throughput.py`; `rec
 vision --set both` measures it on your machine): cold decoding in threads beat a DataLoader
 worker 1.70x on photographs (81% of the decode-only limit) and tied it (1.01x) on small
 generated JPEGs, 2 cores, 2026-12-01.
-Copy with: common/loading/loader_rules.py, common/resume/loader_contract.py,
-  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/resources.py,
-  common/sizing/sizing.py.
+Copy with: common/resume/loader_contract.py, common/sizing/resources.py, common/sizing/sizing.py.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch.utils.data import ConcatDataset, IterableDataset
 
-from recipes.common.loading.loader_rules import Decision, Rule, decide
 from recipes.common.resume.loader_contract import ThreadBatched
 from recipes.common.sizing.sizing import local_world_size_from_env
 
@@ -69,6 +68,31 @@ THREAD_KEYS = (
     "pin_memory",
     "collate_fn",
 )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one rule chose: `setting` for `key`, and `reason`, the sentence that
+    `loader.recipe.reasons[key]` shows. `rule`: the deciding rule's name (`decide` fills it)."""
+
+    key: str
+    setting: Any
+    reason: str
+    rule: str = ""
+
+
+Rule = Callable[[Any], "Decision | None"]
+
+
+def decide(rules: Sequence[Rule], facts: Any) -> Decision | None:
+    """The decision of the first rule in `rules` that answers for `facts`, named; None when no
+    rule does."""
+    for rule in rules:
+        decision = rule(facts)
+        if decision is not None:
+            return replace(decision, rule=rule.__name__)
+    return None
+
 
 # NOTE [the GIL and the thread paths]
 # Threads of one process share its GIL. A dataset whose batches are made by code that releases

@@ -10,43 +10,22 @@ first rule that answers decides. A rule's reason is the sentence beside it;
 `tests/common/loading/test_loader_rules.py` lists every rule with a case.
 Trade-off: a rule sees a frozen record of facts, not the loader: a rule that needs another fact
 adds a field to its record.
-Copy with: common/sampling/elastic_sampler.py, common/sampling/sharding.py.
+Copy with: common/loading/loader_path.py, common/resume/loader_contract.py,
+  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/resources.py,
+  common/sizing/sizing.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, IterableDataset
 
+from recipes.common.loading.loader_path import Decision, Rule
 from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What one rule chose: `setting` for `key`, and `reason`, the sentence that
-    `loader.recipe.reasons[key]` shows. `rule`: the deciding rule's name (`decide` fills it)."""
-
-    key: str
-    setting: Any
-    reason: str
-    rule: str = ""
-
-
-Rule = Callable[[Any], "Decision | None"]
-
-
-def decide(rules: Sequence[Rule], facts: Any) -> Decision | None:
-    """The decision of the first rule in `rules` that answers for `facts`, named; None when no
-    rule does."""
-    for rule in rules:
-        decision = rule(facts)
-        if decision is not None:
-            return replace(decision, rule=rule.__name__)
-    return None
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,11 @@ and the thread paths], loader_path.py). The decision is taken at each epoch's st
 last epoch's batches, and once mid-epoch, after an epoch's first `EARLY` batches on the child,
 towards threads of this process only.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
-  common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/stateful_loader.py,
-  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_counting.py,
-  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/pass_sampler.py,
-  common/resume/state_keys.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/workers/start_watch.py.
+  common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
+  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sizing/resources.py,
+  common/sizing/sizing.py, common/workers/start_watch.py.
 """
 
 from __future__ import annotations

@@ -24,12 +24,11 @@ whatever the threads and after a resume. With `pin_memory` on CUDA, a `read_batc
 `pin_memory=` fills its batch in page-locked memory from torch's caching host allocator (reused
 blocks, no second copy); other batches are copied into pinned memory.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
-  common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/stateful_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
+  common/loading/loader_path.py, common/loading/stateful_loader.py, common/resume/batch_seeds.py,
+  common/resume/dataset_state.py, common/resume/loader_contract.py,
   common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
-  common/sampling/sharding.py, common/sizing/resources.py, common/sizing/sizing.py,
-  common/workers/start_watch.py.
+  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sizing/resources.py,
+  common/sizing/sizing.py, common/workers/start_watch.py.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Adapt here: `START_METHOD_RULES` (the first rule that answers decides) and `SAFE
 rule that answers applies), run in order by `make_loader` when there are workers.
 Trade-off: switching to the `file_system` sharing strategy is process-wide (torch offers no
 per-loader switch): `file_system_sharing` asks for it only when `ulimit -n` is too low.
-Copy with: common/loader_warning.py, common/loading/loader_rules.py,
-  common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+Copy with: common/loader_warning.py, common/loading/loader_path.py,
+  common/resume/loader_contract.py, common/sizing/resources.py, common/sizing/sizing.py,
   common/workers/process_lifetime.py, common/workers/worker.py.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from recipes.common.loader_warning import LoaderWarning
-from recipes.common.loading.loader_rules import Decision, Rule, decide
+from recipes.common.loading.loader_path import Decision, Rule, decide
 from recipes.common.workers.worker import ChainedWorkerInit
 
 # Below this soft `ulimit -n`, DataLoader's default `file_descriptor` sharing strategy runs

@@ -19,13 +19,13 @@ from recipes.common.loading.loader_path import (
     THREAD_PATH_RULES,
     PathFacts,
     ThreadPathFacts,
+    decide,
 )
 from recipes.common.loading.loader_rules import (
     ORDER_RULES,
     SAMPLER_RULES,
     OrderFacts,
     RankFacts,
-    decide,
 )
 from recipes.common.loading.worker_rules import (
     LOW_NOFILE,
