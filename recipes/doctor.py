@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from recipes.common.loading.loader import LOW_NOFILE
+from recipes.common.loading.worker_rules import LOW_NOFILE
 from recipes.common.sizing.profiles import PROFILES, profile_settings
 from recipes.common.sizing.resources import GiB, Resources, detect_resources
 from recipes.common.sizing.sizing import (

@@ -46,10 +46,10 @@ def flatten(batch) -> tuple[Any, list[torch.Tensor]]:
             tensors.append(node)
             return ("t", len(tensors) - 1)
         if isinstance(node, np.ndarray) and node.dtype.isnative and node.dtype.kind in "biufc?":
+            if not node.flags.c_contiguous:
+                node = node.copy(order="C")
             try:  # a dtype torch has (not big-endian, not strings); 0-d stays 0-d
-                tensors.append(
-                    torch.from_numpy(node if node.flags.c_contiguous else node.copy(order="C"))
-                )
+                tensors.append(torch.from_numpy(node))
             except (TypeError, ValueError):  # big-endian, strings: pickled with the layout
                 return ("v", node)
             return ("n", len(tensors) - 1)
@@ -81,7 +81,9 @@ def unflatten(spec, tensors: list[torch.Tensor]):
         return body[0](*(unflatten(s, tensors) for s in body[1]))
     if kind == "dict":
         items = [(k, unflatten(s, tensors)) for k, s in body[1]]
-        return dict(items) if body[0] is dict else body[0](items)
+        if body[0] is dict:
+            return dict(items)
+        return body[0](items)
     return body
 
 
@@ -115,9 +117,10 @@ def new_segment(size: int):
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("recipes-batch-slot", getattr(os, "MFD_CLOEXEC", 0))
     else:  # pragma: no cover - macOS
-        fd, name = tempfile.mkstemp(
-            prefix="recipes-batch-slot-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
+        folder = None
+        if os.path.isdir("/dev/shm"):
+            folder = "/dev/shm"
+        fd, name = tempfile.mkstemp(prefix="recipes-batch-slot-", dir=folder)
         os.unlink(name)
     try:
         os.ftruncate(fd, size)
@@ -266,7 +269,9 @@ class Ring:
             need = sum(_aligned(_bytes(t)) for t in tensors if _bytes(t) >= INLINE_BYTES)
             fd, mapping = new_segment(need + need // 4)  # room for a batch a little larger
             self.maps[slot] = mapping
-            placed, used = {}, 0  # all copied into the new segment
+            # all copied into the new segment
+            placed = {}
+            used = 0
         layouts = []
         offset = used
         for i, (tensor, grad) in enumerate(zip(tensors, grads, strict=True)):
@@ -281,12 +286,10 @@ class Ring:
                 layouts.append((*meta, placed[i], n))
                 continue
             if n < INLINE_BYTES:  # its bytes in the layout (a label, a length, a mask)
-                flat = (
-                    tensor.as_strided((tensor.numel(),), (1,))
-                    if tensor.numel()
-                    else tensor.reshape(0)
-                )
-                raw = flat.view(torch.uint8).numpy().tobytes() if n else b""
+                raw = b""
+                if n:
+                    flat = tensor.as_strided((tensor.numel(),), (1,))
+                    raw = flat.view(torch.uint8).numpy().tobytes()
                 layouts.append((*meta, None, raw))
                 continue
             dst = torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=offset)
@@ -312,21 +315,18 @@ class Ring:
         for dtype, shape, stride, grad, offset, data in layouts:
             dtype = getattr(torch, dtype)
             if offset is None:
-                flat = (
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    if data
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-                tensor = (
-                    flat.view(dtype).as_strided(shape, stride)
-                    if data
-                    else torch.empty(shape, dtype=dtype)
-                )
+                if data:
+                    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    tensor = flat.view(dtype).as_strided(shape, stride)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype)
             else:
                 buffer = np.frombuffer(mapping, dtype=np.uint8, count=data, offset=offset)
                 watched.append(buffer)
                 tensor = torch.from_numpy(buffer).view(dtype).as_strided(shape, stride)
-            tensors.append(tensor.requires_grad_(True) if grad else tensor)
+            if grad:
+                tensor.requires_grad_(True)
+            tensors.append(tensor)
         if not watched:
             self.give_back(slot)
             return tensors

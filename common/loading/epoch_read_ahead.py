@@ -36,7 +36,9 @@ import os
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import PurePath
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,23 +52,39 @@ _DEALS = (
 )
 
 
-_LIVE: weakref.WeakSet = (
-    weakref.WeakSet()
-)  # every NextEpoch with batches asked for (settle_reads_ahead)
+# every NextEpoch with batches asked for (settle_reads_ahead)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class ReadAt:
+    """Where a batch is read: its indices, epoch, position in the epoch and draw seed."""
+
+    indices: list[int]
+    epoch: int
+    position: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class MadeAhead:
+    """A batch asked for ahead: its position, its indices and its `_Ahead` future."""
+
+    position: int
+    indices: list[int]
+    ahead: _Ahead
 
 
 class NextEpoch:
     """Batches of the epoch after `epoch`, asked of `pool` before that epoch began, in order."""
 
-    def __init__(self, pool, epoch: int, batches, seed: int, key: tuple):
-        self.pool, self.epoch, self.seed, self.key = (
-            pool,
-            epoch + 1,
-            seed,
-            key,
-        )  # key: read_ahead_key's
+    def __init__(self, pool, epoch: int, batches, seed: int, key: Key | None):
+        self.pool = pool
+        self.epoch = epoch + 1
+        self.seed = seed
+        self.key = key  # read_ahead_key's
         self._batches = batches  # the foreseen index lists, drawn as room appears
-        self.made: deque = deque()  # (position, indices, future)
+        self.made: deque[MadeAhead] = deque()
         self._position = 0
 
     def extend(self, loader, room: int) -> None:
@@ -77,22 +95,10 @@ class NextEpoch:
                 return
             indices = [int(i) for i in indices]
             pool = loader._pool
-            at = (indices, self.epoch, self._position, self.seed)
-            # each read checks the dataset's key as it starts and ends: a change between epochs (one
-            # set back before the next epoch too) makes it CHANGED, never a batch of the other
-            # setting
-            future = (
-                pool.submit(read_if_unchanged, loader, self.key.token, *at)
-                if isinstance(pool, ThreadPoolExecutor)
-                else pool.submit(loader._read, *at, token=self.key.token)
-            )
-            self.made.append(
-                (
-                    self._position,
-                    indices,
-                    _Ahead(future, loader, indices, self.epoch, self._position),
-                )
-            )
+            at = ReadAt(indices, self.epoch, self._position, self.seed)
+            future = _submit(pool, loader, at, self.key.token)
+            ahead = _Ahead(future, loader, at)
+            self.made.append(MadeAhead(self._position, indices, ahead))
             self._position += 1
             _LIVE.add(self)
 
@@ -100,22 +106,33 @@ class NextEpoch:
         """The batch made ahead for this draw (`key`: the dataset's `read_ahead_key` now), or None
         (then nothing made ahead is used again)."""
         if self.made:
-            made_at, made_for, future = self.made[0]
+            made = self.made[0]
+            asked = ReadAt(indices, epoch, position, loader.seed)
             if (
-                (made_at, made_for, self.epoch, self.seed)
-                == (position, indices, epoch, loader.seed)
+                ReadAt(made.indices, self.epoch, made.position, self.seed) == asked
                 and self.pool is loader._pool
                 and self.key == key
             ):
                 self.made.popleft()
-                return future
+                return made.ahead
         self.cancel()
         return None
 
     def cancel(self) -> None:
         while self.made:
-            self.made.popleft()[2].cancel()
+            self.made.popleft().ahead.cancel()
         self._batches = iter(())
+
+
+def _submit(pool, loader, at: ReadAt, token):
+    """Asks `pool` (threads of this process, or the isolated child) for the batch `at`. Each read
+    checks the dataset's key as it starts and ends: a change between epochs (one set back before
+    the next epoch too) makes it CHANGED, never a batch of the other setting."""
+    if isinstance(pool, ThreadPoolExecutor):
+        return pool.submit(
+            read_if_unchanged, loader, token, at.indices, at.epoch, at.position, at.seed
+        )
+    return pool.submit(loader._read, at.indices, at.epoch, at.position, at.seed, token=token)
 
 
 class _Changed:
@@ -135,22 +152,26 @@ def read_if_unchanged(loader, token, indices, epoch: int, position: int, seed: i
     if changed():
         return CHANGED
     batch = loader._read(indices, epoch, position, seed)
-    return CHANGED if changed() else batch
+    if changed():
+        return CHANGED
+    return batch
 
 
 class _Ahead:
     """A batch asked for ahead, as `_Batches` holds it: read anew in its epoch if it came back
     CHANGED."""
 
-    def __init__(self, future, loader, indices, epoch: int, position: int):
+    def __init__(self, future, loader, at: ReadAt):
         self.future = future
-        self._again = (loader, indices, epoch, position)
+        self._loader = loader
+        self._at = at
 
     def result(self):
         batch = self.future.result()
         if batch is CHANGED:
-            loader, indices, epoch, position = self._again
-            batch = loader._pool.submit(loader._read, indices, epoch, position).result()
+            at = self._at
+            pool = self._loader._pool
+            batch = pool.submit(self._loader._read, at.indices, at.epoch, at.position).result()
         return batch
 
     def cancel(self) -> bool:
@@ -199,11 +220,9 @@ def read_ahead_key(dataset):
     and `ByIdentity` objects (`_plain`)."""
     if isinstance(dataset, ConcatDataset):
         keys = tuple(read_ahead_key(part) for part in dataset.datasets)
-        return (
-            None
-            if any(key is None for key in keys)
-            else Key((tuple(map(ByIdentity, dataset.datasets)), keys))
-        )
+        if any(key is None for key in keys):
+            return None
+        return Key.of((tuple(map(ByIdentity, dataset.datasets)), keys))
     keyed = getattr(dataset, "read_ahead_key", None)
     if not callable(keyed):
         return None
@@ -211,7 +230,9 @@ def read_ahead_key(dataset):
         key = keyed()
     except Exception:  # noqa: BLE001 - no read-ahead; its batches are made in their epoch, as without a key
         return None
-    return Key(key) if _plain(key) else None
+    if not _plain(key):
+        return None
+    return Key.of(key)
 
 
 class ByIdentity:
@@ -225,16 +246,18 @@ class ByIdentity:
         self.obj = obj
 
 
+@dataclass(frozen=True, eq=False)
 class Key:
-    """A `read_ahead_key()` as values (`token`), compared by them: dataclasses by their fields
-    (a change in place is seen), NaN equal to NaN, `ByIdentity` objects by their id."""
+    """A `read_ahead_key()` (`raw`) as values (`token`), compared by them: dataclasses by their
+    fields (a change in place is seen), NaN equal to NaN, `ByIdentity` objects by their id."""
 
-    __slots__ = ("raw", "token")
+    raw: Any
+    token: Any
     __hash__ = None
 
-    def __init__(self, raw):
-        self.raw = raw
-        self.token = _token(raw)
+    @classmethod
+    def of(cls, raw) -> Key:
+        return cls(raw, _token(raw))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Key) and self.token == other.token
@@ -274,14 +297,13 @@ def settle_reads_ahead() -> None:
     of them holds in a read (a file's, h5py's, OpenCV's). A read within an epoch is the loop's
     own, as it was before reads ahead existed."""
     running = {
-        made.future
+        made.ahead.future
         for ahead in list(_LIVE)
-        for _, _, made in list(ahead.made)
-        if isinstance(made.future, Future)
+        for made in list(ahead.made)
+        if isinstance(made.ahead.future, Future)
     }
-    while (
-        running
-    ):  # a future cancelled in a pool shut down is never "done" for wait(): left out each round
+    # a future cancelled in a pool shut down is never "done" for wait(): left out each round
+    while running:
         running = {
             future for future in wait(running, timeout=0.1).not_done if not future.cancelled()
         }

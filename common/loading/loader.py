@@ -6,19 +6,19 @@ Use when: you would otherwise hand-tune `num_workers`, `pin_memory`, `prefetch_f
 for each are in `loader.recipe`.
 Cost: `detect_resources()` (a few file reads) and, for `profile="auto"` on a map-style
 dataset, one `dataset[0]` to measure a sample.
-Adapt here: `_apply_safety_rules` holds every rule; overrides always win.
+Adapt here: the rules, in tables run in order: `loader_path.py` (`PATH_RULES`,
+`THREAD_PATH_RULES`), `loader_rules.py` (`SAMPLER_RULES`, `ORDER_RULES`) and `worker_rules.py`
+(`START_METHOD_RULES`, `SAFETY_RULES`); this module only builds the loader they describe.
+Overrides always win.
 Trade-off: switching to the `file_system` sharing strategy is process-wide (torch offers no
 per-loader switch); it is done only when `ulimit -n` is too low for `file_descriptor`.
 
 Traps handled:
 - `prefetch_factor` / `persistent_workers` with 0 workers make DataLoader raise: never passed.
 - Pinning without CUDA only warns and wastes a thread: pinned only when CUDA is available.
-- The start method stays `fork`, also after CUDA is initialised: forking is safe while the
-  workers themselves never touch CUDA (PyTorch's own default relies on it), and `forkserver` or
-  `spawn` re-import torch in every worker (a 15-54 s first batch on a 16-core GPU node) and
-  crash scripts without an `if __name__ == "__main__":` guard. A dataset whose workers do use
-  CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and the
-  dataset's module preloaded into the fork server.
+- The start method stays `fork`, also after CUDA is initialised; a dataset whose workers do
+  use CUDA says so with `uses_cuda_in_workers = True` and gets `forkserver`, with torch and the
+  dataset's module preloaded into the fork server. See NOTE [fork and CUDA] (worker_rules.py).
 - `file_descriptor` sharing runs out of descriptors ("received 0 items of ancdata", pytorch#973)
   under a low `ulimit -n`: `file_system` instead.
 - Copy-on-read growth: a dataset holding Python lists, dicts or tuples of more than 100k items
@@ -33,8 +33,9 @@ Traps handled:
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
   common/loading/epoch_read_ahead.py, common/loading/isolated/child.py,
   common/loading/isolated/protocol.py, common/loading/isolated_loader.py,
-  common/loading/loader_path.py, common/loading/loop_probe.py, common/loading/stateful_loader.py,
-  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/loop_probe.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/loading/worker_rules.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
   common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
   common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
@@ -45,27 +46,52 @@ Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loadin
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.common.loading.loader_path import THREAD_KEYS, THREAD_ONLY, choose_path, isolate
+from recipes.common.loading.isolated_loader import IsolatedLoader
+from recipes.common.loading.loader_path import (
+    THREAD_KEYS,
+    THREAD_ONLY,
+    THREAD_PATH_RULES,
+    Decision,
+    ThreadPathFacts,
+    autotuned_path,
+    child_arguments,
+    choose_path,
+    decide,
+)
+from recipes.common.loading.loader_rules import (
+    ORDER_RULES,
+    SAMPLER_RULES,
+    OrderFacts,
+    rank_facts,
+)
 from recipes.common.loading.stateful_loader import StatefulLoader
 from recipes.common.loading.thread_loader import ThreadLoader
+from recipes.common.loading.worker_rules import (
+    COPY_ON_READ_ITEMS,
+    LOW_NOFILE,
+    SAFETY_RULES,
+    SHARING_STRATEGY,
+    WORKER_ARGUMENTS,
+    ZERO_WORKERS_DROPPED,
+    preload_forkserver,
+    start_method_name,
+    warn_copy_on_read,
+    worker_facts,
+)
 from recipes.common.sizing.profiles import LoaderRecipe, profile_settings
 from recipes.common.sizing.resources import Resources, detect_resources
+from recipes.common.sizing.sizing import local_world_size_from_env
+from recipes.common.sizing.tune_store import load_tuned
 from recipes.common.workers.worker import ChainedWorkerInit
 
-# Below this soft `ulimit -n`, DataLoader's default `file_descriptor` sharing strategy runs
-# out of descriptors once a few hundred shared tensors are alive.
-LOW_NOFILE = 4096
-# Python containers larger than this on a dataset cost forked workers real memory (copy-on-read).
-COPY_ON_READ_ITEMS = 100_000
+__all__ = ["COPY_ON_READ_ITEMS", "LOW_NOFILE", "make_loader", "sample_nbytes"]
 
 
 def make_loader(
@@ -97,7 +123,7 @@ def make_loader(
             memory-speed cache, or `ImageFolderFast`'s OpenCV decoding) and no worker argument is
             given, in a child process (`IsolatedLoader`) for epochs of 16 batches or more, else
             worker processes; "isolated", "threads" or "workers" to choose.
-            `loader.recipe.reasons["path"]` says why.
+            `loader.recipe.reasons["path"]` says why (NOTE [the GIL and the thread paths]).
         distributed: split a map-style dataset over the ranks of the initialised process
             group with an `ElasticDistributedSampler` (`shuffle`, `drop_last`, seed 0 on every
             rank as `DistributedSampler`'s, never `generator`'s, which may differ per rank; a
@@ -124,45 +150,32 @@ def make_loader(
         >>> print(loader.recipe)
     """
     _validate(batch_size, overrides)
-    chosen, why = choose_path(dataset, path, overrides)
-    res = resources if resources is not None else detect_resources()
-    preferred = getattr(dataset, "recommended_profile", None)
-    if profile == "auto" and preferred is not None:
-        recipe = profile_settings(preferred, res)
-        recipe.reasons["profile"] = (
-            f"auto: {type(dataset).__name__} recommends the {preferred} profile"
-        )
-    else:
-        sample_bytes = _probe_sample_bytes(dataset) if profile == "auto" else None
-        recipe = profile_settings(profile, res, sample_bytes=sample_bytes)
+    chosen = choose_path(dataset, path, overrides)
+    res = resources
+    if res is None:
+        res = detect_resources()
+    recipe = _profile_recipe(dataset, profile, res)
     settings = dict(recipe.settings)
     reasons = dict(recipe.reasons)
     if batch_size is not None:
         settings["batch_size"] = batch_size
         reasons["batch_size"] = "given"
-    record = (
-        _apply_tuned(dataset, settings, reasons, res, batch_sampler="batch_sampler" in overrides)
-        if tuned and not {"num_workers", "prefetch_factor"} & set(overrides)
-        else None
-    )
+    record = None
+    if tuned and not {"num_workers", "prefetch_factor"} & set(overrides):
+        batch_sampler = "batch_sampler" in overrides
+        record = _apply_tuned(dataset, settings, reasons, res, batch_sampler=batch_sampler)
     for key, value in overrides.items():
         settings[key] = value
         reasons[key] = "override"
     _split_ranks(dataset, settings, reasons, distributed)
     extras = {key: settings.pop(key) for key in THREAD_ONLY if key in overrides}
-    measured = None  # the path autotune measured, when "auto" takes it
-    if chosen == "threads" and path == "auto":
-        from recipes.common.loading.loader_path import from_tuned
-
-        chosen, why = (measured := from_tuned(record, extras)) or isolate(
-            dataset, settings, res.cpus, why
-        )
-    from recipes.common.loading.loader_path import child_arguments
-
+    if chosen.setting == "threads" and path == "auto":
+        facts = ThreadPathFacts(chosen.reason, dataset, settings, res.cpus, record, extras)
+        chosen = decide(THREAD_PATH_RULES, facts)
     child_arguments(
-        path, chosen, why, overrides, settings, reasons, extras
+        path, chosen, overrides, settings, reasons, extras
     )  # the child's: timeout, niceness
-    if chosen in ("threads", "isolated"):
+    if chosen.setting in ("threads", "isolated"):
         unknown = sorted(
             set(overrides) - set(THREAD_KEYS) - set(THREAD_ONLY) - set(extras) - {"niceness"}
         )
@@ -171,113 +184,72 @@ def make_loader(
                 "make_loader() got arguments neither a ThreadLoader nor a DataLoader takes: "
                 f"{unknown}."
             )
+        # adaptive: chosen by "auto" by rule, measured against the loop (IsolatedLoader's probe)
+        adaptive = path == "auto" and chosen.rule != autotuned_path.__name__
         return _thread_loader(
-            dataset,
-            recipe.profile,
-            settings,
-            reasons,
-            res,
-            why,
-            extras,
-            chosen,
-            adaptive=path == "auto" and measured is None,
+            dataset, recipe.profile, settings, reasons, res, chosen, extras, adaptive
         )
     if extras:
         raise TypeError(
             f"{sorted(extras)} configure the thread path (ThreadLoader), but this loader has "
-            f"worker processes ({why}); drop them, or pass path='threads'."
+            f"worker processes ({chosen.reason}); drop them, or pass path='threads'."
         )
     _apply_safety_rules(dataset, settings, reasons, res, user_keys=set(overrides))
-    if settings.get("shuffle") and not isinstance(dataset, IterableDataset):
-        reasons["sampler"] = (
-            "RandomSampler with a generator of the loader's own (seeded from `generator`, else "
-            "torch's RNG): state_dict() saves its state where each epoch's order is drawn"
-        )
+    order = _order(dataset, settings, reasons, threads=False)
+    if order is not None:
+        reasons["sampler"] = order.reason
     loader = StatefulLoader(dataset, **settings)
-    reasons["path"] = why
+    reasons["path"] = chosen.reason
     loader.recipe = LoaderRecipe(recipe.profile, _printable(settings), reasons)
     return loader
+
+
+def _profile_recipe(dataset, profile: str, res: Resources) -> LoaderRecipe:
+    """The profile's settings: the dataset's `recommended_profile` under "auto" when it has one,
+    else the profile (under "auto", sized by one probed sample)."""
+    preferred = getattr(dataset, "recommended_profile", None)
+    if profile == "auto" and preferred is not None:
+        recipe = profile_settings(preferred, res)
+        reason = f"auto: {type(dataset).__name__} recommends the {preferred} profile"
+        recipe.reasons["profile"] = reason
+        return recipe
+    sample_bytes = None
+    if profile == "auto":
+        sample_bytes = _probe_sample_bytes(dataset)
+    return profile_settings(profile, res, sample_bytes=sample_bytes)
 
 
 def _split_ranks(
     dataset, settings: dict[str, Any], reasons: dict[str, str], distributed: bool | None
 ) -> None:
-    """Under an initialised process group of several ranks (`distributed` None or True), a
-    map-style dataset without a sampler of the user's gets an `ElasticDistributedSampler`."""
-    import torch.distributed as dist
-
-    from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if distributed and not initialised:
-        raise ValueError(
-            "make_loader(distributed=True) needs an initialised torch.distributed process group "
-            "(dist.init_process_group); leave `distributed` at None to split the ranks when there "
-            "is one."
-        )
-    world = dist.get_world_size() if initialised else 1
-    if distributed is False or world < 2:
-        if initialised and world > 1 and not isinstance(dataset, IterableDataset):
-            reasons["sampler"] = (
-                f"every rank reads the whole dataset: distributed=False ({world} ranks)"
-            )
+    """Runs `SAMPLER_RULES`: under an initialised process group of several ranks (`distributed`
+    None or True), a map-style dataset without a sampler of the user's gets an
+    `ElasticDistributedSampler`."""
+    decision = decide(SAMPLER_RULES, rank_facts(dataset, settings, distributed))
+    if decision is None:
         return
-    if isinstance(dataset, IterableDataset):
-        split = getattr(dataset, "world_size", None)
-        reasons["ranks"] = (
-            f"{type(dataset).__name__} splits itself over its {split} ranks"
-            if split is not None
-            else f"{type(dataset).__name__} is iterable and says no world_size: it must split the "
-            f"{world} ranks itself (every rank reads whatever it yields)"
-        )
-        return
-    for key in ("batch_sampler", "sampler"):
-        if settings.get(key) is not None:
-            mine = settings[key]
-            inner = getattr(mine, "sampler", mine)
-            ranks = getattr(mine, "num_replicas", getattr(inner, "num_replicas", None))
-            reasons[key] = (
-                f"given ({type(mine).__name__}"
-                + (
-                    f", split over {ranks} ranks)"
-                    if ranks is not None
-                    else f"; it says no num_replicas: make sure it splits the {world} ranks)"
-                )
-                + (
-                    "; a DistributedSampler's state refuses another number of ranks on resume, an "
-                    "ElasticDistributedSampler's does not"
-                    if isinstance(inner, DistributedSampler)
-                    and not isinstance(inner, ElasticDistributedSampler)
-                    else ""
-                )
-            )
-            return
-    shuffle = bool(settings.pop("shuffle", False))
-    drop_last = bool(settings.get("drop_last", False))
-    settings["sampler"] = ElasticDistributedSampler(
-        dataset,
-        num_replicas=world,
-        rank=dist.get_rank(),
-        shuffle=shuffle,
-        seed=0,
-        drop_last=drop_last,
-    )
-    # seed 0 on every rank, as DistributedSampler's: a `generator=` is often seeded per rank (for
-    # the batches' own draws), and ranks whose orders differ would read some samples twice and miss
-    # others
-    reasons["sampler"] = (
-        f"ElasticDistributedSampler: {world} ranks of an initialised process group, each its "
-        f"share (shuffle={shuffle}, seed 0 on every rank as DistributedSampler's; another order: "
-        f"sampler=ElasticDistributedSampler(dataset, seed=...); drop_last={drop_last}: "
-        + (
-            "at most R - 1 samples dropped, and each rank's last partial batch"
-            if drop_last
-            else "padded with at most R - 1 repeats"
-        )
-        + " per epoch for equal steps); the state resumes on any number of ranks; the next epoch "
-        "starts by itself when the loop does not call loader.sampler.set_epoch"
-    )
-    reasons.pop("shuffle", None)
+    reasons[decision.key] = decision.reason
+    if decision.setting is not None:  # the sampler chosen takes the place of `shuffle`
+        settings[decision.key] = decision.setting
+        settings.pop("shuffle", None)
+        reasons.pop("shuffle", None)
+
+
+def _order(
+    dataset, settings: dict[str, Any], reasons: dict[str, str], *, threads: bool
+) -> Decision | None:
+    """Runs `ORDER_RULES`: the sampler's reason once the path is known (None: nothing to say)."""
+    shuffle = bool(settings.get("shuffle"))
+    iterable = isinstance(dataset, IterableDataset)
+    facts = OrderFacts(threads, shuffle, iterable, reasons.get("sampler"))
+    return decide(ORDER_RULES, facts)
+
+
+# How the thread path's batches are read, by path.
+THREADS_OF = {
+    "isolated": "of one child process (IsolatedLoader)",
+    "threads": "of this process",
+}
 
 
 def _thread_loader(
@@ -286,43 +258,33 @@ def _thread_loader(
     settings: dict[str, Any],
     reasons: dict[str, str],
     res: Resources,
-    why: str,
+    chosen: Decision,
     extras: dict[str, Any],
-    path: str = "threads",
-    adaptive: bool = True,
+    adaptive: bool,
 ) -> ThreadLoader:
     """The thread path, in this process or isolated in a child: the profile's batch settings,
     one thread per CPU of this rank (or the given `threads`, `prefetch`, `seed`)."""
-    from recipes.common.loading.isolated_loader import IsolatedLoader
-    from recipes.common.sizing.sizing import local_world_size_from_env
-
+    path = chosen.setting
     kwargs = {key: settings[key] for key in THREAD_KEYS if key in settings}
     if "batch_sampler" in kwargs:
         kwargs.pop("batch_size", None)
     threads = extras.pop("threads", None)
     if threads is None:  # a given 0 or less is refused by the loader, not replaced
         threads = max(1, res.cpus // local_world_size_from_env())
-    if (
-        path == "isolated"
-    ):  # chosen by "auto" by rule: measured against the loop (IsolatedLoader's probe)
+    threads_why = f"{threads}: the CPUs of this rank"
+    if "threads" in reasons:
+        threads_why = f"{threads}: override"
+    if path == "isolated":
         loader = IsolatedLoader(dataset, threads=threads, adaptive=adaptive, **extras, **kwargs)
     else:
         loader = ThreadLoader(dataset, threads=threads, **extras, **kwargs)
     kept = {key: reasons[key] for key in (*THREAD_KEYS, "profile", "niceness") if key in reasons}
     kept.update({key: "override" for key in extras})
-    kept.update(
-        path=why,
-        threads=f"{threads}: " + ("override" if "threads" in reasons else "the CPUs of this rank"),
-        sampler=reasons.get("sampler", "the DataLoader default")
-        if kwargs.get("shuffle")
-        else kept.get("sampler", "in order"),
-    )
-    where = "of one child process (IsolatedLoader)" if path == "isolated" else "of this process"
-    loader.recipe = LoaderRecipe(
-        profile,
-        _printable({**kwargs, **extras, "num_workers": 0, "path": path, "threads": threads}),
-        {**kept, "num_workers": f"0: batches are read by threads {where}"},
-    )
+    order = _order(dataset, settings, reasons, threads=True)
+    kept.update(path=chosen.reason, threads=threads_why, sampler=order.reason)
+    kept["num_workers"] = f"0: batches are read by threads {THREADS_OF[path]}"
+    printable = {**kwargs, **extras, "num_workers": 0, "path": path, "threads": threads}
+    loader.recipe = LoaderRecipe(profile, _printable(printable), kept)
     return loader
 
 
@@ -336,8 +298,6 @@ def _apply_tuned(
 ) -> dict[str, Any] | None:
     """Applies the stored worker settings; returns their record (`loader_path.from_tuned`), or
     None."""
-    from recipes.common.sizing.tune_store import load_tuned
-
     record = load_tuned(dataset, res)
     if record is None:
         return None
@@ -359,14 +319,18 @@ def _apply_tuned(
     return record
 
 
+# The least value of each size `make_loader` checks, and its name in the error.
+_LEAST = {"batch_size": (1, "positive"), "num_workers": (0, "non-negative")}
+
+
 def _validate(batch_size: int | None, overrides: Mapping[str, Any]) -> None:
     for name, value in (("batch_size", batch_size), ("num_workers", overrides.get("num_workers"))):
         if value is None:
             continue
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise ValueError(f"`{name}` must be an integer, but is {value!r} instead.")
-        if value < (1 if name == "batch_size" else 0):
-            kind = "positive" if name == "batch_size" else "non-negative"
+        least, kind = _LEAST[name]
+        if value < least:
             raise ValueError(f"`{name}` must be {kind}, but is {value!r} instead.")
     prefetch = overrides.get("prefetch_factor")
     if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
@@ -383,105 +347,33 @@ def _apply_safety_rules(
     *,
     user_keys: set[str],
 ) -> None:
+    """DataLoader's exclusions, then `SAFETY_RULES` for worker processes."""
     if "batch_sampler" in settings:
         # DataLoader's batch_sampler is exclusive with batch_size, shuffle, sampler, drop_last.
         settings.pop("batch_size", None)
         reasons.pop("batch_size", None)
     workers = settings.get("num_workers", 0)
     if workers == 0:
-        for key in ("prefetch_factor", "persistent_workers", "multiprocessing_context", "timeout"):
+        for key in WORKER_ARGUMENTS:
             if settings.pop(key, None) is not None and key in user_keys:
-                reasons[key] = "dropped: DataLoader rejects it with 0 workers"
+                reasons[key] = ZERO_WORKERS_DROPPED
         return
-    _warn_copy_on_read(dataset, workers)
-    settings["worker_init_fn"] = ChainedWorkerInit(settings.get("worker_init_fn"))
-    reasons["worker_init_fn"] = (
-        "worker_init (OpenCV fork fix, 1 torch thread, seeded RNGs), then yours"
-    )
-    _choose_start_method(dataset, settings, reasons, user_keys)
-    if (
-        res.nofile_limit < LOW_NOFILE
-        and torch.multiprocessing.get_sharing_strategy() != "file_system"
-    ):
-        torch.multiprocessing.set_sharing_strategy("file_system")
-        reasons["sharing_strategy"] = (
-            f"file_system: ulimit -n is {res.nofile_limit} (< {LOW_NOFILE}); file_descriptor "
-            "sharing would run out of descriptors"
-        )
-
-
-def _warn_copy_on_read(dataset, workers: int) -> None:
-    """Large Python containers on a dataset grow every forked worker's memory as it reads them
-    (reference counts write to every object's page: pytorch#13246)."""
-    import warnings
-
-    from recipes.common.loader_warning import LoaderWarning
-
-    for owner, prefix in ((dataset, ""), (getattr(dataset, "dataset", None), "dataset.")):
-        for name, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
-            if isinstance(value, (list, dict, tuple)) and len(value) > COPY_ON_READ_ITEMS:
-                warnings.warn(
-                    f"{type(dataset).__name__}.{prefix}{name} is a Python {type(value).__name__} "
-                    f"of {len(value):,} items: each of the {workers} forked workers copies the "
-                    "pages it reads (reference counts write to them), so worker memory grows "
-                    "through the epoch until it equals the parent's. Hold it in numpy arrays, or "
-                    "PackedStrings (recipes.common.caches.packed_strings) for strings.",
-                    LoaderWarning,
-                    stacklevel=4,
-                )
-
-
-def _choose_start_method(
-    dataset, settings: dict[str, Any], reasons: dict[str, str], user_keys: set[str]
-) -> None:
-    """`fork` unless the dataset's workers use CUDA or the user chose otherwise (see the module
-    doc)."""
-    methods = multiprocessing.get_all_start_methods()
-    if "multiprocessing_context" in user_keys:
-        context = settings["multiprocessing_context"]
-        name = context if isinstance(context, str) else context.get_start_method()
-        if name == "forkserver":
-            _preload_forkserver(dataset)
-            reasons["multiprocessing_context"] = (
-                "override; torch and the dataset's module preloaded in the fork server"
-            )
-        return
-    if getattr(dataset, "uses_cuda_in_workers", False):
-        if "forkserver" in methods:
-            _preload_forkserver(dataset)
-            settings["multiprocessing_context"] = "forkserver"
-            reasons["multiprocessing_context"] = (
-                "forkserver: the dataset sets uses_cuda_in_workers, and CUDA cannot be used in a "
-                "forked child; torch and the dataset's module are preloaded so each worker starts "
-                "from a warm fork server instead of importing torch"
-            )
-        else:
-            settings["multiprocessing_context"] = "spawn"
-            reasons["multiprocessing_context"] = (
-                "spawn: the dataset sets uses_cuda_in_workers and forkserver is unavailable"
-            )
-        return
-    if "fork" in methods and sys.platform.startswith("linux"):
-        # Explicit, so Python 3.14's forkserver default does not bring back the slow start.
-        settings["multiprocessing_context"] = "fork"
-        cuda = (
-            " (CUDA is initialised here; safe since workers do not use it)"
-            if torch.cuda.is_initialized()
-            else ""
-        )
-        reasons["multiprocessing_context"] = (
-            f"fork: workers start in milliseconds with the parent's imports{cuda}; a dataset "
-            "that uses CUDA in workers sets uses_cuda_in_workers = True"
-        )
-
-
-def _preload_forkserver(dataset) -> None:
-    """Imports done once in the fork server, inherited by every worker it forks."""
-    modules = ["torch", "numpy"]
-    module = type(dataset).__module__
-    if module and module not in ("__main__", "builtins"):
-        modules.append(module)
-    multiprocessing.set_forkserver_preload(modules)
+    warn_copy_on_read(dataset, workers)
+    facts = worker_facts(dataset, settings, user_keys, res.nofile_limit)
+    for rule in SAFETY_RULES:
+        decision = rule(facts)
+        if decision is None:
+            continue
+        reasons[decision.key] = decision.reason
+        if decision.key == SHARING_STRATEGY:  # process-wide: torch has no per-loader switch
+            torch.multiprocessing.set_sharing_strategy(decision.setting)
+            continue
+        settings[decision.key] = decision.setting
+        if (
+            decision.key == "multiprocessing_context"
+            and start_method_name(decision.setting) == "forkserver"
+        ):
+            preload_forkserver(dataset)
 
 
 def _printable(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -489,7 +381,9 @@ def _printable(settings: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in settings.items():
         if isinstance(value, ChainedWorkerInit):
             user = value.user_fn
-            value = "worker_init" + (f" + {getattr(user, '__name__', repr(user))}" if user else "")
+            value = "worker_init"
+            if user:
+                value += f" + {getattr(user, '__name__', repr(user))}"
         elif callable(value) or not isinstance(value, (int, float, str, bool, type(None))):
             value = getattr(value, "__name__", type(value).__name__)
         out[key] = value

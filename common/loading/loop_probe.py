@@ -8,9 +8,10 @@ Adapt here: `LOW`, `HIGH`.
 Trade-off: the CPU time cannot tell Python (which holds the GIL) from a computation that
 releases it: either keeps the child (beside the second the two paths are about even,
 `recipes bench step`'s last rows); only a loop that mostly waits (on the device, GIL
-released) moves to threads of this process, where its hand-over costs less. The decision is
-taken at each epoch's start from the last epoch's batches, and once mid-epoch, after an
-epoch's first `EARLY` batches on the child, towards threads of this process only.
+released) moves to threads of this process, where its hand-over costs less (see NOTE [the GIL
+and the thread paths], loader_path.py). The decision is taken at each epoch's start from the
+last epoch's batches, and once mid-epoch, after an epoch's first `EARLY` batches on the child,
+towards threads of this process only.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
   common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
   common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
@@ -22,6 +23,7 @@ Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from recipes.common.loading.thread_loader import _Batches
 
@@ -29,16 +31,16 @@ from recipes.common.loading.thread_loader import _Batches
 class LoopProbe:
     """The loop's thread between batches: its wall time and its CPU time (`time.thread_time`),
     summed over the last epoch's batches. A thread on a CPU for most of that time runs Python
-    (it holds the GIL) or computes; one that mostly waits (on the device, GIL released) leaves
-    the GIL to threads of its own process, which then hand batches over for less."""
+    or computes; one that mostly waits leaves the GIL to threads of its own process, which then
+    hand batches over for less."""
 
-    LOW, HIGH = (
-        0.10,
-        0.20,
-    )  # the CPU share below which threads of this process serve, above which the child does
-    EARLY = (
-        48  # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
-    )
+    # See NOTE [the GIL and the thread paths]
+
+    # the CPU share below which threads of this process serve, above which the child does
+    LOW = 0.10
+    HIGH = 0.20
+    # an epoch's batches on the child after which a loop that waits moves at once, mid-epoch
+    EARLY = 48
 
     def __init__(self):
         self.wall = self.cpu = 0.0
@@ -50,11 +52,11 @@ class LoopProbe:
         """Whether the coming epoch runs in this process; updates `loader.recipe`'s reason."""
         if self.gaps >= 8 and self.wall >= 0.05:
             self.share = self.cpu / self.wall
-            switched = self.in_process != (
-                self.share < (self.HIGH if self.in_process else self.LOW)
-            )
-            self.in_process = not self.in_process if switched else self.in_process
-            if switched:
+            threshold = self.LOW
+            if self.in_process:
+                threshold = self.HIGH
+            if self.in_process != (self.share < threshold):
+                self.in_process = not self.in_process
                 _note(loader, self)
         self.wall = self.cpu = 0.0
         self.gaps = 0
@@ -80,19 +82,28 @@ def _note(loader, probe: LoopProbe, mid_epoch: bool = False) -> None:
     recipe = getattr(loader, "recipe", None)
     if recipe is None:
         return
-    where = (
-        "threads of this process from "
-        f"{f'batch {probe.EARLY} of this epoch' if mid_epoch else 'this epoch'}"
-        if probe.in_process
-        else "the child's threads again"
+    measured = (
+        f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time between batches"
     )
+    if not probe.in_process:
+        recipe.reasons["path_measured"] = (
+            f"{measured} (it runs Python) -> the child's threads again"
+        )
+        return
+    since = "this epoch"
+    if mid_epoch:
+        since = f"batch {probe.EARLY} of this epoch"
     recipe.reasons["path_measured"] = (
-        f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
-        f"between batches (the step waits, GIL released) -> {where}"
-        if probe.in_process
-        else f"measured: the loop's thread was on a CPU {probe.share:.0%} of its time "
-        f"between batches (it runs Python) -> {where}"
+        f"{measured} (the step waits, GIL released) -> threads of this process from {since}"
     )
+
+
+@dataclass(frozen=True)
+class _Clocks:
+    """The loop's thread's clocks at one moment: wall (`perf_counter`) and CPU (`thread_time`)."""
+
+    wall: float
+    cpu: float
 
 
 class TimedBatches(_Batches):
@@ -100,14 +111,14 @@ class TimedBatches(_Batches):
 
     def __init__(self, loader, indices, current):
         super().__init__(loader, indices, current)
-        self._left: tuple[float, float] | None = None
+        self._left: _Clocks | None = None  # the clocks as the loop received the last batch
 
     def __next__(self):
         loader = self._loader
         if self._left is not None:
             probe = loader._probe
-            probe.wall += time.perf_counter() - self._left[0]
-            probe.cpu += time.thread_time() - self._left[1]
+            probe.wall += time.perf_counter() - self._left.wall
+            probe.cpu += time.thread_time() - self._left.cpu
             probe.gaps += 1
             if probe.early(loader):  # the next batches are asked of this process's threads; the
                 loader._in_process_pool()  # child's, asked already, still come from the child
@@ -116,4 +127,4 @@ class TimedBatches(_Batches):
         try:
             return super().__next__()
         finally:
-            self._left = (time.perf_counter(), time.thread_time())
+            self._left = _Clocks(time.perf_counter(), time.thread_time())

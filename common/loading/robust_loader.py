@@ -15,8 +15,9 @@ again.
 Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
   common/loading/epoch_read_ahead.py, common/loading/isolated/child.py,
   common/loading/isolated/protocol.py, common/loading/isolated_loader.py, common/loading/loader.py,
-  common/loading/loader_path.py, common/loading/loop_probe.py, common/loading/stateful_loader.py,
-  common/loading/thread_loader.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/loop_probe.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/loading/worker_rules.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
   common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
   common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
@@ -32,7 +33,18 @@ import time
 import warnings
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from recipes.common.loader_warning import LoaderWarning
+from recipes.common.loading.isolated_loader import (
+    IsolatedHandOverError,
+    IsolatedLoader,
+    IsolatedProcessDied,
+    IsolatedProcessHung,
+)
+from recipes.common.loading.loader import make_loader
+from recipes.common.loading.loader_path import choose_path
+from recipes.common.resume.loader_contract import ResumableIterable
 from recipes.common.resume.loader_counting import SHM_FAILURES
 
 # What a failure of the loading machinery (not of the dataset's code) says.
@@ -94,16 +106,12 @@ class RobustLoader:
         # chance to notice a dead worker inside next(); `self.timeout` bounds the whole wait.
         # The thread path has no workers to watch: it gets none (it would refuse it, and "auto"
         # would take worker processes for it).
-        from recipes.common.loading.isolated_loader import IsolatedLoader
-        from recipes.common.loading.loader import make_loader
-        from recipes.common.loading.loader_path import choose_path
-
         kwargs = {**self._kwargs, **changes}
         if (
             changes.get("path", "isolated") != "isolated"
         ):  # down from the child to threads: nothing to lower
             kwargs.pop("niceness", None)
-        if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs)[0] == "workers":
+        if choose_path(self.dataset, kwargs.get("path", "auto"), kwargs).setting == "workers":
             kwargs["timeout"] = min(_POLL_SECONDS, self.timeout)
         loader = make_loader(self.dataset, batch_size=self.batch_size, **kwargs)
         if isinstance(loader, IsolatedLoader):  # its child is watched for a hang as workers are
@@ -154,7 +162,9 @@ class RobustLoader:
             except StopIteration:
                 return
             except (RuntimeError, OSError, EOFError) as error:
-                broken = iterator if iterator is not None else self.loader._iterator
+                broken = iterator
+                if broken is None:
+                    broken = self.loader._iterator
                 cause = _cause(error) or _worker_died(broken)
                 if cause is None or failures >= self.max_restarts:
                     raise
@@ -198,12 +208,7 @@ class RobustLoader:
             {k: v for step in [*(c for _, c in self.restarts), changes] for k, v in step.items()}
         )
         self.restarts.append((cause, changes))
-        hint = (
-            " /dev/shm is too small for the batches in flight: run the container with "
-            "--shm-size=8g (or --ipc=host)."
-            if cause == "shm"
-            else ""
-        )
+        hint = _HINTS.get(cause, "")
         what = _DESCRIBE[cause]
         if settings.get("path") == "isolated":
             what = {
@@ -230,6 +235,13 @@ _DESCRIBE = {
     "shm": "shared memory failed (/dev/shm full: bus error or no space)",
     "start": "DataLoader workers could not start",
 }
+# What a failure's warning adds, by cause.
+_HINTS = {
+    "shm": (
+        " /dev/shm is too small for the batches in flight: run the container with "
+        "--shm-size=8g (or --ipc=host)."
+    ),
+}
 
 
 class _Hang(RuntimeError):
@@ -251,12 +263,6 @@ def _cause(error: BaseException) -> str | None:
     Deaths and hangs are DataLoader's own errors ("DataLoader worker (pid ...) ...", "DataLoader
     timed out after"); an error a worker raised comes back as "Caught ... in DataLoader worker
     process", and only a full /dev/shm is recognised inside one."""
-    from recipes.common.loading.isolated_loader import (
-        IsolatedHandOverError,
-        IsolatedProcessDied,
-        IsolatedProcessHung,
-    )
-
     if isinstance(error, IsolatedProcessDied):
         return "death"
     if isinstance(error, IsolatedHandOverError):
@@ -293,10 +299,6 @@ def _worker_died(iterator) -> str | None:
 def _replays(dataset) -> bool:
     """An iterable dataset without `resume_after`: resumed mid-epoch by replaying its start, or
     by its workers' own states, either of which needs the worker count the epoch began with."""
-    from torch.utils.data import IterableDataset
-
-    from recipes.common.resume.loader_contract import ResumableIterable
-
     return isinstance(dataset, IterableDataset) and not isinstance(dataset, ResumableIterable)
 
 
@@ -307,14 +309,11 @@ def _next_rung(ladder, restarts, settings: dict[str, Any], cause: str) -> dict[s
         if len(restarts) >= len(ladder):
             return {"num_workers": 0}
         return dict(ladder[len(restarts)])
-    if (
-        settings.get("path") == "isolated"
-    ):  # its child died or hung: a new child once, then this process's threads
-        return (
-            {"path": "isolated"}
-            if not any(c.get("path") == "isolated" for _, c in restarts)
-            else {"path": "threads"}
-        )
+    if settings.get("path") == "isolated":
+        # its child died or hung: a new child once, then this process's threads
+        if any(c.get("path") == "isolated" for _, c in restarts):
+            return {"path": "threads"}
+        return {"path": "isolated"}
     workers = settings.get("num_workers", 0)
     if cause == "shm" or workers == 0:
         return {"num_workers": 0}  # shared memory cannot be fixed from here: no IPC at all

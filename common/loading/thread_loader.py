@@ -12,8 +12,8 @@ order comes from the sampler in the main process, as in a DataLoader without wor
 Adapt here: `threads` (the CPUs of this rank by default), `prefetch` (batches in flight, also
 across an epoch's end: `epoch_read_ahead.py`).
 Trade-off: only as fast as the dataset's `read_batch` releases the GIL (numpy reads, OpenCV
-resizes and torch copies do; Python per-item work does not, and belongs in worker processes:
-`make_loader(..., path="workers")`).
+resizes and torch copies do); Python per-item work belongs in worker processes
+(`make_loader(..., path="workers")`): see NOTE [the GIL and the thread paths] (loader_path.py).
 
 A dataset opts in by implementing `ThreadBatched` (`loader_contract.py`): `thread_batches()`
 says whether its items are memory-speed reads now (a cache attached). A pool thread then makes
@@ -33,12 +33,14 @@ Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
 
 from __future__ import annotations
 
+import bisect
 import collections
 import inspect
 import os
 import sys
 import weakref
 from concurrent.futures import CancelledError, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -106,11 +108,7 @@ class ThreadLoader(StatefulLoader):
                 "make_loader(..., path='workers') for them."
             )
         if threads is None:
-            threads = (
-                len(os.sched_getaffinity(0))
-                if hasattr(os, "sched_getaffinity")
-                else os.cpu_count() or 1
-            )
+            threads = _usable_cpus()
         if threads < 1 or (prefetch is not None and prefetch < 1):
             raise ValueError(
                 f"`threads` and `prefetch` must be positive, but are {threads!r}, {prefetch!r} "
@@ -131,17 +129,14 @@ class ThreadLoader(StatefulLoader):
         super().__init__(dataset, num_workers=0, **kwargs)
         self.threads = threads
         self.prefetch = prefetch or 2 * threads
-        self.seed = (
-            int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None else int(seed)
-        )
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        self.seed = int(seed)
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: NextEpoch | None = (
             None  # the next epoch's first batches, asked at this one's end
         )
-        self._passes_read: list = [
-            None,
-            0,
-        ]  # the last pass whose batches were asked for, and how many passes
+        self._passes_read = _PassesRead()
         for holder in (self.batch_sampler, self.sampler):
             if isinstance(holder, ReadAheadAware):
                 holder.note_read_ahead(self.prefetch)
@@ -175,7 +170,9 @@ class ThreadLoader(StatefulLoader):
             self.seed = int(state["thread_seed"])
 
     def _read(self, indices: list[int], epoch: int, position: int, seed: int | None = None):
-        rng = np.random.default_rng([self.seed if seed is None else seed, epoch, position])
+        if seed is None:
+            seed = self.seed
+        rng = np.random.default_rng([seed, epoch, position])
         if self._whole:
             if self._pins_itself:
                 return self.dataset.read_batch(indices, rng, pin_memory=self.pin)
@@ -188,14 +185,11 @@ class ThreadLoader(StatefulLoader):
             ):  # the dataset's items, drawn from the batch's rng
                 items = self.dataset.read_items(indices, rng)
             else:
-                getitems = getattr(self.dataset, "__getitems__", None)
-                items = (
-                    getitems(indices)
-                    if getitems is not None
-                    else [self.dataset[i] for i in indices]
-                )
+                items = _items(self.dataset, indices)
             batch = self.collate_fn(items)
-        return _pinned(batch) if self.pin else batch
+        if self.pin:
+            return _pinned(batch)
+        return batch
 
     @property
     def read_ahead_threads(self) -> int:
@@ -246,9 +240,9 @@ class _Batches:
         )
         self._key = _UNREAD  # the dataset's read_ahead_key as this pass began, read once
         seen = loader._passes_read
-        if seen[0] is not current:  # a pass, not a restart of one (RobustLoader)
-            seen[0] = current
-            seen[1] = seen[1] + 1
+        if seen.last is not current:  # a pass, not a restart of one (RobustLoader)
+            seen.last = current
+            seen.count += 1
 
     def _fill(self) -> None:
         loader = self._loader
@@ -298,8 +292,12 @@ class _Batches:
                 loader._ahead.cancel()
             # from the second pass on: a loader iterated once (an evaluation) makes nothing it does
             # not use
-            key = read_ahead_key(loader.dataset) if loader._passes_read[1] >= 2 else None
-            batches = None if key is None else forecast(loader, self._pass.epoch)
+            key = None
+            batches = None
+            if loader._passes_read.count >= 2:
+                key = read_ahead_key(loader.dataset)
+            if key is not None:
+                batches = forecast(loader, self._pass.epoch)
             if batches is None:
                 loader._ahead = None
                 self._next = NextEpoch(None, self._pass.epoch, iter(()), loader.seed, None)
@@ -341,15 +339,38 @@ class _Batches:
             future.cancel()
 
 
+@dataclass
+class _PassesRead:
+    """The last pass whose batches were asked for (`last`), and how many passes were (`count`)."""
+
+    last: object = None
+    count: int = 0
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _items(dataset, indices: list[int]) -> list:
+    """`dataset`'s items at `indices`: `__getitems__` when it has one, else one by one."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        return getitems(indices)
+    return [dataset[i] for i in indices]
+
+
 def _concat_items(dataset: ConcatDataset, indices: list[int], rng) -> list:
     """The items of `indices` of a `ConcatDataset`, each part read at once (`read_items` with
     the batch's generator when it has one, else `__getitems__` or item by item), in order."""
-    import bisect
-
     by_part: dict[int, list[tuple[int, int]]] = {}
     for position, index in enumerate(indices):
         part = bisect.bisect_right(dataset.cumulative_sizes, index)
-        local = index - (dataset.cumulative_sizes[part - 1] if part else 0)
+        local = index
+        if part:
+            local -= dataset.cumulative_sizes[part - 1]
         by_part.setdefault(part, []).append((position, local))
     items: list = [None] * len(indices)
     for part, pairs in by_part.items():
