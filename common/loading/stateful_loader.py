@@ -26,9 +26,11 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 `"finished_epoch"`, in a state saved after a loop ended, names that epoch. The passes and the
 state are computed in `loader_passes.py`.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/workers/start_watch.py.
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/elastic_rest.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_state.py, common/resume/order_sources.py,
+  common/resume/pass_sampler.py, common/resume/state_keys.py, common/resume/state_records.py,
+  common/workers/start_watch.py.
 """
 
 from __future__ import annotations
