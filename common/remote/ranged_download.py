@@ -134,7 +134,9 @@ class ConcurrencySearch:
     ):
         self.level = level
         self.cap = cap
-        self.search = self.new_search(level, cap) if search is None else search
+        if search is None:
+            search = self.new_search(level, cap)
+        self.search = search
         if lock is None:
             local = threading.Lock()
 
