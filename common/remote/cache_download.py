@@ -111,8 +111,7 @@ class CacheTransfer:
     def _attempt(self, source: Source, final: Path, sha256: str | None, controls: Controls) -> None:
         """One try: size check, reservation, transfer, verification, rename; an error removes
         the temp file."""
-        tmp = None
-        held = []
+        reserved = None
         try:
             size = source.fs.info(source.remote).get("size")
             if size is not None and size > self.max_bytes:
@@ -128,24 +127,25 @@ class CacheTransfer:
                     f"no room for {size or 0:,} bytes in {self.folder}: the files in use fill "
                     f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once."
                 )
-            tmp, *held = reserved
-            fd = held[0]  # the temp file's only descriptor: written, verified and synced through it
+            fd = (
+                reserved.fd
+            )  # the temp file's only descriptor: written, verified, synced through it
             self._transfer(source, fd, size, controls)
             verify_download(source.url, fd, size, sha256)
             os.fsync(fd)
-            os.replace(tmp, final)
+            os.replace(reserved.path, final)
             fsync_path(self.folder)
             cache_folder.touch(final)  # used now: its download just finished
             if sha256 is not None:
                 cache_folder.record_sum(final, sha256)
         except BaseException:
-            if tmp is not None:
+            if reserved is not None:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+                    os.unlink(reserved.path)
             raise
         finally:
-            if held:
-                release(*held)
+            if reserved is not None:
+                release(reserved.fd, reserved.token)
 
     def _transfer(self, source: Source, fd: int, size: int | None, controls: Controls) -> None:
         """The bytes into `fd`: as concurrent ranges when the object is large, else (or when the

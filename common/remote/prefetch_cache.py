@@ -267,7 +267,7 @@ class PrefetchCache:
         if part is None:  # this process never downloaded through this object
             return
         part.stop()
-        self._fs = {k: v for k, v in self._fs.items() if k[0] != os.getpid()}
+        self._fs = {k: v for k, v in self._fs.items() if k.pid != os.getpid()}
 
     def __enter__(self) -> PrefetchCache:
         return self
@@ -299,7 +299,7 @@ class PrefetchCache:
 
     def _filesystem(self, url: str):
         """(filesystem, path): one fsspec filesystem per process and protocol, reused."""
-        self._fs = {k: v for k, v in self._fs.items() if k[0] == os.getpid()}  # drop a parent's
+        self._fs = {k: v for k, v in self._fs.items() if k.pid == os.getpid()}  # drop a parent's
         return open_filesystem(
             url, self.storage_options, self.depth * self.max_connections, self._fs
         )
