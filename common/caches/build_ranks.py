@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from recipes.common.caches.cache_files import _host
 
@@ -37,7 +38,16 @@ RENDEZVOUS_S = 300.0  # every rank calls a distributed build within this long of
 NOTICE_S = 30.0  # after this long, rank 0 warns that it waits for the others
 CHUNK_BYTES = 16 * 2**20
 _SEQUENCE = itertools.count()  # this process's distributed builds: the n-th meets the others' n-th
-_GLOO: list = []  # [(the default group, a gloo group over it)] when the default backend is not gloo
+
+
+class _Gloo(NamedTuple):
+    """A gloo group over every rank, made for the default group `world`."""
+
+    world: object
+    group: object
+
+
+_GLOO: list[_Gloo] = []  # the gloo group made, when the default backend is not gloo
 
 
 class BuildRendezvousError(RuntimeError):
@@ -291,9 +301,9 @@ def _gloo_group():
     if dist.get_backend() == "gloo":
         return None
     world = dist.group.WORLD
-    if not _GLOO or _GLOO[0][0] is not world:
-        _GLOO[:] = [(world, dist.new_group(backend="gloo"))]
-    return _GLOO[0][1]
+    if not _GLOO or _GLOO[0].world is not world:
+        _GLOO[:] = [_Gloo(world, dist.new_group(backend="gloo"))]
+    return _GLOO[0].group
 
 
 def _gather(value, world: int, group) -> list:

@@ -166,15 +166,17 @@ class GlobalDraws:
 
     def before(self) -> None:
         self._torch = torch.random.get_rng_state()
-        self._numpy = np.random.get_state()[1:3]
+        state = np.random.get_state()
+        self._numpy_keys = state[1]  # NumPy's legacy state: (name, keys, pos, ...)
+        self._numpy_pos = state[2]
         self._python = random.getstate()
 
     def after(self) -> list[str]:
         drawn = []
         if not torch.equal(self._torch, torch.random.get_rng_state()):
             drawn.append("torch's")
-        keys, pos = np.random.get_state()[1:3]
-        if pos != self._numpy[1] or not np.array_equal(keys, self._numpy[0]):
+        state = np.random.get_state()
+        if state[2] != self._numpy_pos or not np.array_equal(state[1], self._numpy_keys):
             drawn.append("NumPy's")
         if random.getstate() != self._python:
             drawn.append("Python's")
