@@ -28,14 +28,14 @@ Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loadin
   common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/loop_probe.py,
   common/loading/stateful_loader.py, common/loading/thread_loader.py,
   common/loading/worker_rules.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/elastic_rest.py, common/resume/loader_contract.py, common/resume/loader_counting.py,
   common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/bucketing.py,
-  common/sampling/elastic_sampler.py, common/sampling/sharding.py, common/sizing/profiles.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/sizing/tune_store.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  common/workers/start_watch.py, common/workers/worker.py, nlp/collate.py, nlp/pack_plan.py,
-  nlp/packed_batch.py.
+  common/resume/order_sources.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/resume/state_records.py, common/sampling/bucketing.py, common/sampling/elastic_sampler.py,
+  common/sampling/sharding.py, common/sizing/profiles.py, common/sizing/resources.py,
+  common/sizing/sizing.py, common/sizing/tune_store.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py,
+  nlp/collate.py, nlp/pack_plan.py, nlp/packed_batch.py.
 """
 
 from __future__ import annotations

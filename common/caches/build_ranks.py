@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from recipes.common.caches.cache_files import _host
 
@@ -37,7 +38,16 @@ RENDEZVOUS_S = 300.0  # every rank calls a distributed build within this long of
 NOTICE_S = 30.0  # after this long, rank 0 warns that it waits for the others
 CHUNK_BYTES = 16 * 2**20
 _SEQUENCE = itertools.count()  # this process's distributed builds: the n-th meets the others' n-th
-_GLOO: list = []  # [(the default group, a gloo group over it)] when the default backend is not gloo
+
+
+class _Gloo(NamedTuple):
+    """A gloo group over every rank, made for the default group `world`."""
+
+    world: object
+    group: object
+
+
+_GLOO: list[_Gloo] = []  # the gloo group made, when the default backend is not gloo
 
 
 class BuildRendezvousError(RuntimeError):
@@ -73,7 +83,10 @@ class BuildRanks:
         world = dist.get_world_size()
         _rendezvous(rank, world, what)
         gloo = _gloo_group()
-        token = _broadcast(uuid.uuid4().hex if rank == 0 else None, 0, gloo)
+        token = None
+        if rank == 0:
+            token = uuid.uuid4().hex
+        token = _broadcast(token, 0, gloo)
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         marker = folder / f".{what}.{_host()}.{os.getpid()}.share-{token}-{rank}.tmp"
@@ -90,7 +103,9 @@ class BuildRanks:
             marker.unlink(missing_ok=True)
         groups = _components(sightings)
         leaders = [g[0] for g in groups]
-        leaders_group = dist.new_group(ranks=leaders, backend="gloo") if len(groups) > 1 else None
+        leaders_group = None
+        if len(groups) > 1:
+            leaders_group = dist.new_group(ranks=leaders, backend="gloo")
         return cls(rank, world, groups, gloo, leaders_group)
 
     # ---- who is who ------------------------------------------------------------------------
@@ -116,7 +131,9 @@ class BuildRanks:
 
     def gather(self, value) -> list:
         """Every rank's `value` (small, picklable), in rank order, on every rank."""
-        return [value] if self.world == 1 else _gather(value, self.world, self.gloo)
+        if self.world == 1:
+            return [value]
+        return _gather(value, self.world, self.gloo)
 
     def from_leader(self, value):
         """This rank's folder leader's `value`, on every rank of the folder."""
@@ -142,24 +159,24 @@ class BuildRanks:
         import torch.distributed as dist
 
         mine = self.rank == source
-        sizes = _broadcast(
-            [os.path.getsize(p) for p in files] if mine else None, source, self.leaders_group
-        )
+        sizes = None
+        mode = "wb"
+        if mine:
+            sizes = [os.path.getsize(p) for p in files]
+            mode = "rb"
+        sizes = _broadcast(sizes, source, self.leaders_group)
         for path, size in zip(files, sizes, strict=True):
             with contextlib.ExitStack() as stack:
-                f = (
-                    None
-                    if path is None
-                    else stack.enter_context(open(path, "rb" if mine else "wb"))
-                )
+                f = None
+                if path is not None:
+                    f = stack.enter_context(open(path, mode))
                 left = size
                 while left:
                     n = min(CHUNK_BYTES, left)
-                    chunk = (
-                        torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
-                        if mine
-                        else torch.empty(n, dtype=torch.uint8)
-                    )
+                    if mine:
+                        chunk = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
+                    else:
+                        chunk = torch.empty(n, dtype=torch.uint8)
                     dist.broadcast(chunk, src=source, group=self.leaders_group)
                     if f is not None and not mine:
                         f.write(chunk.numpy().tobytes())
@@ -173,16 +190,9 @@ class BuildRanks:
         as temps, left out) into each receiving leader's `into` (None: a leader that needs
         nothing, which still takes part)."""
         mine = self.rank == source
-        names = (
-            sorted(
-                str(p.relative_to(folder))
-                for p in folder.rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-            )
-            if mine
-            else None
-        )
+        names = None
+        if mine:
+            names = _files_under(folder)
         names = _broadcast(names, source, self.leaders_group)
         if mine:
             self.send(source, [folder / name for name in names])
@@ -190,7 +200,20 @@ class BuildRanks:
         if into is not None:
             for name in names:
                 (into / name).parent.mkdir(parents=True, exist_ok=True)
-        self.send(source, [None if into is None else into / name for name in names])
+        targets = [None] * len(names)
+        if into is not None:
+            targets = [into / name for name in names]
+        self.send(source, targets)
+
+
+def _files_under(folder: Path) -> list[str]:
+    """The files under `folder`, relative to it, sorted; names starting with a dot (temps, at
+    any depth) left out."""
+    return sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
 
 
 def distributed_build(distributed: bool | None) -> bool:
@@ -278,9 +301,9 @@ def _gloo_group():
     if dist.get_backend() == "gloo":
         return None
     world = dist.group.WORLD
-    if not _GLOO or _GLOO[0][0] is not world:
-        _GLOO[:] = [(world, dist.new_group(backend="gloo"))]
-    return _GLOO[0][1]
+    if not _GLOO or _GLOO[0].world is not world:
+        _GLOO[:] = [_Gloo(world, dist.new_group(backend="gloo"))]
+    return _GLOO[0].group
 
 
 def _gather(value, world: int, group) -> list:

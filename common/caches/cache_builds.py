@@ -154,7 +154,7 @@ class FolderBuild:
         if not holders:
             return True
         if len(holders) < len(self.ranks.leaders):
-            self._copy_from(holders[0], needs=not answers[self.rank] if self.leader else False)
+            self._copy_from(holders[0], needs=self.leader and not answers[self.rank])
         return False
 
     def _copy_from(self, source: int, *, needs: bool) -> None:
@@ -172,7 +172,10 @@ class FolderBuild:
                     )
                 )
             try:
-                self.ranks.send_tree(source, self.target if self.rank == source else None, temp)
+                folder = None  # the source's own copy; None on the receiving leaders
+                if self.rank == source:
+                    folder = self.target
+                self.ranks.send_tree(source, folder, temp)
                 if temp is not None:
                     self._localise(temp)
                     replace_dir(temp, self.target, keep=self._valid)
@@ -216,7 +219,9 @@ class FolderBuild:
         return range(n * self.rank // self.world, n * (self.rank + 1) // self.world)
 
     def part(self, name: str, rank: int | None = None) -> Path:
-        return self.path / f"{name}.part{self.rank if rank is None else rank}"
+        if rank is None:
+            rank = self.rank
+        return self.path / f"{name}.part{rank}"
 
     def barrier(self) -> None:
         self.ranks.barrier()

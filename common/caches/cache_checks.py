@@ -183,6 +183,8 @@ class ItemChecks:
     def _flags(self) -> np.ndarray:
         """This process's verified flags (a forked worker starts its own, all False)."""
         if self._pid != os.getpid():
+            # See NOTE [copy-on-read] (common/caches/packed_strings.py): a numpy bool per item,
+            # never a Python list or set
             self._verified = np.zeros(len(self.sums), bool)
             self._pid = os.getpid()
         return self._verified
@@ -195,7 +197,9 @@ class ItemChecks:
         """The ones of `indices` (an int array) a read must check now."""
         if self.verify == "never":
             return indices[:0]
-        return indices if self.verify == "always" else indices[~self._flags()[indices]]
+        if self.verify == "always":
+            return indices
+        return indices[~self._flags()[indices]]
 
     def check(self, index: int, *parts) -> None:
         """Checks item `index`'s bytes (`parts`, one after the other) against its checksum.
@@ -209,10 +213,12 @@ class ItemChecks:
             fix = (
                 f"Rebuild the cache with {self.hint}, which replaces it (the damage is recorded in "
                 f"{DAMAGE_RECORD})"
-                if unrecorded is None
-                else f"The damage could not be recorded ({unrecorded}): remove {self.path.parent}, "
-                f"then rebuild it with {self.hint}"
             )
+            if unrecorded is not None:
+                fix = (
+                    f"The damage could not be recorded ({unrecorded}): remove "
+                    f"{self.path.parent}, then rebuild it with {self.hint}"
+                )
             raise self.error(
                 f"{self.path} is damaged: {self.label} {index} has checksum {got:016x}, but "
                 f"{int(self.sums[index]):016x} was written at build. {fix} (`recipes cache verify "
@@ -272,7 +278,9 @@ def record_damage(path: Path, items: list[int], label: str = "item") -> str | No
     record = path.parent / DAMAGE_RECORD
     try:
         entries = _read_record(path.parent)
-        old = entries.get(path.name) if isinstance(entries.get(path.name), dict) else {}
+        old = entries.get(path.name)
+        if not isinstance(old, dict):
+            old = {}
         found = sorted(set(old.get("items", [])) | {int(i) for i in items})
         if found == old.get("items"):  # recorded already (a damaged item read again)
             return None
@@ -330,15 +338,22 @@ def recorded_damage(folder: Path, names: tuple[str, ...]) -> str | None:
         if name == "?" and entry is not None:
             return str(entry)
         if isinstance(entry, dict):
-            items = [str(i) for i in entry.get("items", [])]
-            shown = ", ".join(items[:10]) + (", ..." if len(items) > 10 else "")
-            plural = "s" if len(items) > 1 else ""
-            return (
-                f"{name} {entry.get('label', 'item')}{plural} {shown} failed "
-                f"{'their checksums' if plural else 'its checksum'} on "
-                f"{entry.get('date', 'an unknown date')}"
-            )
+            return _damage_line(name, entry)
     return None
+
+
+def _damage_line(name: str, entry: dict) -> str:
+    """One file's recorded damage, as `recorded_damage` says it."""
+    items = [str(i) for i in entry.get("items", [])]
+    shown = ", ".join(items[:10])
+    if len(items) > 10:
+        shown += ", ..."
+    label = str(entry.get("label", "item"))
+    checksums = "its checksum"
+    if len(items) > 1:
+        label += "s"
+        checksums = "their checksums"
+    return f"{name} {label} {shown} failed {checksums} on {entry.get('date', 'an unknown date')}"
 
 
 def check_damage(folder: Path, names: tuple[str, ...], error: type[Exception], hint: str) -> None:

@@ -31,6 +31,7 @@ import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -182,6 +183,14 @@ class CacheFileError(ValueError):
     """A cache data file that changed after its cache was opened (`LazyMap`'s default error)."""
 
 
+class FileIdentity(NamedTuple):
+    """Which file a path named when a cache opened it: a rebuild renamed into place changes the
+    inode; a rewrite in place, the modification time."""
+
+    inode: int
+    mtime_ns: int
+
+
 class LazyMap:
     """One data file of a cache, memory-mapped in each process on first use.
 
@@ -232,7 +241,7 @@ class LazyMap:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         try:
             st = os.stat(self.path)
-            self._identity: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+            self._identity: FileIdentity | None = FileIdentity(st.st_ino, st.st_mtime_ns)
         except OSError:  # not there yet: the size check alone
             self._identity = None
         self._pid: int | None = None
@@ -265,10 +274,10 @@ class LazyMap:
             ) from None
         st = os.fstat(fd)
         how = None
-        if self._identity is not None and st.st_ino != self._identity[0]:
+        if self._identity is not None and st.st_ino != self._identity.inode:
             how = "replaced by another file (a rebuild renamed a new cache into place)"
         elif st.st_size != self.nbytes or (
-            self._identity is not None and st.st_mtime_ns != self._identity[1]
+            self._identity is not None and st.st_mtime_ns != self._identity.mtime_ns
         ):
             how = "truncated in place" if st.st_size < self.nbytes else "rewritten in place"
         if how is not None:

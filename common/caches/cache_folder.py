@@ -24,6 +24,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from recipes.common.workers.held_descriptors import open_held, release
 from recipes.common.workers.process_lifetime import pid_alive
@@ -141,6 +142,15 @@ def _try_flock(fd: int, mode: int) -> bool:
         return False
 
 
+class Reservation(NamedTuple):
+    """A temp file whose name reserves room in a cache folder: its path, and the fork-safe
+    descriptor it is open through (`release(fd, token)` closes it)."""
+
+    path: Path
+    fd: int
+    token: object
+
+
 def reserve(
     folder: Path,
     key: str,
@@ -149,12 +159,12 @@ def reserve(
     max_bytes: int,
     timeout: float = 60,
     pause: Callable[[float], None] = time.sleep,
-) -> tuple[Path, int, object] | None:
+) -> Reservation | None:
     """Frees room for `size` bytes (LRU, skipping locked files) and creates the temp file whose
     name carries the reservation, under one folder-wide lock, retrying every 0.2 s.
 
     Returns:
-        `(path, fd, token)`: the temp file, open for reading and writing through a fork-safe
+        A `Reservation`: the temp file, open for reading and writing through a fork-safe
         descriptor (`release(fd, token)` closes it); None if no room freed up in `timeout` s.
     """
     deadline = time.monotonic() + timeout
@@ -162,7 +172,8 @@ def reserve(
         with key_lock(folder, "evict", fcntl.LOCK_EX):
             if evict_until(folder, max_bytes - size):
                 tmp = folder / f".tmp.{os.getpid()}.{secrets.token_hex(4)}.{size}.{key}"
-                return (tmp, *open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+                fd, token = open_held(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                return Reservation(tmp, fd, token)
         if time.monotonic() > deadline:
             return None
         pause(0.2)

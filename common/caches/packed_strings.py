@@ -1,9 +1,9 @@
 """Packed strings and index checks: a million paths without a million Python objects.
 
 Use when: a dataset over many files is read by forked DataLoader workers.
-- `PackedStrings`: a million paths as two numpy buffers, not a million `str` objects. Reads in
-  a forked worker bump no refcount on a shared page, so worker memory stays flat instead of
-  growing toward a copy of the list ("copy-on-read", pytorch#13246). ~0.3 us per item.
+- `PackedStrings`: a million paths as two numpy buffers, not a million `str` objects, so a
+  forked worker's memory stays flat instead of growing toward a copy of the list
+  (NOTE [copy-on-read] below, pytorch#13246). ~0.3 us per item.
 - `resolve_index(es)`: Python-style indices (negative from the end) with one error message.
 Cost: 1 byte per UTF-8 byte plus 8 per string; ~0.3 us per item read.
 Adapt here: nothing.
@@ -19,10 +19,25 @@ from typing import overload
 
 import numpy as np
 
+# NOTE [copy-on-read]
+# A forked DataLoader worker shares its parent's memory pages until one of them writes to a
+# page; then the kernel copies that page into the writer (copy-on-write). In Python a read is a
+# write: every access to an object changes its reference count, in the object's header. So a
+# worker that reads a Python list, dict or tuple of many objects (paths, labels, offsets) copies
+# each page of them it touches, and its memory grows, epoch after epoch, toward a private copy
+# of the whole container: one per worker (pytorch#13246; `recipes bench common` measures it:
+# 46.6 MiB per worker for a list of 1,000,000 paths, 0.4 MiB for `PackedStrings`). A numpy
+# array holds its items as raw bytes behind one object: a read touches one reference count,
+# never the pages of the items, and they stay shared. So whatever workers read per item is kept
+# in numpy arrays (`PackedStrings` for strings), never in Python containers: indexes, per-item
+# flags, offsets. `make_loader` warns about large Python containers on a dataset, and
+# `LoaderMonitor` about worker memory that grows between epochs.
+
 
 # ---- packed strings -------------------------------------------------------------------
 class PackedStrings(Sequence[str]):
-    """Strings stored as `data: uint8[total_bytes]` and `offsets: int64[N + 1]`.
+    """Strings stored as `data: uint8[total_bytes]` and `offsets: int64[N + 1]` (see
+    NOTE [copy-on-read]).
 
     Args:
         strings: any iterable of `str` (or `os.PathLike`, stored as `os.fspath`).

@@ -14,10 +14,12 @@ last epoch's batches, and once mid-epoch, after an epoch's first `EARLY` batches
 towards threads of this process only.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
   common/loading/loader_path.py, common/loading/stateful_loader.py, common/loading/thread_loader.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_resume.py,
-  common/resume/loader_state.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
-  common/sizing/resources.py, common/sizing/sizing.py, common/workers/start_watch.py.
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/elastic_rest.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
+  common/resume/order_sources.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/resume/state_records.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/workers/start_watch.py.
 """
 
 from __future__ import annotations

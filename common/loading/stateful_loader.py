@@ -27,10 +27,11 @@ The state is plain JSON: `{"version", "epoch", "batches_yielded", "order", "plan
 state are computed in `loader_passes.py`; the plan, the checks on load and an iterable dataset's
 resumed epoch in `loader_resume.py`.
 Copy with: common/loader_warning.py, common/loading/epoch_read_ahead.py,
-  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/loader_contract.py,
-  common/resume/loader_counting.py, common/resume/loader_passes.py, common/resume/loader_resume.py,
-  common/resume/loader_state.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
-  common/workers/start_watch.py.
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/elastic_rest.py,
+  common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
+  common/resume/order_sources.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/resume/state_records.py, common/workers/start_watch.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
+from typing import NamedTuple
 
 ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 
@@ -37,15 +39,20 @@ def check_url(url: str) -> None:
             )
 
 
+class OpenedKey(NamedTuple):
+    """Which process opened a filesystem, for which protocol: a forked child opens its own."""
+
+    pid: int
+    protocol: str
+
+
 def open_filesystem(url: str, storage_options: dict, pool: int, opened: dict):
     """(filesystem, path) for `url`: one fsspec filesystem per process and protocol, kept in
     `opened`; an S3 client's connection pool sized to `pool` (botocore's 10 would queue ranges)."""
-    import os
-
     import fsspec
 
     protocol = fsspec.utils.get_protocol(url)
-    key = (os.getpid(), protocol)
+    key = OpenedKey(os.getpid(), protocol)
     fs = opened.get(key)
     if fs is None:
         options = dict(storage_options)

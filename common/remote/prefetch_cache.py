@@ -20,8 +20,9 @@ once); fork (common/workers/held_descriptors.py: descriptors held by download th
 closed in a forked child). `close()` (or `with`) stops this process's downloads and joins its
 threads; later calls raise `CacheClosedError`.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py,
-  common/remote/object_download.py, common/remote/object_urls.py, common/remote/ranged_download.py,
-  common/remote/retries.py, common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/remote/cache_download.py, common/remote/object_download.py, common/remote/object_urls.py,
+  common/remote/process_downloads.py, common/remote/ranged_download.py, common/remote/retries.py,
+  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -30,45 +31,25 @@ import contextlib
 import fcntl
 import functools
 import os
-import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
 import recipes.common.caches.cache_folder as cache_folder
-from recipes.common.caches.cache_files import fsync_path
-from recipes.common.remote.object_download import (
-    ChecksumMismatch,
-    download_whole,
-    matches_sum,
-    verify_download,
-)
+from recipes.common.remote.cache_download import CacheTransfer, Controls, DownloadError, Source
+from recipes.common.remote.object_download import matches_sum
 from recipes.common.remote.object_urls import cache_key, check_url, open_filesystem
-from recipes.common.remote.ranged_download import ConcurrencySearch, NoRangeSupport, download_ranges
-from recipes.common.remote.retries import StopRetrying, call_with_retries
-from recipes.common.workers.held_descriptors import release
+from recipes.common.remote.process_downloads import ProcessDownloads
+from recipes.common.remote.ranged_download import ConcurrencySearch
+from recipes.common.remote.retries import StopRetrying
 
-
-class DownloadError(OSError):
-    """A download that failed after every retry; names the URL, the attempts and the last error."""
+__all__ = ["CacheClosedError", "DownloadError", "PrefetchCache"]
 
 
 class CacheClosedError(StopRetrying, RuntimeError):
     """A call on a `PrefetchCache` after its `close()`; names the cache folder."""
-
-
-class _ProcessPart:
-    """One process's share of a cache: its download threads and the downloads running in it.
-    Threads and locks do not survive a fork, so each process makes its own (`_part`)."""
-
-    def __init__(self):
-        self.pool: ThreadPoolExecutor | None = None
-        self.inflight: dict[str, Future] = {}
-        self.running = 0  # `get`s waiting for a key or downloading, in this process
-        self.idle = threading.Condition()
-        self.closing = threading.Event()
 
 
 class PrefetchCache:
@@ -139,7 +120,9 @@ class PrefetchCache:
         self.max_connections = max_connections
         cache_folder.make_folder(self.dir)
         self._closed = False
-        self._parts: dict[int, _ProcessPart] = {}  # by pid: a forked child never uses its parent's
+        self._parts: dict[
+            int, ProcessDownloads
+        ] = {}  # by pid: a forked child never uses its parent's
         self._paths: dict[str, Path] = {}
         # hits, misses, bytes downloaded: shared memory, so forked and spawned DataLoader
         # workers add to the counts the main process reads (`stats()`, `LoaderMonitor`).
@@ -185,23 +168,21 @@ class PrefetchCache:
             self._count(hits=1)
             return final
         with (
-            self._running(),
+            self._part().running(self._check_open),
             cache_folder.key_lock(
                 self.dir, final.name, fcntl.LOCK_EX, pause=self._pause, unless=final.exists
             ),
         ):
             if cache_folder.touch(final):  # another process or thread finished it while we waited
-                if sha256 is None or matches_sum(
-                    final, sha256
-                ):  # (a prefetch downloads unverified)
+                # (a prefetch downloads unverified)
+                if sha256 is None or matches_sum(final, sha256):
                     self._count(hits=1)
                     return final
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(final)
             self._download(url, final, sha256)
-            size = (
-                final.stat().st_size
-            )  # under the key's lock: once released, another process may evict it
+            # under the key's lock: once released, another process may evict it
+            size = final.stat().st_size
         self._count(misses=1, downloaded=size)
         return final
 
@@ -262,18 +243,9 @@ class PrefetchCache:
             # (DataLoader workers) while a background thread is half-way through an import
             # could leave the child a held import lock. `connect()` opens the client too.
             self._filesystem(url)
-            part = self._part()
-            with part.idle:  # against `close`: no pool made nor download queued after it began
-                self._check_open()
-                if part.pool is None:
-                    part.pool = ThreadPoolExecutor(
-                        self.depth, thread_name_prefix="recipes-prefetch"
-                    )
-                if len(part.inflight) > 8 * self.depth:  # forget finished downloads
-                    part.inflight = {u: f for u, f in part.inflight.items() if not f.done()}
-                running = part.inflight.get(url)
-                if running is None or running.done():
-                    part.inflight[url] = running = part.pool.submit(self._quiet_get, url)
+            running = self._part().submit(
+                url, self._quiet_get, threads=self.depth, check=self._check_open
+            )
             futures.append(running)
         return futures
 
@@ -290,25 +262,12 @@ class PrefetchCache:
         `stats`, `path_for` and `used_bytes` still answer. In a forked DataLoader worker it
         closes the worker's copy: threads the parent started are the parent's, left alone.
         """
-        self._closed = True  # before reading `_parts`: a `get` starting now sees it (`_running`)
+        self._closed = True  # before reading `_parts`: a `get` starting now sees it (`running`)
         part = self._parts.get(os.getpid())
         if part is None:  # this process never downloaded through this object
             return
-        with (
-            part.idle
-        ):  # after any `prefetch` holding it: each sees `_closed` next, so no pool is made later
-            pool = part.pool
-        if (
-            pool is not None
-        ):  # queued prefetches cancelled first: a running one woken below would end
-            pool.shutdown(wait=False, cancel_futures=True)  # and its thread take the next one
-        with part.idle:  # after any `_running` holding it
-            part.closing.set()  # wakes retry waits and lock polls
-        if pool is not None:
-            pool.shutdown(wait=True)
-        with part.idle:  # `get`s waiting or downloading in callers' threads
-            part.idle.wait_for(lambda: part.running == 0)
-        self._fs = {k: v for k, v in self._fs.items() if k[0] != os.getpid()}
+        part.stop()
+        self._fs = {k: v for k, v in self._fs.items() if k.pid != os.getpid()}
 
     def __enter__(self) -> PrefetchCache:
         return self
@@ -325,111 +284,22 @@ class PrefetchCache:
         return cache_folder.used_bytes(self.dir)
 
     # ---- downloading -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _running(self):
-        """Counts a `get` that waits for a key or downloads: `close` waits for it (and wakes it)."""
-        part = self._part()
-        with part.idle:  # checked and counted at once: `close` waits for each one it did not refuse
-            self._check_open()
-            part.running += 1
-        try:
-            yield
-        finally:
-            with part.idle:
-                part.running -= 1
-                part.idle.notify_all()
-
     def _download(self, url: str, final: Path, sha256: str | None) -> None:
         fs, remote = self._filesystem(url)
-        mismatches = []
-
-        def attempt() -> None:
-            try:
-                self._attempt(fs, remote, url, final, sha256)
-            except ChecksumMismatch as error:
-                # once: bytes damaged on the wire, worth another download; twice: the stored
-                # object is damaged (or not the one indexed), and backing off will not mend it
-                mismatches.append(error)
-                if len(mismatches) < 2:
-                    raise
-                failure = DownloadError(
-                    f"{error}, on two downloads: the object is damaged where it is stored, or "
-                    "was rewritten since its checksum was recorded (not damage in transit); "
-                    "rewrite it, or re-index it."
-                )
-                failure.transient = False
-                raise failure from error
-
-        call_with_retries(
-            attempt,
-            retries=self.retries,
-            backoff=self.backoff,
-            sleep=self._pause,
-            final=lambda attempts, last: DownloadError(
-                f"{url}: failed after {attempts} attempts; last error: {type(last).__name__}: "
-                f"{last}"
-            ),
+        transfer = CacheTransfer(
+            self.dir,
+            self.max_bytes,
+            self.range_bytes,
+            self.range_connections,
+            self.retries,
+            self.backoff,
         )
-
-    def _attempt(self, fs, remote: str, url: str, final: Path, sha256: str | None) -> None:
-        """One try: size check, reservation, transfer, verification, rename; an error removes
-        the temp file."""
-        tmp = held = None
-        try:
-            size = fs.info(remote).get("size")
-            if size is not None and size > self.max_bytes:
-                raise ValueError(
-                    f"{url} is {size:,} bytes, over the cache's max_bytes={self.max_bytes:,}; "
-                    "raise max_bytes or read it without the cache."
-                )
-            reserved = cache_folder.reserve(
-                self.dir, final.name, size or 0, max_bytes=self.max_bytes, pause=self._pause
-            )
-            if reserved is None:
-                raise DownloadError(
-                    f"no room for {size or 0:,} bytes in {self.dir}: the files in use fill "
-                    f"max_bytes={self.max_bytes:,}; raise max_bytes or read fewer shards at once."
-                )
-            tmp, *held = reserved
-            fd = held[0]  # the temp file's only descriptor: written, verified and synced through it
-            if size is not None and size > self.range_bytes and self.range_connections > 1:
-                try:
-                    download_ranges(
-                        fs,
-                        remote,
-                        url,
-                        fd,
-                        size,
-                        range_bytes=self.range_bytes,
-                        search=self._adapter(),
-                        retries=self.retries,
-                        backoff=self.backoff,
-                        check=self._check_open,
-                        sleep=self._pause,
-                    )
-                except NoRangeSupport:  # the server ignores Range: one whole-object GET
-                    download_whole(fs, remote, fd, size, check=self._check_open)
-            else:
-                download_whole(fs, remote, fd, size, check=self._check_open)
-            verify_download(url, fd, size, sha256)
-            os.fsync(fd)
-            os.replace(tmp, final)
-            fsync_path(self.dir)
-            cache_folder.touch(final)  # used now: its download just finished
-            if sha256 is not None:
-                cache_folder.record_sum(final, sha256)
-        except BaseException:
-            if tmp is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            raise
-        finally:
-            if held:
-                release(*held)
+        controls = Controls(self._check_open, self._pause, self._adapter)
+        transfer.download(Source(fs, remote, url), final, sha256, controls)
 
     def _filesystem(self, url: str):
         """(filesystem, path): one fsspec filesystem per process and protocol, reused."""
-        self._fs = {k: v for k, v in self._fs.items() if k[0] == os.getpid()}  # drop a parent's
+        self._fs = {k: v for k, v in self._fs.items() if k.pid == os.getpid()}  # drop a parent's
         return open_filesystem(
             url, self.storage_options, self.depth * self.max_connections, self._fs
         )
@@ -444,10 +314,10 @@ class PrefetchCache:
             )
         return self._adapt
 
-    def _part(self) -> _ProcessPart:
+    def _part(self) -> ProcessDownloads:
         part = self._parts.get(os.getpid())
         if part is None:  # first use in this process; `setdefault` is atomic: one part per process
-            part = self._parts.setdefault(os.getpid(), _ProcessPart())
+            part = self._parts.setdefault(os.getpid(), ProcessDownloads())
         return part
 
     def _check_open(self) -> None:
@@ -460,7 +330,7 @@ class PrefetchCache:
     def _pause(self, seconds: float) -> None:
         """Sleeps `seconds`, or raises `CacheClosedError` as soon as the cache closes."""
         self._check_open()
-        if self._part().closing.wait(seconds):
+        if self._part().wait(seconds):
             self._check_open()
 
     def _quiet_get(self, url: str) -> None:

@@ -106,6 +106,12 @@ def download_ranges(
         search.observe(level, size / (time.perf_counter() - began))
 
 
+# The fields of a search's shared tensor (float64 [3]).
+_BEST_LEVEL = 0  # the level to beat (the last one measured), or 0 before any
+_BEST_RATE = 1  # its rate, bytes/s
+_SETTLED = 2  # 1.0 once the level stays
+
+
 class ConcurrencySearch:
     """Raises the ranges in flight per object while it pays: each level is kept only if its
     download rate beats the level below by 15%; the first level that does not is undone and
@@ -134,7 +140,9 @@ class ConcurrencySearch:
     ):
         self.level = level
         self.cap = cap
-        self.search = self.new_search(level, cap) if search is None else search
+        if search is None:
+            search = self.new_search(level, cap)
+        self.search = search
         if lock is None:
             local = threading.Lock()
 
@@ -151,7 +159,7 @@ class ConcurrencySearch:
 
     @property
     def settled(self) -> bool:
-        return bool(self.search[2].item())
+        return bool(self.search[_SETTLED].item())
 
     def observe(self, level: int, rate: float) -> None:
         """One download's `rate` (bytes/s) at `level` ranges in flight; may change the level."""
@@ -163,11 +171,11 @@ class ConcurrencySearch:
                 return
             if below_level and rate < below_rate * self.GAIN:
                 self.level.fill_(int(below_level))  # no gain: back down, and stay
-                self.search[2] = 1.0
+                self.search[_SETTLED] = 1.0
                 return
-            self.search[0] = float(level)
-            self.search[1] = float(rate)
+            self.search[_BEST_LEVEL] = float(level)
+            self.search[_BEST_RATE] = float(rate)
             if level >= self.cap:
-                self.search[2] = 1.0
+                self.search[_SETTLED] = 1.0
             else:
                 self.level.fill_(min(2 * level, self.cap))

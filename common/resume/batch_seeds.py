@@ -29,6 +29,7 @@ Copy with: nothing.
 from __future__ import annotations
 
 import random
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -136,6 +137,14 @@ def _install_in_worker() -> None:
     _INSTALLED = True
 
 
+class _GlobalStates(NamedTuple):
+    """The global random generators' states: torch's, NumPy's and Python's."""
+
+    torch: Any
+    numpy: Any
+    python: Any
+
+
 class SeededFetcher:
     """The fetcher of an iterator without workers: each batch read under its seed, the loop's
     own generator states put back afterwards."""
@@ -147,14 +156,16 @@ class SeededFetcher:
         seed = getattr(possibly_batched_index, "seed", None)
         if seed is None:
             return self.inner.fetch(possibly_batched_index)
-        saved = torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+        saved = _GlobalStates(
+            torch.default_generator.get_state(), np.random.get_state(), random.getstate()
+        )
         try:
             seed_globals(seed)
             return self.inner.fetch(possibly_batched_index)
         finally:
-            torch.default_generator.set_state(saved[0])
-            np.random.set_state(saved[1])
-            random.setstate(saved[2])
+            torch.default_generator.set_state(saved.torch)
+            np.random.set_state(saved.numpy)
+            random.setstate(saved.python)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

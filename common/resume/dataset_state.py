@@ -26,7 +26,8 @@ ahead), so the next epoch's states begin from fresh. With persistent workers the
 epoch's workers stay for the next epochs, as the uninterrupted run's did. A dataset that
 applies a loaded state at every `iter` of the same epoch number (Hugging Face's) needs
 `set_epoch` each epoch; the loader warns when it is iterated again at the same epoch.
-Copy with: common/resume/batch_seeds.py, common/resume/loader_contract.py.
+Copy with: common/resume/batch_seeds.py, common/resume/loader_contract.py,
+  common/resume/state_keys.py, common/resume/state_records.py.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils import fetch as _fetch
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+import recipes.common.resume.state_keys as keys
 from recipes.common.resume.batch_seeds import batch_seed, seed_globals
 from recipes.common.resume.loader_contract import ResumableIterable, StatefulDataset
+from recipes.common.resume.state_records import WorkerResume
 
 
 def keeps_own_state(dataset) -> bool:
@@ -58,19 +61,19 @@ def copy_state(dataset, iterator, ended: bool) -> dict[str, Any] | None:
     """A dataset copy's state as torchdata keeps it: the dataset's own (when it is not its own
     iterator), its iterator's, and whether its stream ended, copied; None when neither has a state.
     """
-    own = (
-        dataset.state_dict()
-        if iterator is not dataset and isinstance(dataset, StatefulDataset)
-        else None
-    )
-    position = iterator.state_dict() if isinstance(iterator, StatefulDataset) else None
+    own = None
+    if iterator is not dataset and isinstance(dataset, StatefulDataset):
+        own = dataset.state_dict()
+    position = None
+    if isinstance(iterator, StatefulDataset):
+        position = iterator.state_dict()
     if own is None and position is None:
         return None
     # a copy: a state_dict() may return the dataset's own dict, which it changes as it goes on
     # (in a worker, while the queue's feeder thread pickles the batch)
-    state = {"dataset": own, "iterator": position, "ended": bool(ended)}
+    state = {keys.COPY_DATASET: own, keys.COPY_ITERATOR: position, keys.COPY_ENDED: bool(ended)}
     if iterator is dataset:  # its own iterator: after its epoch, its state is the dataset's too
-        state["own_iterator"] = True
+        state[keys.COPY_OWN_ITERATOR] = True
     return copy.deepcopy(state)
 
 
@@ -104,8 +107,8 @@ class DatasetStateCarrier:
 
 
 # A resumed worker's iterator state, loaded into the first fetcher the worker makes (right
-# after the worker init, which sets it): (state, ended) or None.
-_PENDING: tuple[Any, bool] | None = None
+# after the worker init, which sets it), or None.
+_PENDING: WorkerResume | None = None
 
 
 class StateLoadingInit:
@@ -123,14 +126,13 @@ class StateLoadingInit:
         state = self.states.get(str(worker_id))
         if state is None:
             return
-        own = state.get("dataset")
-        if own is None and state.get("own_iterator") and state.get("ended"):
-            own = state.get(
-                "iterator"
-            )  # an ended dataset that is its own iterator: no iter() will load it
+        own = state.get(keys.COPY_DATASET)
+        if own is None and state.get(keys.COPY_OWN_ITERATOR) and state.get(keys.COPY_ENDED):
+            # an ended dataset that is its own iterator: no iter() will load it
+            own = state.get(keys.COPY_ITERATOR)
         if own is not None:
             get_worker_info().dataset.load_state_dict(own)
-        _PENDING = (state.get("iterator"), bool(state.get("ended")))
+        _PENDING = WorkerResume(state.get(keys.COPY_ITERATOR), bool(state.get(keys.COPY_ENDED)))
 
 
 _plain_init = _fetch._IterableDatasetFetcher.__init__
@@ -157,16 +159,16 @@ def _begin(self, index, worker: int) -> None:
     """A pass's first fetch in a worker: the generators seeded from the pass's seed (the index
     carries it, `batch_seeds.py`) and the worker, then `iter(dataset)`, then a resumed worker's
     iterator state (torchdata's order); a worker whose stream had ended stays ended."""
-    position, ended = self._pending or (None, False)
-    if ended:  # its end was received before the state was saved: no batch, no second end
+    pending = self._pending or WorkerResume(None, False)
+    if pending.ended:  # its end was received before the state was saved: no batch, no second end
         self.ended = self._sent_end = True
         return
     seed = getattr(index, "seed", None)
     if seed is not None:
         seed_globals(batch_seed(seed, worker, 1))
     self.dataset_iter = iter(self.dataset)
-    if position is not None:
-        self.dataset_iter.load_state_dict(position)
+    if pending.iterator is not None:
+        self.dataset_iter.load_state_dict(pending.iterator)
 
 
 def fetch_with_state(self, possibly_batched_index):
@@ -197,11 +199,24 @@ _fetch._IterableDatasetFetcher.fetch = fetch_with_state
 def live_state(dataset, inner) -> dict[str, Any] | None:
     """Without workers: this process's copy's state, read from DataLoader's iterator `inner`."""
     fetcher = getattr(inner, "_dataset_fetcher", None)
-    if (
-        fetcher is None
-    ):  # its iterator is gone: the dataset's own state, unless it is its own iterator
-        return copy_state(dataset, dataset if hasattr(dataset, "__next__") else None, False)
-    return copy_state(dataset, fetcher.dataset_iter, fetcher.ended)
+    if fetcher is not None:
+        return copy_state(dataset, fetcher.dataset_iter, fetcher.ended)
+    # its iterator is gone: the dataset's own state, unless it is its own iterator
+    if hasattr(dataset, "__next__"):
+        return copy_state(dataset, dataset, False)
+    return copy_state(dataset, None, False)
+
+
+def _carried_part(state: dict[str, Any] | None):
+    """What of a copy's state the next epoch's copy begins with: the dataset's own, else the
+    iterator's of a dataset that is its own iterator; None when neither."""
+    if state is None:
+        return None
+    if state.get(keys.COPY_DATASET) is not None:
+        return state[keys.COPY_DATASET]
+    if state.get(keys.COPY_OWN_ITERATOR):
+        return state.get(keys.COPY_ITERATOR)
+    return None
 
 
 def carried_over(states: dict[str, Any]) -> dict[str, Any]:
@@ -210,17 +225,9 @@ def carried_over(states: dict[str, Any]) -> dict[str, Any]:
     carries that state, loaded before its next `iter`)."""
     out = {}
     for w, s in states.items():
-        own = (
-            None
-            if s is None
-            else s["dataset"]
-            if s.get("dataset") is not None
-            else s.get("iterator")
-            if s.get("own_iterator")
-            else None
-        )
+        own = _carried_part(s)
         if own is not None:
-            out[w] = {"dataset": own, "iterator": None, "ended": False}
+            out[w] = {keys.COPY_DATASET: own, keys.COPY_ITERATOR: None, keys.COPY_ENDED: False}
     return out
 
 

@@ -15,7 +15,7 @@ calls `iter()` before it sets the sampler's epoch, and before it restores a chec
 epoch must not wait for the next epoch's `iter()`. Once a batch was handed over, a loaded
 state waits for the next `iter()`, as before.
 Copy with: common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py.
+  common/resume/loader_contract.py, common/resume/state_keys.py, common/resume/state_records.py.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ class Counting:
         """The pass, superseded before a batch was handed over (`Passes.superseded`), begins
         again: the loaded state's, or the epoch `set_epoch` chose (the old read-ahead dropped)."""
         current = self._pass
-        start = self._restart() if self._restart is not None else None
+        if self._restart is None:
+            return
+        start = self._restart()
         if start is None:  # the loader is gone
             return
         old = self._inner

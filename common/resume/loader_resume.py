@@ -13,8 +13,9 @@ Adapt here: nothing; the contract a dataset implements to be resumed is `loader_
 Trade-off: the loader lends this module two ways of starting an epoch on itself
 (`EpochStarts`), so that what its iterator and workers are stays with the loader.
 Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
-  common/resume/loader_contract.py, common/resume/loader_passes.py, common/resume/loader_state.py,
-  common/resume/state_keys.py.
+  common/resume/elastic_rest.py, common/resume/loader_contract.py, common/resume/loader_passes.py,
+  common/resume/loader_state.py, common/resume/order_sources.py, common/resume/state_keys.py,
+  common/resume/state_records.py.
 """
 
 from __future__ import annotations

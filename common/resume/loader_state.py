@@ -8,7 +8,7 @@ generator's state (5 KB for a `torch.Generator`) once per epoch.
 Adapt here: `_GENERATOR_KINDS` for another kind of random generator.
 Trade-off: generators are found by walking attributes; one kept in a closure or a module
 global is invisible (the global random generators are watched instead: `GlobalDraws`).
-Copy with: nothing.
+Copy with: common/resume/state_keys.py, common/resume/state_records.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from torch.utils.data import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+
+import recipes.common.resume.state_keys as keys
+from recipes.common.resume.state_records import KnownLength, saved_position
 
 _DEPTH = 3
 
@@ -163,15 +166,17 @@ class GlobalDraws:
 
     def before(self) -> None:
         self._torch = torch.random.get_rng_state()
-        self._numpy = np.random.get_state()[1:3]
+        state = np.random.get_state()
+        self._numpy_keys = state[1]  # NumPy's legacy state: (name, keys, pos, ...)
+        self._numpy_pos = state[2]
         self._python = random.getstate()
 
     def after(self) -> list[str]:
         drawn = []
         if not torch.equal(self._torch, torch.random.get_rng_state()):
             drawn.append("torch's")
-        keys, pos = np.random.get_state()[1:3]
-        if pos != self._numpy[1] or not np.array_equal(keys, self._numpy[0]):
+        state = np.random.get_state()
+        if state[2] != self._numpy_pos or not np.array_equal(state[1], self._numpy_keys):
             drawn.append("NumPy's")
         if random.getstate() != self._python:
             drawn.append("Python's")
@@ -276,9 +281,12 @@ class _SamplesPositioned:
         self.sampler = batch_sampler.sampler
 
     def state_dict(self, *, batches_done: int | None = None) -> dict:
-        return self.sampler.state_dict(
-            samples_done=None if batches_done is None else batches_done * self.batches.batch_size
-        )
+        return self.sampler.state_dict(samples_done=self._samples(batches_done))
+
+    def _samples(self, batches_done: int | None) -> int | None:
+        if batches_done is None:
+            return None
+        return batches_done * self.batches.batch_size
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
@@ -287,25 +295,23 @@ class _SamplesPositioned:
         return len(self.batches)
 
 
-def resumed_length(positioned, pending: dict, known: list) -> int | None:
+def resumed_length(positioned, pending: dict, known: KnownLength | None) -> KnownLength:
     """The batches of an epoch that a positioned sampler resumes: those received before the
     resume and the sampler's rest (`len()` gives the rest only), or a whole epoch on this shape
     when that is more (on another number of ranks: a framework that takes the length once,
     Lightning, then counts from the step it restored and cuts neither this epoch nor the next;
     the epoch ends when its batches do). Loads `pending["sampler"]` into the sampler, as the
-    pass does. `known`: `[state, length]` of an earlier call, kept for an equal state (the
-    sampler holds the rest then, not a whole epoch)."""
-    if known and known[0] == pending:
-        positioned.load_state_dict(pending["sampler"])
-        return known[1]
+    pass does. `known`: the answer of an earlier call, kept for an equal state (the sampler
+    holds the rest then, not a whole epoch). Returns the length with its state, to keep."""
+    saved = pending[keys.SAMPLER]
+    if known is not None and known.state == pending:
+        positioned.load_state_dict(saved)
+        return known
     try:
         whole = len(positioned)
-        positioned.load_state_dict(pending["sampler"])
-        length = max(
-            whole, int(pending.get("position", pending["batches_yielded"])) + len(positioned)
-        )
+        positioned.load_state_dict(saved)
+        length = max(whole, saved_position(pending) + len(positioned))
     except TypeError:  # no length
-        positioned.load_state_dict(pending["sampler"])
+        positioned.load_state_dict(saved)
         length = None
-    known[:] = [pending, length]
-    return length
+    return KnownLength(pending, length)

@@ -9,7 +9,8 @@ Cost: per batch, one seed mixed (`batch_seeds.py`); per pass, one capture.
 Adapt here: nothing.
 Trade-off: DataLoader reads `_index_sampler` once per iterator and iterates it once per epoch;
 `tests/common/resume/test_exactly_once.py` fails if a torch release moves that.
-Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/loader_state.py.
+Copy with: common/loader_warning.py, common/resume/batch_seeds.py, common/resume/loader_state.py,
+  common/resume/state_keys.py, common/resume/state_records.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import itertools
 import warnings
 
+import recipes.common.resume.state_keys as keys
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.resume.batch_seeds import batch_seed, seeded
-from recipes.common.resume.loader_state import GlobalDraws, resumed_length
+from recipes.common.resume.loader_state import GlobalDraws
 
 _END = object()
 
@@ -52,7 +54,7 @@ class PassSampler:
         first = next(iterator, _END)
         drawn = watch.after()
         if drawn:
-            passes.warn_global(self.inner, drawn)
+            passes.sources.warn_global(self.inner, drawn)
         skip = current.skip
         while skip and first is not _END:
             first = next(iterator, _END)
@@ -63,10 +65,9 @@ class PassSampler:
             yield first
             yield from iterator
             return
-        seed, epoch = (
-            passes.seed,
-            current.epoch,
-        )  # each batch's draws follow its position (batch_seeds.py)
+        # each batch's draws follow its position (batch_seeds.py)
+        seed = passes.seed
+        epoch = current.epoch
         for position, item in enumerate(
             itertools.chain((first,), iterator), start=current.position
         ):
@@ -97,7 +98,7 @@ class PassSampler:
     def __len__(self) -> int:
         """The epoch's batches, those received before a resume included (`Pass.length`), also while
         a loaded state of a positioned sampler waits for its pass (Lightning reads it then):
-        `loader_state.resumed_length`."""
+        `Passes.resumed_length`."""
         waiting = self._waiting_length()
         if waiting is not None:
             return waiting
@@ -110,11 +111,8 @@ class PassSampler:
         passes = self.passes
         pending = passes.pending
         positioned = passes.positioned
-        if (
-            pending is None
-            or positioned is None
-            or pending.get("sampler") is None
-            or (passes.holder is not None and int(passes.holder.epoch) != pending["epoch"])
-        ):
+        if pending is None or positioned is None or pending.get(keys.SAMPLER) is None:
             return None
-        return resumed_length(positioned, pending, passes.known_length)
+        if passes.holder is not None and int(passes.holder.epoch) != pending[keys.EPOCH]:
+            return None
+        return passes.resumed_length(pending)

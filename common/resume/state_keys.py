@@ -44,3 +44,10 @@ REPLAYED = "replayed"
 DATASET_STATES = "dataset_states"
 DATASET_WORKERS = "dataset_workers"
 NEXT_WORKER = "next_worker"
+MAIN = "main"  # the key of this process's copy in DATASET_STATES, without workers
+
+# A dataset copy's state (`dataset_state.copy_state`), as torchdata keeps it.
+COPY_DATASET = "dataset"  # the dataset's own state_dict()
+COPY_ITERATOR = "iterator"  # its iterator's
+COPY_ENDED = "ended"  # its stream had ended
+COPY_OWN_ITERATOR = "own_iterator"  # the dataset is its own iterator

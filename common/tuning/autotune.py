@@ -23,18 +23,19 @@ Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/l
   common/loading/isolated/child.py, common/loading/isolated/protocol.py,
   common/loading/isolated_loader.py, common/loading/loader.py, common/loading/loader_path.py,
   common/loading/loader_rules.py, common/loading/loop_probe.py, common/loading/stateful_loader.py,
-  common/loading/thread_loader.py, common/loading/worker_rules.py, common/remote/object_download.py,
-  common/remote/object_urls.py, common/remote/prefetch_cache.py, common/remote/ranged_download.py,
-  common/remote/retries.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/loading/thread_loader.py, common/loading/worker_rules.py, common/remote/cache_download.py,
+  common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
+  common/remote/process_downloads.py, common/remote/ranged_download.py, common/remote/retries.py,
+  common/resume/batch_seeds.py, common/resume/dataset_state.py, common/resume/elastic_rest.py,
   common/resume/loader_contract.py, common/resume/loader_counting.py,
   common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
-  common/resume/pass_sampler.py, common/resume/state_keys.py, common/sampling/elastic_sampler.py,
-  common/sampling/sharding.py, common/sizing/profiles.py, common/sizing/resources.py,
-  common/sizing/sizing.py, common/sizing/tune_store.py, common/tuning/monitor.py,
-  common/tuning/monitor_epoch.py, common/tuning/monitor_plot.py, common/tuning/monitor_rules.py,
-  common/tuning/probes.py, common/tuning/tune_choice.py, common/tuning/tune_trial.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  common/workers/start_watch.py, common/workers/worker.py.
+  common/resume/order_sources.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/resume/state_records.py, common/sampling/elastic_sampler.py, common/sampling/sharding.py,
+  common/sizing/profiles.py, common/sizing/resources.py, common/sizing/sizing.py,
+  common/sizing/tune_store.py, common/tuning/monitor.py, common/tuning/monitor_epoch.py,
+  common/tuning/monitor_plot.py, common/tuning/monitor_rules.py, common/tuning/probes.py,
+  common/tuning/tune_choice.py, common/tuning/tune_trial.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Trade-off: step time is what the CPU sees. CUDA runs asynchronously, so a loop t
 synchronises (no `loss.item()`, no logging) shows step time in the next `next()` instead;
 `profile_trace` shows the exact timeline.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py, common/loader_warning.py,
-  common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
+  common/remote/cache_download.py, common/remote/object_download.py, common/remote/object_urls.py,
+  common/remote/prefetch_cache.py, common/remote/process_downloads.py,
   common/remote/ranged_download.py, common/remote/retries.py, common/tuning/monitor_epoch.py,
   common/tuning/monitor_plot.py, common/tuning/monitor_rules.py, common/tuning/probes.py,
   common/workers/held_descriptors.py, common/workers/process_lifetime.py.

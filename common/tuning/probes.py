@@ -11,7 +11,8 @@ Adapt here: `prefetch_caches` for datasets that hold their cache deeper than one
 Trade-off: USS (memory only this process holds) shows a worker's own growth; PSS splits shared
 pages fairly, so the sum over processes is the real total.
 Copy with: common/caches/cache_files.py, common/caches/cache_folder.py,
-  common/remote/object_download.py, common/remote/object_urls.py, common/remote/prefetch_cache.py,
+  common/remote/cache_download.py, common/remote/object_download.py, common/remote/object_urls.py,
+  common/remote/prefetch_cache.py, common/remote/process_downloads.py,
   common/remote/ranged_download.py, common/remote/retries.py, common/workers/held_descriptors.py,
   common/workers/process_lifetime.py.
 """
