@@ -89,20 +89,26 @@ def listed_shard(path: str, sets: dict) -> ShardSet | None:
     Raises:
         ShardIndexError: the index beside it is ours (or no JSON) but damaged.
     """
-    folder, name = path.rstrip("/").rsplit("/", 1) if "/" in path else (".", path)
+    folder = "."
+    name = path
+    if "/" in path:
+        folder, name = path.rstrip("/").rsplit("/", 1)
     if not name.endswith((".tar", ".parquet")):
         return None
     if folder not in sets:
         sets[folder] = _set_in(folder)
     shards = sets[folder]
-    entry = (
-        next((e for e in shards.entries if e["name"] == name), None) if shards is not None else None
-    )
+    if shards is None:
+        return None
+    entry = next((e for e in shards.entries if e["name"] == name), None)
     if entry is None:
         return None
+    version = VERSION
+    if shards.checksums is None:  # a v1 index
+        version = 1
     index = {
         "format": FORMAT,
-        "version": 1 if shards.checksums is None else VERSION,
+        "version": version,
         "shard_format": shards.format,
         "columns": shards.columns,
         "samples": entry["samples"],

@@ -2,10 +2,10 @@
 when it is opened.
 
 Use when: reading or writing the index of `ShardSet` / `write_shards` / `index_shards`: the
-format's name and version, the entry key of the per-sample checksums (`SUMS`), and
-`check_index` / `check_versioned`, which refuse an index that disagrees with itself (counts
-with offsets, row groups and checksums; offsets that start samples in order inside the shard;
-names used once) before any shard is read.
+format's name and version, the entry key of the per-sample checksums (`SUMS`), `new_index`
+(what a writer publishes), and `check_index` / `check_versioned`, which refuse an index that
+disagrees with itself (counts with offsets, row groups and checksums; offsets that start
+samples in order inside the shard; names used once) before any shard is read.
 Cost: one pass over the index's entries (a few integers per sample), once per `ShardSet.open`.
 Adapt here: nothing; raise `VERSION` when an entry's meaning changes.
 Trade-off: a v1 index (written before the checksums) still reads, with a warning: its samples
@@ -32,6 +32,37 @@ VERSIONS = (1, 2)  # the versions that read (1 unverified, with a warning)
 class ShardIndexError(ShardFormatError):
     """An index that is missing, damaged, of another version, or disagrees with its shards (a
     `ShardFormatError` too, and a `ValueError`: one `except ShardFormatError` catches both)."""
+
+
+def new_index(
+    shard_format: str, entries: list[dict], columns: list[list[str]] | None, where: str
+) -> dict:
+    """A version-`VERSION` index of the shards' `entries`. `columns`: `[name, type]` per Parquet
+    column, or None where each entry lists its own (`index_shards`: Parquet files of others),
+    which must agree.
+
+    Raises:
+        ShardFormatError: Parquet files of different columns (naming `where`, their folder).
+    """
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "shard_format": shard_format,
+        "samples": int(sum(e["samples"] for e in entries)),
+        "shards": entries,
+    }
+    if columns is not None:
+        index["columns"] = columns
+    elif shard_format == "parquet":  # index_shards: others' files, one schema
+        index["columns"] = []
+        if entries:
+            index["columns"] = entries[0].pop("columns")
+        if any(e.pop("columns", index["columns"]) != index["columns"] for e in entries):
+            raise ShardFormatError(
+                f"the Parquet files under {where} have different columns; an index "
+                "describes one schema. Index each schema's files apart."
+            )
+    return index
 
 
 def check_index(index, path: str) -> None:

@@ -107,6 +107,15 @@ def field_bytes(value: Any, key: str, field: str) -> bytes:
     )
 
 
+def _decoded_as(ext: str) -> str:
+    """What readers decode a field of extension `ext` as."""
+    if ext in INT_FIELDS:
+        return "an integer"
+    if ext in JSON_FIELDS:
+        return "JSON"
+    return "UTF-8 text"
+
+
 def text_bytes(value: str | bytes | bytearray | memoryview, key: str, field: str) -> bytes:
     """Text or bytes under a field of `DECODED`, as stored, checked the way `decode_sample` will
     decode it: refused now, naming the sample, not at read time.
@@ -116,14 +125,19 @@ def text_bytes(value: str | bytes | bytearray | memoryview, key: str, field: str
             an int of 64 bits, JSON).
     """
     ext = field.rsplit(".", 1)[-1]
-    data = utf8(value, key, field) if isinstance(value, str) else bytes(value)
+    if isinstance(value, str):
+        data = utf8(value, key, field)
+    else:
+        data = bytes(value)
+    number = None
     try:
         text = data.decode("utf-8")
-        number = int(text) if ext in INT_FIELDS else None
+        if ext in INT_FIELDS:
+            number = int(text)
         if ext in JSON_FIELDS:
             json.loads(text)
     except (ValueError, RecursionError):
-        kind = "an integer" if ext in INT_FIELDS else "JSON" if ext in JSON_FIELDS else "UTF-8 text"
+        kind = _decoded_as(ext)
         raise ShardFormatError(
             f"sample {key!r}, field {field!r}: {value[:40]!r} is not {kind}, which readers "
             f"decode a '.{ext}' field as; store it under another extension."

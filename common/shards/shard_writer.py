@@ -5,7 +5,7 @@ Use when: a dataset should live in a few large files on S3/GCS/HTTP or a shared 
 (`write_shards(samples, url)`); `shard_set.py` reads them back.
 Cost: encodes each sample once (twice with `distributed=True`: its size, then its bytes) and
 uploads each shard whole.
-Adapt here: `DEFAULT_SHARD_BYTES`, `SHARD_NAME`, `INDEX_NAME`; the shuffle's buffer:
+Adapt here: `DEFAULT_SHARD_BYTES`, `SHARD_NAME`, `shard_index.INDEX_NAME`; the shuffle's buffer:
 `shard_mixing.SHUFFLE_BUFFER_BYTES`.
 Trade-off: a shard is published whole (a local rename, or one object upload completed at its
 end), and the index last: a killed writer leaves no shard a reader could take and no index;
@@ -30,9 +30,10 @@ Copy with: common/caches/cache_folder.py, common/caches/packed_strings.py,
   common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
   common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
   common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
-  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_samples.py,
-  common/shards/shard_set.py, common/shards/sharded_dataset.py, common/shards/tar_members.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py.
+  common/shards/shard_formats.py, common/shards/shard_index.py, common/shards/shard_output.py,
+  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
+  common/shards/tar_members.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py.
 """
 
 from __future__ import annotations
@@ -40,9 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import tempfile
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -58,7 +56,8 @@ from recipes.common.shards.shard_formats import (
     parquet_value,
     scan_tar,
 )
-from recipes.common.shards.shard_index import FORMAT, INDEX_NAME, SUMS, VERSION
+from recipes.common.shards.shard_index import INDEX_NAME, SUMS, new_index
+from recipes.common.shards.shard_output import ShardOutput
 from recipes.common.shards.shard_samples import (
     ShardFormatError,
     sample_fields,
@@ -118,9 +117,12 @@ def write_shards(
     if shuffle:
         samples = shuffled_samples(samples, seed=seed)
     writer = _Writer(os.fspath(url), format, shard_bytes, storage_options)
-    world, rank = distributed_world() if distributed else (1, 0)
+    world = 1
+    rank = 0
+    if distributed:
+        world, rank = distributed_world()
     if rank == 0:  # a rewrite: no reader may take the old index while its shards are replaced
-        writer.remove_index()
+        writer.output.remove_index()
     if distributed:
         if not isinstance(samples, Sequence) and not (
             hasattr(samples, "__len__") and hasattr(samples, "__getitem__")
@@ -135,7 +137,9 @@ def write_shards(
         entries = writer.write_stream(samples, progress)
     if rank == 0:
         writer.publish_index(entries)
-        writer.remove_stale({e["name"] for e in entries})  # shards of an earlier, larger write
+        writer.output.remove_stale(
+            {e["name"] for e in entries}
+        )  # shards of an earlier, larger write
     if distributed and world > 1:
         import torch.distributed as dist
 
@@ -144,20 +148,13 @@ def write_shards(
 
 
 class _Writer:
-    def __init__(self, url: str, format: str, shard_bytes: int, storage_options: dict | None):
-        import fsspec
+    """Samples encoded and cut into shards, published to `output` with their index."""
 
-        self.url = url.rstrip("/")
+    def __init__(self, url: str, format: str, shard_bytes: int, storage_options: dict | None):
+        self.output = ShardOutput(url, storage_options)
         self.format = format
         self.shard_bytes = shard_bytes
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
-        self.local = "file" in _protocols(self.fs)
         self.schema = None
-        self.fs.makedirs(self.root, exist_ok=True)
-        if self.local:
-            for name in os.listdir(self.root):  # temp files of a killed writer
-                if ".tmp-" in name:
-                    _remove_if_dead(os.path.join(self.root, name))
 
     # ---- one sample --------------------------------------------------------------------
     def encode(self, sample: Any, position: int) -> tuple[Any, int, str]:
@@ -187,7 +184,7 @@ class _Writer:
                     f"first sample set the column's type to {expected}; every row's field must "
                     "have the column's type (convert it before writing)."
                 )
-            size += len(value) if isinstance(value, (bytes, str)) else 8
+            size += _stored_size(value)
         return row, size, key
 
     # ---- shards ------------------------------------------------------------------------
@@ -197,7 +194,9 @@ class _Writer:
         entries = []
         pending = []
         size = 0
-        total = len(samples) if hasattr(samples, "__len__") else None
+        total = None
+        if hasattr(samples, "__len__"):
+            total = len(samples)
         with tqdm(total=total, disable=not progress, desc="writing shards", unit="sample") as bar:
             for position, sample in enumerate(samples):
                 encoded, nbytes, key = self.encode(sample, position)
@@ -255,77 +254,39 @@ class _Writer:
         name = SHARD_NAME.format(number, self.format)
         entry: dict[str, Any] = {"name": name, "samples": len(pending)}
         if self.format == "tar":
-            offsets = (
-                np.cumsum([0] + [len(blob) for _, blob in pending[:-1]]).tolist() if pending else []
-            )
+            offsets = []
+            position = 0
+            for _, blob in pending:
+                offsets.append(position)
+                position += len(blob)
             members = b"".join(blob for _, blob in pending)
             data = members + tar_end(len(members))
-            entry["offsets"] = [int(o) for o in offsets]
+            entry["offsets"] = offsets
             entry["end"] = len(members)
             entry[SUMS] = [xxhash.xxh3_64_intdigest(blob) for _, blob in pending]
         else:
-            self.schema = (
-                parquet_schema({}, "") if self.schema is None else self.schema
-            )  # an empty write
+            if self.schema is None:  # an empty write
+                self.schema = parquet_schema({}, "")
             data = parquet_shard([row for _, row in pending], self.schema)
             entry["row_groups"], entry[SUMS], _ = parquet_digests(data)
         entry["bytes"] = len(data)
         entry["sha256"] = hashlib.sha256(data).hexdigest()
-        self.publish(name, data)
+        self.output.publish(name, data)
         return entry
 
-    def publish(self, name: str, data: bytes) -> None:
-        """`name` appears whole or not at all: a local rename, or one upload (a single PUT, or
-        a multipart upload that only its completion makes visible)."""
-        final = f"{self.root}/{name}"
-        if self.local:
-            temp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(temp, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temp, final)
-            return
-        with tempfile.NamedTemporaryFile(prefix="recipes-shard-", suffix=name) as temp:
-            temp.write(data)
-            temp.flush()
-            self.fs.put_file(temp.name, final)
-
-    def remove_index(self) -> None:
-        try:
-            self.fs.rm_file(f"{self.root}/{INDEX_NAME}")
-        except FileNotFoundError:
-            pass
-
-    def remove_stale(self, keep: set[str]) -> None:
-        """Shards named as ours but not in the index just written (an earlier write had more)."""
-        pattern = re.compile(r"shard-\d{6}\.(tar|parquet)$")
-        for path in self.fs.ls(self.root, detail=False):
-            name = path.rstrip("/").rsplit("/", 1)[-1]
-            if pattern.match(name) and name not in keep:
-                try:
-                    self.fs.rm_file(path)
-                except FileNotFoundError:
-                    pass
-
     def publish_index(self, entries: list[dict]) -> None:
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "shard_format": self.format,
-            "samples": int(sum(e["samples"] for e in entries)),
-            "shards": entries,
-        }
+        columns = None
         if self.schema is not None:
-            index["columns"] = [[f.name, str(f.type)] for f in self.schema]
-        elif self.format == "parquet":  # index_shards: others' files, one schema
-            index["columns"] = entries[0].pop("columns") if entries else []
-            if any(e.pop("columns", index["columns"]) != index["columns"] for e in entries):
-                raise ShardFormatError(
-                    f"the Parquet files under {self.url} have different columns; an index "
-                    "describes one schema. Index each schema's files apart."
-                )
-        self.publish(INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
+            columns = [[f.name, str(f.type)] for f in self.schema]
+        index = new_index(self.format, entries, columns, self.output.url)
+        self.output.publish(INDEX_NAME, json.dumps(index, separators=(",", ":")).encode())
+
+
+def _stored_size(value) -> int:
+    """About the bytes a Parquet value takes (a number: 8)."""
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    return 8
 
 
 def _boundaries(sizes: np.ndarray, limit: int) -> list[int]:
@@ -351,26 +312,6 @@ def _all_gather(obj, world: int) -> list:
     return out
 
 
-def _protocols(fs) -> tuple:
-    protocol = fs.protocol
-    return protocol if isinstance(protocol, tuple) else (protocol,)
-
-
-def _remove_if_dead(path: str) -> None:
-    try:
-        pid = int(path.rsplit(".tmp-", 1)[1].split("-")[0])
-        os.kill(pid, 0)
-    except (ValueError, IndexError):
-        return
-    except ProcessLookupError:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-    except PermissionError:
-        return
-
-
 def index_shards(
     urls: Sequence[str],
     *,
@@ -391,16 +332,18 @@ def index_shards(
     urls = [os.fspath(u) for u in urls]
     if not urls:
         raise ValueError("index_shards() needs at least one shard URL.")
-    formats = {
-        "parquet" if u.endswith(".parquet") else "tar" if u.endswith(".tar") else None for u in urls
-    }
+    formats = {_format_of(u) for u in urls}
     if None in formats or len(formats) != 1:
         raise ValueError(
             "index_shards() takes .tar or .parquet shards of one format; got "
             f"{sorted(map(str, formats))}."
         )
     folders = {u.rsplit("/", 1)[0] for u in urls}
-    folder = url or (folders.pop() if len(folders) == 1 else None)
+    folder = url
+    if not url:
+        folder = None
+        if len(folders) == 1:
+            folder = folders.pop()
     if folder is None:
         raise ValueError(
             f"the shards are in {len(folders)} folders, but an index names its shards relative to "
@@ -415,9 +358,7 @@ def index_shards(
     entries = []
     for u in tqdm(urls, disable=not progress, desc="indexing shards", unit="shard"):
         entry: dict[str, Any] = {"name": u.rsplit("/", 1)[1]}
-        if (
-            shard_format == "tar"
-        ):  # the headers, then every byte once: sha256 and each sample's xxh3-64
+        if shard_format == "tar":  # the headers, then every byte once: sha256, each sample's xxh3
             entry["samples"], entry["offsets"], entry["end"] = scan_tar(u, storage_options)
             with fsspec.open(u, "rb", **(storage_options or {})) as f:
                 entry["bytes"], entry["sha256"], entry[SUMS] = file_digests(
@@ -433,3 +374,12 @@ def index_shards(
     writer = _Writer(folder, shard_format, DEFAULT_SHARD_BYTES, storage_options)
     writer.publish_index(entries)
     return ShardSet.open(folder, storage_options=storage_options)
+
+
+def _format_of(url: str) -> str | None:
+    """A shard's format by its suffix (None: neither)."""
+    if url.endswith(".parquet"):
+        return "parquet"
+    if url.endswith(".tar"):
+        return "tar"
+    return None
