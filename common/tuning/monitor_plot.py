@@ -230,27 +230,24 @@ def plot_timeline(
     bottom.set_ylabel("busy %")
     bottom.set_xlabel("seconds since the first batch was asked for" if x == "time" else "step")
     for step in data.epoch_starts[1:]:
-        at = (
-            data.start_s[
-                min(np.searchsorted(first_step, step, side="right") - 1, len(data.start_s) - 1)
-            ]
-            if x == "time"
-            else step
-        )
+        at = step
+        if x == "time":
+            row = np.searchsorted(first_step, step, side="right") - 1
+            at = data.start_s[min(row, len(data.start_s) - 1)]
         for axes in (top, bottom):
             axes.axvline(at, color="grey", linestyle=":", linewidth=0.8)
     totals = data.totals()
-    share = (
-        totals["wait_s"] / (totals["wait_s"] + totals["compute_s"])
-        if totals["wait_s"] + totals["compute_s"]
-        else 0
-    )
+    share = 0
+    if totals["wait_s"] + totals["compute_s"]:
+        share = totals["wait_s"] / (totals["wait_s"] + totals["compute_s"])
     stride = f", {data.steps[0]} steps per point" if data.steps[0] > 1 else ""
     stats = (
         f"{totals['steps']:,} steps; data wait {share:.0%} of wait + compute, "
         f"the first step included{stride}"
     )
-    top.set_title(f"{title}\n{stats}" if title else stats, fontsize="medium", loc="left")
+    if title:
+        stats = f"{title}\n{stats}"
+    top.set_title(stats, fontsize="medium", loc="left")
     save_figure(fig, path, {"timeline": totals})
     plt.close(fig)
     return data
@@ -263,15 +260,10 @@ def _draw_memory(axes, data: TimelineData, first_step: np.ndarray | None) -> Non
         axes.figure.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
         return
     seconds, main, workers = data.memory.T
-    where = (
-        seconds
-        if first_step is None
-        else first_step[
-            np.clip(
-                np.searchsorted(data.start_s, seconds, side="right") - 1, 0, len(data.steps) - 1
-            )
-        ]
-    )
+    where = seconds
+    if first_step is not None:
+        rows = np.searchsorted(data.start_s, seconds, side="right") - 1
+        where = first_step[np.clip(rows, 0, len(data.steps) - 1)]
     twin = axes.twinx()
     twin.plot(where, main / 2**20, color="#55a868", marker=".", label="main RSS (MiB)")
     if workers.any():
