@@ -85,7 +85,7 @@ def test_a_flipped_byte_in_images_bin_raises_naming_it(tree, tmp_path, train):
     cache = ds.cache
     _flip(cache.path / "images.bin", int(cache.offsets[4]) + 7)
     fresh = ImageFolderFast(tree, size=48, max_side=96, train=train, cache_dir=tmp_path)
-    fresh._views[(48, 48)] = None  # eval: the whole-image path
+    fresh._cached.views[(48, 48)] = None  # eval: the whole-image path
     with pytest.raises(ImageCacheError, match=r"images.bin is damaged: image 4"):
         fresh[4]
     with pytest.raises(ImageCacheError, match=r"images.bin is damaged: image 4"):

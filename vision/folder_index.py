@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -30,15 +31,18 @@ from recipes.vision.decoding.region_decode import region_decode_available
 
 @dataclass(frozen=True)
 class FolderSettings:
-    """The checked output `size` (height, width) and `max_side` of the decoded cache."""
+    """The checked output `size` (height, width), `max_side` of the decoded cache and the folder
+    of that cache (None: decoded from files)."""
 
     size: tuple[int, int]
     max_side: int
+    cache_dir: Path | None
 
 
 def checked_settings(
     size,
     *,
+    on_error: str,
     decode: str,
     transform: Callable | None,
     cache_dir: str | os.PathLike | None,
@@ -48,11 +52,13 @@ def checked_settings(
     """`ImageFolderFast`'s size and decode arguments checked against each other and this machine.
 
     Raises:
-        ValueError: a size, decode mode or `max_side` out of range, or decode="gpu" with a
-            `transform` or `cache_dir` (both belong to the CPU path).
+        ValueError: an `on_error`, size, decode mode or `max_side` out of range, or decode="gpu"
+            with a `transform` or `cache_dir` (both belong to the CPU path).
         RuntimeError: decode="gpu" without CUDA.
         ImportError: region_decode=True without nvImageCodec.
     """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"`on_error` must be 'raise' or 'skip', but is {on_error!r} instead.")
     size = output_size(size)
     if decode not in ("cpu", "gpu"):
         raise ValueError(f"`decode` must be 'cpu' or 'gpu', but is {decode!r} instead.")
@@ -79,7 +85,10 @@ def checked_settings(
             f"`max_side` must be an int of at least the output side {max(size)}, but is "
             f"{max_side!r} instead."
         )
-    return FolderSettings(size=size, max_side=side)
+    folder = None
+    if cache_dir is not None:
+        folder = Path(cache_dir)
+    return FolderSettings(size=size, max_side=side, cache_dir=folder)
 
 
 class FolderIndex(NamedTuple):

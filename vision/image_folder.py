@@ -26,10 +26,11 @@ Copy with: common/caches/build_ranks.py, common/caches/cache_builds.py,
   common/workers/process_lifetime.py, common/workers/start_watch.py,
   vision/batches/batch_buffers.py, vision/batches/device.py, vision/batches/gpu_decode.py,
   vision/batches/thread_batches.py, vision/cache/cache_source.py, vision/cache/cached_batches.py,
-  vision/cache/eval_view.py, vision/cache/eval_view_build.py, vision/cache/image_cache.py,
-  vision/cache/image_cache_build.py, vision/cache/stale_caches.py, vision/decoding/bad_files.py,
-  vision/decoding/crop.py, vision/decoding/decode.py, vision/decoding/image_header.py,
-  vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py, vision/folder_index.py.
+  vision/cache/cached_items.py, vision/cache/eval_view.py, vision/cache/eval_view_build.py,
+  vision/cache/image_cache.py, vision/cache/image_cache_build.py, vision/cache/stale_caches.py,
+  vision/decoding/bad_files.py, vision/decoding/crop.py, vision/decoding/decode.py,
+  vision/decoding/image_header.py, vision/decoding/jpeg_damage.py, vision/decoding/region_decode.py,
+  vision/folder_index.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -54,7 +54,7 @@ from recipes.vision.batches.thread_batches import (
     items_of,
     read_ahead_key_of,
 )
-from recipes.vision.cache.cached_batches import eval_view_of, fill_cached_batch, read_cached_item
+from recipes.vision.cache.cached_items import CachedItems
 from recipes.vision.cache.eval_view import EvalView
 from recipes.vision.cache.eval_view_build import eval_record_of
 from recipes.vision.cache.image_cache import ImageCache
@@ -136,11 +136,10 @@ class ImageFolderFast(Dataset):
         region_decode: bool | None = None,
         strict: bool = True,
     ):
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"`on_error` must be 'raise' or 'skip', but is {on_error!r} instead.")
         self.root = os.fspath(root)
         settings = checked_settings(
             size,
+            on_error=on_error,
             decode=decode,
             transform=transform,
             cache_dir=cache_dir,
@@ -166,19 +165,10 @@ class ImageFolderFast(Dataset):
         self._checked = torch.zeros(len(self._paths), dtype=torch.uint8).share_memory_()
         self._rng_key = None  # (pid, torch seed) of the draws' np.random.Generator
         self._rng = None
-        self.cache: ImageCache | None = None
-        self._views: dict = {}  # eval views by resolution (eval_view_of), opened per process
-        self.cache_dir = None
-        if cache_dir is not None:
-            self.cache_dir = Path(cache_dir)
-            attach_image_cache(
-                self.cache_dir,
-                self.root,
-                self._paths,
-                self._targets,
-                self.max_side,
-                use_cache=self.use_cache,
-            )
+        self._cached: CachedItems | None = None  # set by use_cache
+        self.cache_dir = settings.cache_dir
+        if self.cache_dir is not None:
+            attach_image_cache(self.cache_dir, self)
 
     # torchvision's hook, same signature and errors.
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
@@ -228,8 +218,9 @@ class ImageFolderFast(Dataset):
         if self.decode == "gpu":
             item, target, _ = self._load_or_skip(index, self._encoded_item)
             return item, target
-        if self.cache is not None:
-            return self._cached_item(index), int(self.cache.labels[index])
+        if self._cached is not None:
+            image = self._cached.item(index, self.crop_settings(), self._generator())
+            return self._finish(image), int(self._cached.cache.labels[index])
         image, target, _ = self._load_or_skip(index, self._output_image)
         return image, target
 
@@ -237,27 +228,14 @@ class ImageFolderFast(Dataset):
         """A whole batch in one call. From the cache, each crop is read (`preadv`) and resized
         straight into one batch tensor (shared memory in a worker); the items are rows of that
         tensor, which `uint8_collate` returns without another copy (`fill_cached_batch`)."""
-        if self.cache is None:
+        if self._cached is None or self.transform is not None:  # a transform may change shapes
             items = [self[i] for i in indices]
-            if self.decode == "cpu":
-                # decode buffers fragment the heap; keep worker memory flat across epochs
-                trim_heap()
-            return items
-        indices = [self._check_index(i) for i in indices]
-        labels = self.cache.labels[indices]
-        if self.transform is not None:  # the transform may change shapes: separate tensors
-            items = [(self._cached_item(i), int(t)) for i, t in zip(indices, labels, strict=True)]
         else:
-            batch = fill_cached_batch(
-                self.cache,
-                self.eval_view,
-                self.crop_settings(),
-                indices,
-                self._generator(),
-                new_uint8_batch(len(indices), 3, *self.resolution),
-            )
-            items = [(batch[row], int(t)) for row, t in enumerate(labels)]
-        trim_heap()
+            indices = [self._check_index(i) for i in indices]
+            batch = new_uint8_batch(len(indices), 3, *self.resolution)
+            items = self._cached.items(indices, self.crop_settings(), self._generator(), batch)
+        if self._cached is not None or self.decode == "cpu":
+            trim_heap()  # decode buffers fragment the heap; keep worker memory flat across epochs
         return items
 
     # ---- the thread path (ThreadLoader, which make_loader chooses) ----------------------
@@ -383,25 +361,23 @@ class ImageFolderFast(Dataset):
         Raises:
             ImageCacheError: `labels.bin` disagrees with the targets.
         """
-        if cache.count != len(self):
-            raise ValueError(
-                f"the cache holds {cache.count} images but the dataset has {len(self)}."
-            )
-        cache.check_labels(self._targets)
-        self.cache = cache
-        self._views.clear()
+        self._cached = CachedItems(cache, self._targets)
         self._bad.mark(cache.skipped)
+
+    @property
+    def cache(self) -> ImageCache | None:
+        """The decoded cache its items are served from (`use_cache`); None: from the files."""
+        if self._cached is None:
+            return None
+        return self._cached.cache
 
     @property
     def eval_view(self) -> EvalView | None:
         """The cache's eval view at the current resolution (eval mode only), opened once per
-        resolution and process (`eval_view_of`, which warns when there is none)."""
-        if self.cache is None or self.train:
+        resolution and process (`CachedItems.eval_view`, which warns when there is none)."""
+        if self._cached is None:
             return None
-        size = self.resolution
-        if size not in self._views:
-            self._views[size] = eval_view_of(self.cache, size, self.CROP_PCT)
-        return self._views[size]
+        return self._cached.eval_view(self.crop_settings())
 
     def eval_record(self, index: int) -> torch.Tensor:
         """What an eval view stores at `index` (`eval_record_of` its file; with
@@ -420,14 +396,6 @@ class ImageFolderFast(Dataset):
             return record, int(self._targets[i])
 
         return self._load_or_skip(index, load)[0]
-
-    def _cached_item(self, index: int) -> torch.Tensor:
-        """The output crop of cached image `index` (`read_cached_item`), flipped and transformed."""
-        return self._finish(
-            read_cached_item(
-                self.cache, self.eval_view, self.crop_settings(), index, self._generator()
-            )
-        )
 
     # ---- shared tail ------------------------------------------------------------------
     def _finish(self, image: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:

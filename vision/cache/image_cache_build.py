@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -92,29 +91,23 @@ def decode_stored(
     return np.ascontiguousarray(decoded)
 
 
-def attach_image_cache(
-    cache_dir: Path,
-    root: str,
-    paths,
-    targets: np.ndarray,
-    max_side: int,
-    *,
-    use_cache: Callable[[ImageCache], None],
-) -> None:
-    """Opens the cache in `cache_dir` built from exactly these inputs and hands it to `use_cache`
-    (a dataset's). Without one, or with one that is damaged or that `use_cache` refuses
+def attach_image_cache(cache_dir: Path, dataset: CacheSource) -> None:
+    """Opens the cache in `cache_dir` built from exactly `dataset`'s inputs and hands it to
+    `dataset.use_cache`. Without one, or with one that is damaged or that `use_cache` refuses
     (`ImageCacheError`), it warns and hands over nothing: the dataset decodes from files. The
     warning names what changed when a cache of the same `root` was built from other inputs. A
     temp folder (or eval-view temp file) left by a build killed midway is removed.
     """
-    fingerprint, rels, table = cache_inputs(paths, targets, root, max_side)
+    fingerprint, rels, table = cache_inputs(
+        dataset.paths, dataset.targets, dataset.root, dataset.max_side
+    )
     path = ImageCache.folder_for(cache_dir, fingerprint)
     if cache_dir.is_dir():
         sweep_dead_temps(cache_dir, path.name)  # a build killed midway leaves its temp folder
     if not path.exists():
         stale = []
         if cache_dir.is_dir():
-            stale = find_stale_caches(cache_dir, os.path.abspath(root), fingerprint)
+            stale = find_stale_caches(cache_dir, os.path.abspath(dataset.root), fingerprint)
         if stale:
             warnings.warn(
                 f"Not using the image cache in {cache_dir}: it was built from other inputs "
@@ -128,7 +121,7 @@ def attach_image_cache(
         path, "eval-*"
     )  # an eval-view build killed midway leaves its temp files in the cache
     try:
-        use_cache(ImageCache.open(path, fingerprint=fingerprint))
+        dataset.use_cache(ImageCache.open(path, fingerprint=fingerprint))
     except ImageCacheError as why:
         warnings.warn(f"Not using the image cache: {why} Decoding from files.", stacklevel=3)
 

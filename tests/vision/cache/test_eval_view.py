@@ -45,7 +45,7 @@ def test_warm_eval_pixels_are_torchvisions_within_a_grey_level(photos, tmp_path)
         photos, size=224
     )  # the same cache without its view: resized out of the store
     whole.use_cache(ds.cache)
-    whole._views[(224, 224)] = None
+    whole._cached.views[(224, 224)] = None
     assert np.mean([_mad(whole[i][0], reference[i][0]) for i in range(len(ds))]) > np.mean(mads)
 
 
