@@ -4,7 +4,7 @@ Use when: the same audio is featurised every epoch. Computing a mel spectrogram 
 decode, an STFT and a filterbank per item; reading it back costs a memory-map slice.
 Cost: one pass over the dataset in DataLoader workers; `n_mels * frames * 2` bytes per item
 in float16 (80 x 401 frames for a 4 s window: 64 KB, 4x smaller than the float32 waveform).
-Adapt here: `_featurizer` (e.g. add deltas), the dtype.
+Adapt here: `featurizer` in `spectrogram_inputs.py` (e.g. add deltas), the dtype.
 Trade-off: features are fixed at build time; waveform augmentations (speed, noise) must
 happen before the cache or be replaced by feature-space ones (SpecAugment).
 
@@ -22,25 +22,23 @@ The header holds its own checksum and those of the other small files (checked on
   damaged.json   written when a read (or `recipes cache verify`) finds a damaged item: the folder
                  then fails to open, so `build_spectrogram_cache` rebuilds it instead of reusing it
 Copy with: audio/chunked.py, audio/shard_audio.py, audio/shard_utterances.py,
-  common/caches/build_ranks.py, common/caches/cache_builds.py, common/caches/cache_checks.py,
-  common/caches/cache_files.py, common/caches/cache_folder.py, common/caches/packed_strings.py,
-  common/loader_warning.py, common/loading/build_loader.py, common/remote/object_download.py,
-  common/sampling/sharding.py, common/shards/epochs/epoch_resume.py,
-  common/shards/epochs/plan_settings.py, common/shards/epochs/rank_epoch.py,
-  common/shards/epochs/shard_mixing.py, common/shards/epochs/shard_plan.py,
-  common/shards/epochs/shard_reading.py, common/shards/epochs/shard_reshape.py,
-  common/shards/shard_checks.py, common/shards/shard_content.py, common/shards/shard_formats.py,
-  common/shards/shard_index.py, common/shards/shard_samples.py, common/shards/shard_set.py,
-  common/shards/sharded_dataset.py, common/shards/tar_members.py,
-  common/workers/held_descriptors.py, common/workers/process_lifetime.py,
-  common/workers/start_watch.py.
+  audio/spectrogram_inputs.py, common/caches/build_ranks.py, common/caches/cache_builds.py,
+  common/caches/cache_checks.py, common/caches/cache_files.py, common/caches/cache_folder.py,
+  common/caches/packed_strings.py, common/loader_warning.py, common/loading/build_loader.py,
+  common/remote/object_download.py, common/sampling/sharding.py,
+  common/shards/epochs/epoch_resume.py, common/shards/epochs/plan_settings.py,
+  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
+  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
+  common/shards/epochs/shard_reshape.py, common/shards/shard_checks.py,
+  common/shards/shard_content.py, common/shards/shard_formats.py, common/shards/shard_index.py,
+  common/shards/shard_samples.py, common/shards/shard_set.py, common/shards/sharded_dataset.py,
+  common/shards/tar_members.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -50,6 +48,13 @@ from torch.utils.data import Dataset
 
 from recipes.audio.chunked import ChunkedAudioDataset
 from recipes.audio.shard_utterances import ShardUtterances
+from recipes.audio.spectrogram_inputs import (
+    FORMAT,
+    FORMAT_VERSION,
+    cache_fingerprint,
+    feature_settings,
+    featurizer,
+)
 from recipes.common.caches.cache_builds import FolderBuild
 from recipes.common.caches.cache_checks import (
     ItemChecks,
@@ -65,8 +70,6 @@ from recipes.common.caches.packed_strings import resolve_index, resolve_indices
 from recipes.common.loading.build_loader import build_loader
 from recipes.common.shards.shard_set import ShardSet
 
-FORMAT = "recipes-spectrogram-cache"
-FORMAT_VERSION = 2  # 2: per-item checksums, a header checksum
 _BUILD_HINT = "build_spectrogram_cache() or `recipes cache audio`"
 _INFO = np.dtype([("file", "<i8"), ("start", "<f8"), ("frames", "<i8")])
 
@@ -234,59 +237,6 @@ class SpectrogramCache(Dataset):
         )
 
 
-def featurizer(sample_rate: int, *, n_fft: int, hop_length: int, n_mels: int, log: bool):
-    """`wave [C, T] -> float32 [n_mels, F]`: torchaudio's MelSpectrogram of the channel mean,
-    then `log(mel + 1e-6)` when `log`."""
-    import torchaudio
-
-    mel = torchaudio.transforms.MelSpectrogram(
-        sample_rate=sample_rate, n_fft=n_fft, hop_length=hop_length, n_mels=n_mels
-    )
-
-    def features(wave: torch.Tensor) -> torch.Tensor:
-        spec = mel(wave.mean(dim=0))
-        if log:
-            return torch.log(spec + 1e-6)
-        return spec
-
-    return features
-
-
-def cache_fingerprint(dataset, settings: dict) -> str:
-    digest = hashlib.sha256(
-        json.dumps(
-            {"format": FORMAT, "version": FORMAT_VERSION, **settings}, sort_keys=True
-        ).encode()
-    )
-    if isinstance(dataset, ShardUtterances):  # the shards' index: no shard is read
-        digest.update(f"\nshards\0{dataset.content_hash()}".encode())
-        return digest.hexdigest()
-    for path in dataset.files:
-        st = os.stat(path)
-        digest.update(
-            f"\n{path}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogateescape")
-        )
-    return digest.hexdigest()
-
-
-def _settings(dataset, n_fft, hop_length, n_mels, log, dtype) -> dict:
-    import torchaudio
-
-    return {
-        "chunk_seconds": dataset.chunk_seconds,
-        "hop_seconds": dataset.hop_seconds,
-        "last_chunk": dataset.last_chunk,
-        "sample_rate": dataset.sample_rate,
-        "mono": dataset.mono,
-        "n_fft": n_fft,
-        "hop_length": hop_length,
-        "n_mels": n_mels,
-        "log": log,
-        "dtype": dtype,
-        "torchaudio": torchaudio.__version__,
-    }
-
-
 class _Features:
     """Items `(index, [n_mels, F] features, valid feature frames, info)` of `block`, for the
     build."""
@@ -382,7 +332,7 @@ def build_spectrogram_cache(
     for name, value in (("n_fft", n_fft), ("hop_length", hop_length), ("n_mels", n_mels)):
         if value <= 0:
             raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
-    settings = _settings(dataset, n_fft, hop_length, n_mels, log, dtype)
+    settings = feature_settings(dataset, n_fft, hop_length, n_mels, log, dtype)
     fingerprint = cache_fingerprint(dataset, settings)
     target = Path(cache_dir)
     build = FolderBuild(target, distributed=distributed, inputs=fingerprint)
