@@ -28,6 +28,7 @@ Copy with: audio/shard_audio.py, common/caches/cache_folder.py, common/caches/pa
 from __future__ import annotations
 
 import io
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,13 @@ from recipes.audio.shard_audio import ShardAudio, ShardAudioError
 from recipes.common.caches.packed_strings import resolve_index
 from recipes.common.shards.shard_content import content_hash, read_checked
 from recipes.common.shards.shard_set import ShardSet
+
+
+class _HeldShard(NamedTuple):
+    """The one shard a worker holds decoded: its number and its samples."""
+
+    shard: int
+    samples: list[dict]
 
 
 class ShardUtterances(Dataset):
@@ -74,7 +82,7 @@ class ShardUtterances(Dataset):
         self._decode = ShardAudio(sample_rate=sample_rate, mono=mono, field=field)
         self._rate = sample_rate
         self.starts = np.concatenate(([0], np.cumsum(shards.lengths))).astype(np.int64)
-        self._held: tuple[int, list[dict]] | None = None
+        self._held: _HeldShard | None = None
 
     @property
     def sample_rate(self) -> int:
@@ -113,10 +121,10 @@ class ShardUtterances(Dataset):
 
     def _sample(self, i: int) -> dict:
         shard = int(np.searchsorted(self.starts, i, side="right")) - 1
-        if self._held is None or self._held[0] != shard:
+        if self._held is None or self._held.shard != shard:
             self._held = None  # drop the last shard before reading the next
-            self._held = (shard, self._hold(shard))
-        return self._held[1][i - int(self.starts[shard])]
+            self._held = _HeldShard(shard, self._hold(shard))
+        return self._held.samples[i - int(self.starts[shard])]
 
     def _hold(self, shard: int) -> list[dict]:
         return list(read_checked(self.shards, shard))

@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from recipes.common.sampling.bucketing import LengthBucketSampler
+
+
+class _EpochBatches(NamedTuple):
+    """The plan of one epoch, kept for the epoch's later calls."""
+
+    epoch: int
+    batches: list[np.ndarray]
 
 
 class PackedBatchSampler(LengthBucketSampler):
@@ -114,8 +122,8 @@ class PackedBatchSampler(LengthBucketSampler):
         """Every batch of `epoch` (default: the current one) as arrays of keys, in dealing order."""
         if epoch is None:
             epoch = self.epoch
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
+        if self._cache is not None and self._cache.epoch == epoch:
+            return self._cache.batches
         rows = self.rows(epoch)
         p = self.num_pieces
         b = self.batch_size
@@ -123,7 +131,7 @@ class PackedBatchSampler(LengthBucketSampler):
         for first in range(0, len(rows), b):
             group = rows[first : first + b]
             batches.append(np.concatenate([row + r * p for r, row in enumerate(group)]))
-        self._cache = (epoch, batches)
+        self._cache = _EpochBatches(epoch, batches)
         return batches
 
     def rows(self, epoch: int) -> list[np.ndarray]:

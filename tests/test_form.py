@@ -22,16 +22,12 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("common", "vision", "nlp", "audio", "recipes")
 MAX_LINES = 400
 NEAR_LIMIT = 10
 MAX_NEAR_LIMIT = 3
 MAX_FUNCTION = 100
-# Until issue 47's redesign lands (removed by its last commit).
-IN_PROGRESS = pytest.mark.xfail(reason="issue 47 in progress", strict=True)
 
 
 def sources(root: Path) -> list[Path]:
@@ -152,7 +148,6 @@ def private_records_by_position(tree: ast.Module) -> list[int]:
     return found
 
 
-@IN_PROGRESS
 def test_no_library_file_is_over_400_lines_below_its_docstring():
     sizes = {}
     for path in sources(ROOT):
@@ -164,7 +159,6 @@ def test_no_library_file_is_over_400_lines_below_its_docstring():
     assert len(near) <= MAX_NEAR_LIMIT, f"more than {MAX_NEAR_LIMIT} files near the limit: {near}"
 
 
-@IN_PROGRESS
 def test_no_library_function_is_over_100_lines():
     long = {}
     for path in sources(ROOT):
@@ -174,7 +168,6 @@ def test_no_library_function_is_over_100_lines():
     assert not long, long
 
 
-@IN_PROGRESS
 def test_the_library_reads_plainly():
     density = measure(ROOT)
     assert density.characters_per_code_line <= 50, density
@@ -183,7 +176,6 @@ def test_the_library_reads_plainly():
     assert density.per_1k(density.imports_inside_functions) <= 1.5, density
 
 
-@IN_PROGRESS
 def test_no_private_record_is_read_by_position():
     found = {}
     for path in sources(ROOT):

@@ -316,14 +316,14 @@ class _Batches:
         self._fill()
         if not self._pending:
             raise StopIteration
-        future = self._pending[0]
+        future = self._pending.popleft()
         try:
-            batch = future.result()
+            return future.result()
         except Exception:
-            self._pending.popleft()  # its position is used up (loader_passes: the dataset's error)
+            raise  # its position is used up (loader_passes: the dataset's error)
+        except BaseException:
+            self._pending.appendleft(future)  # interrupted: the batch is still the next one
             raise
-        self._pending.popleft()
-        return batch
 
     def failed_batches_are_used(self, error: BaseException) -> bool:
         """An error from a pool thread is the dataset's: that batch's position is behind the loop

@@ -30,6 +30,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,13 @@ from torch.utils.data import Sampler
 
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.sampling.sharding import distributed_world
+
+
+class _EpochBatches(NamedTuple):
+    """The plan of one epoch, kept for the epoch's later calls."""
+
+    epoch: int
+    batches: list[np.ndarray]
 
 
 class LengthBucketSampler(Sampler[list[int]]):
@@ -130,7 +138,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         self._yielded = 0  # local batches yielded in the current iteration
         self._iterated_epoch: int | None = None
         self._warned_long = False
-        self._cache: tuple[int, list[np.ndarray]] | None = None
+        self._cache: _EpochBatches | None = None
 
     # ---- the epoch's global batch list -------------------------------------------------
     def padded_length(self, length: int) -> int:
@@ -141,8 +149,8 @@ class LengthBucketSampler(Sampler[list[int]]):
         """Every batch of `epoch` (default: the current one), in the order they are dealt."""
         if epoch is None:
             epoch = self.epoch
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
+        if self._cache is not None and self._cache.epoch == epoch:
+            return self._cache.batches
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         pool = None
         n = len(self.lengths)
@@ -159,7 +167,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         batches = self._split(order)
         if self.shuffle and batches:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-        self._cache = (epoch, batches)
+        self._cache = _EpochBatches(epoch, batches)
         return batches
 
     def _split(self, order: np.ndarray) -> list[np.ndarray]:

@@ -21,12 +21,20 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sized
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
 from recipes.common.sampling.sharding import distributed_world
+
+
+class _EpochOrder(NamedTuple):
+    """The plan of one epoch, kept for the epoch's later calls."""
+
+    epoch: int
+    order: np.ndarray
 
 
 class ElasticDistributedSampler(DistributedSampler):
@@ -91,7 +99,7 @@ class ElasticDistributedSampler(DistributedSampler):
         self.num_samples_total = len(dataset)
         self._start = 0  # samples of the epoch's order done before this pass (a loaded state)
         self._begin = 0  # where the current pass began in the order
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._cache: _EpochOrder | None = None
 
     # ---- the order ---------------------------------------------------------------------
     def order(self, epoch: int | None = None) -> np.ndarray:
@@ -99,15 +107,15 @@ class ElasticDistributedSampler(DistributedSampler):
         if epoch is None:
             epoch = self.epoch
         epoch = int(epoch)
-        if self._cache is None or self._cache[0] != epoch:
+        if self._cache is None or self._cache.epoch != epoch:
             n = self.num_samples_total
             if self.shuffle:
                 g = torch.Generator().manual_seed(self.seed + epoch)  # DistributedSampler's draw
                 order = torch.randperm(n, generator=g).numpy()
             else:
                 order = np.arange(n, dtype=np.int64)
-            self._cache = (epoch, order)
-        return self._cache[1]
+            self._cache = _EpochOrder(epoch, order)
+        return self._cache.order
 
     def deal(self, start: int = 0) -> np.ndarray:
         """This rank's indices of the order's rest from position `start`, padded (or cut) to
