@@ -89,7 +89,20 @@ class ShardImages:
             box = random_resized_box(header.height, header.width, rng, self.SCALE, self.RATIO)
         else:
             box = eval_box(header.height, header.width, self.size, self.CROP_PCT)
-        image = resize_uint8(decode_box(self, data, header, box, self.size, where, None), self.size)
+        checked = None
+        if self.strict:
+            checked = self._checked
+        pixels = decode_box(
+            data,
+            header,
+            box,
+            self.size,
+            where,
+            None,
+            checked=checked,
+            region_decode=self.region_decode,
+        )
+        image = resize_uint8(pixels, self.size)
         if self.train and rng.random() < 0.5:
             image = image.flip(-1)
         if self.label_field is None:
