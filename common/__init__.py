@@ -12,6 +12,7 @@ from recipes.common.sampling.bucketing import LengthBucketSampler
 from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
 from recipes.common.sampling.mixture import MixtureSampler
 from recipes.common.sampling.mixture_iterable import MixtureIterable
+from recipes.common.sampling.mixture_schedule import Schedule
 from recipes.common.sampling.mixture_sources import MixtureSources
 from recipes.common.sampling.sharding import shard_indices
 from recipes.common.shards.shard_formats import ShardFormatError, read_parquet, read_tar
@@ -47,6 +48,7 @@ __all__ = [
     "PrefetchCache",
     "Resources",
     "RobustLoader",
+    "Schedule",
     "ShardFormatError",
     "ShardIndexError",
     "ShardSet",

@@ -38,22 +38,43 @@ keys in `mixture_state.py`, the sources' batch reads in `mixture_sources.py` (`M
 `MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset`
 shard sets, each exact over ranks and workers) by the same weights and stop rules, for remote
 corpora.
-Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_settings.py,
+Copy with: common/sampling/mixture_changes.py, common/sampling/mixture_epoch.py,
+  common/sampling/mixture_pacing.py, common/sampling/mixture_plan.py,
+  common/sampling/mixture_schedule.py, common/sampling/mixture_settings.py,
   common/sampling/mixture_state.py, common/sampling/mixture_weights.py, common/sampling/sharding.py.
 """
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from recipes.common.sampling.mixture_plan import EpochPlan, MixturePlan
-from recipes.common.sampling.mixture_settings import check_count, check_stop
-from recipes.common.sampling.mixture_state import MixturePosition, read_state, write_state
+from recipes.common.sampling.mixture_changes import agree, parsed_change
+from recipes.common.sampling.mixture_epoch import EpochDraws
+from recipes.common.sampling.mixture_pacing import FixedPace, PacedPlan, SchedulePace
+from recipes.common.sampling.mixture_plan import MixturePlan
+from recipes.common.sampling.mixture_schedule import Schedule
+from recipes.common.sampling.mixture_settings import (
+    check_count,
+    check_stop,
+    source_lengths,
+    whole_sizes,
+)
+from recipes.common.sampling.mixture_state import (
+    MixturePosition,
+    read_segments,
+    read_state,
+    write_state,
+)
 from recipes.common.sampling.mixture_weights import parse_sources
 from recipes.common.sampling.sharding import distributed_world
+
+# Index mode hands this rank's indices out in chunks of this many (a change of weights takes
+# effect after the chunks handed out).
+CHUNK = 64
 
 
 class MixtureSampler:
@@ -62,7 +83,10 @@ class MixtureSampler:
     Args:
         sizes: samples per source, a sequence or a mapping from name to size (in the
             `ConcatDataset`'s order).
-        weights: per source, the same shape as `sizes` (normalised; need not sum to 1).
+        weights: per source, the same shape as `sizes` (normalised; need not sum to 1), or a
+            `Schedule` (weights over training progress).
+        lengths: each sample's length in tokens (one array per source, a mapping by name, or
+            one array over all sources in order): the weights are then shares of tokens.
         num_samples: the epoch's length (all ranks together); required with stop="never".
         stop: "drop_exhausted", "first_exhausted", "cycle_until_all_exhausted" or "never"
             (see the module docstring).
@@ -74,8 +98,10 @@ class MixtureSampler:
 
     Raises:
         ValueError: mismatched or non-positive sizes or weights (or weights whose sum
-            overflows), an unknown or ambiguous `stop`, stop="never" without `num_samples`,
-            or a "cycle_until_all_exhausted" epoch of over `MAX_CYCLED` samples.
+            overflows), lengths that do not match the sizes, a schedule over tokens without
+            lengths (or over samples with them), an unknown or ambiguous `stop`, stop="never"
+            without `num_samples`, or a "cycle_until_all_exhausted" epoch of over `MAX_CYCLED`
+            samples.
 
     Example:
         >>> mix = MixtureSampler({"web": len(web), "code": len(code)}, {"web": 0.7, "code": 0.3})
@@ -85,8 +111,9 @@ class MixtureSampler:
     def __init__(
         self,
         sizes: Sequence[int] | Mapping[str, int],
-        weights: Sequence[float] | Mapping[str, float],
+        weights: Sequence[float] | Mapping[str, float] | Schedule,
         *,
+        lengths=None,
         num_samples: int | None = None,
         stop: str = "drop_exhausted",
         seed: int = 0,
@@ -96,10 +123,19 @@ class MixtureSampler:
         batch_size: int | None = None,
         drop_last: bool = False,
     ):
-        sources = parse_sources(sizes, weights, "sizes")
+        self.schedule = None
+        if isinstance(weights, Schedule):
+            sources = parse_sources(sizes, _even(sizes), "sizes")
+            self.schedule = weights.bind(sources.names)
+            own = self.schedule.weights_at([0])[0]
+            sources = sources._replace(weights=own)
+        else:
+            sources = parse_sources(sizes, weights, "sizes")
         self.names = sources.names
         self.weights = sources.weights
-        self.sizes = _whole_sizes(sources.values, self.names)
+        self.sizes = whole_sizes(sources.values, self.names)
+        lengths = source_lengths(lengths, self.sizes, self.names)
+        _check_units(self.schedule, lengths)
         check_stop(stop, num_samples)
         self.num_samples = check_count("num_samples", num_samples)
         self.batch_size = check_count("batch_size", batch_size)
@@ -117,6 +153,15 @@ class MixtureSampler:
         )
         self._planner.check_length()
         self.offsets = self._planner.offsets
+        self.lengths = None
+        if lengths is not None:
+            self.lengths = np.concatenate(lengths)
+        self.paced = self.schedule is not None or lengths is not None
+        pace = FixedPace(self.weights)
+        if self.schedule is not None:
+            pace = SchedulePace(self.schedule)
+        paced = PacedPlan(self._planner, lengths)
+        self._draws = EpochDraws(self._planner, paced, pace, self.lengths, iid=not self.paced)
         world, here = distributed_world()
         if num_replicas is None:
             num_replicas = world
@@ -134,30 +179,57 @@ class MixtureSampler:
         self._start = 0
         self._begin = 0  # where the current pass began
         self._yielded = 0  # batch mode: local batches yielded in the current pass
-        self._cache: EpochPlan | None = None
+        self._handed = 0  # this pass's batches (or indices) handed out by the iterator
+        self._lock = threading.Lock()  # the iterator and `set_weights` on another thread
+        self._version = 0  # counts the plan's redraws: a change of weights, a resume
+        self._view: tuple | None = None  # ((epoch, begin, version), this rank's part)
 
     # ---- the epoch's plan, dealt over the ranks -------------------------------------------
     def global_indices(self, epoch: int | None = None) -> np.ndarray:
-        """Every index of `epoch`'s plan (all ranks), in order: the same on every rank."""
+        """Every index of `epoch`'s plan (all ranks), in order: the same on every rank. After a
+        resume into an epoch whose weights the loop changed, from the first position the state
+        holds (`known_from()`)."""
+        return self._epoch(epoch).indices
+
+    def known_from(self, epoch: int | None = None) -> int:
+        """The first position of `epoch`'s plan this sampler knows (0 unless resumed)."""
+        return self._epoch(epoch).first
+
+    def _epoch(self, epoch: int | None) -> EpochDraws:
+        """The draws of `epoch`: the current epoch's own, another's drawn on a copy."""
         if epoch is None:
             epoch = self.epoch
         epoch = int(epoch)
-        if self._cache is None or self._cache.epoch != epoch:
-            self._cache = self._planner.draw(epoch)
-        return self._cache.indices
+        if self._draws.epoch != self.epoch:
+            self._draws.advance(self.epoch)
+        if epoch == self.epoch:
+            return self._draws
+        other = EpochDraws(
+            self._planner,
+            self._draws.paced,
+            self._draws.pace,
+            self.lengths,
+            iid=self._draws.iid,
+        )
+        if epoch > self.epoch:  # on from this epoch: its progress and weights carry over
+            other.restore(self.epoch, self._draws.segments)
+        other.advance(epoch)
+        return other
 
     def _padded(self, epoch: int, start: int = 0) -> np.ndarray:
-        """The plan's rest from position `start`, padded with its first indices to a multiple
-        of the ranks."""
-        plan = self.global_indices(epoch)
-        rest = plan[min(start, len(plan)) :]
+        """The plan's rest from position `start`, padded with its first known indices to a
+        multiple of the ranks."""
+        draws = self._epoch(epoch)
+        plan = draws.indices
+        rest = plan[min(max(start - draws.first, 0), len(plan)) :]
         r = self.num_replicas
         if len(rest) % r and len(plan):
             rest = np.concatenate([rest, plan[np.arange(r - len(rest) % r) % len(plan)]])
         return rest
 
     def _global_batches(self, epoch: int) -> list[np.ndarray]:
-        plan = self.global_indices(epoch)
+        """The known global batches of `epoch` (from batch `known_from(epoch) // batch_size`)."""
+        plan = self._epoch(epoch).indices
         b = self.batch_size
         batches = [plan[i : i + b] for i in range(0, len(plan), b)]
         if self.drop_last and batches and len(batches[-1]) < b:
@@ -170,7 +242,8 @@ class MixtureSampler:
 
     def _batch_plan(self, epoch: int, start: int) -> list[np.ndarray]:
         batches = self._global_batches(epoch)
-        rest = batches[start:]
+        first = self.known_from(epoch) // self.batch_size
+        rest = batches[max(start - first, 0) :]
         r = self.num_replicas
         if len(rest) % r and batches:
             rest = rest + [batches[i % len(batches)] for i in range(r - len(rest) % r)]
@@ -180,16 +253,38 @@ class MixtureSampler:
     def __iter__(self) -> Iterator:
         self._begin = self._start
         self._start = 0  # a resumed epoch continues only once
-        if self.batch_size is None:
-            yield from self._padded(self.epoch, self._begin)[
-                self.rank :: self.num_replicas
-            ].tolist()
-            return
-        plan = self._batch_plan(self.epoch, self._begin)
         self._yielded = 0
-        for batch in plan:
-            self._yielded += 1
-            yield batch.tolist()
+        self._handed = 0
+        epoch = self.epoch
+        while True:
+            with self._lock:  # `set_weights` redraws only what was not handed out
+                chunk = self._chunk(epoch)
+            if chunk is None:
+                return
+            if self.batch_size is None:
+                yield from chunk
+            else:
+                self._yielded += 1
+                yield chunk
+
+    def _chunk(self, epoch: int) -> list | None:
+        """The next batch (batch mode) or up to `CHUNK` indices of this rank's pass, or None."""
+        key = (epoch, self._begin, self._version)
+        if self._view is None or self._view[0] != key:
+            if self.batch_size is None:
+                part = self._padded(epoch, self._begin)[self.rank :: self.num_replicas]
+            else:
+                part = self._batch_plan(epoch, self._begin)
+            self._view = (key, part)
+        part = self._view[1]
+        if self._handed >= len(part):
+            return None
+        if self.batch_size is not None:
+            self._handed += 1
+            return part[self._handed - 1].tolist()
+        chunk = part[self._handed : self._handed + CHUNK].tolist()
+        self._handed += len(chunk)
+        return chunk
 
     def __len__(self) -> int:
         if self.batch_size is None:
@@ -204,6 +299,40 @@ class MixtureSampler:
             self._start = 0
             self._begin = 0
             self._yielded = 0
+            self._handed = 0
+
+    # ---- weights set by the training loop ----------------------------------------------------
+    def set_weights(self, weights: Sequence[float] | Mapping[str, float]) -> int:
+        """Changes the weights from the next global position that no rank has drawn (the
+        loader reads ahead), for the rest of this epoch and the next ones (a schedule no
+        longer applies). Call it on every rank at the same step, with the same weights:
+        under `torch.distributed` the ranks compare a checksum and agree on the position.
+
+        Returns:
+            The global position where the weights take effect (samples over all ranks; global
+            batches in batch mode), recorded in the state: a resume replays the same draws.
+
+        Raises:
+            ValueError: unknown sources or invalid weights; on every rank, ranks that passed
+                other weights than rank 0 (named).
+        """
+        new = parsed_change(self.names, weights)
+        with self._lock:
+            mine = max(self._start, self._begin + self._handed * self.num_replicas)
+            agreed = agree(new, mine, self.num_replicas)
+            self._epoch(self.epoch).change(agreed.position * (self.batch_size or 1), new)
+            self._version += 1
+        return agreed.position
+
+    def current_weights(self) -> np.ndarray:
+        """The weights the plan draws with at the current epoch's last change (or start): the
+        loop's, the schedule's at that point, or the fixed ones."""
+        segment = self._epoch(self.epoch).segments[-1]
+        if segment.weights is not None:
+            return np.asarray(segment.weights)
+        if self.schedule is not None:
+            return self.schedule.weights_at([segment.progress])[0]
+        return self.weights
 
     # ---- what it drew ----------------------------------------------------------------------
     def source_of(self, indices) -> np.ndarray:
@@ -227,7 +356,7 @@ class MixtureSampler:
     def plan_settings(self) -> dict:
         """Every setting that shapes the epoch's plan (JSON; not the ranks, which a resume may
         change)."""
-        return {
+        settings = {
             "sizes": self.sizes.tolist(),
             "weights": f"{zlib.crc32(self.weights.tobytes()):08x}",
             "num_samples": self.num_samples,
@@ -237,6 +366,11 @@ class MixtureSampler:
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
         }
+        if self.schedule is not None:
+            settings["weights"] = f"schedule {self.schedule.fingerprint()}"
+        if self.lengths is not None:
+            settings["lengths"] = f"{zlib.crc32(self.lengths.tobytes()):08x}"
+        return settings
 
     def state_dict(
         self, *, batches_done: int | None = None, samples_done: int | None = None
@@ -244,19 +378,33 @@ class MixtureSampler:
         """The epoch and the plan's positions done over all ranks (`load_state_dict` continues on
         any number of ranks): the global batches done after this rank's loop received
         `batches_done` batches (batch mode), or the samples done after `samples_done` samples
-        (index mode); `make_loader`'s loader passes its counts itself."""
+        (index mode); `make_loader`'s loader passes its counts itself. A paced epoch also
+        saves the segments its rest is drawn in (O(sources) each: the one holding the
+        position, and changes of weights the loader read ahead of it)."""
         begin = self._start or self._begin  # a pending resume, or where this pass began
+        unit = 1
         if self.batch_size is None:
             done = begin + int(samples_done or 0) * self.num_replicas
-            total = len(self.global_indices(self.epoch))
+            total = len(self.global_indices(self.epoch)) + self.known_from()
         else:
             batches = self._yielded
             if batches_done is not None:
                 batches = int(batches_done)
             done = begin + batches * self.num_replicas
-            total = len(self._global_batches(self.epoch))
+            first = self.known_from() // self.batch_size
+            total = first + len(self._global_batches(self.epoch))
+            unit = self.batch_size
         position = MixturePosition(self.epoch, min(done, total))
-        return write_state(position, self.plan_settings(), batch_mode=self.batch_size is not None)
+        draws = self._epoch(self.epoch)
+        segments = None
+        if self.paced or len(draws.segments) > 1 or draws.segments[0].weights is not None:
+            segments = draws.needed(position.done * unit)
+        return write_state(
+            position,
+            self.plan_settings(),
+            batch_mode=self.batch_size is not None,
+            segments=segments,
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Continues the saved epoch (batch mode: on this sampler's number of ranks).
@@ -266,10 +414,28 @@ class MixtureSampler:
         """
         batch_mode = self.batch_size is not None
         position = read_state(state, self.plan_settings(), batch_mode=batch_mode)
-        self.epoch = position.epoch
-        self._start = position.done
-        self._begin = 0
-        self._yielded = 0
+        segments = read_segments(state, len(self.sizes))
+        with self._lock:
+            self.epoch = position.epoch
+            self._start = position.done
+            self._begin = 0
+            self._yielded = 0
+            self._handed = 0
+            if segments is not None:
+                self._draws.restore(position.epoch, segments)
+            else:
+                self._draws.epoch = -1  # drawn again from the epoch's start
+            self._version += 1
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_lock"] = None  # a lock does not pickle; a copy gets its own
+        state["_view"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         mix = ", ".join(
@@ -279,20 +445,26 @@ class MixtureSampler:
         return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"
 
 
-def _whole_sizes(sizes: list, names: list[str]) -> np.ndarray:
-    """`sizes` as int64, each a positive whole number.
+def _even(sizes) -> Sequence[float] | Mapping[str, float]:
+    """Placeholder weights of the shape of `sizes` (a schedule gives the real ones)."""
+    if isinstance(sizes, Mapping):
+        return dict.fromkeys(sizes, 1.0)
+    return [1.0] * len(sizes)
 
-    Raises:
-        ValueError: a fractional size, or a source without samples (named).
-    """
-    raw = np.asarray(sizes)
-    whole_floats = raw.dtype.kind == "f" and np.all(raw == np.floor(raw))
-    if raw.dtype.kind not in "iu" and not whole_floats:
-        raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
-    out = raw.astype(np.int64)
-    if (out <= 0).any():
+
+def _check_units(schedule, lengths) -> None:
+    """Refuses a schedule whose progress units the lengths do not match."""
+    if schedule is None:
+        return
+    if schedule.over == "tokens" and lengths is None:
         raise ValueError(
-            f"every source needs samples; sizes are {out.tolist()} (source "
-            f"{names[int(np.argmin(out))]!r})."
+            "A schedule over tokens needs each sample's length: pass `lengths=` (a token "
+            "cache's `lengths`, one array per source), or build the schedule with "
+            "over='samples'."
         )
-    return out
+    if schedule.over == "samples" and lengths is not None:
+        raise ValueError(
+            "With `lengths=` the mixture counts its progress and shares in tokens: build the "
+            "schedule with over='tokens' (its `total` in tokens), or leave out `lengths` to "
+            "hold shares of samples."
+        )

@@ -155,6 +155,16 @@ class BoundSchedule:
         mixed = (1 - share) * self._table[phase] + share * self._table[following]
         return mixed / mixed.sum(axis=1, keepdims=True)
 
+    def breakpoints(self) -> np.ndarray:
+        """The phases' points in `over` units (none for a function)."""
+        if self._points is None:
+            return np.empty(0)
+        return self._points
+
+    def stepwise(self) -> bool:
+        """Whether the weights hold from one phase's point to the next (a step schedule)."""
+        return self._table is not None and self.schedule.interpolation == "step"
+
     def fingerprint(self) -> str:
         """A checksum of what shapes the weights (JSON-able, for a state's plan check)."""
         grid = self.weights_at(CHECK_GRID * self.total)

@@ -1,7 +1,8 @@
 """The settings both mixtures share beside their weights, checked: the stop rules and counts.
 
 Use when: a mixture (`MixtureSampler`, `MixtureIterable`) takes `stop=`, `num_samples=` or
-`seed=`; the stop rules themselves are described in `mixture.py`'s docstring.
+`seed=`, or a `MixtureSampler` its sources' `sizes` and samples' `lengths`; the stop rules
+themselves are described in `mixture.py`'s docstring.
 Cost: none (a few comparisons).
 Adapt here: `STOPS` (a new rule is named here, then drawn in `mixture_plan.py` and
 `mixture_iterable.py`).
@@ -11,6 +12,8 @@ Copy with: nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -43,3 +46,67 @@ def check_count(name: str, value, *, minimum: int = 1) -> int | None:
             f"`{name}` must be an integer of at least {minimum}, but is {value!r} instead."
         )
     return int(value)
+
+
+def whole_sizes(sizes: list, names: list[str]) -> np.ndarray:
+    """`sizes` as int64, each a positive whole number.
+
+    Raises:
+        ValueError: a fractional size, or a source without samples (named).
+    """
+    raw = np.asarray(sizes)
+    whole_floats = raw.dtype.kind == "f" and np.all(raw == np.floor(raw))
+    if raw.dtype.kind not in "iu" and not whole_floats:
+        raise ValueError(f"`sizes` must be whole numbers of samples, but are {raw.tolist()}.")
+    out = raw.astype(np.int64)
+    if (out <= 0).any():
+        raise ValueError(
+            f"every source needs samples; sizes are {out.tolist()} (source "
+            f"{names[int(np.argmin(out))]!r})."
+        )
+    return out
+
+
+def source_lengths(lengths, sizes: np.ndarray, names: list[str]) -> list[np.ndarray] | None:
+    """Per source, its samples' lengths (tokens) as int64, from a mapping by source name, a
+    sequence of per-source arrays, or one array over all sources in order; None stays None.
+
+    Raises:
+        ValueError: a source's lengths of another count than its size, negative or fractional
+            lengths, or a mapping naming other sources.
+    """
+    if lengths is None:
+        return None
+    if isinstance(lengths, Mapping):
+        if set(map(str, lengths)) != set(names):
+            raise ValueError(
+                f"`lengths` must name the mixture's sources {names}, but names "
+                f"{sorted(map(str, lengths))}."
+            )
+        named = {str(k): v for k, v in lengths.items()}
+        parts = [named[name] for name in names]
+    elif len(lengths) == len(sizes) and all(np.ndim(part) == 1 for part in lengths):
+        parts = list(lengths)
+    else:
+        flat = np.asarray(lengths)
+        if flat.ndim != 1 or len(flat) != int(sizes.sum()):
+            raise ValueError(
+                f"`lengths` must give every sample's length: one array per source, or one of "
+                f"{int(sizes.sum())} entries over all sources in order, but has shape "
+                f"{flat.shape}."
+            )
+        parts = np.split(flat, np.cumsum(sizes)[:-1])
+    out = []
+    for name, size, part in zip(names, sizes.tolist(), parts, strict=True):
+        array = np.asarray(part)
+        if array.shape != (size,):
+            raise ValueError(
+                f"`lengths` of source {name!r} has {array.size} entries, but the source holds "
+                f"{size} samples."
+            )
+        if array.dtype.kind not in "iu" or (array < 0).any():
+            raise ValueError(
+                f"`lengths` of source {name!r} must be non-negative whole numbers of tokens."
+            )
+        out.append(array.astype(np.int64))
+    return out

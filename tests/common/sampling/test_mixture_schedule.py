@@ -1,0 +1,210 @@
+"""Mixture schedules and token shares (issue 48): a 3-phase token schedule over 2 epochs holds
+each source's share of every 64k-token window within 2 points of the schedule, counted from the
+batches a loop receives; fixed weights with lengths hold token shares; schedules resume
+exactly; bad schedules are refused at construction."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+from torch.utils.data import ConcatDataset, Dataset
+
+from recipes.common import MixtureSampler, Schedule, make_loader
+
+NAMES = ("web", "code", "books")
+
+
+class Documents(Dataset):
+    """Each item: its global id and a token array of the given length (what a loop counts)."""
+
+    def __init__(self, first, lengths):
+        self.first = first
+        self.lengths = lengths
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        return {"id": self.first + int(i), "tokens": np.zeros(int(self.lengths[i]), np.int32)}
+
+
+def _collate(items):
+    return items
+
+
+def _corpus(sizes, seed=0):
+    """Long-tailed lengths in [8, 512] per source, and the sources as one ConcatDataset."""
+    rng = np.random.default_rng(seed)
+    lengths = [np.minimum((rng.pareto(1.3, n) + 1) * 24, 512).astype(np.int64) for n in sizes]
+    firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    data = ConcatDataset([Documents(int(f), x) for f, x in zip(firsts, lengths, strict=True)])
+    return lengths, data
+
+
+def _windows(tokens, sources, width):
+    """(start, end, shares) of consecutive windows of `width` tokens of the received stream."""
+    cum = np.cumsum(tokens)
+    out = []
+    for start in range(0, int(cum[-1]) - width + 1, width):
+        lo, hi = np.searchsorted(cum, [start, start + width], side="right")
+        part = tokens[lo:hi]
+        shares = np.bincount(sources[lo:hi], weights=part, minlength=3) / part.sum()
+        out.append((int(cum[lo] - tokens[lo]), int(cum[hi - 1]), shares))
+    return out
+
+
+def test_a_three_phase_token_schedule_holds_every_64k_window_over_two_epochs():
+    sizes = [9000, 6000, 3000]
+    lengths, data = _corpus(sizes)
+    per_epoch = 12_000
+    total = int(2 * per_epoch * np.mean(np.concatenate(lengths)))
+    schedule = Schedule(
+        [
+            (0.0, {"web": 0.8, "code": 0.2}),
+            (0.3, {"web": 0.6, "code": 0.3, "books": 0.1}),
+            (0.8, {"web": 0.3, "code": 0.3, "books": 0.4}),
+        ],
+        over="tokens",
+        total=total,
+    )
+    mix = MixtureSampler(
+        dict(zip(NAMES, sizes, strict=True)),
+        schedule,
+        lengths=dict(zip(NAMES, lengths, strict=True)),
+        stop="never",
+        num_samples=per_epoch,
+        seed=3,
+        batch_size=32,
+    )
+    loader = make_loader(data, batch_sampler=mix, collate_fn=_collate, num_workers=0)
+    ids = []
+    tokens = []
+    for epoch in range(2):
+        mix.set_epoch(epoch)
+        for batch in loader:
+            ids += [item["id"] for item in batch]
+            tokens += [len(item["tokens"]) for item in batch]  # counted from what was received
+    ids = np.asarray(ids)
+    tokens = np.asarray(tokens)
+    sources = np.searchsorted(np.cumsum(sizes), ids, side="right")
+    bound = schedule.bind(list(NAMES))
+    windows = _windows(tokens, sources, 64_000)
+    assert len(windows) >= 15
+    worst = 0.0
+    for start, end, shares in windows:
+        target = bound.weights_at(np.linspace(start, end, 101)).mean(axis=0)
+        worst = max(worst, float(np.abs(shares - target).max()))
+    assert worst <= 0.02, worst
+    # the phases did move the mixture: books nearly absent at first, the largest at the end
+    assert windows[0][2][2] < 0.02 and windows[-1][2][2] > 0.35
+
+
+def test_fixed_weights_with_lengths_hold_token_shares_not_sample_shares():
+    sizes = [4000, 4000]
+    rng = np.random.default_rng(1)
+    lengths = [rng.integers(10, 30, sizes[0]), rng.integers(100, 300, sizes[1])]
+    mix = MixtureSampler(sizes, [0.5, 0.5], lengths=lengths, stop="never", num_samples=3000)
+    drawn = np.asarray(list(mix))
+    flat = np.concatenate(lengths)
+    sources = mix.source_of(drawn)
+    token_share = flat[drawn][sources == 0].sum() / flat[drawn].sum()
+    assert abs(token_share - 0.5) < 0.01
+    assert np.mean(sources == 0) > 0.85  # about 10 short samples for each long one
+
+
+def test_without_lengths_fixed_weights_draw_as_before():
+    """Fixed weights in samples keep the i.i.d. plan: the same indices as a plain sampler."""
+    plain = MixtureSampler([50, 70], [0.3, 0.7], seed=4)
+    scheduled = MixtureSampler([50, 70], Schedule([(0.0, [0.3, 0.7])], total=120), seed=4)
+    assert len(list(plain)) == len(list(scheduled)) == 120
+    assert sorted(plain) == sorted(scheduled) == list(range(120))
+
+
+def test_a_step_schedule_over_samples_switches_at_its_point():
+    sizes = [5000, 5000]
+    schedule = Schedule([(0.0, [1.0, 0.0]), (0.5, [0.0, 1.0])], total=2000, interpolation="step")
+    mix = MixtureSampler(sizes, schedule, stop="never", num_samples=2000)
+    sources = mix.source_of(list(mix))
+    assert (sources[:1000] == 0).all() and (sources[1000:] == 1).all()
+
+
+@pytest.mark.parametrize("mode", ["indices", "batches"])
+def test_a_scheduled_mixture_resumes_exactly_in_a_later_epoch(mode):
+    sizes = [300, 200, 100]
+    lengths, data = _corpus(sizes, seed=2)
+    total = int(3 * 400 * np.mean(np.concatenate(lengths)))
+    schedule = Schedule(
+        [(0.0, [0.7, 0.3, 0.0]), (0.6, [0.2, 0.3, 0.5])], over="tokens", total=total
+    )
+
+    def build():
+        batch_size = None
+        if mode == "batches":
+            batch_size = 8
+        mix = MixtureSampler(
+            sizes, schedule, lengths=lengths, stop="never", num_samples=400, batch_size=batch_size
+        )
+        kwargs = {"batch_sampler": mix}
+        if batch_size is None:
+            kwargs = {"sampler": mix, "batch_size": 8}
+        return mix, make_loader(data, collate_fn=_collate, num_workers=0, **kwargs)
+
+    mix, loader = build()
+    whole = []
+    for epoch in range(3):
+        mix.set_epoch(epoch)
+        whole.append([[item["id"] for item in batch] for batch in loader])
+    mix, loader = build()
+    mix.set_epoch(2)
+    iterator = iter(loader)
+    got = [[item["id"] for item in next(iterator)] for _ in range(20)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    mix, loader = build()
+    loader.load_state_dict(state)
+    got += [[item["id"] for item in batch] for batch in loader]
+    assert got == whole[2]
+
+
+def test_schedules_are_checked_at_construction():
+    with pytest.raises(ValueError, match="increasing order"):
+        Schedule([(0.0, [1, 1]), (0.5, [1, 0]), (0.2, [0, 1])], total=10)
+    with pytest.raises(ValueError, match="first phase must be at 0"):
+        Schedule([(0.1, [1, 1])], total=10)
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        Schedule([(0.0, [1, 1]), (1.5, [1, 0])], total=10)
+    with pytest.raises(ValueError, match="`total` must be a positive integer"):
+        Schedule([(0.0, [1, 1])], total=0)
+    with pytest.raises(ValueError, match="unknown source"):
+        MixtureSampler({"a": 5, "b": 5}, Schedule([(0.0, {"a": 1, "c": 1})], total=10))
+    with pytest.raises(ValueError, match="positive sum"):
+        MixtureSampler({"a": 5, "b": 5}, Schedule([(0.0, {"a": 1}), (0.5, {"b": 0})], total=10))
+    with pytest.raises(ValueError, match="positive sum"):
+        MixtureSampler([5, 5], Schedule(_zero_at_the_end, total=10))
+    with pytest.raises(ValueError, match="needs each sample's length"):
+        MixtureSampler([5, 5], Schedule([(0.0, [1, 1])], over="tokens", total=10))
+    with pytest.raises(ValueError, match="over='tokens'"):
+        MixtureSampler([5, 5], Schedule([(0.0, [1, 1])], total=10), lengths=[[1] * 5, [2] * 5])
+    with pytest.raises(ValueError, match="source '1' has 4 entries"):
+        MixtureSampler([5, 5], [1, 1], lengths=[[1] * 5, [2] * 4])
+    with pytest.raises(ValueError, match="picklable"):
+        Schedule(lambda progress: [1, 1], total=10)
+
+
+def _zero_at_the_end(progress):
+    if progress > 0.9:
+        return [0.0, 0.0]
+    return [1.0, 1.0]
+
+
+def _linear(progress):
+    return [1.0 - progress, progress]
+
+
+def test_a_function_schedule_pickles_and_moves_the_shares():
+    schedule = Schedule(_linear, total=4000)
+    mix = pickle.loads(
+        pickle.dumps(MixtureSampler([4000, 4000], schedule, stop="never", num_samples=4000))
+    )
+    sources = mix.source_of(list(mix))
+    assert np.mean(sources[:400] == 1) < 0.1 and np.mean(sources[-400:] == 1) > 0.9
