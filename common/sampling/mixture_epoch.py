@@ -110,7 +110,8 @@ class EpochDraws:
         cursors = cursors + np.bincount(self.source_of(done), minlength=len(cursors))
         progress = base.progress + self.count_units(done)
         segment = Segment(position, progress, tuple(cursors.tolist()), weights, number)
-        self.restore(self.epoch, kept + [segment])
+        self.segments = kept
+        self._apply(segment)  # the positions before it stay as drawn
         return segment
 
     def needed(self, position: int) -> list[Segment]:

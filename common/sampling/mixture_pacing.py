@@ -241,11 +241,10 @@ class PacedPlan:
         if stop == "cycle_until_all_exhausted":
             end = self._cycle_end(found, cursors)
         else:
-            ordered = np.sort(found.time[finite])
-            if len(ordered) >= limit:
-                end = float(ordered[limit - 1])
-            else:
-                end = np.inf
+            times = found.time[finite]
+            end = np.inf
+            if len(times) >= limit:
+                end = float(np.partition(times, limit - 1)[limit - 1])  # the limit-th due
         if end > found.complete_until:
             short = self._short(found, end)
         return end, short
