@@ -6,7 +6,10 @@ changes; bad weights are refused. Ranks that pass different weights under torch.
 test_mixture_distributed.py."""
 
 import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,3 +145,57 @@ def test_bad_weights_are_refused():
         mix.set_weights({"a": 0, "b": 0})
     with pytest.raises(ValueError, match="one value per source"):
         mix.set_weights([1, 2, 3])
+
+
+SCRIPT = Path(__file__).with_name("dist_mixture_script.py")
+
+
+def _torchrun(ranks, mode, folder):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            str(SCRIPT),
+            mode,
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads((folder / f"{mode}-{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.slow  # three torchrun launches (about 20 s): in the full suite (CI)
+def test_under_torchrun_changes_agree_resume_on_three_ranks_and_mismatches_are_named(tmp_path):
+    """Real ranks through make_loader's default path, which reads ahead: the ranks agree on
+    where each change lands, a resume on 3 ranks from rank 0's state receives what an
+    uninterrupted run with the same changes would, and other weights on rank 1 raise on both
+    ranks, naming rank 1."""
+    mismatch = _torchrun(2, "mismatch", tmp_path)
+    for rank in range(2):
+        assert "rank(s) [1]" in mismatch[rank]["error"]
+    first = _torchrun(2, "changes", tmp_path)
+    resumed = _torchrun(3, "resume", tmp_path)
+    assert first[0]["changes"] == first[1]["changes"]  # agreed
+    assert resumed[0]["changes"] == resumed[1]["changes"] == resumed[2]["changes"]
+    changes_at = {int(k): v for part in (first[0], resumed[0]) for k, v in part["changes"].items()}
+    assert len(changes_at) == 3
+    whole = _uninterrupted(changes_at)
+    done = 9 * 2
+    in_order = [b for step in zip(*(part["batches"] for part in first), strict=True) for b in step]
+    assert in_order == whole[:done]
+    rest = whole[done:]
+    padding = whole[: (-len(rest)) % 3]
+    dealt = rest + padding
+    for rank in range(3):
+        assert resumed[rank]["batches"] == dealt[rank::3]
+    received = Counter(
+        i for part in first + resumed for batch in part["batches"] for i in batch
+    ) - Counter(i for batch in padding for i in batch)
+    assert received == Counter(range(600))  # every sample of the epoch once over both runs
