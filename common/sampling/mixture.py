@@ -183,6 +183,7 @@ class MixtureSampler:
         self._lock = threading.Lock()  # the iterator and `set_weights` on another thread
         self._version = 0  # counts the plan's redraws: a change of weights, a resume
         self._view: tuple | None = None  # ((epoch, begin, version), this rank's part)
+        self._other: EpochDraws | None = None  # the last other epoch's draws asked for
 
     # ---- the epoch's plan, dealt over the ranks -------------------------------------------
     def global_indices(self, epoch: int | None = None) -> np.ndarray:
@@ -204,16 +205,19 @@ class MixtureSampler:
             self._draws.advance(self.epoch)
         if epoch == self.epoch:
             return self._draws
-        other = EpochDraws(
-            self._planner,
-            self._draws.paced,
-            self._draws.pace,
-            self.lengths,
-            iid=self._draws.iid,
-        )
-        if epoch > self.epoch:  # on from this epoch: its progress and weights carry over
-            other.restore(self.epoch, self._draws.segments)
-        other.advance(epoch)
+        other = self._other
+        if other is None or other.epoch > epoch or other.epoch < self.epoch:
+            other = EpochDraws(
+                self._planner,
+                self._draws.paced,
+                self._draws.pace,
+                self.lengths,
+                iid=self._draws.iid,
+            )
+            if epoch > self.epoch:  # on from this epoch: its progress and weights carry over
+                other.restore(self.epoch, self._draws.segments)
+        other.advance(epoch)  # on from the last other epoch drawn (a bucketing sampler's)
+        self._other = other
         return other
 
     def _padded(self, epoch: int, start: int = 0) -> np.ndarray:
@@ -322,6 +326,7 @@ class MixtureSampler:
             agreed = agree(new, mine, self.num_replicas)
             self._epoch(self.epoch).change(agreed.position * (self.batch_size or 1), new)
             self._version += 1
+            self._other = None  # later epochs carry the new weights
         return agreed.position
 
     def current_weights(self) -> np.ndarray:
@@ -426,11 +431,13 @@ class MixtureSampler:
             else:
                 self._draws.epoch = -1  # drawn again from the epoch's start
             self._version += 1
+            self._other = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_lock"] = None  # a lock does not pickle; a copy gets its own
         state["_view"] = None
+        state["_other"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:

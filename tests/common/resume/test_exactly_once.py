@@ -35,6 +35,7 @@ from torch.utils.data import (
 
 from recipes.common import LengthBucketSampler, RobustLoader, ShardedIterableDataset, make_loader
 from recipes.common.sampling.mixture import MixtureSampler
+from recipes.common.sampling.mixture_schedule import Schedule
 from recipes.testing import make_int_shards
 
 N = 48
@@ -49,6 +50,7 @@ MAP_KINDS = [
     "packed",
     "mixture",
     "mixture_batches",
+    "mixture_scheduled",
 ]
 KINDS = [*MAP_KINDS, "sharded"]
 EXPLICIT = {
@@ -58,8 +60,9 @@ EXPLICIT = {
     "sharded",
     "mixture",
     "mixture_batches",
+    "mixture_scheduled",
 }  # the loop calls set_epoch
-ELASTIC = {"bucket", "sharded", "mixture_batches"}
+ELASTIC = {"bucket", "sharded", "mixture_batches", "mixture_scheduled"}
 THREADED = {
     "shuffle",
     "sampler_gen",
@@ -68,6 +71,7 @@ THREADED = {
     "bucket",
     "mixture",
     "mixture_batches",
+    "mixture_scheduled",
 }  # Ids: also a ThreadLoader
 
 settings.register_profile(
@@ -211,6 +215,22 @@ class World:
             return ds, {
                 "batch_sampler": MixtureSampler(
                     [20, 28], [0.6, 0.4], seed=6, batch_size=4, num_replicas=world, rank=rank
+                )
+            }
+        if kind == "mixture_scheduled":  # paced by a token schedule (issue 48), elastic
+            lengths = np.random.default_rng(1).integers(5, 60, N)
+            schedule = Schedule(
+                [(0.0, [0.8, 0.2]), (0.5, [0.3, 0.7])], over="tokens", total=int(3 * lengths.sum())
+            )
+            return ds, {
+                "batch_sampler": MixtureSampler(
+                    [20, 28],
+                    schedule,
+                    lengths=lengths,
+                    seed=6,
+                    batch_size=4,
+                    num_replicas=world,
+                    rank=rank,
                 )
             }
         if kind == "packed":
