@@ -228,7 +228,11 @@ class ImageFolderFast(Dataset):
         """A whole batch in one call. From the cache, each crop is read (`preadv`) and resized
         straight into one batch tensor (shared memory in a worker); the items are rows of that
         tensor, which `uint8_collate` returns without another copy (`fill_cached_batch`)."""
-        if self._cached is None or self.transform is not None:  # a transform may change shapes
+        if self._cached is None:
+            items = [self[i] for i in indices]
+        elif self.transform is not None:  # a transform may change shapes: separate tensors
+            # every index checked before the first read: a refused batch draws no crop or flip
+            indices = [self._check_index(i) for i in indices]
             items = [self[i] for i in indices]
         else:
             indices = [self._check_index(i) for i in indices]

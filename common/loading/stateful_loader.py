@@ -245,7 +245,7 @@ class StatefulLoader(DataLoader):
         Raises:
             ValueError: not a loader state of this version, or one saved under other settings.
         """
-        check_loadable(state, loader_plan(self))
+        check_loadable(state, self)
         self._passes.load(state)
         if state.get(keys.BATCH_SEED) is not None:
             self._passes.seed = int(state[keys.BATCH_SEED])

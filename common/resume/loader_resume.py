@@ -61,8 +61,10 @@ def loader_plan(loader: DataLoader) -> dict[str, Any]:
     return plan
 
 
-def check_loadable(state: Any, plan: dict[str, Any]) -> None:
-    """Raises ValueError unless `state` is a loader state of this version saved under `plan`."""
+def check_loadable(state: Any, loader: DataLoader) -> None:
+    """Raises ValueError unless `state` is a loader state of this version saved under
+    `loader`'s plan (computed only once the version is checked: a state of another version
+    gets the version's error, whatever the loader's plan would raise)."""
     if (
         not isinstance(state, dict)
         or state.get(keys.VERSION) != keys.STATE_VERSION
@@ -77,7 +79,7 @@ def check_loadable(state: Any, plan: dict[str, Any]) -> None:
         raise ValueError(
             f"not a StatefulLoader state (version {keys.STATE_VERSION}): {state!r:.200}" + older
         )
-    diff = differences(state.get(keys.PLAN) or {}, plan)
+    diff = differences(state.get(keys.PLAN) or {}, loader_plan(loader))
     if diff:
         raise ValueError(
             "This loader state was saved under other settings than this loader's, and they "

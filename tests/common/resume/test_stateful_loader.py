@@ -131,6 +131,20 @@ def test_a_foreign_state_is_refused():
         loader.load_state_dict({"epoch": 3})
 
 
+class _Unsized(Dataset):
+    """No `__len__`: the loader's plan (which holds the dataset's length) cannot be computed."""
+
+    def __getitem__(self, index):
+        return index
+
+
+def test_a_state_of_another_version_gets_the_version_error_before_the_plan_is_computed():
+    # the version is checked first (as in 137c7d1): not the plan's own error
+    loader = StatefulLoader(_Unsized(), batch_size=2, sampler=list(range(6)))
+    with pytest.raises(ValueError, match="not a StatefulLoader state"):
+        loader.load_state_dict({"version": 99, "batches_yielded": 1})
+
+
 @pytest.mark.parametrize("kind", ["shuffle", "sharded"])
 @pytest.mark.parametrize("before, after", [(2, 0), (2, 1), (0, 2), (3, 2)])
 def test_resume_with_another_worker_count(kind, before, after, shard_files):

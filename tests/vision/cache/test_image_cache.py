@@ -93,6 +93,31 @@ def test_getitems_equals_getitem(own_tree, tmp_path):
         assert torch.equal(image, ds[i][0]) and target == ds[i][1]
 
 
+def test_a_bad_index_in_a_transformed_cached_batch_is_refused_before_any_item_is_read(
+    own_tree, tmp_path
+):
+    """With a cache and a `transform`, every index of the batch is checked before the first
+    read (as without a transform, and as 137c7d1 did): a refused batch draws no crop or flip, so
+    the batches after it are those of a dataset that never saw it."""
+    build_image_cache(ImageFolderFast(own_tree, size=32), tmp_path, progress=False, num_workers=0)
+
+    def dataset():
+        return ImageFolderFast(
+            own_tree, size=32, train=True, cache_dir=tmp_path, transform=lambda x: x.float()
+        )
+
+    torch.manual_seed(0)
+    refused = dataset()
+    for bad in ([0, 1, len(refused)], [2, -len(refused) - 1]):
+        with pytest.raises(IndexError):
+            refused.__getitems__(bad)
+    after_refusal = refused.__getitems__([2, 3, 4])
+    torch.manual_seed(0)
+    expected = dataset().__getitems__([2, 3, 4])
+    for (image, target), (want, want_target) in zip(after_refusal, expected, strict=True):
+        assert torch.equal(image, want) and target == want_target
+
+
 def test_stale_cache_is_not_served(own_tree, tmp_path):
     build_image_cache(ImageFolderFast(own_tree, size=64), tmp_path, progress=False, num_workers=0)
     victim = next(own_tree.rglob("*.jpg"))
