@@ -80,7 +80,9 @@ class Shape(NamedTuple):
 
     @classmethod
     def from_state(cls, saved: Sequence[int]) -> Shape:
-        return cls(*saved)
+        """A saved shape: 3 numbers (states before nodes were saved: 1 node) or 4; numbers a
+        later layout may add after them are ignored, as before the records were typed."""
+        return cls(*(int(value) for value in list(saved)[:4]))
 
     def to_state(self) -> list[int]:
         return list(self)

@@ -116,3 +116,9 @@ def test_the_version_check_names_what_a_version_1_state_lacked():
     loader = StatefulLoader(torch.arange(4), batch_size=2)
     with pytest.raises(ValueError, match="version 1 states"):
         loader.load_state_dict({keys.VERSION: 1, keys.BATCHES_YIELDED: 0})
+
+
+def test_a_saved_shape_takes_three_or_four_numbers_and_ignores_more():
+    assert Shape.from_state([2, 1, 5]) == Shape(2, 1, 5, 1)
+    assert Shape.from_state([2.0, 1, 5, 2]) == Shape(2, 1, 5, 2)
+    assert Shape.from_state([2, 1, 5, 2, 9]) == Shape(2, 1, 5, 2)
