@@ -42,7 +42,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 import recipes.common.shards.epochs.plan_settings as keys
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import Piece, distributed_world
-from recipes.common.shards.epochs.epoch_resume import ResumePoint, rest_after, resumed_samples
+from recipes.common.shards.epochs.epoch_resume import (
+    ConsumedShape,
+    ResumePoint,
+    rest_after,
+    rest_after_consumed,
+    resumed_samples,
+)
 from recipes.common.shards.epochs.plan_settings import (
     blocks_crc,
     lengths_crc,
@@ -354,6 +360,38 @@ class ShardedIterableDataset(IterableDataset):
             old_world,
         )
         return resumed
+
+    def resume_consumed(self, shapes: Sequence[ConsumedShape]) -> ShardedIterableDataset:
+        """A copy whose epoch is what no consumer received over the epoch's earlier `shapes`
+        (oldest first), given as the samples each consumer (rank, worker) of each shape received
+        rather than a loader's batches (a `MixtureIterable` counts its own sources'), dealt over
+        this dataset's ranks and its loader's workers as an epoch is. Needs `shard_lengths`."""
+        if self.shard_lengths is None:
+            raise ValueError("resume_consumed needs `shard_lengths` (the rest is counted in them).")
+        resumed = copy.copy(self)
+        resumed._resume = None
+        resumed._rest = None
+        if shapes:
+            fragments = rest_after_consumed(self._reads(), self.epoch, shapes)
+            resumed._rest = EpochRest(self.epoch, len(shapes), fragments)
+        return resumed
+
+    def consumer_lengths(self, ranks: int, workers: int) -> np.ndarray:
+        """The samples each consumer of `ranks` x `workers` reads this epoch (or this copy's
+        rest of it): int64 `[ranks, workers]`. Needs `shard_lengths`."""
+        counts = np.zeros((ranks, workers), dtype=np.int64)
+        for rank in range(ranks):
+            reads = self._reads().for_rank(rank, ranks)
+            for worker in range(workers):
+                counts[rank, worker] = reads.samples_in(reads.pieces(self.epoch, worker, workers))
+        return counts
+
+    def consumer_samples(
+        self, rank: int, ranks: int, worker: int, workers: int, skip: int = 0
+    ) -> Iterator:
+        """The samples consumer (rank, worker) of `ranks` x `workers` reads this epoch (or this
+        copy's rest of it), after its first `skip` (not read)."""
+        return self._reads().for_rank(rank, ranks).stream(self.epoch, worker, workers, skip)
 
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:
