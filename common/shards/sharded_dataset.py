@@ -361,18 +361,20 @@ class ShardedIterableDataset(IterableDataset):
         )
         return resumed
 
-    def resume_consumed(self, shapes: Sequence[ConsumedShape]) -> ShardedIterableDataset:
+    def resume_consumed(self, shapes: Sequence[Sequence]) -> ShardedIterableDataset:
         """A copy whose epoch is what no consumer received over the epoch's earlier `shapes`
-        (oldest first), given as the samples each consumer (rank, worker) of each shape received
-        rather than a loader's batches (a `MixtureIterable` counts its own sources'), dealt over
-        this dataset's ranks and its loader's workers as an epoch is. Needs `shard_lengths`."""
+        (oldest first; each a `ConsumedShape` or its fields `(ranks, workers, received[rank]
+        [worker], nodes)`), given as the samples each consumer (rank, worker) received rather
+        than a loader's batches (a `MixtureIterable` counts its own sources'), dealt over this
+        dataset's ranks and its loader's workers as an epoch is. Needs `shard_lengths`."""
         if self.shard_lengths is None:
             raise ValueError("resume_consumed needs `shard_lengths` (the rest is counted in them).")
         resumed = copy.copy(self)
         resumed._resume = None
         resumed._rest = None
         if shapes:
-            fragments = rest_after_consumed(self._reads(), self.epoch, shapes)
+            consumed = [ConsumedShape(*shape) for shape in shapes]
+            fragments = rest_after_consumed(self._reads(), self.epoch, consumed)
             resumed._rest = EpochRest(self.epoch, len(shapes), fragments)
         return resumed
 
