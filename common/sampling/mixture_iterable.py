@@ -13,13 +13,10 @@ weights' checks `mixture_weights.py`'s and `mixture_schedule.py`'s, the stop rul
 Trade-off: each consumer paces itself, without talking to the others, so a schedule's progress
 is each consumer's own count times the consumers (ranks x workers): consumers that read at
 different rates drift apart on the schedule by their difference.
-Copy with: common/caches/packed_strings.py, common/sampling/mixture_draws.py,
-  common/sampling/mixture_rest.py, common/sampling/mixture_schedule.py,
+Copy with: common/sampling/iterable_mixing/mixture_draws.py,
+  common/sampling/iterable_mixing/mixture_rest.py, common/sampling/mixture_schedule.py,
   common/sampling/mixture_settings.py, common/sampling/mixture_weights.py,
-  common/sampling/sharding.py, common/shards/epochs/epoch_resume.py,
-  common/shards/epochs/rank_epoch.py, common/shards/epochs/shard_mixing.py,
-  common/shards/epochs/shard_plan.py, common/shards/epochs/shard_reading.py,
-  common/shards/epochs/shard_reshape.py.
+  common/sampling/sharding.py.
 """
 
 from __future__ import annotations
@@ -33,14 +30,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from recipes.common.sampling.mixture_draws import (
+from recipes.common.sampling.iterable_mixing.mixture_draws import (
     IidDraws,
     Interleave,
     PacedDraws,
     Progress,
     interleaved,
 )
-from recipes.common.sampling.mixture_rest import (
+from recipes.common.sampling.iterable_mixing.mixture_rest import (
     Consumer,
     MixtureRest,
     ResumeAt,

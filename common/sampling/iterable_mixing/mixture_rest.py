@@ -16,7 +16,7 @@ Adapt here: nothing.
 Trade-off: the rest's interleave is drawn anew: no uninterrupted run of the new shape exists to
 follow, so its order is not the uninterrupted run's, its samples are (every sample of the epoch
 once). On the same shape the stream goes on exactly as it would have.
-Copy with: common/sampling/mixture_draws.py, common/sampling/sharding.py.
+Copy with: common/sampling/iterable_mixing/mixture_draws.py, common/sampling/sharding.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from recipes.common.sampling.mixture_draws import interleaved
+from recipes.common.sampling.iterable_mixing.mixture_draws import interleaved
 from recipes.common.sampling.sharding import round_robin_position
 
 
