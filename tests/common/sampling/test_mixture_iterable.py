@@ -137,6 +137,18 @@ def test_a_resume_on_the_same_shape_goes_on_exactly(shards):
         assert prefix + [b.tolist() for b in resumed] == whole
 
 
+@pytest.mark.parametrize("share", [0.5, 0.3, 0.8])
+def test_token_shares_hold_within_a_sample_in_a_worker(shards, share):
+    mixed = MixtureIterable(_sources(shards), {"a": share, "b": 1 - share}, seed=2, lengths=_tokens)
+    got = np.array(list(mixed))
+    tokens = np.array([_tokens(i) for i in got])
+    from_a = np.cumsum(np.where(got < 1000, tokens, 0))
+    from_b = np.cumsum(np.where(got >= 1000, tokens, 0))
+    both = min(np.searchsorted(from_a, from_a[-1]), np.searchsorted(from_b, from_b[-1]))
+    off = from_a[:both] - share * (from_a + from_b)[:both]
+    assert np.abs(off).max() <= 40  # at every sample, within one sample of source b
+
+
 def test_token_shares_hold_in_what_the_loop_receives(shards):
     mixed = MixtureIterable(_sources(shards), {"a": 1, "b": 1}, seed=1, lengths=_tokens)
     got = [i for b in make_loader(mixed, batch_size=5, num_workers=2) for i in b.tolist()]
