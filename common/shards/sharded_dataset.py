@@ -378,15 +378,12 @@ class ShardedIterableDataset(IterableDataset):
             resumed._rest = EpochRest(self.epoch, len(shapes), fragments)
         return resumed
 
-    def consumer_lengths(self, ranks: int, workers: int) -> np.ndarray:
-        """The samples each consumer of `ranks` x `workers` reads this epoch (or this copy's
-        rest of it): int64 `[ranks, workers]`. Needs `shard_lengths`."""
-        counts = np.zeros((ranks, workers), dtype=np.int64)
-        for rank in range(ranks):
-            reads = self._reads().for_rank(rank, ranks)
-            for worker in range(workers):
-                counts[rank, worker] = reads.samples_in(reads.pieces(self.epoch, worker, workers))
-        return counts
+    def consumer_lengths(self, rank: int, ranks: int, workers: int) -> np.ndarray:
+        """The samples each worker of `rank` (of `ranks` x `workers`) reads this epoch (or this
+        copy's rest of it): int64 `[workers]`. Needs `shard_lengths`."""
+        reads = self._reads().for_rank(rank, ranks)
+        counts = [reads.samples_in(reads.pieces(self.epoch, w, workers)) for w in range(workers)]
+        return np.asarray(counts, dtype=np.int64)
 
     def consumer_samples(
         self, rank: int, ranks: int, worker: int, workers: int, skip: int = 0

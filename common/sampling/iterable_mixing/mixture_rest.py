@@ -86,9 +86,9 @@ class Replayed(NamedTuple):
     units: float  # the schedule's units it gave (samples, or tokens)
 
 
-def consumer_lengths(sources: list, ranks: int, workers: int) -> np.ndarray:
-    """Each source's samples for each consumer: int64 `[S, ranks, workers]`."""
-    return np.stack([np.asarray(s.consumer_lengths(ranks, workers)) for s in sources])
+def consumer_lengths(sources: list, rank: int, ranks: int, workers: int) -> np.ndarray:
+    """Each source's samples for each worker of `rank`: int64 `[S, workers]`."""
+    return np.stack([np.asarray(s.consumer_lengths(rank, ranks, workers)) for s in sources])
 
 
 def positions(totals: Sequence[int], point: ResumeAt) -> tuple[list[int], int]:
@@ -106,17 +106,18 @@ def positions(totals: Sequence[int], point: ResumeAt) -> tuple[list[int], int]:
     return gave, first
 
 
-def replay(mixture, rest: MixtureRest, consumer: Consumer, samples: int) -> Replayed:
+def replay(
+    mixture, rest: MixtureRest, consumer: Consumer, samples: int, mine: np.ndarray
+) -> Replayed:
     """`consumer`'s draws over `rest` replayed for its first `samples`: without `lengths`,
-    without reading (each source a count of placeholders); with them, reading its samples."""
+    without reading (each source `mine[s]` placeholders: its samples for this consumer); with
+    them, reading its samples."""
     draws = mixture.draws_for(consumer, rest.generation, rest.start)
     active = mixture.usable.copy()
     reading = mixture.lengths is not None
     if reading:
         iterators = [source.consumer_samples(*consumer) for source in rest.sources]
     else:
-        lengths = consumer_lengths(rest.sources, consumer.ranks, consumer.workers)
-        mine = lengths[:, consumer.rank, consumer.worker]
         iterators = [itertools.repeat(None, int(n)) for n in mine]
     stream = interleaved(iterators, active, mixture.rule(draws))
     counts = np.zeros(len(rest.sources), dtype=np.int64)
@@ -143,15 +144,14 @@ def rest_over(mixture, shapes: Sequence[Shape], batch_size, drop_last: bool) -> 
     received: list[list[tuple]] = [[] for _ in datasets]  # per source, its consumed shapes
     for shape in shapes:
         point = ResumeAt(shape.batches, batch_size, bool(drop_last), shape.workers, False)
-        lengths = consumer_lengths(rest.sources, shape.ranks, shape.workers)
-        counts = np.zeros_like(lengths)
+        counts = np.zeros((len(datasets), shape.ranks, shape.workers), dtype=np.int64)
         units = 0.0
         for rank in range(shape.ranks):
-            totals = lengths[mixture.usable, rank, :].sum(axis=0)
-            gave, _ = positions(totals.tolist(), point)
+            lengths = consumer_lengths(rest.sources, rank, shape.ranks, shape.workers)
+            gave, _ = positions(lengths[mixture.usable].sum(axis=0).tolist(), point)
             for worker, samples in enumerate(gave):
                 consumer = Consumer(rank, shape.ranks, worker, shape.workers)
-                replayed = replay(mixture, rest, consumer, samples)
+                replayed = replay(mixture, rest, consumer, samples, lengths[:, worker])
                 counts[:, rank, worker] = replayed.counts
                 units += replayed.units
         for s, dataset in enumerate(datasets):
@@ -168,21 +168,21 @@ def continued(mixture, rest: MixtureRest, consumer: Consumer, point: ResumeAt | 
     round-robin at worker 0), or with `point.interleave` every old worker's in one process, as
     whole batches in the old order."""
     if point is None:
-        yield from _samples(replay(mixture, rest, consumer, 0).stream)
+        lengths = consumer_lengths(rest.sources, consumer.rank, consumer.ranks, consumer.workers)
+        yield from _samples(replay(mixture, rest, consumer, 0, lengths[:, consumer.worker]).stream)
         return
-    lengths = consumer_lengths(rest.sources, consumer.ranks, point.workers)
-    totals = lengths[mixture.usable, consumer.rank, :].sum(axis=0)
-    gave, first = positions(totals.tolist(), point)
+    lengths = consumer_lengths(rest.sources, consumer.rank, consumer.ranks, point.workers)
+    gave, first = positions(lengths[mixture.usable].sum(axis=0).tolist(), point)
     if not point.interleave:
         role = (consumer.worker + first) % point.workers
         old = Consumer(consumer.rank, consumer.ranks, role, point.workers)
-        yield from _samples(replay(mixture, rest, old, gave[role]).stream)
+        yield from _samples(replay(mixture, rest, old, gave[role], lengths[:, role]).stream)
         return
     order = [(first + j) % point.workers for j in range(point.workers)]
     streams = {}
     for w in order:
         old = Consumer(consumer.rank, consumer.ranks, w, point.workers)
-        streams[w] = _samples(replay(mixture, rest, old, gave[w]).stream)
+        streams[w] = _samples(replay(mixture, rest, old, gave[w], lengths[:, w]).stream)
     while streams:
         for w in order:
             if w not in streams:

@@ -109,6 +109,19 @@ def test_stopped_on_2x2_resumed_on_another_shape_reads_every_sample_once(shards,
     assert set(counts.values()) == {1}
 
 
+@pytest.mark.parametrize("last", [(3, 1), (3, 2), (2, 0)])
+def test_a_rest_stopped_again_goes_on_on_its_own_or_another_shape(shards, last):
+    """2 x 2, then 3 x 1 stopped within the rest, then the same ranks (the same or another
+    worker count: the rest goes on) or another shape (the rest of the rest dealt)."""
+
+    def build(rank, world):
+        return MixtureIterable(_sources(shards, rank, world), SCHEDULE, seed=6)
+
+    counts = _epoch_over_shapes(build, [(2, 2, 5), (3, 1, 3), (*last, None)], batch=4)
+    assert sorted(counts) == _all_ids()
+    assert set(counts.values()) == {1}
+
+
 def test_even_sources_repeat_only_each_deals_padding(shards):
     def build(rank, world):
         return MixtureIterable(

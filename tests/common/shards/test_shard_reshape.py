@@ -228,12 +228,12 @@ def test_a_rest_given_by_each_consumers_own_count_is_read_once_over_a_new_shape(
     shapes = []
     for ranks, workers, take in [(2, 2, [[5, 9], [0, 13]]), (3, 1, [[7], [2], [11]])]:
         rest = base.resume_consumed(shapes)
-        lengths = rest.consumer_lengths(ranks, workers)
-        assert lengths.shape == (ranks, workers)
         for r in range(ranks):
+            lengths = rest.consumer_lengths(r, ranks, workers)
+            assert lengths.shape == (workers,)
             for w in range(workers):
                 got = list(rest.consumer_samples(r, ranks, w, workers))
-                assert len(got) == lengths[r, w]
+                assert len(got) == lengths[w]
                 counts.update(got[: take[r][w]])
                 assert list(rest.consumer_samples(r, ranks, w, workers, skip=3)) == got[3:]
         shapes.append(ConsumedShape(ranks, workers, take))
