@@ -13,8 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recipes.common import MixtureIterable, ShardedIterableDataset, StatefulLoader, make_loader
+from recipes.common.sampling.iterable_mixing.mixture_draws import PacedDraws, Progress
 from recipes.common.sampling.mixture_schedule import Schedule
 from recipes.testing import make_int_shards
 
@@ -225,3 +228,31 @@ def test_mixtures_and_their_resumed_copies_pickle(shards):
     assert list(pickle.loads(pickle.dumps(rest))) == list(rest)
     cycling = MixtureIterable(_sources(shards), {"a": 1, "b": 2}, stop="never", num_samples=50)
     assert cycling.resume_after is None and not cycling.reshapes  # read again instead
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    longest=st.lists(st.integers(1, 60), min_size=2, max_size=4),
+    raw=st.lists(st.floats(0.05, 1.0), min_size=4, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_paced_draws_keep_every_source_within_about_a_sample_of_its_share(longest, raw, seed):
+    """While every source yields, each source's units stay within the longest sample of its
+    share of the units drawn (samples of random lengths up to each source's longest)."""
+    sources = len(longest)
+    weights = np.asarray(raw[:sources]) / sum(raw[:sources])
+    rng = np.random.default_rng(seed)
+    draws = PacedDraws(
+        lambda progress: weights[None, :],
+        np.random.default_rng(seed + 1),
+        Progress(0.0, 1, True),
+        np.ones(sources, dtype=bool),
+    )
+    units = np.zeros(sources)
+    active = np.ones(sources, dtype=bool)
+    for _ in range(400):
+        s = draws.pick(active)
+        length = int(rng.integers(1, longest[s] + 1))
+        draws.took(s, length)
+        units[s] += length
+        assert np.abs(units - weights * units.sum()).max() <= 1.0 * max(longest)
