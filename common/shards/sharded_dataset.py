@@ -378,7 +378,7 @@ class ShardedIterableDataset(IterableDataset):
             resumed._rest = EpochRest(self.epoch, len(shapes), fragments)
         return resumed
 
-    def consumer_lengths(self, rank: int, ranks: int, workers: int) -> np.ndarray:
+    def consumer_lengths(self, rank: int, ranks: int, *, workers: int) -> np.ndarray:
         """The samples each worker of `rank` (of `ranks` x `workers`) reads this epoch (or this
         copy's rest of it): int64 `[workers]`. Needs `shard_lengths`."""
         reads = self._reads().for_rank(rank, ranks)
@@ -386,7 +386,7 @@ class ShardedIterableDataset(IterableDataset):
         return np.asarray(counts, dtype=np.int64)
 
     def consumer_samples(
-        self, rank: int, ranks: int, worker: int, workers: int, skip: int = 0
+        self, rank: int, ranks: int, *, worker: int, workers: int, skip: int = 0
     ) -> Iterator:
         """The samples consumer (rank, worker) of `ranks` x `workers` reads this epoch (or this
         copy's rest of it), after its first `skip` (not read)."""

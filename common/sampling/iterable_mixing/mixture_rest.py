@@ -88,7 +88,7 @@ class Replayed(NamedTuple):
 
 def consumer_lengths(sources: list, rank: int, ranks: int, workers: int) -> np.ndarray:
     """Each source's samples for each worker of `rank`: int64 `[S, workers]`."""
-    return np.stack([np.asarray(s.consumer_lengths(rank, ranks, workers)) for s in sources])
+    return np.stack([np.asarray(s.consumer_lengths(rank, ranks, workers=workers)) for s in sources])
 
 
 def positions(totals: Sequence[int], point: ResumeAt) -> tuple[list[int], int]:
@@ -116,7 +116,7 @@ def replay(
     active = mixture.usable.copy()
     reading = mixture.lengths is not None
     if reading:
-        iterators = [source.consumer_samples(*consumer) for source in rest.sources]
+        iterators = [_samples_of(source, consumer) for source in rest.sources]
     else:
         iterators = [itertools.repeat(None, int(n)) for n in mine]
     stream = interleaved(iterators, active, mixture.rule(draws))
@@ -129,7 +129,7 @@ def replay(
         units = float(draws.tokens)
     if not reading:  # the real samples from where the placeholders stopped
         iterators = [
-            source.consumer_samples(*consumer, skip=int(count))
+            _samples_of(source, consumer, skip=int(count))
             for source, count in zip(rest.sources, counts.tolist(), strict=True)
         ]
         stream = interleaved(iterators, active, mixture.rule(draws))
@@ -201,3 +201,14 @@ def continued(mixture, rest: MixtureRest, consumer: Consumer, point: ResumeAt | 
 def _samples(stream: Iterator) -> Iterator:
     for _, item in stream:
         yield item
+
+
+def _samples_of(source, consumer: Consumer, skip: int = 0) -> Iterator:
+    """`consumer`'s samples of `source` (of the epoch, or of its rest), after its first `skip`."""
+    return source.consumer_samples(
+        consumer.rank,
+        consumer.ranks,
+        worker=consumer.worker,
+        workers=consumer.workers,
+        skip=skip,
+    )

@@ -229,17 +229,20 @@ def test_a_rest_given_by_each_consumers_own_count_is_read_once_over_a_new_shape(
     for ranks, workers, take in [(2, 2, [[5, 9], [0, 13]]), (3, 1, [[7], [2], [11]])]:
         rest = base.resume_consumed(shapes)
         for r in range(ranks):
-            lengths = rest.consumer_lengths(r, ranks, workers)
+            lengths = rest.consumer_lengths(r, ranks, workers=workers)
             assert lengths.shape == (workers,)
             for w in range(workers):
-                got = list(rest.consumer_samples(r, ranks, w, workers))
+                got = list(rest.consumer_samples(r, ranks, worker=w, workers=workers))
                 assert len(got) == lengths[w]
                 counts.update(got[: take[r][w]])
-                assert list(rest.consumer_samples(r, ranks, w, workers, skip=3)) == got[3:]
+                assert (
+                    list(rest.consumer_samples(r, ranks, worker=w, workers=workers, skip=3))
+                    == got[3:]
+                )
         shapes.append(ConsumedShape(ranks, workers, take))
     last = base.resume_consumed(shapes)
     for w in range(2):
-        counts.update(last.consumer_samples(0, 1, w, 2))
+        counts.update(last.consumer_samples(0, 1, worker=w, workers=2))
     total = sum(sizes)
     assert sorted(counts) == list(range(total))
     assert sum(counts.values()) - total <= 1 + 2  # each deal pads at most ranks - 1
