@@ -77,7 +77,9 @@ class MixtureIterable(IterableDataset):
     comes next (`mixture_draws.PacedDraws`), so each worker holds the shares within about one
     sample's length at all times. A schedule's progress is this worker's own samples (or
     tokens) times the ranks x workers, after `epoch x epoch_length` (an approximation: workers
-    that read at different rates drift apart on the schedule by their difference).
+    that read at different rates drift apart on the schedule by their difference). A source a
+    schedule weighs 0 waits: under "drop_exhausted" it is read once the weighted ones have ended
+    (every sample of the epoch once), where a fixed weight of 0 never draws its source.
 
     Args:
         datasets: iterable datasets (a sequence, or a mapping from name to dataset); each is
