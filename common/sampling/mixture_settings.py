@@ -5,7 +5,7 @@ Use when: a mixture (`MixtureSampler`, `MixtureIterable`) takes `stop=`, `num_sa
 themselves are described in `mixture.py`'s docstring.
 Cost: none (a few comparisons).
 Adapt here: `STOPS` (a new rule is named here, then drawn in `mixture_plan.py` and
-`mixture_iterable.py`).
+`iterable_mixing/mixture_draws.py`).
 Trade-off: "all_exhausted" is refused rather than guessed: Hugging Face `datasets` and recipes
 0.1 meant different rules by it.
 Copy with: nothing.

@@ -42,7 +42,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 import recipes.common.shards.epochs.plan_settings as keys
 from recipes.common.caches.packed_strings import PackedStrings
 from recipes.common.sampling.sharding import Piece, distributed_world
-from recipes.common.shards.epochs.epoch_resume import ResumePoint, rest_after, resumed_samples
+from recipes.common.shards.epochs.epoch_resume import (
+    ConsumedShape,
+    ResumePoint,
+    rest_after,
+    rest_after_consumed,
+    resumed_samples,
+)
 from recipes.common.shards.epochs.plan_settings import (
     blocks_crc,
     lengths_crc,
@@ -354,6 +360,37 @@ class ShardedIterableDataset(IterableDataset):
             old_world,
         )
         return resumed
+
+    def resume_consumed(self, shapes: Sequence[Sequence]) -> ShardedIterableDataset:
+        """A copy whose epoch is what no consumer received over the epoch's earlier `shapes`
+        (oldest first; each a `ConsumedShape` or its fields `(ranks, workers, received[rank]
+        [worker], nodes)`), given as the samples each consumer (rank, worker) received rather
+        than a loader's batches (a `MixtureIterable` counts its own sources'), dealt over this
+        dataset's ranks and its loader's workers as an epoch is. Needs `shard_lengths`."""
+        if self.shard_lengths is None:
+            raise ValueError("resume_consumed needs `shard_lengths` (the rest is counted in them).")
+        resumed = copy.copy(self)
+        resumed._resume = None
+        resumed._rest = None
+        if shapes:
+            consumed = [ConsumedShape(*shape) for shape in shapes]
+            fragments = rest_after_consumed(self._reads(), self.epoch, consumed)
+            resumed._rest = EpochRest(self.epoch, len(shapes), fragments)
+        return resumed
+
+    def consumer_lengths(self, rank: int, ranks: int, *, workers: int) -> np.ndarray:
+        """The samples each worker of `rank` (of `ranks` x `workers`) reads this epoch (or this
+        copy's rest of it): int64 `[workers]`. Needs `shard_lengths`."""
+        reads = self._reads().for_rank(rank, ranks)
+        counts = [reads.samples_in(reads.pieces(self.epoch, w, workers)) for w in range(workers)]
+        return np.asarray(counts, dtype=np.int64)
+
+    def consumer_samples(
+        self, rank: int, ranks: int, *, worker: int, workers: int, skip: int = 0
+    ) -> Iterator:
+        """The samples consumer (rank, worker) of `ranks` x `workers` reads this epoch (or this
+        copy's rest of it), after its first `skip` (not read)."""
+        return self._reads().for_rank(rank, ranks).stream(self.epoch, worker, workers, skip)
 
     # ---- iteration ---------------------------------------------------------------------
     def __iter__(self) -> Iterator:

@@ -116,6 +116,17 @@ def _replayed_position(reads: RankEpoch, epoch: int, point: ResumePoint) -> Posi
     return Position([s * per_batch for s in skipped], 0)
 
 
+class ConsumedShape(NamedTuple):
+    """One earlier shape of an epoch, with the samples each of its consumers received
+    (`ShardedIterableDataset.resume_consumed`): a reader that knows its own counts (a mixture that
+    replays its draws) rather than a loader's batch count."""
+
+    ranks: int
+    workers: int
+    received: Sequence[Sequence[int]]  # [rank][worker]: samples that consumer received
+    nodes: int = 1
+
+
 def rest_after(
     reads: RankEpoch,
     epoch: int,
@@ -125,28 +136,63 @@ def rest_after(
 ) -> np.ndarray:
     """What no consumer received in the epoch's earlier `shapes` (oldest first), each shape's
     ranks reading the rest of the shape before it (`shard_reshape.py`)."""
-    lengths = reads.plan.shard_lengths
     rest = None
     for generation, shape in enumerate(map(EarlierShape.of, shapes)):
-        consumers = []
         workers = max(1, shape.workers)
         point = ResumePoint(shape.batches, batch_size, bool(drop_last), workers, False, shape.ranks)
-        former_rest = None
-        if rest is not None:
-            former_rest = EpochRest(epoch, generation, rest)
+        former_rest = _former(epoch, generation, rest)
+        received = []
         for rank in range(shape.ranks):
             former = reads.for_rank(rank, shape.ranks, nodes=shape.nodes, rest=former_rest)
-            for w, skip in enumerate(resume_position(former, epoch, point).skips):
-                pieces = [
-                    (shard, start, _known_stop(stop, lengths[shard]))
-                    for shard, start, stop in former.pieces(epoch, w, workers)
-                ]
-                schedule = None
-                if former.mixes:
-                    schedule = former.schedule(epoch, w, workers, pieces, draws_needed=skip)
-                consumers.append(consumer_ranges(pieces, schedule, skip))
-        rest = rest_fragments(lengths, reads.plan.order(epoch), consumers)
+            received.append(resume_position(former, epoch, point).skips)
+        consumed = ConsumedShape(shape.ranks, workers, received, shape.nodes)
+        rest = _rest_step(reads, epoch, generation, rest, consumed)
     return rest
+
+
+def rest_after_consumed(
+    reads: RankEpoch, epoch: int, shapes: Sequence[ConsumedShape]
+) -> np.ndarray | None:
+    """What no consumer received in the epoch's earlier `shapes` (oldest first), given the
+    samples each consumer received (None when there are no shapes)."""
+    rest = None
+    for generation, shape in enumerate(shapes):
+        rest = _rest_step(reads, epoch, generation, rest, shape)
+    return rest
+
+
+def _former(epoch: int, generation: int, rest: np.ndarray | None) -> EpochRest | None:
+    if rest is None:
+        return None
+    return EpochRest(epoch, generation, rest)
+
+
+def _rest_step(
+    reads: RankEpoch,
+    epoch: int,
+    generation: int,
+    rest: np.ndarray | None,
+    shape: ConsumedShape,
+) -> np.ndarray:
+    """The rest after one shape whose consumers read the rest before it (`rest`, None: the
+    epoch) and received `shape.received` samples each."""
+    lengths = reads.plan.shard_lengths
+    former_rest = _former(epoch, generation, rest)
+    workers = max(1, int(shape.workers))
+    consumers = []
+    for rank in range(int(shape.ranks)):
+        former = reads.for_rank(rank, int(shape.ranks), nodes=int(shape.nodes), rest=former_rest)
+        for w in range(workers):
+            skip = int(shape.received[rank][w])
+            pieces = [
+                (shard, start, _known_stop(stop, lengths[shard]))
+                for shard, start, stop in former.pieces(epoch, w, workers)
+            ]
+            schedule = None
+            if former.mixes:
+                schedule = former.schedule(epoch, w, workers, pieces, draws_needed=skip)
+            consumers.append(consumer_ranges(pieces, schedule, skip))
+    return rest_fragments(lengths, reads.plan.order(epoch), consumers)
 
 
 def _known_stop(stop: int | None, length) -> int:

@@ -212,3 +212,37 @@ def test_node_affine_nodes_keep_their_shards_and_read_every_sample_once(
     shards = [set(shard_of[sorted(held[0, n])].tolist()) for n in range(nodes)]
     shared = sum(len(a & b) for k, a in enumerate(shards) for b in shards[k + 1 :])
     assert shared <= nodes - 1  # only the shards on the boundaries between nodes are read by two
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_a_rest_given_by_each_consumers_own_count_is_read_once_over_a_new_shape(tmp_path, window):
+    """`resume_consumed`: the samples each consumer of 2 ranks x 2 workers received (its own
+    count, not a loader's batches), then the rest over 3 ranks x 1 worker and again over
+    1 x 2: every sample once, the only repeats each deal's padding."""
+    from recipes.common.shards.epochs.epoch_resume import ConsumedShape
+
+    sizes = [37, 50, 23, 64, 11, 40]
+    paths = make_int_shards(tmp_path, sizes)
+    base = _dataset(paths, sizes, 0, 1, window=window)
+    counts = collections.Counter()
+    shapes = []
+    for ranks, workers, take in [(2, 2, [[5, 9], [0, 13]]), (3, 1, [[7], [2], [11]])]:
+        rest = base.resume_consumed(shapes)
+        for r in range(ranks):
+            lengths = rest.consumer_lengths(r, ranks, workers=workers)
+            assert lengths.shape == (workers,)
+            for w in range(workers):
+                got = list(rest.consumer_samples(r, ranks, worker=w, workers=workers))
+                assert len(got) == lengths[w]
+                counts.update(got[: take[r][w]])
+                assert (
+                    list(rest.consumer_samples(r, ranks, worker=w, workers=workers, skip=3))
+                    == got[3:]
+                )
+        shapes.append(ConsumedShape(ranks, workers, take))
+    last = base.resume_consumed(shapes)
+    for w in range(2):
+        counts.update(last.consumer_samples(0, 1, worker=w, workers=2))
+    total = sum(sizes)
+    assert sorted(counts) == list(range(total))
+    assert sum(counts.values()) - total <= 1 + 2  # each deal pads at most ranks - 1
