@@ -29,7 +29,9 @@ batches' worth (`MIXTURE_WINDOW`), each bucketed by itself and its batches shuff
 themselves; the windows keep their plan order, and each holds the shares the schedule gives
 there. A window displaces its tokens by up to its size, so keep it well under the stretch over
 which the shares must hold: windows of 8k tokens hold 64k-token stretches within 2 points
-(tested; 4 x 2048-token batches), where bucketing the whole plan misses by 18 points. A mixture
+(tested; 4 x 2048-token batches), where bucketing the whole plan misses by 18 points. Small
+windows cost padding, as fewer samples are sorted together: on long-tailed lengths, windows of
+4 batches held 79.5% real tokens, of 16 batches 92.6%, of 256 (the default) 99.4%. A mixture
 that is not paced is bucketed whole, as a plain dataset is.
 Copy with: common/loader_warning.py, common/sampling/sharding.py.
 """
