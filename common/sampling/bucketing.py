@@ -27,12 +27,13 @@ mixture (`mixture.paced`: a `Schedule`, or `lengths=` for shares of tokens) hold
 every stretch of its plan, so its plan is cut into consecutive windows of `mixture_window`
 batches' worth (`MIXTURE_WINDOW`), each bucketed by itself and its batches shuffled only among
 themselves; the windows keep their plan order, and each holds the shares the schedule gives
-there. A window displaces its tokens by up to its size, so keep it well under the stretch over
-which the shares must hold: windows of 8k tokens hold 64k-token stretches within 2 points
-(tested; 4 x 2048-token batches), where bucketing the whole plan misses by 18 points. Small
+there. A window displaces its samples by up to its size, and a batch moves whole: keep both
+well under the stretch over which the shares must hold. Windows of 4k tokens (8 batches of
+512) hold every 64k-token stretch within 1.2 points (tested, 2 points asserted), where bucketing
+the whole plan misses by 18; 8k-token windows of 2048-token batches miss by up to 3. Small
 windows cost padding, as fewer samples are sorted together: on long-tailed lengths, windows of
-4 batches held 79.5% real tokens, of 16 batches 92.6%, of 256 (the default) 99.4%. A mixture
-that is not paced is bucketed whole, as a plain dataset is.
+4 batches of 2048 held 79.5% real tokens, of 16 batches 92.6%, of 256 (the default) 99.4%.
+A mixture that is not paced is bucketed whole, as a plain dataset is.
 Copy with: common/loader_warning.py, common/sampling/sharding.py.
 """
 

@@ -21,12 +21,12 @@ from tests.common.sampling.mixture_windows import (
 SIZES = [9000, 6000, 3000]
 
 
-def _bucketed(mixture_window=4, sizes=SIZES, num_samples=12_000, epochs=2, **kwargs):
+def _bucketed(mixture_window=8, sizes=SIZES, num_samples=12_000, epochs=2, **kwargs):
     lengths, data = corpus(sizes)
     mix = scheduled_mixture(sizes, lengths, num_samples=num_samples, epochs=epochs)
     sampler = LengthBucketSampler(
         np.concatenate(lengths),
-        max_tokens=2048,
+        max_tokens=512,
         mixture=mix,
         mixture_window=mixture_window,
         **kwargs,
@@ -47,18 +47,18 @@ def test_a_token_schedule_holds_every_64k_window_of_token_budget_batches():
             ids += [item["id"] for item in batch]
             tokens += sizes
             padded += len(sizes) * max(sizes)
-            assert len(sizes) * max(sizes) <= 2048 or len(sizes) == 1
+            assert len(sizes) * max(sizes) <= 512
     ids = np.asarray(ids)
     tokens = np.asarray(tokens)
     sources = np.searchsorted(np.cumsum(SIZES), ids, side="right")
     windows = window_shares(tokens, sources, 64_000)
     assert len(windows) >= 25
-    assert worst_deviation(windows, mix) <= 0.02  # measured 0.010; the whole plan: 0.18
+    # measured 0.009 (0.009-0.012 over seeds 3-6); bucketing the whole plan: 0.18
+    assert worst_deviation(windows, mix) <= 0.02
     # the phases did move the mixture: books nearly absent at first, the largest at the end
     assert windows[0][2][2] < 0.02 and windows[-1][2][2] > 0.35
-    # windows this small cost padding (measured 79.5% real tokens; 99.4% in windows of 256
-    # batches, 99.7% bucketing the whole plan)
-    assert tokens.sum() / padded > 0.75
+    # windows this small cost padding (measured 92.3% real tokens)
+    assert tokens.sum() / padded > 0.9
 
 
 def _received(loader, sampler, epoch, stop=None):
@@ -115,9 +115,9 @@ def test_a_resume_on_another_number_of_ranks_deals_the_rest_of_the_same_plan():
 
 def test_the_window_is_part_of_the_plan_and_checked_on_resume():
     state = _bucketed(num_samples=500, epochs=1)[1].state_dict()
-    assert state["plan"]["mixture_window"] == 4
+    assert state["plan"]["mixture_window"] == 8
     with pytest.raises(ValueError, match="mixture_window"):
-        _bucketed(mixture_window=8, num_samples=500, epochs=1)[1].load_state_dict(state)
+        _bucketed(mixture_window=16, num_samples=500, epochs=1)[1].load_state_dict(state)
     with pytest.raises(ValueError, match="`mixture_window` must be positive"):
         _bucketed(mixture_window=0)
 
