@@ -22,6 +22,18 @@ Resume: `state_dict()` records the epoch and how many batches of the global list
 that list, dealt over the current number of ranks, so a job resumed on another world size
 loses no sample; when the rest does not divide over the new ranks it is padded as above (at
 most R - 1 batches of the epoch seen twice; none when the world size is unchanged).
+Mixture: with `mixture=` the mixture's plan is bucketed instead of every sample once. A paced
+mixture (`mixture.paced`: a `Schedule`, or `lengths=` for shares of tokens) holds its shares in
+every stretch of its plan, so its plan is cut into consecutive windows of `mixture_window`
+batches' worth (`MIXTURE_WINDOW`), each bucketed by itself and its batches shuffled only among
+themselves; the windows keep their plan order, and each holds the shares the schedule gives
+there. A window displaces its samples by up to its size, and a batch moves whole: keep both
+well under the stretch over which the shares must hold. Windows of 4k tokens (8 batches of
+512) hold every 64k-token stretch within 1.2 points (tested, 2 points asserted), where bucketing
+the whole plan misses by 18; 8k-token windows of 2048-token batches miss by up to 3. Small
+windows cost padding, as fewer samples are sorted together: on long-tailed lengths, windows of
+4 batches of 2048 held 79.5% real tokens, of 16 batches 92.6%, of 256 (the default) 99.4%.
+A mixture that is not paced is bucketed whole, as a plain dataset is.
 Copy with: common/loader_warning.py, common/sampling/sharding.py.
 """
 
@@ -38,6 +50,11 @@ from torch.utils.data import Sampler
 
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.sampling.sharding import distributed_world
+
+# A paced mixture's plan is bucketed in windows of this many batches' worth (`max_tokens`
+# tokens, else `batch_size` samples, per batch): enough neighbours to bucket well, and small
+# against a schedule's phases (256 batches of 32k tokens: 8M tokens).
+MIXTURE_WINDOW = 256
 
 
 class _EpochBatches(NamedTuple):
@@ -63,6 +80,10 @@ class LengthBucketSampler(Sampler[list[int]]):
         drop_last: drop batches to equalise ranks instead of padding (see module docstring).
         mixture: a `MixtureSampler` (one rank: `num_replicas=1`) whose epoch plan is bucketed
             instead of every sample once: mix first, then bucket (its indices may repeat).
+            A paced mixture (a `Schedule` or `lengths=`) is bucketed window by window, so its
+            shares hold along the epoch (module docstring); otherwise its whole plan at once.
+        mixture_window: a paced mixture's window, in batches' worth (`max_tokens` tokens,
+            else `batch_size` samples, per batch).
 
     Raises:
         ValueError: neither `batch_size` nor `max_tokens`, or invalid values.
@@ -87,6 +108,7 @@ class LengthBucketSampler(Sampler[list[int]]):
         rank: int | None = None,
         drop_last: bool = False,
         mixture=None,
+        mixture_window: int = MIXTURE_WINDOW,
     ):
         if batch_size is None and max_tokens is None:
             raise ValueError("LengthBucketSampler needs `batch_size`, `max_tokens` or both.")
@@ -94,6 +116,7 @@ class LengthBucketSampler(Sampler[list[int]]):
             ("batch_size", batch_size),
             ("max_tokens", max_tokens),
             ("pad_to_multiple_of", pad_to_multiple_of),
+            ("mixture_window", mixture_window),
         ):
             if value is not None and value <= 0:
                 raise ValueError(f"`{name}` must be positive, but is {value!r} instead.")
@@ -121,7 +144,7 @@ class LengthBucketSampler(Sampler[list[int]]):
             getattr(mixture, "num_replicas", 1) != 1 or getattr(mixture, "batch_size", None)
         ):
             raise ValueError(
-                "LengthBucketSampler(mixture=) buckets the mixture's whole plan and deals the "
+                f"{type(self).__name__}(mixture=) takes the mixture's whole plan and deals the "
                 "batches over the ranks itself: build the MixtureSampler with num_replicas=1, "
                 "rank=0 and no batch_size."
             )
@@ -132,6 +155,7 @@ class LengthBucketSampler(Sampler[list[int]]):
                 "source, in the sources' order."
             )
         self.mixture = mixture
+        self.mixture_window = mixture_window
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)
         self._begin = 0  # where the current pass over `self.epoch` began
@@ -152,6 +176,10 @@ class LengthBucketSampler(Sampler[list[int]]):
         if self._cache is not None and self._cache.epoch == epoch:
             return self._cache.batches
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        if self.mixture is not None and self.mixture.paced:
+            batches = self._window_batches(self.mixture.global_indices(epoch), g)
+            self._cache = _EpochBatches(epoch, batches)
+            return batches
         pool = None
         n = len(self.lengths)
         if self.mixture is not None:
@@ -168,6 +196,29 @@ class LengthBucketSampler(Sampler[list[int]]):
         if self.shuffle and batches:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
         self._cache = _EpochBatches(epoch, batches)
+        return batches
+
+    def _window_batches(self, plan: np.ndarray, g: torch.Generator) -> list[np.ndarray]:
+        """A paced mixture's plan bucketed window by window (see `mixture_window`): the windows
+        in plan order, each one's samples sorted by length (random ties) and its batches
+        shuffled among themselves, so every window keeps the shares the plan holds there."""
+        sizes = np.ones(len(plan), dtype=np.int64)
+        width = self.mixture_window * (self.batch_size or 1)
+        if self.max_tokens is not None:
+            sizes = self.lengths[plan]
+            width = self.mixture_window * self.max_tokens
+        batches: list[np.ndarray] = []
+        for window in np.split(plan, window_cuts(sizes, width)):
+            if not len(window):
+                continue
+            ties = np.arange(len(window))
+            if self.shuffle:
+                ties = torch.randperm(len(window), generator=g).numpy()
+            ties = window[ties]
+            part = self._split(ties[np.argsort(self.lengths[ties], kind="stable")])
+            if self.shuffle:
+                part = [part[i] for i in torch.randperm(len(part), generator=g).tolist()]
+            batches.extend(part)
         return batches
 
     def _split(self, order: np.ndarray) -> list[np.ndarray]:
@@ -266,6 +317,8 @@ class LengthBucketSampler(Sampler[list[int]]):
         }
         if self.mixture is not None:
             settings["mixture"] = self.mixture.plan_settings()
+        if self.mixture is not None and self.mixture.paced:
+            settings["mixture_window"] = self.mixture_window
         return settings
 
     def note_read_ahead(self, batches: int) -> None:
@@ -328,6 +381,16 @@ class LengthBucketSampler(Sampler[list[int]]):
         self._start = int(state["global_batches_done"])
         self._begin = 0
         self._yielded = 0
+
+
+def window_cuts(sizes: np.ndarray, width: int) -> np.ndarray:
+    """Where consecutive windows of about `width` (in the units of `sizes`: tokens, samples)
+    begin along `sizes`, the first excluded: positions for `np.split`."""
+    if not len(sizes):
+        return np.zeros(0, dtype=np.int64)
+    total = np.cumsum(sizes)
+    marks = np.arange(1, int(total[-1]) // width + 1) * width
+    return np.searchsorted(total, marks, side="right")
 
 
 def _fingerprint(values: np.ndarray) -> str:
