@@ -12,8 +12,8 @@ from recipes.common.sampling.bucketing import LengthBucketSampler
 from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
 from recipes.common.sampling.mixture import MixtureSampler
 from recipes.common.sampling.mixture_iterable import MixtureIterable
-from recipes.common.sampling.mixture_schedule import Schedule
 from recipes.common.sampling.mixture_sources import MixtureSources
+from recipes.common.sampling.pacing.mixture_schedule import Schedule
 from recipes.common.sampling.sharding import shard_indices
 from recipes.common.shards.shard_formats import ShardFormatError, read_parquet, read_tar
 from recipes.common.shards.shard_set import ShardIndexError, ShardSet

@@ -38,10 +38,11 @@ keys in `mixture_state.py`, the sources' batch reads in `mixture_sources.py` (`M
 `MixtureIterable` (`mixture_iterable.py`) interleaves iterable datasets (`ShardedIterableDataset`
 shard sets, each exact over ranks and workers) by the same weights and stop rules, for remote
 corpora.
-Copy with: common/sampling/mixture_changes.py, common/sampling/mixture_epoch.py,
-  common/sampling/mixture_pacing.py, common/sampling/mixture_plan.py,
-  common/sampling/mixture_schedule.py, common/sampling/mixture_settings.py,
-  common/sampling/mixture_state.py, common/sampling/mixture_weights.py, common/sampling/sharding.py.
+Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_settings.py,
+  common/sampling/mixture_state.py, common/sampling/mixture_weights.py,
+  common/sampling/pacing/mixture_changes.py, common/sampling/pacing/mixture_epoch.py,
+  common/sampling/pacing/mixture_pacing.py, common/sampling/pacing/mixture_schedule.py,
+  common/sampling/sharding.py.
 """
 
 from __future__ import annotations
@@ -49,14 +50,11 @@ from __future__ import annotations
 import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from recipes.common.sampling.mixture_changes import agree, parsed_change
-from recipes.common.sampling.mixture_epoch import EpochDraws
-from recipes.common.sampling.mixture_pacing import FixedPace, PacedPlan, SchedulePace
 from recipes.common.sampling.mixture_plan import MixturePlan
-from recipes.common.sampling.mixture_schedule import Schedule
 from recipes.common.sampling.mixture_settings import (
     check_count,
     check_stop,
@@ -69,12 +67,23 @@ from recipes.common.sampling.mixture_state import (
     read_state,
     write_state,
 )
-from recipes.common.sampling.mixture_weights import parse_sources
-from recipes.common.sampling.sharding import distributed_world
+from recipes.common.sampling.pacing.mixture_changes import agree, parsed_change
+from recipes.common.sampling.pacing.mixture_epoch import EpochDraws
+from recipes.common.sampling.pacing.mixture_schedule import Schedule, scheduled_sources
+from recipes.common.sampling.sharding import checked_ranks
 
 # Index mode hands this rank's indices out in chunks of this many (a change of weights takes
 # effect after the chunks handed out).
 CHUNK = 64
+
+
+class _View(NamedTuple):
+    """This rank's part of a pass, as the iterator hands it out."""
+
+    key: tuple
+    """(epoch, where the pass began, the plan's version): a redraw makes a new view."""
+    part: list | np.ndarray
+    """This rank's batches (batch mode) or indices."""
 
 
 class MixtureSampler:
@@ -123,19 +132,13 @@ class MixtureSampler:
         batch_size: int | None = None,
         drop_last: bool = False,
     ):
-        self.schedule = None
-        if isinstance(weights, Schedule):
-            sources = parse_sources(sizes, _even(sizes), "sizes")
-            self.schedule = weights.bind(sources.names)
-            own = self.schedule.weights_at([0])[0]
-            sources = sources._replace(weights=own)
-        else:
-            sources = parse_sources(sizes, weights, "sizes")
+        sources, self.schedule = scheduled_sources(sizes, weights, "sizes")
         self.names = sources.names
         self.weights = sources.weights
         self.sizes = whole_sizes(sources.values, self.names)
         lengths = source_lengths(lengths, self.sizes, self.names)
-        _check_units(self.schedule, lengths)
+        if self.schedule is not None:
+            self.schedule.check_lengths(lengths is not None)
         check_stop(stop, num_samples)
         self.num_samples = check_count("num_samples", num_samples)
         self.batch_size = check_count("batch_size", batch_size)
@@ -157,22 +160,8 @@ class MixtureSampler:
         if lengths is not None:
             self.lengths = np.concatenate(lengths)
         self.paced = self.schedule is not None or lengths is not None
-        pace = FixedPace(self.weights)
-        if self.schedule is not None:
-            pace = SchedulePace(self.schedule)
-        paced = PacedPlan(self._planner, lengths)
-        self._draws = EpochDraws(self._planner, paced, pace, self.lengths, iid=not self.paced)
-        world, here = distributed_world()
-        if num_replicas is None:
-            num_replicas = world
-        if rank is None:
-            rank = here
-        self.num_replicas = int(num_replicas)
-        self.rank = int(rank)
-        if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(
-                f"`rank` must be in [0, {self.num_replicas}), but is {self.rank!r} instead."
-            )
+        self._draws = EpochDraws.build(self._planner, lengths, self.schedule)
+        self.num_replicas, self.rank = checked_ranks(num_replicas, rank)
         self.epoch = 0
         # positions of the plan done before this pass (a loaded state; batch mode: global
         # batches, as LengthBucketSampler)
@@ -182,7 +171,7 @@ class MixtureSampler:
         self._handed = 0  # this pass's batches (or indices) handed out by the iterator
         self._lock = threading.Lock()  # the iterator and `set_weights` on another thread
         self._version = 0  # counts the plan's redraws: a change of weights, a resume
-        self._view: tuple | None = None  # ((epoch, begin, version), this rank's part)
+        self._view: _View | None = None
         self._other: EpochDraws | None = None  # the last other epoch's draws asked for
 
     # ---- the epoch's plan, dealt over the ranks -------------------------------------------
@@ -205,20 +194,8 @@ class MixtureSampler:
             self._draws.advance(self.epoch)
         if epoch == self.epoch:
             return self._draws
-        other = self._other
-        if other is None or other.epoch > epoch or other.epoch < self.epoch:
-            other = EpochDraws(
-                self._planner,
-                self._draws.paced,
-                self._draws.pace,
-                self.lengths,
-                iid=self._draws.iid,
-            )
-            if epoch > self.epoch:  # on from this epoch: its progress and weights carry over
-                other.restore(self.epoch, self._draws.segments)
-        other.advance(epoch)  # on from the last other epoch drawn (a bucketing sampler's)
-        self._other = other
-        return other
+        self._other = self._draws.other(epoch, self._other)
+        return self._other
 
     def _padded(self, epoch: int, start: int = 0) -> np.ndarray:
         """The plan's rest from position `start`, padded with its first known indices to a
@@ -274,13 +251,13 @@ class MixtureSampler:
     def _chunk(self, epoch: int) -> list | None:
         """The next batch (batch mode) or up to `CHUNK` indices of this rank's pass, or None."""
         key = (epoch, self._begin, self._version)
-        if self._view is None or self._view[0] != key:
+        if self._view is None or self._view.key != key:
             if self.batch_size is None:
                 part = self._padded(epoch, self._begin)[self.rank :: self.num_replicas]
             else:
                 part = self._batch_plan(epoch, self._begin)
-            self._view = (key, part)
-        part = self._view[1]
+            self._view = _View(key, part)
+        part = self._view.part
         if self._handed >= len(part):
             return None
         if self.batch_size is not None:
@@ -328,16 +305,6 @@ class MixtureSampler:
             self._version += 1
             self._other = None  # later epochs carry the new weights
         return agreed.position
-
-    def current_weights(self) -> np.ndarray:
-        """The weights the plan draws with at the current epoch's last change (or start): the
-        loop's, the schedule's at that point, or the fixed ones."""
-        segment = self._epoch(self.epoch).segments[-1]
-        if segment.weights is not None:
-            return np.asarray(segment.weights)
-        if self.schedule is not None:
-            return self.schedule.weights_at([segment.progress])[0]
-        return self.weights
 
     # ---- what it drew ----------------------------------------------------------------------
     def source_of(self, indices) -> np.ndarray:
@@ -450,28 +417,3 @@ class MixtureSampler:
             for n, w, s in zip(self.names, self.weights, self.sizes, strict=True)
         )
         return f"MixtureSampler({mix}; stop={self.stop!r}, num_samples={self.num_samples})"
-
-
-def _even(sizes) -> Sequence[float] | Mapping[str, float]:
-    """Placeholder weights of the shape of `sizes` (a schedule gives the real ones)."""
-    if isinstance(sizes, Mapping):
-        return dict.fromkeys(sizes, 1.0)
-    return [1.0] * len(sizes)
-
-
-def _check_units(schedule, lengths) -> None:
-    """Refuses a schedule whose progress units the lengths do not match."""
-    if schedule is None:
-        return
-    if schedule.over == "tokens" and lengths is None:
-        raise ValueError(
-            "A schedule over tokens needs each sample's length: pass `lengths=` (a token "
-            "cache's `lengths`, one array per source), or build the schedule with "
-            "over='samples'."
-        )
-    if schedule.over == "samples" and lengths is not None:
-        raise ValueError(
-            "With `lengths=` the mixture counts its progress and shares in tokens: build the "
-            "schedule with over='tokens' (its `total` in tokens), or leave out `lengths` to "
-            "hold shares of samples."
-        )

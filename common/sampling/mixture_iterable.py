@@ -14,8 +14,8 @@ Trade-off: each consumer paces itself, without talking to the others, so a sched
 is each consumer's own count times the consumers (ranks x workers): consumers that read at
 different rates drift apart on the schedule by their difference.
 Copy with: common/sampling/iterable_mixing/mixture_draws.py,
-  common/sampling/iterable_mixing/mixture_rest.py, common/sampling/mixture_schedule.py,
-  common/sampling/mixture_settings.py, common/sampling/mixture_weights.py,
+  common/sampling/iterable_mixing/mixture_rest.py, common/sampling/mixture_settings.py,
+  common/sampling/mixture_weights.py, common/sampling/pacing/mixture_schedule.py,
   common/sampling/sharding.py.
 """
 
@@ -45,9 +45,9 @@ from recipes.common.sampling.iterable_mixing.mixture_rest import (
     continued,
     rest_over,
 )
-from recipes.common.sampling.mixture_schedule import Schedule
 from recipes.common.sampling.mixture_settings import check_count, check_stop
 from recipes.common.sampling.mixture_weights import parse_sources
+from recipes.common.sampling.pacing.mixture_schedule import Schedule
 from recipes.common.sampling.sharding import distributed_world
 
 SALT = 0x6974  # the draws' seed's last word (a resume's rest adds its generation)

@@ -7,15 +7,15 @@ Adapt here: a new key is named here first.
 Trade-off: the state holds the epoch and the plan's positions done over all ranks (O(1), never
 O(samples)) with the settings that shape the plan: a resume regenerates the plan and refuses a
 state saved under other settings, instead of saving the plan itself.
-Copy with: common/sampling/mixture_pacing.py, common/sampling/mixture_plan.py,
-  common/sampling/mixture_schedule.py, common/sampling/mixture_weights.py.
+Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_weights.py,
+  common/sampling/pacing/mixture_pacing.py, common/sampling/pacing/mixture_schedule.py.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from recipes.common.sampling.mixture_pacing import Segment
+from recipes.common.sampling.pacing.mixture_pacing import Segment
 
 # The keys of `MixtureSampler.state_dict()`.
 EPOCH = "epoch"

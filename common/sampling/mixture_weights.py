@@ -55,6 +55,14 @@ def parse_sources(values, weights, what: str) -> WeightedSources:
     return WeightedSources(names, values, _normalised(weights, len(values), what))
 
 
+def even_weights(values) -> list[float] | dict:
+    """Weights of 1 in the shape of `values` (a mapping by name, or a sequence): stand-ins where
+    the weights come from elsewhere (a schedule)."""
+    if isinstance(values, Mapping):
+        return dict.fromkeys(values, 1.0)
+    return [1.0] * len(values)
+
+
 def _described(weights) -> str:
     """The names a mapping of weights gives, or the type of what was given instead."""
     if isinstance(weights, Mapping):

@@ -92,6 +92,24 @@ def distributed_world() -> tuple[int, int]:
     return 1, 0
 
 
+def checked_ranks(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """`(num_replicas, rank)`, each `torch.distributed`'s where None (else 1 and 0), checked.
+
+    Raises:
+        ValueError: a rank outside [0, num_replicas).
+    """
+    world, here = distributed_world()
+    if num_replicas is None:
+        num_replicas = world
+    if rank is None:
+        rank = here
+    if not 0 <= int(rank) < int(num_replicas):
+        raise ValueError(
+            f"`rank` must be in [0, {int(num_replicas)}), but is {int(rank)!r} instead."
+        )
+    return int(num_replicas), int(rank)
+
+
 def _block(n: int, parts: int, part: int) -> tuple[int, int]:
     """[lo, hi) of `part` when `range(n)` is cut into `parts` contiguous blocks (sizes differ by <=
     1)."""

@@ -35,7 +35,7 @@ from torch.utils.data import (
 
 from recipes.common import LengthBucketSampler, RobustLoader, ShardedIterableDataset, make_loader
 from recipes.common.sampling.mixture import MixtureSampler
-from recipes.common.sampling.mixture_schedule import Schedule
+from recipes.common.sampling.pacing.mixture_schedule import Schedule
 from recipes.testing import make_int_shards
 
 N = 48

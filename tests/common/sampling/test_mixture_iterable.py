@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from recipes.common import MixtureIterable, ShardedIterableDataset, StatefulLoader, make_loader
 from recipes.common.sampling.iterable_mixing.mixture_draws import PacedDraws, Progress
-from recipes.common.sampling.mixture_schedule import Schedule
+from recipes.common.sampling.pacing.mixture_schedule import Schedule
 from recipes.testing import make_int_shards
 
 SIZES = {"a": [30, 25, 41, 20], "b": [35, 17, 28]}  # source b's ids start at 1000

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from recipes.common.sampling.mixture_weights import parse_sources
+from recipes.common.sampling.mixture_weights import WeightedSources, even_weights, parse_sources
 
 OVER = ("samples", "tokens")
 INTERPOLATIONS = ("linear", "step")
@@ -155,6 +155,25 @@ class BoundSchedule:
         mixed = (1 - share) * self._table[phase] + share * self._table[following]
         return mixed / mixed.sum(axis=1, keepdims=True)
 
+    def check_lengths(self, given: bool) -> None:
+        """Refuses a schedule whose progress units the mixture's lengths do not match.
+
+        Raises:
+            ValueError: over tokens without lengths, or over samples with them.
+        """
+        if self.over == "tokens" and not given:
+            raise ValueError(
+                "A schedule over tokens needs each sample's length: pass `lengths=` (a token "
+                "cache's `lengths`, one array per source), or build the schedule with "
+                "over='samples'."
+            )
+        if self.over == "samples" and given:
+            raise ValueError(
+                "With `lengths=` the mixture counts its progress and shares in tokens: build the "
+                "schedule with over='tokens' (its `total` in tokens), or leave out `lengths` to "
+                "hold shares of samples."
+            )
+
     def breakpoints(self) -> np.ndarray:
         """The phases' points in `over` units (none for a function)."""
         if self._points is None:
@@ -189,6 +208,20 @@ class BoundSchedule:
             return parse_sources(values, weights, "the mixture's sources").weights
         except ValueError as error:
             raise ValueError(f"The schedule's weights at {where}: {error}") from None
+
+
+def scheduled_sources(values, weights, what: str) -> tuple[WeightedSources, BoundSchedule | None]:
+    """A mixture's sources with fixed weights, or with a `Schedule`'s (bound to their names; the
+    weights given are the schedule's at progress 0).
+
+    Raises:
+        ValueError: as `parse_sources`, or as `Schedule.bind`.
+    """
+    if not isinstance(weights, Schedule):
+        return parse_sources(values, weights, what), None
+    sources = parse_sources(values, even_weights(values), what)
+    bound = weights.bind(sources.names)
+    return sources._replace(weights=bound.weights_at([0])[0]), bound
 
 
 def _checked_phases(phases) -> list[Phase]:

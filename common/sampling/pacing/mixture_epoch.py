@@ -12,16 +12,21 @@ samples) and `mixture_pacing.py`'s (schedules, tokens, weights set by the loop).
 Trade-off: only the segments from the one holding the resume position on are kept in a state
 (O(sources) each, not O(changes)): the positions before it are not regenerated on resume, so
 a resumed epoch's padding repeats its first known indices rather than the epoch's first.
-Copy with: common/sampling/mixture_pacing.py, common/sampling/mixture_plan.py,
-  common/sampling/mixture_schedule.py, common/sampling/mixture_weights.py.
+Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_weights.py,
+  common/sampling/pacing/mixture_pacing.py, common/sampling/pacing/mixture_schedule.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from recipes.common.sampling.mixture_pacing import FixedPace, PacedPlan, Segment
 from recipes.common.sampling.mixture_plan import MixturePlan
+from recipes.common.sampling.pacing.mixture_pacing import (
+    FixedPace,
+    PacedPlan,
+    SchedulePace,
+    Segment,
+)
 
 
 class EpochDraws:
@@ -55,6 +60,19 @@ class EpochDraws:
         self.indices = np.empty(0, np.int64)
         self.segments: list[Segment] = []
 
+    @classmethod
+    def build(cls, planner: MixturePlan, lengths: list[np.ndarray] | None, schedule) -> EpochDraws:
+        """The draws of a mixture with these per-source `lengths` (or None) and `schedule` (a
+        `BoundSchedule`, or None: the planner's fixed weights): i.i.d. without either."""
+        pace = FixedPace(planner.weights)
+        if schedule is not None:
+            pace = SchedulePace(schedule)
+        units = None
+        if lengths is not None:
+            units = np.concatenate(lengths)
+        iid = schedule is None and lengths is None
+        return cls(planner, PacedPlan(planner, lengths), pace, units, iid=iid)
+
     # ---- epochs ----------------------------------------------------------------------------
     def start(self, epoch: int, progress: int, weights: tuple[float, ...] | None) -> None:
         """Draws `epoch` from its start, at `progress`, under the loop's `weights` (or None)."""
@@ -83,6 +101,17 @@ class EpochDraws:
             return
         while self.epoch < epoch:
             self.start(self.epoch + 1, self.end_progress(), self.segments[-1].weights)
+
+    def other(self, epoch: int, last: EpochDraws | None) -> EpochDraws:
+        """Another epoch's draws, on a copy (this one stays): on from `last` (the other epoch
+        drawn before, when it is not past `epoch` and not before this one), else from this
+        epoch when `epoch` is later (its progress and weights carry over), else from epoch 0."""
+        if last is None or last.epoch > epoch or last.epoch < self.epoch:
+            last = EpochDraws(self.planner, self.paced, self.pace, self.units, iid=self.iid)
+            if epoch > self.epoch:
+                last.restore(self.epoch, self.segments)
+        last.advance(epoch)
+        return last
 
     def counts_progress(self) -> bool:
         """Whether the weights depend on the progress (a schedule)."""

@@ -23,8 +23,8 @@ to progress t, the k-th draw of s (counted in the segment) is due when W_s(t) re
 segment's positions are the draws sorted by due time (ties by source). The weights are
 normalised at every t, so the units planned by progress t are t minus the start, up to about
 one sample per source.
-Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_schedule.py,
-  common/sampling/mixture_weights.py.
+Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_weights.py,
+  common/sampling/pacing/mixture_schedule.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from recipes.common.sampling.mixture_plan import MixturePlan
-from recipes.common.sampling.mixture_schedule import BoundSchedule
+from recipes.common.sampling.pacing.mixture_schedule import BoundSchedule
 
 # Cells of a schedule's cumulative-weight table over its `total` (the phases' points are
 # added to the grid, so a step schedule is exact).
