@@ -115,8 +115,9 @@ def _shares(sources, units, since, upto, count: int) -> np.ndarray:
 
 def _target(mixture, draws: EpochDraws, ends, starts, width: int) -> np.ndarray:
     """`[P, S]` the weights in force averaged over `GRID` points of each window (in units from
-    the known part's start)."""
-    offsets = np.linspace(0.0, 1.0, GRID) * width
+    the known part's start): at each, the weights of the segment that drew the sample holding
+    it (set by the loop), else the schedule's at its progress, else the fixed weights."""
+    offsets = (np.arange(GRID) + 0.5) / GRID * width  # the middles of GRID equal parts
     grid = (starts[:, None] + offsets[None, :]).ravel()
     # the sample at each grid point, and the segment that drew it
     position = draws.first + np.minimum(np.searchsorted(ends, grid, side="right"), len(ends) - 1)
@@ -140,7 +141,7 @@ def joined(traces: list[ShareTrace]) -> ShareTrace:
     shift = 0.0
     for trace in traces:
         moved = np.asarray(trace.progress, np.float64)
-        if progress and len(moved) and moved[0] + shift < progress[-1][-1]:
+        if progress and len(moved) and moved[0] + shift <= progress[-1][-1]:
             shift = progress[-1][-1]
         progress.append(moved + shift)
     tokens = None
