@@ -6,8 +6,8 @@ loop with `set_weights`) through an epoch or a run: `share_trace(mix)` (or `mix.
 gives, at points along the mixture's progress, the share of each source in the last `window`
 units (tokens with `lengths=`, else samples) of the plan, in samples and in tokens, beside the
 weights in force over that window; `plot_shares([...])` draws the traces of several epochs.
-Cost: one pass over the epoch's plan (a cumulative sum per source, O(N x S)) and the weights at
-`GRID` points per window; drawing imports matplotlib (about 0.5 s) only then.
+Cost: one pass over the epoch's plan (a cumulative sum per source: O(N x S) time, O(N) memory)
+and the weights at `GRID` points per window; drawing imports matplotlib (about 0.5 s) only then.
 Adapt here: `WINDOW`, `POINTS`, `GRID`.
 Trade-off: the trace reads the plan over all ranks (what the mixture drew, in order), not the
 batches one rank received: `LoaderMonitor`'s `sources` and `sources_tokens` are those. A window
@@ -104,11 +104,12 @@ def share_trace(
 
 
 def _shares(sources, units, since, upto, count: int) -> np.ndarray:
-    """`[P, S]` each source's share of `units` among samples `since[p]:upto[p]`."""
-    per_source = np.zeros((len(sources) + 1, count), np.float64)
-    per_source[np.arange(1, len(sources) + 1), sources] = units
-    cumulative = np.cumsum(per_source, axis=0)
-    inside = cumulative[upto] - cumulative[since]
+    """`[P, S]` each source's share of `units` among samples `since[p]:upto[p]` (one cumulative
+    sum per source: O(N) memory at a time, not O(N x S))."""
+    inside = np.zeros((len(since), count), np.float64)
+    for source in range(count):
+        cumulative = np.concatenate([[0], np.cumsum(np.where(sources == source, units, 0))])
+        inside[:, source] = cumulative[upto] - cumulative[since]
     whole = inside.sum(axis=1, keepdims=True)
     return np.divide(inside, whole, out=np.zeros_like(inside), where=whole > 0)
 
