@@ -217,7 +217,8 @@ class LoaderMonitor:
         `shm_used_bytes`, `gpu_util` (%, mean), `gpu_memory_bytes`, `net_bytes_recv`,
         `prefetch` (None where not measurable), `sources` (a `MixtureSampler`'s realised
         proportion of each source in the latest epoch's samples, by name; None without one),
-        `sources_tokens` (the same in tokens, for a mixture with `lengths`; else None) and
+        `sources_tokens` (the same in tokens, for a mixture with `lengths`; None without, and
+        for an epoch an index-mode mixture resumed mid-way by itself) and
         `sources_target` (the mixture's weights in force at the epoch's end: the loop's, the
         schedule's or the fixed ones).
         """

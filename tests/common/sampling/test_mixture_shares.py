@@ -176,6 +176,38 @@ def test_the_monitor_row_has_token_shares_of_the_batches_received(mode):
     assert monitor.summary()["sources_tokens"] == monitor.epochs[-1]["sources_tokens"]
 
 
+@pytest.mark.parametrize("mode", ["indices", "batches"])
+def test_the_monitor_row_after_a_resume_mid_epoch(mode):
+    """Batch mode: the tokens of the rest received; index mode: None (the sampler resumed by
+    itself from a position the monitor cannot read), never another part's tokens."""
+    lengths = _lengths()
+
+    def build():
+        mix, _ = _token_mixture(batch_size=16) if mode == "batches" else _token_mixture()
+        settings = {"batch_sampler": mix}
+        if mode == "indices":
+            settings = {"sampler": mix, "batch_size": 16}
+        return make_loader(_data(lengths), collate_fn=_collate, num_workers=0, **settings)
+
+    first = build()
+    iterator = iter(first)
+    for _ in range(40):
+        next(iterator)
+    resumed = build()
+    resumed.load_state_dict(first.state_dict())
+    monitor = LoaderMonitor(resumed, warn_wait_fraction=1.0)
+    tokens = np.zeros(3)
+    for batch in monitor:
+        sources = np.searchsorted(np.cumsum(SIZES), batch["id"].numpy(), side="right")
+        tokens += np.bincount(sources, weights=batch["tokens"].numpy(), minlength=3)
+    row = monitor.epochs[-1]
+    assert row["samples"] == 4000 - 40 * 16
+    if mode == "indices":
+        assert row["sources_tokens"] is None
+    else:
+        np.testing.assert_allclose(list(row["sources_tokens"].values()), tokens / tokens.sum())
+
+
 def test_the_monitor_row_has_no_token_shares_without_lengths():
     mix = MixtureSampler(SIZES, [0.5, 0.3, 0.2], seed=1, batch_size=32)
     loader = make_loader(_data(_lengths()), batch_sampler=mix, collate_fn=_collate)
