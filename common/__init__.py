@@ -12,6 +12,7 @@ from recipes.common.sampling.bucketing import LengthBucketSampler
 from recipes.common.sampling.elastic_sampler import ElasticDistributedSampler
 from recipes.common.sampling.mixture import MixtureSampler
 from recipes.common.sampling.mixture_iterable import MixtureIterable
+from recipes.common.sampling.mixture_shares import ShareTrace, plot_shares, share_trace
 from recipes.common.sampling.mixture_sources import MixtureSources
 from recipes.common.sampling.pacing.mixture_schedule import Schedule
 from recipes.common.sampling.sharding import shard_indices
@@ -53,6 +54,7 @@ __all__ = [
     "ShardIndexError",
     "ShardSet",
     "ShardedIterableDataset",
+    "ShareTrace",
     "StatefulLoader",
     "ThreadLoader",
     "TuneResult",
@@ -63,11 +65,13 @@ __all__ = [
     "make_loader",
     "max_workers_for_memory",
     "measure_worker_memory_growth",
+    "plot_shares",
     "profile_settings",
     "profile_trace",
     "read_parquet",
     "read_tar",
     "shard_indices",
+    "share_trace",
     "smart_num_workers",
     "worker_init",
     "write_shards",

@@ -61,6 +61,7 @@ from recipes.common.sampling.mixture_settings import (
     source_lengths,
     whole_sizes,
 )
+from recipes.common.sampling.mixture_shares import POINTS, WINDOW, ShareTrace, share_trace
 from recipes.common.sampling.mixture_state import (
     MixturePosition,
     read_segments,
@@ -323,6 +324,13 @@ class MixtureSampler:
             end = start + samples_done
         counts = np.bincount(self.source_of(mine[start:end]), minlength=len(self.sizes))
         return {name: int(c) for name, c in zip(self.names, counts, strict=True)}
+
+    def share_trace(
+        self, epoch: int | None = None, *, window: int = WINDOW, points: int = POINTS
+    ) -> ShareTrace:
+        """Realised shares of `epoch`'s plan in sliding windows against the weights in force
+        (`mixture_shares.share_trace`)."""
+        return share_trace(self, epoch, window=window, points=points)
 
     # ---- resume ----------------------------------------------------------------------------
     def plan_settings(self) -> dict:

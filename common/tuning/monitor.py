@@ -177,7 +177,14 @@ class LoaderMonitor:
         if caches_before:
             prefetch = self._prefetch_counts(caches_before)
         row = epoch.row(prefetch)
-        row["sources"] = realised_mixture(self.loader, row["samples"])
+        mixture = realised_mixture(self.loader, row["samples"])
+        row["sources"] = None
+        row["sources_tokens"] = None
+        row["sources_target"] = None
+        if mixture is not None:
+            row["sources"] = mixture.samples
+            row["sources_tokens"] = mixture.tokens
+            row["sources_target"] = mixture.target
         # The first epoch is the workers' warm-up (forked, then touching what they use): growth
         # is judged from the second epoch on.
         previous = None
@@ -209,7 +216,11 @@ class LoaderMonitor:
         `per_worker` (peak USS/PSS by pid), `memory_growth`,
         `shm_used_bytes`, `gpu_util` (%, mean), `gpu_memory_bytes`, `net_bytes_recv`,
         `prefetch` (None where not measurable), `sources` (a `MixtureSampler`'s realised
-        proportion of each source in the latest epoch's samples, by name; None without one).
+        proportion of each source in the latest epoch's samples, by name; None without one),
+        `sources_tokens` (the same in tokens, for a mixture with `lengths`; None without, and
+        for an epoch an index-mode mixture resumed mid-way by itself) and
+        `sources_target` (the mixture's weights in force at the epoch's end: the loop's, the
+        schedule's or the fixed ones).
         """
         if not self.epochs:
             return {

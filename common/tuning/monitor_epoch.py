@@ -1,10 +1,12 @@
 """One epoch's figures as `LoaderMonitor` gathers them: waits, step times, memory peaks, worker
-deaths, and the share of each source the loop received.
+deaths, and the share of each source the loop received (in samples, and in tokens for a
+mixture with `lengths`) beside the mixture's target at the epoch's end.
 
 Use when: you read `LoaderMonitor.epochs` and want to know how a figure is computed (the
 steady-state wait leaves each epoch's first batch out; memory growth counts only growth of at
 least `MIN_GROWTH_BYTES`).
-Cost: a few list appends per batch; the row is computed once, at the epoch's end.
+Cost: a few list appends per batch; the row is computed once, at the epoch's end (a mixture's
+shares: one pass over this rank's indices and over the epoch's plan).
 Adapt here: `EpochFigures.row` (the figures of a row), `MIN_GROWTH_BYTES`.
 Trade-off: the batch waits are kept in full for the epoch (8 bytes a batch), so the coefficient
 of variation is exact; a bounded summary would not be.
@@ -14,7 +16,7 @@ Copy with: nothing.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -110,10 +112,46 @@ def memory_growth(previous: dict | None, row: dict) -> float | None:
     return max(growths)
 
 
-def realised_mixture(loader, samples: int) -> dict[str, float] | None:
+class RealisedMixture(NamedTuple):
+    """What a rank's loop received from a `MixtureSampler` in an epoch, by source name."""
+
+    samples: dict[str, float]
+    """Each source's share of the samples received (the row's `sources`)."""
+    tokens: dict[str, float] | None
+    """Each source's share of their tokens (`sources_tokens`); None without `lengths`, and for a
+    pass an index-mode sampler resumed by itself (its indices are not known here)."""
+    target: dict[str, float] | None
+    """The weights in force at the epoch's end (`sources_target`)."""
+
+
+def realised_mixture(loader, samples: int) -> RealisedMixture | None:
     """The share of each source among the `samples` samples this rank's loop received in the
-    epoch (after the batches a resume skipped), from the loader's `MixtureSampler` (its sampler
-    or batch sampler, or a bucketing sampler's `mixture`); None without one."""
+    epoch (after the batches a resume skipped), in samples and, when the mixture has `lengths`,
+    in tokens, and the target at the epoch's end, from the loader's `MixtureSampler` (its
+    sampler or batch sampler, or a bucketing sampler's `mixture`); None without one."""
+    found = _received(loader, samples)
+    if found is None:
+        return None
+    mixture, counts, indices = found
+    total = sum(counts.values())
+    if not total:
+        return None
+    shares = {name: count / total for name, count in counts.items()}
+    tokens = None
+    lengths = getattr(mixture, "lengths", None)
+    if lengths is not None and indices is not None and len(indices):
+        per_source = np.bincount(
+            mixture.source_of(indices), weights=lengths[indices], minlength=len(mixture.names)
+        )
+        tokens = {
+            name: float(t / per_source.sum())
+            for name, t in zip(mixture.names, per_source, strict=True)
+        }
+    return RealisedMixture(shares, tokens, _target_at_end(mixture))
+
+
+def _received(loader, samples: int):
+    """(mixture, samples per source, the indices received or None) of the loader's mixture."""
     inner = getattr(loader, "loader", loader)
     skipped = getattr(inner, "skipped_batches", None)
     skip = 0  # batches of the epoch a resume skipped
@@ -126,38 +164,50 @@ def realised_mixture(loader, samples: int) -> dict[str, float] | None:
         getattr(inner, "sampler", None),
     ):
         if hasattr(candidate, "source_counts"):
-            counts = _mixture_counts(candidate, candidate is batch_sampler, inner, samples, skip)
-            break
+            if getattr(candidate, "batch_size", None) is not None and candidate is batch_sampler:
+                # it resumes by itself: this pass's batches begin at its global position
+                return _batches_received(candidate, candidate.pass_batches()[skip:], samples)
+            batch_size = int(getattr(inner, "batch_size", None) or 1)
+            counts = candidate.source_counts(samples, start=skip * batch_size)
+            indices = _plan_received(candidate, skip * batch_size, samples)
+            return candidate, counts, indices
         mixture = getattr(candidate, "mixture", None)
         if hasattr(mixture, "source_of") and hasattr(candidate, "pass_batches"):
             # mixed, then bucketed: a bucketing sampler resumes by itself too
-            counts = _counts_of(mixture, candidate.pass_batches()[skip:], samples)
-            break
-    else:
-        return None
-    total = sum(counts.values())
-    if not total:
-        return None
-    return {name: count / total for name, count in counts.items()}
+            return _batches_received(mixture, candidate.pass_batches()[skip:], samples)
+    return None
 
 
-def _mixture_counts(mixture, batches_itself: bool, loader, samples: int, skip: int):
-    """Samples per source from a `MixtureSampler`: from its own pass's batches when it is the
-    loader's batch sampler (it resumes by itself: this pass's batches begin at its global
-    position), else from its plan after the samples of the skipped batches."""
-    if getattr(mixture, "batch_size", None) is not None and batches_itself:
-        return _counts_of(mixture, mixture.pass_batches()[skip:], samples)
-    batch_size = int(getattr(loader, "batch_size", None) or 1)
-    return mixture.source_counts(samples, start=skip * batch_size)
-
-
-def _counts_of(mixture, batches: list, samples: int) -> dict[str, int]:
-    """Samples per source among the first `samples` indices of `batches`, by name."""
-    mine = [int(i) for batch in batches for i in batch][:samples]
-    if not mine:
-        return {}
+def _batches_received(mixture, batches: list, samples: int):
+    """(mixture, samples per source, indices) among the first `samples` indices of `batches`."""
+    mine = np.asarray([int(i) for batch in batches for i in batch][:samples], np.int64)
     found = np.bincount(mixture.source_of(mine), minlength=len(mixture.names))
-    return {name: int(c) for name, c in zip(mixture.names, found, strict=True)}
+    counts = {name: int(c) for name, c in zip(mixture.names, found, strict=True)}
+    return mixture, counts, mine
+
+
+def _plan_received(mixture, start: int, samples: int):
+    """This rank's samples `start:start + samples` of the epoch's plan (index mode: padded to a
+    multiple of the ranks, dealt r, r + R, ...), or None for a pass the sampler resumed by
+    itself (it began past the plan's known start: its pass on this rank is shorter)."""
+    plan = mixture.global_indices()
+    ranks = mixture.num_replicas
+    if len(plan) % ranks and len(plan):
+        plan = np.concatenate([plan, plan[np.arange(ranks - len(plan) % ranks) % len(plan)]])
+    part = plan[mixture.rank :: ranks]
+    if sum(mixture.source_counts().values()) != len(part):
+        return None
+    return part[start : start + samples]
+
+
+def _target_at_end(mixture) -> dict[str, float] | None:
+    """The weights in force at the epoch's last unit (`MixtureSampler.share_trace`)."""
+    if not hasattr(mixture, "share_trace"):
+        return None
+    trace = mixture.share_trace(window=1, points=1)
+    if not len(trace.progress):
+        return None
+    return {name: float(w) for name, w in zip(trace.names, trace.target[-1], strict=True)}
 
 
 def ratio(part: float, whole: float) -> float:

@@ -1,21 +1,33 @@
-"""`recipes bench nlp --mix`: one token cache against two mixed by `MixtureSources`.
+"""`recipes bench nlp --mix`: one token cache against two mixed by `MixtureSources`, and a
+scheduled token mixture against fixed weights (issue 48).
 
-Use when: checking what a mixture costs over one source, and how big its state grows.
-Cost: builds two token caches (the corpus's halves) in a temporary folder; one epoch per loader.
-Adapt here: the weights (0.5 / 0.5).
+Use when: checking what a mixture costs over one source, what a `Schedule` over tokens costs
+over fixed weights, and how big the state grows.
+Cost: builds two token caches (the corpus's halves) in a temporary folder; one epoch per loader
+and repetition.
+Adapt here: the weights (0.5 / 0.5), `PHASES` (the schedule).
 Trade-off: the mixture's draw is measured with the loader; its state size over 1,000,000
-samples is computed apart (`mix_state_sizes`).
+samples is computed apart (`mix_state_sizes`). The schedule's cost is a whole epoch's time per
+batch, its plan's draw included (a median, not a best: the draw is part of every epoch).
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from recipes.bench.harness.bench_charts import Chart, write_chart
 from recipes.bench.harness.measure import best_interleaved, measure
-from recipes.common import LengthBucketSampler, MixtureSampler, MixtureSources, make_loader
+from recipes.common import (
+    LengthBucketSampler,
+    MixtureSampler,
+    MixtureSources,
+    Schedule,
+    make_loader,
+)
 from recipes.nlp import PadCollate, build_token_cache
 
 
@@ -95,6 +107,86 @@ def compare_mix(
     return rows, draw
 
 
+# A 3-phase schedule over tokens (fractions of the run: the epochs measured), two sources.
+PHASES = (
+    (0.0, {"first half": 0.8, "second half": 0.2}),
+    (0.4, {"first half": 0.5, "second half": 0.5}),
+    (0.8, {"first half": 0.2, "second half": 0.8}),
+)
+
+
+class EpochCost(NamedTuple):
+    """A loader's median time per batch over whole epochs (its plan's draw included)."""
+
+    name: str
+    batch_ms: float
+    cpu_ms: float  # this process's CPU time per batch (median)
+    batches: int
+    tokens_per_batch: float  # real tokens: a schedule over tokens may draw longer samples
+    draw_ms: float  # the plan's draw alone, per epoch
+
+
+def compare_schedule(parts, *, batch_size: int, pad_to_multiple_of: int, repeat: int = 7):
+    """Fixed weights 0.5 / 0.5 (in samples, no lengths) against `PHASES` over tokens (with each
+    sample's length), both `MixtureSampler(batch_size=)` over the same two token caches through
+    make_loader, epochs of the same number of samples, taken in turns; each repetition a new
+    epoch (a new plan). Returns the two `EpochCost`s."""
+    import numpy as np
+
+    sources = MixtureSources(parts)
+    sizes = {"first half": len(parts[0]), "second half": len(parts[1])}
+    lengths = {name: np.asarray(p.lengths) for name, p in zip(sizes, parts, strict=True)}
+    samples = sum(sizes.values())
+    tokens = int(sum(x.sum() for x in lengths.values()))
+    collate = PadCollate(0, pad_to_multiple_of=pad_to_multiple_of)
+    settings = {"stop": "never", "num_samples": samples, "seed": 3, "batch_size": batch_size}
+    fixed = MixtureSampler(sizes, {"first half": 0.5, "second half": 0.5}, **settings)
+    schedule = Schedule(PHASES, over="tokens", total=repeat * tokens)
+    scheduled = MixtureSampler(sizes, schedule, lengths=lengths, **settings)
+    loaders = [
+        make_loader(sources, batch_sampler=mix, collate_fn=collate, num_workers=0)
+        for mix in (fixed, scheduled)
+    ]
+    times = [[], []]
+    cpu_times = [[], []]  # this process's CPU: less moved by other processes on a busy machine
+    real = [0, 0]
+    batches = [0, 0]
+    for epoch in range(repeat):
+        for number, (mix, loader) in enumerate(zip((fixed, scheduled), loaders, strict=True)):
+            mix.set_epoch(epoch)
+            count = 0
+            start = time.perf_counter()
+            cpu = time.process_time()
+            for batch in loader:
+                count += 1
+                real[number] += _real_tokens(batch)
+            times[number].append((time.perf_counter() - start) / count)
+            cpu_times[number].append((time.process_time() - cpu) / count)
+            batches[number] += count
+    draws = [_draw_ms(mix, repeat) for mix in (fixed, scheduled)]
+    names = ("fixed weights 0.5 / 0.5 (samples)", "Schedule: 3 phases over tokens, lengths=")
+    return [
+        EpochCost(
+            names[i],
+            statistics.median(times[i]) * 1e3,
+            statistics.median(cpu_times[i]) * 1e3,
+            batches[i] // repeat,
+            real[i] / batches[i],
+            draws[i],
+        )
+        for i in range(2)
+    ]
+
+
+def _draw_ms(mix: MixtureSampler, epochs: int) -> float:
+    """The plan's draw per epoch (ms), for epochs after those measured."""
+    start = time.perf_counter()
+    for epoch in range(epochs, 2 * epochs):
+        mix.set_epoch(epoch)
+        mix.global_indices()
+    return (time.perf_counter() - start) / epochs * 1e3
+
+
 def _real_tokens(batch) -> int:
     return int(batch["lengths"].sum())
 
@@ -148,6 +240,26 @@ def run_mix(args, texts, tokenizer, workers) -> int:
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
 
+        parts = [
+            build_token_cache(
+                texts[: len(texts) // 2],
+                tokenizer,
+                Path(tmp) / "a",
+                max_length=args.max_length,
+                progress=False,
+            ),
+            build_token_cache(
+                texts[len(texts) // 2 :],
+                tokenizer,
+                Path(tmp) / "b",
+                max_length=args.max_length,
+                progress=False,
+            ),
+        ]  # the caches compare_mix built: reused
+        costs = compare_schedule(
+            parts, batch_size=args.batch_size, pad_to_multiple_of=args.pad_to_multiple_of
+        )
+
     single, mixed = rows
     heading = (
         f"nlp mixture: {len(texts):,} texts as one token cache and as two (the halves, "
@@ -178,9 +290,34 @@ def run_mix(args, texts, tokenizer, workers) -> int:
         f"rate; the epoch's plan draw {draw * 1000:.1f} ms per epoch ({draw / epoch_seconds:.2%} "
         "of one source's epoch time)"
     )
+    _print_schedule(costs, args.batch_size)
     first, last = mix_state_sizes()
     print(
         f"loader state (JSON) after 1 batch: {first:,} bytes; after 1,000,000 samples: {last:,} "
         "bytes"
     )
     return 0
+
+
+def _print_schedule(costs: list[EpochCost], batch_size: int) -> None:
+    fixed, scheduled = costs
+    print(  # the epochs span the schedule's phases
+        f"\n## nlp mixture schedule: the same two sources, batches of {batch_size}, make_loader "
+        "(no workers), whole epochs (the plan's draw included), median of 7\n"
+    )
+    print(
+        "| loader | ms per batch | vs fixed | CPU ms per batch | vs fixed | batches per epoch | "
+        "real tokens per batch | plan draw (ms/epoch) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for cost in costs:
+        print(
+            f"| {cost.name} | {cost.batch_ms:.3f} | {cost.batch_ms / fixed.batch_ms:.3f}x | "
+            f"{cost.cpu_ms:.3f} | {cost.cpu_ms / fixed.cpu_ms:.3f}x | {cost.batches:,} | "
+            f"{cost.tokens_per_batch:,.0f} | {cost.draw_ms:.1f} |"
+        )
+    print(
+        f"\ncost per batch of a scheduled token mixture over fixed weights: "
+        f"{scheduled.batch_ms / fixed.batch_ms - 1:+.2%} of wall time, "
+        f"{scheduled.cpu_ms / fixed.cpu_ms - 1:+.2%} of CPU time (issue 48's target: under 5%)"
+    )
