@@ -39,10 +39,10 @@ keys in `mixture_state.py`, the sources' batch reads in `mixture_sources.py` (`M
 shard sets, each exact over ranks and workers) by the same weights and stop rules, for remote
 corpora.
 Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_settings.py,
-  common/sampling/mixture_state.py, common/sampling/mixture_weights.py,
-  common/sampling/pacing/mixture_changes.py, common/sampling/pacing/mixture_epoch.py,
-  common/sampling/pacing/mixture_pacing.py, common/sampling/pacing/mixture_schedule.py,
-  common/sampling/sharding.py.
+  common/sampling/mixture_shares.py, common/sampling/mixture_state.py,
+  common/sampling/mixture_weights.py, common/sampling/pacing/mixture_changes.py,
+  common/sampling/pacing/mixture_epoch.py, common/sampling/pacing/mixture_pacing.py,
+  common/sampling/pacing/mixture_schedule.py, common/sampling/sharding.py.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ Adapt here: `WINDOW`, `POINTS`, `GRID`.
 Trade-off: the trace reads the plan over all ranks (what the mixture drew, in order), not the
 batches one rank received: `LoaderMonitor`'s `sources` and `sources_tokens` are those. A window
 counts the samples that end inside it, whole: a window of a few samples' length is coarse.
-Copy with: common/sampling/mixture_epoch.py, common/sampling/mixture_pacing.py,
-  common/sampling/mixture_plan.py, common/sampling/mixture_schedule.py,
-  common/sampling/mixture_weights.py.
+Copy with: common/sampling/mixture_plan.py, common/sampling/mixture_weights.py,
+  common/sampling/pacing/mixture_epoch.py, common/sampling/pacing/mixture_pacing.py,
+  common/sampling/pacing/mixture_schedule.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from recipes.common.sampling.mixture_epoch import EpochDraws
+from recipes.common.sampling.pacing.mixture_epoch import EpochDraws
 
 WINDOW = 65_536  # units (tokens with lengths, else samples) per window
 POINTS = 200  # windows per epoch, their ends evenly spaced over its progress
