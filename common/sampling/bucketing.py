@@ -155,6 +155,8 @@ class LengthBucketSampler(Sampler[list[int]]):
                 "source, in the sources' order."
             )
         self.mixture = mixture
+        if mixture is not None:  # its plan is batched here: weights it no longer sets alone
+            mixture.planned_by = type(self).__name__
         self.mixture_window = mixture_window
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)

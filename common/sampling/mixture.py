@@ -163,6 +163,7 @@ class MixtureSampler:
         self.paced = self.schedule is not None or lengths is not None
         self._draws = EpochDraws.build(self._planner, lengths, self.schedule)
         self.num_replicas, self.rank = checked_ranks(num_replicas, rank)
+        self.planned_by: str | None = None  # a sampler that batches this plan (bucketing)
         self.epoch = 0
         # positions of the plan done before this pass (a loaded state; batch mode: global
         # batches, as LengthBucketSampler)
@@ -295,9 +296,16 @@ class MixtureSampler:
             batches in batch mode), recorded in the state: a resume replays the same draws.
 
         Raises:
-            ValueError: unknown sources or invalid weights; on every rank, ranks that passed
-                other weights than rank 0 (named).
+            ValueError: unknown sources or invalid weights; a mixture batched by a bucketing
+                or packing sampler; on every rank, ranks that passed other weights than rank 0
+                (named).
         """
+        if self.planned_by is not None:
+            raise ValueError(
+                f"This mixture's plan is batched by a {self.planned_by}, which draws each epoch "
+                "whole and saves no change of weights: `set_weights` is not supported there. "
+                "Give the mixture a `Schedule`, or use MixtureSampler(batch_size=) directly."
+            )
         new = parsed_change(self.names, weights)
         with self._lock:
             mine = max(self._start, self._begin + self._handed * self.num_replicas)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from torch.utils.data import ConcatDataset, Dataset
 
-from recipes.common import MixtureSampler, Schedule, make_loader
+from recipes.common import LengthBucketSampler, MixtureSampler, Schedule, make_loader
 
 SIZES = [300, 200, 100]
 BATCH = 8
@@ -199,3 +199,12 @@ def test_under_torchrun_changes_agree_resume_on_three_ranks_and_mismatches_are_n
         i for part in first + resumed for batch in part["batches"] for i in batch
     ) - Counter(i for batch in padding for i in batch)
     assert received == Counter(range(600))  # every sample of the epoch once over both runs
+
+
+def test_set_weights_is_refused_under_a_bucketing_sampler():
+    """A bucketing sampler draws the mixture's epoch whole and saves no change: refused, not
+    silently lost on resume."""
+    mix = MixtureSampler(SIZES, [0.5, 0.3, 0.2], num_replicas=1, rank=0)
+    LengthBucketSampler(np.ones(sum(SIZES), np.int64), batch_size=4, mixture=mix)
+    with pytest.raises(ValueError, match="batched by a LengthBucketSampler"):
+        mix.set_weights([1, 1, 1])
