@@ -108,10 +108,10 @@ class MixtureSampler:
 
     Raises:
         ValueError: mismatched or non-positive sizes or weights (or weights whose sum
-            overflows), lengths that do not match the sizes, a schedule over tokens without
-            lengths (or over samples with them), an unknown or ambiguous `stop`, stop="never"
-            without `num_samples`, or a "cycle_until_all_exhausted" epoch of over `MAX_CYCLED`
-            samples.
+            overflows), lengths that do not match the sizes (or a source of only 0-length
+            samples), a schedule over tokens without lengths (or over samples with them), an
+            unknown or ambiguous `stop`, stop="never" without `num_samples`, or a
+            "cycle_until_all_exhausted" epoch of over `MAX_CYCLED` samples.
 
     Example:
         >>> mix = MixtureSampler({"web": len(web), "code": len(code)}, {"web": 0.7, "code": 0.3})

@@ -199,3 +199,18 @@ def test_under_torchrun_changes_agree_resume_on_three_ranks_and_mismatches_are_n
         i for part in first + resumed for batch in part["batches"] for i in batch
     ) - Counter(i for batch in padding for i in batch)
     assert received == Counter(range(600))  # every sample of the epoch once over both runs
+
+
+@pytest.mark.parametrize("stop", ["drop_exhausted", "cycle_until_all_exhausted", "never"])
+def test_a_change_after_the_epoch_ends_keeps_its_length_and_carries_into_the_next(stop):
+    # Issue 48 break: under "cycle_until_all_exhausted" a change after the last position drew
+    # a new rest past the epoch's end (96 positions became 116).
+    mix = MixtureSampler(
+        [50, 30], [0.5, 0.5], stop=stop, num_samples=100 if stop == "never" else None
+    )
+    first = list(mix)
+    assert mix.set_weights([0.0, 1.0]) == len(first)
+    assert len(mix) == len(first)
+    assert list(mix) == first
+    mix.set_epoch(1)
+    assert (mix.source_of(list(mix))[:30] == 1).all()
