@@ -154,6 +154,8 @@ class LengthBucketSampler(Sampler[list[int]]):
                 f"{int(np.sum(mixture.sizes))} samples: give the length of every sample of every "
                 "source, in the sources' order."
             )
+        if mixture is not None and hasattr(mixture, "hold_weights"):
+            mixture.hold_weights(type(self).__name__)  # its plan is ours now: no set_weights
         self.mixture = mixture
         self.mixture_window = mixture_window
         self.epoch = 0

@@ -174,6 +174,7 @@ class MixtureSampler:
         self._version = 0  # counts the plan's redraws: a change of weights, a resume
         self._view: _View | None = None
         self._other: EpochDraws | None = None  # the last other epoch's draws asked for
+        self._held_by: str | None = None  # the sampler that buckets or packs this plan
 
     # ---- the epoch's plan, dealt over the ranks -------------------------------------------
     def global_indices(self, epoch: int | None = None) -> np.ndarray:
@@ -295,9 +296,17 @@ class MixtureSampler:
             batches in batch mode), recorded in the state: a resume replays the same draws.
 
         Raises:
-            ValueError: unknown sources or invalid weights; on every rank, ranks that passed
-                other weights than rank 0 (named).
+            ValueError: unknown sources or invalid weights; a mixture bucketed or packed by
+                `LengthBucketSampler(mixture=)` / `PackedBatchSampler(mixture=)`; on every rank,
+                ranks that passed other weights than rank 0 (named).
         """
+        if getattr(self, "_held_by", None):
+            raise ValueError(
+                f"This MixtureSampler's plan is bucketed by a {self._held_by}(mixture=), which "
+                "reads each epoch's plan whole and saves no changes in its state: `set_weights` "
+                "is not supported there (a change would miss the current epoch and be lost on "
+                "resume). Use a `Schedule`, or the MixtureSampler as the loader's sampler."
+            )
         new = parsed_change(self.names, weights)
         with self._lock:
             mine = max(self._start, self._begin + self._handed * self.num_replicas)
@@ -306,6 +315,22 @@ class MixtureSampler:
             self._version += 1
             self._other = None  # later epochs carry the new weights
         return agreed.position
+
+    def hold_weights(self, holder: str) -> None:
+        """Marks this plan as read whole by `holder` (a `LengthBucketSampler` or
+        `PackedBatchSampler`): `set_weights` is refused from now on.
+
+        Raises:
+            ValueError: weights the loop already set (the holder's state would not keep them).
+        """
+        draws = self._draws
+        if draws.epoch >= 0 and any(s.weights is not None for s in draws.segments):
+            raise ValueError(
+                f"{holder}(mixture=) got a MixtureSampler whose weights the loop set "
+                "(`set_weights`): its state would not keep them. Build the mixture with the "
+                "weights (or a `Schedule`) instead."
+            )
+        self._held_by = holder
 
     # ---- what it drew ----------------------------------------------------------------------
     def source_of(self, indices) -> np.ndarray:
