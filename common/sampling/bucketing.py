@@ -154,9 +154,9 @@ class LengthBucketSampler(Sampler[list[int]]):
                 f"{int(np.sum(mixture.sizes))} samples: give the length of every sample of every "
                 "source, in the sources' order."
             )
+        if mixture is not None and hasattr(mixture, "hold_weights"):
+            mixture.hold_weights(type(self).__name__)  # its plan is ours now: no set_weights
         self.mixture = mixture
-        if mixture is not None:  # its plan is batched here: weights it no longer sets alone
-            mixture.planned_by = type(self).__name__
         self.mixture_window = mixture_window
         self.epoch = 0
         self._start = 0  # global batches already done in `self.epoch` (set by load_state_dict)

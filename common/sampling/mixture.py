@@ -68,7 +68,12 @@ from recipes.common.sampling.mixture_state import (
     read_state,
     write_state,
 )
-from recipes.common.sampling.pacing.mixture_changes import agree, parsed_change
+from recipes.common.sampling.pacing.mixture_changes import (
+    agree,
+    check_holdable,
+    held_error,
+    parsed_change,
+)
 from recipes.common.sampling.pacing.mixture_epoch import EpochDraws
 from recipes.common.sampling.pacing.mixture_schedule import Schedule, scheduled_sources
 from recipes.common.sampling.sharding import checked_ranks
@@ -108,10 +113,10 @@ class MixtureSampler:
 
     Raises:
         ValueError: mismatched or non-positive sizes or weights (or weights whose sum
-            overflows), lengths that do not match the sizes, a schedule over tokens without
-            lengths (or over samples with them), an unknown or ambiguous `stop`, stop="never"
-            without `num_samples`, or a "cycle_until_all_exhausted" epoch of over `MAX_CYCLED`
-            samples.
+            overflows), lengths that do not match the sizes (or a source of only 0-length
+            samples), a schedule over tokens without lengths (or over samples with them), an
+            unknown or ambiguous `stop`, stop="never" without `num_samples`, or a
+            "cycle_until_all_exhausted" epoch of over `MAX_CYCLED` samples.
 
     Example:
         >>> mix = MixtureSampler({"web": len(web), "code": len(code)}, {"web": 0.7, "code": 0.3})
@@ -163,7 +168,6 @@ class MixtureSampler:
         self.paced = self.schedule is not None or lengths is not None
         self._draws = EpochDraws.build(self._planner, lengths, self.schedule)
         self.num_replicas, self.rank = checked_ranks(num_replicas, rank)
-        self.planned_by: str | None = None  # a sampler that batches this plan (bucketing)
         self.epoch = 0
         # positions of the plan done before this pass (a loaded state; batch mode: global
         # batches, as LengthBucketSampler)
@@ -175,6 +179,7 @@ class MixtureSampler:
         self._version = 0  # counts the plan's redraws: a change of weights, a resume
         self._view: _View | None = None
         self._other: EpochDraws | None = None  # the last other epoch's draws asked for
+        self._held_by: str | None = None  # the sampler that buckets or packs this plan
 
     # ---- the epoch's plan, dealt over the ranks -------------------------------------------
     def global_indices(self, epoch: int | None = None) -> np.ndarray:
@@ -296,16 +301,12 @@ class MixtureSampler:
             batches in batch mode), recorded in the state: a resume replays the same draws.
 
         Raises:
-            ValueError: unknown sources or invalid weights; a mixture batched by a bucketing
-                or packing sampler; on every rank, ranks that passed other weights than rank 0
-                (named).
+            ValueError: unknown sources or invalid weights; a mixture bucketed or packed by
+                `LengthBucketSampler(mixture=)` / `PackedBatchSampler(mixture=)`; on every rank,
+                ranks that passed other weights than rank 0 (named).
         """
-        if self.planned_by is not None:
-            raise ValueError(
-                f"This mixture's plan is batched by a {self.planned_by}, which draws each epoch "
-                "whole and saves no change of weights: `set_weights` is not supported there. "
-                "Give the mixture a `Schedule`, or use MixtureSampler(batch_size=) directly."
-            )
+        if self._held_by is not None:
+            raise held_error(self._held_by)
         new = parsed_change(self.names, weights)
         with self._lock:
             mine = max(self._start, self._begin + self._handed * self.num_replicas)
@@ -314,6 +315,12 @@ class MixtureSampler:
             self._version += 1
             self._other = None  # later epochs carry the new weights
         return agreed.position
+
+    def hold_weights(self, holder: str) -> None:
+        """Marks this plan as read whole by `holder` (a `LengthBucketSampler` or
+        `PackedBatchSampler`): `set_weights` is refused from now on (`check_holdable`)."""
+        check_holdable(self._draws, holder)
+        self._held_by = holder
 
     # ---- what it drew ----------------------------------------------------------------------
     def source_of(self, indices) -> np.ndarray:

@@ -73,7 +73,7 @@ def source_lengths(lengths, sizes: np.ndarray, names: list[str]) -> list[np.ndar
 
     Raises:
         ValueError: a source's lengths of another count than its size, negative or fractional
-            lengths, or a mapping naming other sources.
+            lengths, a source whose lengths are all 0, or a mapping naming other sources.
     """
     if lengths is None:
         return None
@@ -107,6 +107,12 @@ def source_lengths(lengths, sizes: np.ndarray, names: list[str]) -> list[np.ndar
         if array.dtype.kind not in "iu" or (array < 0).any():
             raise ValueError(
                 f"`lengths` of source {name!r} must be non-negative whole numbers of tokens."
+            )
+        if not array.any():
+            raise ValueError(
+                f"`lengths` of source {name!r} are all 0: a source of no tokens cannot hold a "
+                "share of tokens (under a cycling stop rule its draws would never advance the "
+                "progress). Leave it out of the mixture, or give its samples' lengths."
             )
         out.append(array.astype(np.int64))
     return out

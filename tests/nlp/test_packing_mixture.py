@@ -167,3 +167,12 @@ def test_packing_without_a_mixture_is_bit_for_bit_as_before():
         digests.append(h.hexdigest()[:16])
     # digests of the batches before mixtures were packed (commit 0ae2f87)
     assert digests == ["be6ac07609ff4865", "aab82e6082f89e30"]
+
+
+def test_set_weights_on_a_packed_mixture_is_refused():
+    # Issue 48 break: accepted silently, lost on resume (the packing state keeps no changes).
+    lengths = np.arange(500) % 60 + 1
+    mix = MixtureSampler([300, 200], [0.5, 0.5], lengths=np.split(lengths, [300]))
+    PackedBatchSampler(lengths, seq_len=64, batch_size=4, mixture=mix)
+    with pytest.raises(ValueError, match="PackedBatchSampler.*not supported"):
+        mix.set_weights([0.0, 1.0])

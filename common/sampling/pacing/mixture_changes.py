@@ -79,6 +79,30 @@ def agree(weights: tuple[float, ...], position: int, num_replicas: int) -> Agree
     return Agreed(weights, max(int(g[1]) for g in gathered))
 
 
+def held_error(holder: str) -> ValueError:
+    """The error of `set_weights` on a mixture a bucketing or packing sampler reads whole."""
+    return ValueError(
+        f"This MixtureSampler's plan is bucketed by a {holder}(mixture=), which reads each "
+        "epoch's plan whole and saves no changes in its state: `set_weights` is not supported "
+        "there (a change would miss the current epoch and be lost on resume). Use a `Schedule`, "
+        "or the MixtureSampler as the loader's sampler."
+    )
+
+
+def check_holdable(draws, holder: str) -> None:
+    """Refuses to hand a plan (`draws`, an `EpochDraws`) to `holder` once the loop set weights.
+
+    Raises:
+        ValueError: weights the loop already set (the holder's state would not keep them).
+    """
+    if draws.epoch >= 0 and any(s.weights is not None for s in draws.segments):
+        raise ValueError(
+            f"{holder}(mixture=) got a MixtureSampler whose weights the loop set "
+            "(`set_weights`): its state would not keep them. Build the mixture with the "
+            "weights (or a `Schedule`) instead."
+        )
+
+
 def _collective(num_replicas: int) -> bool:
     """Whether the sampler's ranks are `torch.distributed`'s (else each rank decides alone)."""
     if num_replicas <= 1:

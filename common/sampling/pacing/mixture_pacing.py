@@ -250,20 +250,22 @@ class PacedPlan:
         return end, short
 
     def _cycle_end(self, found: Candidates, cursors) -> float:
-        """The due time of the draw completing the last source's first pass."""
+        """The due time of the draw completing the last source's first pass (a source whose
+        draws stop being due, its weight 0 from some point on, never completes it: it does not
+        hold the epoch open, as in the i.i.d. draw)."""
         end = -np.inf
         for s in range(len(self.plan.sizes)):
             need = int(self.plan.sizes[s]) - int(cursors[s])  # draws until its first pass ends
             if need <= 0:
                 continue
-            times = found.time[found.source == s]
+            times = found.time[found.source == s]  # non-decreasing: once never due, never
             if len(times) < need:
+                if len(times) and not np.isfinite(times[-1]):
+                    continue
                 return np.inf
             if np.isfinite(times[need - 1]):
                 end = max(end, float(times[need - 1]))
-        if end == -np.inf:
-            return found.complete_until
-        return end
+        return end  # -inf when every first pass is done: the epoch ended before the segment
 
     def _short(self, found: Candidates, end: float) -> np.ndarray:
         """The sources whose last candidate is due before `end` (they need more draws)."""

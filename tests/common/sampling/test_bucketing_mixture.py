@@ -145,3 +145,17 @@ def test_a_mixture_that_is_not_paced_is_bucketed_whole_bit_for_bit_as_before():
         "9be7cc440ab0bdd1",
     ]
     assert "mixture_window" not in sampler.state_dict()["plan"]
+
+
+def test_set_weights_on_a_bucketed_mixture_is_refused_not_silently_lost():
+    # Issue 48 break: it returned position 0, missed the cached epoch, changed the next one, and
+    # the bucket sampler's state kept no trace of it (a resume diverged).
+    lengths = np.concatenate([np.arange(1, 301) % 50 + 1, np.arange(200) % 40 + 1])
+    mix = MixtureSampler([300, 200], [0.5, 0.5], lengths=np.split(lengths, [300]))
+    LengthBucketSampler(lengths, max_tokens=256, mixture=mix)
+    with pytest.raises(ValueError, match="set_weights` is not supported"):
+        mix.set_weights([0.0, 1.0])
+    changed = MixtureSampler([300, 200], [0.5, 0.5], lengths=np.split(lengths, [300]))
+    changed.set_weights([0.0, 1.0])
+    with pytest.raises(ValueError, match="whose weights the loop set"):
+        LengthBucketSampler(lengths, max_tokens=256, mixture=changed)

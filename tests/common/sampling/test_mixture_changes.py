@@ -206,5 +206,20 @@ def test_set_weights_is_refused_under_a_bucketing_sampler():
     silently lost on resume."""
     mix = MixtureSampler(SIZES, [0.5, 0.3, 0.2], num_replicas=1, rank=0)
     LengthBucketSampler(np.ones(sum(SIZES), np.int64), batch_size=4, mixture=mix)
-    with pytest.raises(ValueError, match="batched by a LengthBucketSampler"):
+    with pytest.raises(ValueError, match="bucketed by a LengthBucketSampler"):
         mix.set_weights([1, 1, 1])
+
+
+@pytest.mark.parametrize("stop", ["drop_exhausted", "cycle_until_all_exhausted", "never"])
+def test_a_change_after_the_epoch_ends_keeps_its_length_and_carries_into_the_next(stop):
+    # Issue 48 break: under "cycle_until_all_exhausted" a change after the last position drew
+    # a new rest past the epoch's end (96 positions became 116).
+    mix = MixtureSampler(
+        [50, 30], [0.5, 0.5], stop=stop, num_samples=100 if stop == "never" else None
+    )
+    first = list(mix)
+    assert mix.set_weights([0.0, 1.0]) == len(first)
+    assert len(mix) == len(first)
+    assert list(mix) == first
+    mix.set_epoch(1)
+    assert (mix.source_of(list(mix))[:30] == 1).all()

@@ -208,3 +208,31 @@ def test_a_function_schedule_pickles_and_moves_the_shares():
     )
     sources = mix.source_of(list(mix))
     assert np.mean(sources[:400] == 1) < 0.1 and np.mean(sources[-400:] == 1) > 0.9
+
+
+def test_a_source_of_only_zero_length_samples_is_refused_not_a_hang():
+    # Issue 48 break: its draws never advance the progress, so a cycling rule drew it forever
+    # (cycle_until_all_exhausted hung) and stop="never" drew nothing else.
+    lengths = [np.full(50, 10), np.zeros(30, np.int64)]
+    for stop, count in (("cycle_until_all_exhausted", None), ("never", 200)):
+        with pytest.raises(ValueError, match="source '1' are all 0"):
+            MixtureSampler([50, 30], [0.5, 0.5], lengths=lengths, stop=stop, num_samples=count)
+    some = [np.full(50, 10), np.r_[np.zeros(29, np.int64), [5]]]  # a few 0-length samples: fine
+    mix = MixtureSampler([50, 30], [0.5, 0.5], lengths=some, stop="drop_exhausted")
+    assert sorted(mix) == list(range(80))
+
+
+def test_a_weight_of_zero_under_cycling_ends_the_epoch_as_the_iid_draw_does():
+    # Issue 48 break: a source of weight 0 (fixed with lengths, a schedule's last phase, or
+    # set_weights) held a paced "cycle_until_all_exhausted" epoch open forever (out of memory).
+    ones = [np.ones(50, np.int64), np.ones(30, np.int64)]
+    iid = MixtureSampler([50, 30], [0, 1], stop="cycle_until_all_exhausted")
+    paced = MixtureSampler([50, 30], [0, 1], lengths=ones, stop="cycle_until_all_exhausted")
+    for mix in (iid, paced):
+        assert np.bincount(mix.source_of(list(mix)), minlength=2).tolist() == [0, 30]
+    late = Schedule([(0.0, [1, 1]), (0.5, [0, 1])], total=40, interpolation="step")
+    mix = MixtureSampler([50, 30], late, stop="cycle_until_all_exhausted")
+    assert np.bincount(mix.source_of(list(mix))).tolist() == [10, 30]
+    mix.set_weights([0, 1])
+    mix.set_epoch(1)
+    assert np.bincount(mix.source_of(list(mix)), minlength=2).tolist() == [0, 30]
