@@ -19,7 +19,21 @@ Row (an item): `input_ids` int64 `[n]` (n = seq_len but each worker's last row),
 its first token in that document's tokens). `PackedRowCollate` lays a batch of rows out as
 `packed_batch.py`'s `[B, T]` layout (`position_ids` restarting at every piece), plus `doc_ids`
 and `doc_starts` as lists per row.
-Copy with: nothing.
+Copy with: common/caches/cache_files.py, common/loader_warning.py, common/loading/batch_ring.py,
+  common/loading/epoch_read_ahead.py, common/loading/isolated/child.py,
+  common/loading/isolated/protocol.py, common/loading/isolated_loader.py, common/loading/loader.py,
+  common/loading/loader_path.py, common/loading/loader_rules.py, common/loading/loop_probe.py,
+  common/loading/stateful_loader.py, common/loading/thread_loader.py,
+  common/loading/worker_rules.py, common/resume/batch_seeds.py, common/resume/dataset_state.py,
+  common/resume/elastic_rest.py, common/resume/loader_contract.py, common/resume/loader_counting.py,
+  common/resume/loader_passes.py, common/resume/loader_resume.py, common/resume/loader_state.py,
+  common/resume/order_sources.py, common/resume/pass_sampler.py, common/resume/state_keys.py,
+  common/resume/state_records.py, common/sampling/bucketing.py, common/sampling/elastic_sampler.py,
+  common/sampling/sharding.py, common/sizing/profiles.py, common/sizing/resources.py,
+  common/sizing/sizing.py, common/sizing/tune_store.py, common/workers/held_descriptors.py,
+  common/workers/process_lifetime.py, common/workers/start_watch.py, common/workers/worker.py,
+  nlp/collate.py, nlp/pack_plan.py, nlp/packed_batch.py, nlp/streaming/row_packing.py,
+  nlp/streaming/stream_rest.py, nlp/tokenizing.py.
 """
 
 from __future__ import annotations
