@@ -18,7 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipes.common import ShardedIterableDataset, StatefulLoader
+from recipes.common import (
+    LoaderMonitor,
+    MixtureIterable,
+    ShardedIterableDataset,
+    StatefulLoader,
+    make_loader,
+)
 from recipes.nlp.streaming.packed_text_stream import PackedTextStream, packed_text_loader
 from recipes.nlp.streaming.row_packing import Cursor, TokenizedPart, pack_rows
 
@@ -208,6 +214,27 @@ def test_the_loader_recipe_and_pickling(shards, tokenizer, expected):
     assert stream.seq_len == SEQ_LEN
     rest = stream.resume_after(2, batch_size=BATCH, num_workers=2, reshaped=[[2, 2, 1, 1]])
     pickle.loads(pickle.dumps(rest))
+
+
+def _read_b(path, start, stop):
+    return [{"id": 10_000 + d["id"], "text": d["text"]} for d in _read(path, start, stop)]
+
+
+def test_mixed_in_token_shares_and_monitored_every_document_comes_once(shards, tokenizer, expected):
+    b = ShardedIterableDataset(shards, _read_b, shard_lengths=SIZES, split="samples", seed=1)
+    streams = {
+        "a": _stream(shards, tokenizer),
+        "b": PackedTextStream(b, tokenizer, seq_len=SEQ_LEN),
+    }
+    mixed = MixtureIterable(streams, {"a": 0.5, "b": 0.5}, seed=3, lengths="input_ids")
+    collate = streams["a"].collate(BATCH)
+    loader = make_loader(mixed, batch_size=BATCH, collate_fn=collate)
+    monitor = LoaderMonitor(loader, warn_wait_fraction=1.0)
+    pieces = [p for batch in monitor for p in _pieces(batch)]
+    both = dict(expected)
+    both.update({10_000 + doc: tokens for doc, tokens in expected.items()})
+    assert _rebuilt(pieces) == both
+    assert "epoch" in monitor.report().lower()
 
 
 def test_bad_settings_are_refused(shards, tokenizer):
