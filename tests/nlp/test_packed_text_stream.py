@@ -26,7 +26,7 @@ from recipes.common import (
     make_loader,
 )
 from recipes.nlp.streaming.packed_text_stream import PackedTextStream, packed_text_loader
-from recipes.nlp.streaming.row_packing import Cursor, TokenizedPart, pack_rows
+from recipes.nlp.streaming.row_packing import TokenizedPart, pack_rows
 
 SIZES = [23, 17, 30, 12, 25, 19]  # documents per JSONL shard
 SEQ_LEN = 48
@@ -273,8 +273,9 @@ def test_rows_keep_the_concatenation_and_each_cursor_resumes_it(lengths, seq_len
             assert np.array_equal(
                 piece.tokens, parts[piece.doc_id].tokens[start : start + len(piece.tokens)]
             )
-    if rows:
-        assert rows[-1].end == Cursor(len(parts), 0)
+    if rows:  # the last row's end leaves nothing but empty documents
+        end = rows[-1].end
+        assert end.taken == 0 and all(len(p.tokens) == 0 for p in parts[end.part :])
     for k, row in enumerate(rows):  # packing again from a row's end gives the rows after it
         part, taken = row.end
         rest = parts[part:]
