@@ -172,7 +172,7 @@ def _epoch_over_shapes(shards, tokenizer, shapes):
         del iterators
 
 
-@pytest.mark.parametrize("then", [(3, 1), (1, 2)])
+@pytest.mark.parametrize("then", [(3, 1), (1, 2), (2, 1)])
 def test_stopped_at_a_random_batch_and_resumed_on_another_shape_gives_every_token_once(
     shards, tokenizer, expected, then
 ):
