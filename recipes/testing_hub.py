@@ -152,7 +152,9 @@ class LocalHub:
 
     def __enter__(self) -> LocalHub:
         self._server = _HubHTTPServer(self)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(  # polled every 20 ms: __exit__ waits for the poll
+            target=self._server.serve_forever, args=(0.02,), daemon=True
+        )
         self._thread.start()
         return self
 
