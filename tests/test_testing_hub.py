@@ -149,7 +149,11 @@ def test_throttled_listing_is_retried_but_throttled_api_calls_raise(hub, sleeps)
     with pytest.raises(HfHubHTTPError) as raised:  # repo info and paths-info do not retry
         HfApi().get_paths_info("owner/name", [PARQUET], repo_type="dataset")
     assert raised.value.response.status_code == 429
-    assert sum(hub.throttled.values()) == 2
+    hub.limit_next = 1
+    with pytest.raises(HfHubHTTPError) as raised:  # a new file system asks for the repo's info
+        HfFileSystem(skip_instance_cache=True).ls(REPO)
+    assert raised.value.response.status_code == 429
+    assert sum(hub.throttled.values()) == 3 and sleeps == [2.0]
 
 
 def test_a_changed_file_has_a_new_sha256_etag_and_commit(hub):
