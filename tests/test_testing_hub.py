@@ -16,13 +16,8 @@ from huggingface_hub import HfApi, HfFileSystem, constants  # noqa: E402
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError  # noqa: E402
 from huggingface_hub.utils import _http  # noqa: E402
 
-from recipes.testing_hub import (  # noqa: E402
-    HubRoute,
-    LocalHub,
-    _byte_range,
-    hub_process,
-    use_hub_endpoint,
-)
+from recipes.testing_hub import LocalHub, hub_process, use_hub_endpoint  # noqa: E402
+from recipes.testing_hub_answers import HubRoute, byte_range  # noqa: E402
 
 REPO = "datasets/owner/name"
 PARQUET = "data/train/part-0.parquet"
@@ -198,4 +193,4 @@ def test_a_hub_in_a_process_of_its_own(tmp_path):
     ],
 )
 def test_byte_ranges(header, expected):
-    assert _byte_range(header, 100) == expected
+    assert byte_range(header, 100) == expected
