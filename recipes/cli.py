@@ -21,17 +21,20 @@ from recipes import __version__
 
 # Commands: the module that adds its arguments and runs it, and its one-line help.
 COMMANDS = {
-    "doctor": ("recipes.doctor", "this machine's data-loading report and settings"),
-    "cache": ("recipes.cache_cmd", "build a domain's preprocessed cache"),
+    "doctor": ("recipes.commands.doctor", "this machine's data-loading report and settings"),
+    "cache": ("recipes.commands.cache_cmd", "build a domain's preprocessed cache"),
     "shards": (
-        "recipes.shards_cmd",
+        "recipes.commands.shards_cmd",
         "write a folder or corpus as WebDataset tar or Parquet shards",
     ),
     "template": (
-        "recipes.template_cmd",
+        "recipes.commands.template_cmd",
         "print a training template to copy (recipes template vision > train.py)",
     ),
-    "tune": ("recipes.tune_cmd", "measure num_workers and prefetch_factor for your dataset"),
+    "tune": (
+        "recipes.commands.tune_cmd",
+        "measure num_workers and prefetch_factor for your dataset",
+    ),
 }
 BENCH_HELP = "measure the recipes against plain torch baselines, in one run"
 # Benchmarks by domain, run in this order by a bare `recipes bench`.

@@ -5,9 +5,9 @@ import sys
 import pytest
 
 from recipes.cli import main
+from recipes.commands.doctor import build_report, format_report
 from recipes.common import Resources
 from recipes.common.sizing.resources import GiB
-from recipes.doctor import build_report, format_report
 
 
 def _cli(*args, timeout=120):

@@ -3,7 +3,7 @@ writing an image folder as shards ours and the peers' way (`writes.py`), reading
 a throttled remote store and from local disk (`reads.py`), and the class mix of the batches
 read back (`quality.py`).
 
-May import: `recipes.common`, `recipes.shards_cmd`, `recipes.testing_servers` and
+May import: `recipes.common`, `recipes.commands.shards_cmd`, `recipes.testing_servers` and
 `recipes.bench.harness`; the peers (webdataset, LitData) only inside the function that measures
 them.
 """

@@ -18,8 +18,8 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from recipes.bench.harness.workers import worker_init_for
+from recipes.commands.shards_cmd import image_folder_samples
 from recipes.common import write_shards
-from recipes.shards_cmd import image_folder_samples
 
 BATCH = 32
 # (row name, shard bytes, write_shards' shuffle, ShardSet.dataset's shuffle_window)

@@ -16,8 +16,8 @@ import shutil
 import time
 from pathlib import Path
 
+from recipes.commands.shards_cmd import image_folder_samples
 from recipes.common import write_shards
-from recipes.shards_cmd import image_folder_samples
 
 
 def have(name: str) -> bool:

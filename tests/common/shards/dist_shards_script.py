@@ -11,9 +11,9 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from recipes.commands.shards_cmd import image_folder_samples
 from recipes.common import PrefetchCache
 from recipes.common.shards.shard_writer import write_shards
-from recipes.shards_cmd import image_folder_samples
 
 
 def main(work: str, endpoint: str) -> None:

@@ -284,7 +284,7 @@ def test_images_and_audio_decode_from_shard_samples(tmp_path, image_tree_for_sha
     import soundfile as sf
 
     from recipes.audio.shard_audio import ShardAudio, ShardAudioError
-    from recipes.shards_cmd import image_folder_samples
+    from recipes.commands.shards_cmd import image_folder_samples
     from recipes.vision import ImageDecodeError, ImageFolderFast
     from recipes.vision.shard_images import ShardImages
 
@@ -339,7 +339,7 @@ def test_two_ranks_write_the_same_bytes_and_read_every_sample_once_from_s3(tmp_p
 
     import s3fs
 
-    from recipes.shards_cmd import image_folder_samples
+    from recipes.commands.shards_cmd import image_folder_samples
     from recipes.testing import make_image_folder, make_text_corpus
     from recipes.testing_servers import MotoS3Server
 
@@ -618,7 +618,7 @@ def test_indexing_refuses_tars_whose_samples_are_not_grouped(tmp_path):
 
 
 def test_the_converter_refuses_files_that_share_a_key(tmp_path):
-    from recipes.shards_cmd import image_folder_samples
+    from recipes.commands.shards_cmd import image_folder_samples
     from recipes.testing import make_image_folder
 
     root = make_image_folder(tmp_path / "t", classes=1, per_class=2, size=(64, 48), seed=1)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from recipes import cache_verify
 from recipes.audio import ChunkedAudioDataset, ShardUtterances, build_spectrogram_cache
+from recipes.commands import cache_verify
 from recipes.common.shards.shard_set import ShardSet
 from recipes.nlp import build_token_cache
 from recipes.vision import ImageFolderFast, build_image_cache
