@@ -9,8 +9,9 @@ Adapt here: `FORMAT` and `VERSION` (bump on a layout change: older entries are p
 Trade-off: an entry per object, not one file for the corpus: ranks that plan at once write
 disjoint files or the same content, and a changed object rewrites only its own entry.
 
-An entry: `{"format": FORMAT, "version": VERSION, "url", "object_version", "kind", "rows",
-"row_groups", "block_offsets", "sha256", "size"}`; one whose format, version, URL or object
+An entry: `{"index_format": FORMAT, "index_version": VERSION}` and the `ObjectPlan`'s fields
+(`url`, `object_version`, `format`, `compression`, `rows`, `size`, `row_groups`, `block_offsets`,
+`sha256`); one whose index format, version, URL or object
 version differs from the object's now is ignored (planned again), as is one that does not parse.
 Copy with: common/caches/cache_files.py, common/remote/object_urls.py,
   common/workers/held_descriptors.py.
@@ -30,6 +31,8 @@ from recipes.common.remote.object_urls import cache_key
 
 FORMAT = "recipes-corpus-object"
 VERSION = 1
+FORMAT_KEY = "index_format"  # the header's keys, beside the plan's own fields
+VERSION_KEY = "index_version"
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,9 @@ def load_plan(folder: Path, url: str, object_version: str | None) -> ObjectPlan 
         entry = json.loads(entry_path(folder, url).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not isinstance(entry, dict) or entry.pop("format", None) != FORMAT:
+    if not isinstance(entry, dict) or entry.pop(FORMAT_KEY, None) != FORMAT:
         return None
-    if entry.pop("version", None) != VERSION:
+    if entry.pop(VERSION_KEY, None) != VERSION:
         return None
     try:
         plan = ObjectPlan(**entry)
@@ -96,7 +99,7 @@ def save_plan(folder: Path, plan: ObjectPlan) -> None:
         return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    entry = {"format": FORMAT, "version": VERSION, **asdict(plan)}
+    entry = {FORMAT_KEY: FORMAT, VERSION_KEY: VERSION, **asdict(plan)}
     data = json.dumps(entry, sort_keys=True).encode("utf-8")
     fd, temp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
     os.close(fd)

@@ -98,9 +98,11 @@ class CorpusReader:
         self._fs: dict = {}
         self._cursors: collections.OrderedDict[int, Cursor] = collections.OrderedDict()
 
-    def __call__(self, path, start: int, stop: int) -> Iterator[dict]:
+    def __call__(self, path, start: int = 0, stop: int | None = None) -> Iterator[dict]:
         file = self.by_path[str(path)]
         plan = self.plans[file]
+        if stop is None:
+            stop = plan.rows
         if plan.format == "parquet":
             return self._parquet(file, plan, start, stop)
         return self._jsonl(file, str(path), start, stop)

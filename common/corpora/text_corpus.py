@@ -185,12 +185,18 @@ class TextCorpus:
         world_size: int | None = None,
         cache=None,
         shuffle_window: int = WINDOW,
+        split: str = "samples",
     ) -> ShardedIterableDataset:
         """The corpus's documents, `{text_key: str, *columns, "file": int, "row": int}` (the
         object's index in `urls` and the row in it: a document's id), split exactly over ranks
-        and workers: see `ShardedIterableDataset` for `shuffle`, `seed`, `even`, `rank`,
-        `world_size` and `shuffle_window`. Mixing cuts Parquet objects at their row groups and
-        JSONL objects every `BLOCK_ROWS` rows.
+        and workers: the epoch's shuffled objects concatenated and cut into one contiguous
+        range of documents per rank and worker (`split="samples"`), so each document comes once
+        per epoch whatever the object count (with `even`, every rank the same count: at most
+        `world_size - 1` documents repeat); `split="auto"` reads whole objects when there are
+        enough, and with `even` drops the surplus of the ranks with more. See
+        `ShardedIterableDataset` for `shuffle`, `seed`, `even`, `rank`, `world_size` and
+        `shuffle_window`. Mixing cuts Parquet objects at their row groups and JSONL objects
+        every `BLOCK_ROWS` rows.
 
         Args:
             cache: a `PrefetchCache` for JSONL corpora: each object downloaded once per node,
@@ -226,6 +232,7 @@ class TextCorpus:
             cache=cache,
             shard_sha256=sums,
             shuffle_window=shuffle_window,
+            split=split,
             blocks=CorpusBlocks(plans),
         )
 
