@@ -38,15 +38,11 @@ class LocalHTTPServer:
         bandwidth: bytes per second per connection (None: unlimited).
         fail_first: the first K GETs of each path answer 503.
         truncate_first: the first K full GETs of each path announce the full length but send half.
-        busy_first: the first K requests (HEAD or GET) of each path answer 429 Too Many Requests
-            with `Retry-After: retry_after` (seconds).
 
-    Every answer carries an `ETag` of the file's mtime and size (as nginx's), so a file
-    rewritten under the same name gets a new one.
+    Answers carry an `ETag` of the file's mtime and size (as nginx's): a rewrite changes it.
 
     `gets[path]` and `heads[path]` count the requests per path (path as in the URL), and
-    `range_gets[(path, start)]` the ranged GETs per range start; `times[path]` holds each
-    request's `time.monotonic()` and `busy[path]` the 429s answered. Per range start, a test can
+    `range_gets[(path, start)]` the ranged GETs per range start. Per range start, a test can
     set `fail_range[start] = K` (the first K answer 503), `short_range[start] = K` (the first K
     announce the range's length and send half) and `delay_range[start] = seconds`.
 
@@ -63,18 +59,12 @@ class LocalHTTPServer:
         bandwidth: float | None = None,
         fail_first: int = 0,
         truncate_first: int = 0,
-        busy_first: int = 0,
-        retry_after: float = 1.0,
     ):
         self.root = Path(root)
         self.latency = latency
         self.bandwidth = bandwidth
         self.fail_first = fail_first
         self.truncate_first = truncate_first
-        self.busy_first = busy_first
-        self.retry_after = retry_after
-        self.times: collections.defaultdict = collections.defaultdict(list)
-        self.busy: collections.Counter = collections.Counter()
         self.gets: collections.Counter = collections.Counter()
         self.range_gets: collections.Counter = collections.Counter()
         self.fail_range: dict[int, int] = {}
@@ -129,40 +119,18 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
             return rel, None
         return rel, path
 
-    def _busy(self, rel: str) -> bool:
-        """Counts the request's time; answers 429 with `Retry-After` (True) while the path is
-        among its first `busy_first` requests."""
-        fixture = self.server.fixture
-        with fixture.lock:
-            fixture.times[rel].append(time.monotonic())
-            busy = len(fixture.times[rel]) <= fixture.busy_first
-            if busy:
-                fixture.busy[rel] += 1
-        if busy:
-            self.send_response(429, "Too Many Requests")
-            self.send_header("Retry-After", f"{fixture.retry_after:g}")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-        return busy
-
-    def _etag(self, path: Path) -> None:
-        info = path.stat()
-        self.send_header("ETag", f'"{info.st_mtime_ns:x}-{info.st_size:x}"')
-
     def do_HEAD(self):
         fixture = self.server.fixture
         rel, path = self._file()
         with fixture.lock:
             fixture.heads[rel] += 1
         time.sleep(fixture.latency)
-        if self._busy(rel):
-            return
         if path is None:
             self.send_error(404)
             return
         self.send_response(200)
         self.send_header("Content-Length", str(path.stat().st_size))
-        self._etag(path)
+        self.send_header("ETag", etag(path))
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
 
@@ -173,8 +141,6 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
             fixture.gets[rel] += 1
             count = fixture.gets[rel]
         time.sleep(fixture.latency)
-        if self._busy(rel):
-            return
         if path is None:
             self.send_error(404)
             return
@@ -194,7 +160,7 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
-        self._etag(path)
+        self.send_header("ETag", etag(path))
         self.end_headers()
         if short:
             body = body[: len(body) // 2]  # announce all, send half, hang up
@@ -232,6 +198,11 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
             except (BrokenPipeError, ConnectionResetError):
                 return
+
+
+def etag(path: Path) -> str:
+    info = path.stat()
+    return f'"{info.st_mtime_ns:x}-{info.st_size:x}"'
 
 
 class ThrottlingProxy:
