@@ -59,7 +59,10 @@ def is_transient(error: BaseException) -> bool:
         return False
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False
-    if isinstance(status, int) and 400 <= status < 500:
+    # a refusal is the error's own 4xx, not a cause's: aiohttp wraps a body cut short
+    # (transient) around a parser error of "status" 400
+    own = getattr(error, "status", None) or getattr(error, "code", None)
+    if isinstance(own, int) and 400 <= own < 500:
         return False
     return isinstance(error, Exception)
 
