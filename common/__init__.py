@@ -1,6 +1,8 @@
 """Common loader layer: resource detection, worker sizing, loader profiles, worker init."""
 
 from recipes.common.caches.packed_strings import PackedStrings
+from recipes.common.corpora.corpus_objects import CorpusChangedError, CorpusFormatError
+from recipes.common.corpora.text_corpus import TextCorpus, open_text_corpus
 from recipes.common.loader_warning import LoaderWarning
 from recipes.common.loading.isolated_loader import IsolatedLoader
 from recipes.common.loading.loader import make_loader
@@ -34,6 +36,8 @@ from recipes.common.workers.worker import worker_init
 from recipes.common.workers.worker_memory import measure_worker_memory_growth
 
 __all__ = [
+    "CorpusChangedError",
+    "CorpusFormatError",
     "DownloadError",
     "ElasticDistributedSampler",
     "IsolatedLoader",
@@ -56,6 +60,7 @@ __all__ = [
     "ShardedIterableDataset",
     "ShareTrace",
     "StatefulLoader",
+    "TextCorpus",
     "ThreadLoader",
     "TuneResult",
     "autotune",
@@ -63,6 +68,7 @@ __all__ = [
     "estimate_loader_memory",
     "index_shards",
     "make_loader",
+    "open_text_corpus",
     "max_workers_for_memory",
     "measure_worker_memory_growth",
     "plot_shares",

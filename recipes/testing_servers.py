@@ -39,6 +39,8 @@ class LocalHTTPServer:
         fail_first: the first K GETs of each path answer 503.
         truncate_first: the first K full GETs of each path announce the full length but send half.
 
+    Answers carry an `ETag` of the file's mtime and size (as nginx's): a rewrite changes it.
+
     `gets[path]` and `heads[path]` count the requests per path (path as in the URL), and
     `range_gets[(path, start)]` the ranged GETs per range start. Per range start, a test can
     set `fail_range[start] = K` (the first K answer 503), `short_range[start] = K` (the first K
@@ -128,6 +130,7 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
             return
         self.send_response(200)
         self.send_header("Content-Length", str(path.stat().st_size))
+        self.send_header("ETag", etag(path))
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
 
@@ -157,6 +160,7 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag(path))
         self.end_headers()
         if short:
             body = body[: len(body) // 2]  # announce all, send half, hang up
@@ -194,6 +198,11 @@ class FaultInjectingHandler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(chunk)
             except (BrokenPipeError, ConnectionResetError):
                 return
+
+
+def etag(path: Path) -> str:
+    info = path.stat()
+    return f'"{info.st_mtime_ns:x}-{info.st_size:x}"'
 
 
 class ThrottlingProxy:
