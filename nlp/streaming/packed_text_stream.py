@@ -72,7 +72,8 @@ class PackedTextStream(IterableDataset):
             `shard_lengths` make the resume elastic.
         tokenizer: a `transformers` tokenizer (fast ones encode with the GIL released).
         seq_len: T, the tokens per row.
-        text_key, id_key: where a document's text and its stable id are.
+        text_key, id_key: where a document's text and its stable id are (`id_key` may be a
+            tuple of keys: `("file", "row")` for `open_text_corpus`'s documents).
         add_special_tokens: the tokenizer's own framing (BOS/CLS, EOS/SEP) as it says.
         append_eos: also end every document with `tokenizer.eos_token_id`.
         tokenize_batch: documents per encode call.
@@ -96,7 +97,7 @@ class PackedTextStream(IterableDataset):
         *,
         seq_len: int,
         text_key: str = "text",
-        id_key: str = "id",
+        id_key: str | tuple[str, ...] = "id",
         add_special_tokens: bool = True,
         append_eos: bool = False,
         tokenize_batch: int = 64,
@@ -108,6 +109,13 @@ class PackedTextStream(IterableDataset):
             raise ValueError(
                 f"`documents` ({type(documents).__name__}) must tell each consumer's documents "
                 "(`consumer_samples`): pass a ShardedIterableDataset."
+            )
+        if getattr(documents, "even", False) and int(documents.world_size) > 1:
+            raise ValueError(
+                "`documents` deals equal counts to the ranks (`even=True`), repeating up to "
+                "world_size - 1 documents: their tokens would be packed twice. Rows per rank "
+                "differ anyway (they follow the documents' tokens): open the documents with "
+                "even=False."
             )
         self.suffix: tuple[int, ...] = ()
         if append_eos:
@@ -121,6 +129,8 @@ class PackedTextStream(IterableDataset):
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.text_key = text_key
+        if isinstance(id_key, list):
+            id_key = tuple(id_key)
         self.id_key = id_key
         self.add_special_tokens = bool(add_special_tokens)
         self.tokenize_batch = tokenize_batch
@@ -166,7 +176,7 @@ class PackedTextStream(IterableDataset):
             "tokenizer": self._fingerprint,
             "seq_len": self.seq_len,
             "text_key": self.text_key,
-            "id_key": self.id_key,
+            "id_key": _json_key(self.id_key),
             "add_special_tokens": self.add_special_tokens,
             "suffix": list(self.suffix),
         }
@@ -318,10 +328,13 @@ def packed_text_loader(
     batch_size: int,
     append_eos: bool = False,
     tokenize_batch: int = 64,
+    text_key: str = "text",
+    id_key: str | tuple[str, ...] = "id",
     **make_loader_overrides,
 ):
     """A DataLoader of packed `[batch_size, seq_len]` batches tokenized on the fly from
-    `documents` (a `ShardedIterableDataset` of dicts with "text" and "id"), through
+    `documents` (a `ShardedIterableDataset` of dicts with `text_key` and `id_key`: `("file",
+    "row")` for `open_text_corpus`'s documents), through
     `make_loader` (the `text` profile). Its `dataset` is the `PackedTextStream`: call
     `loader.dataset.set_epoch(epoch)` before each epoch.
 
@@ -334,6 +347,8 @@ def packed_text_loader(
         documents,
         tokenizer,
         seq_len=seq_len,
+        text_key=text_key,
+        id_key=id_key,
         append_eos=append_eos,
         tokenize_batch=tokenize_batch,
     )
@@ -343,3 +358,10 @@ def packed_text_loader(
         collate_fn=stream.collate(batch_size),
         **make_loader_overrides,
     )
+
+
+def _json_key(key: str | tuple[str, ...]) -> str | list[str]:
+    """A key as a state's plan holds it (JSON has no tuples)."""
+    if isinstance(key, tuple):
+        return list(key)
+    return key

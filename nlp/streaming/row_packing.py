@@ -66,7 +66,7 @@ def tokenized(
     encode: Callable[[list[str]], list[list[int]]],
     *,
     text_key: str,
-    id_key: str,
+    id_key: str | tuple[str, ...],
     batch: int,
     suffix: tuple[int, ...] = (),
 ) -> Iterator[TokenizedPart]:
@@ -114,8 +114,12 @@ def pack_rows(parts: Iterable[TokenizedPart], seq_len: int) -> Iterator[Row]:
         yield Row(pieces, Cursor(count, 0))
 
 
-def _field(document, key: str):
+def _field(document, key: str | tuple[str, ...]):
+    """`document[key]`; for a tuple of keys (an id over several fields, as a corpus's
+    `("file", "row")`), the tuple of their values."""
     try:
+        if isinstance(key, tuple):
+            return tuple(document[k] for k in key)
         return document[key]
     except (KeyError, TypeError, IndexError):
         raise KeyError(
