@@ -46,6 +46,7 @@ def test_recipes_bench_step_prints_every_path_beside_every_step(capsys):
     assert "make_loader's default:" in out
 
 
+@pytest.mark.slow  # about 6 s of timed steps: in the full suite (CI)
 def test_the_simulated_step_holds_the_gil_for_its_share_and_sleeps_the_rest():
     import threading
     import time

@@ -17,7 +17,8 @@ import os
 import re
 from typing import NamedTuple
 
-ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+# "hf": huggingface_hub's file system (hf://datasets/<owner>/<name>/...), issue 49.
+ALLOWED = {"file", "local", "http", "https", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hf"}
 
 
 @functools.lru_cache(maxsize=65536)

@@ -134,6 +134,7 @@ def test_a_corpus_on_a_fake_hub_tokenized_and_packed_on_2x2_and_resumed_on_3x1(
         _epoch_and_resume(corpus, tokenizer, _expected(parts, tokenizer))
 
 
+@pytest.mark.slow  # moto's server: about 7 s
 def test_a_corpus_on_s3_tokenized_and_packed_on_2x2_and_resumed_on_3x1(
     tmp_path, texts, tokenizer, monkeypatch
 ):
@@ -162,3 +163,76 @@ def test_documents_dealt_evenly_are_refused_their_repeats_would_be_packed_twice(
     corpus = open_text_corpus(str(tmp_path / "src"), index_dir=tmp_path / "index")
     with pytest.raises(ValueError, match="even=False"):
         PackedTextStream(corpus.dataset(rank=0, world_size=2), tokenizer, seq_len=SEQ_LEN)
+
+
+def _hub_corpus(tmp_path, texts, *, files=FILES):
+    parts = _write(tmp_path / "hub" / "owner" / "corpus" / "data", texts)
+    return parts, [f"hf://datasets/owner/corpus/data/{name}" for name in files]
+
+
+def _documents_seen(corpus, ranks, *, world, workers, cache=None):
+    """(file, row) of every document the given ranks' loaders yield, counted."""
+    seen = collections.Counter()
+    for rank in ranks:
+        ds = corpus.dataset(rank=rank, world_size=world, seed=3, even=False, cache=cache)
+        loader = StatefulLoader(ds, batch_size=8, num_workers=workers)
+        for batch in loader:
+            seen.update(zip(batch["file"].tolist(), batch["row"].tolist(), strict=True))
+    return seen
+
+
+def test_two_nodes_on_the_hub_download_each_object_once_per_node(tmp_path, texts):
+    """2 simulated nodes x 2 ranks x 2 workers, each node its own PrefetchCache: every document
+    once, and each JSONL object downloaded at most once per node over the epoch."""
+    from recipes.common import PrefetchCache
+
+    parts, urls = _hub_corpus(tmp_path, texts)
+    jsonl = urls[1:]  # compressed JSONL: read whole, through the node's cache
+    with LocalHub(tmp_path / "hub") as hub, use_hub_endpoint(hub.endpoint):
+        corpus = open_text_corpus(jsonl, index_dir=tmp_path / "index").plan(progress=False)
+        planned = collections.Counter(hub.gets)
+        seen = collections.Counter()
+        for node in range(2):
+            cache = PrefetchCache(tmp_path / f"node{node}", max_bytes=2**30)
+            seen += _documents_seen(
+                corpus, [2 * node, 2 * node + 1], world=4, workers=2, cache=cache
+            )
+        read = hub.gets - planned
+    assert set(seen.values()) == {1} and len(seen) == len(parts[1]) + len(parts[2])
+    keys = [u.removeprefix("hf://datasets/") for u in jsonl]
+    assert set(read) <= set(keys) and all(read[k] <= 2 for k in keys), read
+
+
+@pytest.mark.slow  # huggingface_hub waits Retry-After + 1 s per 429: about 10 s
+def test_a_429_storm_on_the_hub_completes_the_epoch_and_honours_retry_after(tmp_path, texts):
+    parts, urls = _hub_corpus(tmp_path, texts)
+    with LocalHub(tmp_path / "hub", retry_after=1) as hub, use_hub_endpoint(hub.endpoint):
+        corpus = open_text_corpus(urls, index_dir=tmp_path / "index").plan(progress=False)
+        hub.log.clear()
+        hub.limit_next = 6  # the epoch's next 6 requests, whatever they are, answer 429
+        seen = _documents_seen(corpus, [0, 1], world=2, workers=2)
+        log = list(hub.log)
+    assert set(seen.values()) == {1} and len(seen) == sum(len(p) for p in parts)
+    throttled = [r for r in log if r.status == 429]
+    assert len(throttled) == 6
+    for refused in throttled:  # the same request again no sooner than Retry-After
+        again = [r for r in log if r.key == refused.key and r.at > refused.at and r.status != 429]
+        assert again and min(r.at for r in again) - refused.at >= 1.0 - 0.05, refused
+
+
+def test_an_object_changed_on_the_hub_is_refused_by_name(tmp_path, texts):
+    from recipes.common.corpora.corpus_objects import CorpusChangedError
+
+    _, urls = _hub_corpus(tmp_path, texts)
+    with LocalHub(tmp_path / "hub") as hub, use_hub_endpoint(hub.endpoint):
+        corpus = open_text_corpus(urls, index_dir=tmp_path / "index").plan(progress=False)
+        hub.write_file(
+            "owner/corpus",
+            "data/a.parquet",
+            (tmp_path / "hub/owner/corpus/data/b.jsonl.gz").read_bytes(),
+        )
+        with pytest.raises(CorpusChangedError, match="a.parquet"):
+            _documents_seen(corpus, [0], world=1, workers=0)
+        replanned = open_text_corpus(urls, index_dir=tmp_path / "index")
+        with pytest.raises(Exception, match="a.parquet"):  # its new content is no Parquet
+            replanned.plan(progress=False)

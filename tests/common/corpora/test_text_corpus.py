@@ -241,6 +241,7 @@ def test_jsonl_over_http_through_the_cache_is_downloaded_once_per_node(tmp_path,
         assert sum(server.gets.values()) - planned == 2  # one download per object
 
 
+@pytest.mark.slow  # moto's server: in the full suite (CI)
 def test_a_corpus_on_s3(tmp_path, corpus_dir, monkeypatch):
     import s3fs
 
