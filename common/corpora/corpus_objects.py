@@ -94,7 +94,7 @@ def list_objects(fs, source: str) -> list[str]:
         found = [path]  # URL is the file (an `isdir` would download it to look for links)
     elif globbing.has_magic(path):
         found = fs.glob(path)
-    elif fs.isdir(path):
+    elif _is_folder(fs, path, source):
         found = fs.find(path)
     else:
         found = [path]
@@ -106,6 +106,22 @@ def list_objects(fs, source: str) -> list[str]:
             "folder, a glob or the files themselves."
         )
     return names
+
+
+def _is_folder(fs, path: str, source: str) -> bool:
+    """Whether `path` is a folder, from `info()`: a busy server's error (a 429 from the Hub)
+    propagates, to be retried, where `isdir` would say "not a folder" (it swallows OSError).
+
+    Raises:
+        FileNotFoundError: nothing at `source`.
+    """
+    try:
+        return fs.info(path).get("type") == "directory"
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"No corpus files at {source}: nothing is there. Pass a folder, a glob or the files "
+            "themselves."
+        ) from None
 
 
 def as_sources(url: str | Sequence[str]) -> list[str]:

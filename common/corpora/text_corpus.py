@@ -31,6 +31,7 @@ Copy with: common/caches/cache_files.py, common/caches/packed_strings.py,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -162,7 +163,12 @@ class TextCorpus:
         urls = []
         for source in self.sources:
             fs, _ = self._filesystem(source)
-            for path in list_objects(fs, source):
+            listed = call_with_retries(
+                functools.partial(list_objects, fs, source),
+                retries=self.remote.retries,
+                backoff=self.remote.backoff,
+            )  # a busy listing (429, 503) waits as the server asks
+            for path in listed:
                 urls.append(self._full_url(fs, source, path))
         urls = list(dict.fromkeys(urls))
         with ThreadPoolExecutor(min(PLAN_THREADS, len(urls))) as pool:

@@ -79,12 +79,15 @@ def _causes(error: BaseException):
 
 def response_status(error: BaseException) -> int | None:
     """The HTTP status of the response behind `error` (aiohttp's `status`, botocore's
-    `response`, urllib's `code`), looked for on the error and its causes; None if none."""
+    `response`, urllib's `code`, httpx's and requests' `response.status_code`), looked for on
+    the error and its causes; None if none."""
     for cause in _causes(error):
         status = getattr(cause, "status", None) or getattr(cause, "code", None)
         response = getattr(cause, "response", None)
         if status is None and isinstance(response, dict):
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status is None and response is not None:  # httpx and requests (huggingface_hub)
+            status = getattr(response, "status_code", None)
         if isinstance(status, int):
             return status
     return None
@@ -100,6 +103,8 @@ def retry_after(error: BaseException) -> float | None:
         response = getattr(cause, "response", None)
         if headers is None and isinstance(response, dict):
             headers = response.get("ResponseMetadata", {}).get("HTTPHeaders")
+        if headers is None and response is not None:  # httpx and requests (huggingface_hub)
+            headers = getattr(response, "headers", None)
         if not headers:
             continue
         value = headers.get("Retry-After") or headers.get("retry-after")

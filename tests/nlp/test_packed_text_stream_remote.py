@@ -145,14 +145,15 @@ def test_a_corpus_on_s3_tokenized_and_packed_on_2x2_and_resumed_on_3x1(
         monkeypatch.setenv(key, "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     with MotoS3Server() as server:
-        server.client().create_bucket(Bucket="bucket")
+        server.client().create_bucket(Bucket="packed")  # its own bucket: moto's may be shared
         options = server.storage_options()
         fs = s3fs.S3FileSystem(**options)
         for name in os.listdir(tmp_path / "src"):
-            fs.put(str(tmp_path / "src" / name), f"bucket/corpus/{name}")
+            fs.put(str(tmp_path / "src" / name), f"packed/corpus/{name}")
         corpus = open_text_corpus(
-            "s3://bucket/corpus", storage_options=options, index_dir=tmp_path / "index"
+            "s3://packed/corpus", storage_options=options, index_dir=tmp_path / "index"
         ).plan(progress=False)
+        assert [u.rsplit("/", 1)[-1] for u in corpus.urls] == list(FILES)
         _epoch_and_resume(corpus, tokenizer, _expected(parts, tokenizer))
 
 
@@ -203,15 +204,22 @@ def test_two_nodes_on_the_hub_download_each_object_once_per_node(tmp_path, texts
     assert set(read) <= set(keys) and all(read[k] <= 2 for k in keys), read
 
 
-@pytest.mark.slow  # huggingface_hub waits Retry-After + 1 s per 429: about 10 s
+@pytest.mark.slow  # huggingface_hub waits Retry-After + 1 s per 429: about 20 s
 def test_a_429_storm_on_the_hub_completes_the_epoch_and_honours_retry_after(tmp_path, texts):
     parts, urls = _hub_corpus(tmp_path, texts)
+    folder = "hf://datasets/owner/corpus/data"
     with LocalHub(tmp_path / "hub", retry_after=1) as hub, use_hub_endpoint(hub.endpoint):
-        corpus = open_text_corpus(urls, index_dir=tmp_path / "index").plan(progress=False)
+        hub.limit_path["owner/corpus"] = 2  # repository info: huggingface_hub does not retry it
+        corpus = open_text_corpus(folder, index_dir=tmp_path / "index").plan(progress=False)
+        assert hub.throttled["owner/corpus"] == 2 and len(corpus.urls) == len(urls)
         hub.log.clear()
         hub.limit_next = 6  # the epoch's next 6 requests, whatever they are, answer 429
-        seen = _documents_seen(corpus, [0, 1], world=2, workers=2)
+        # one client at a time (ranks in turn, no workers): the log's next request for a key is
+        # that client's retry
+        seen = _documents_seen(corpus, [0, 1], world=2, workers=0)
         log = list(hub.log)
+        hub.limit_next = 6  # and a storm under 2 ranks x 2 workers: nothing lost
+        assert _documents_seen(corpus, [0, 1], world=2, workers=2) == seen
     assert set(seen.values()) == {1} and len(seen) == sum(len(p) for p in parts)
     throttled = [r for r in log if r.status == 429]
     assert len(throttled) == 6

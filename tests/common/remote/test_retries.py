@@ -77,3 +77,18 @@ def test_the_pacer_spaces_requests_and_holds_them(monkeypatch):
     assert slept[-1] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="`per_second` must be positive"):
         RequestPacer(0)
+
+
+def test_an_httpx_style_429_is_busy_and_its_retry_after_is_read():
+    """huggingface_hub raises an OSError whose `response` is an httpx response: its 429 and
+    Retry-After count (the Hub's listing answers 429 under load)."""
+    import types
+
+    from recipes.common.remote.retries import is_transient, response_status, retry_after
+
+    class HubError(OSError):
+        pass
+
+    error = HubError("429 Too Many Requests")
+    error.response = types.SimpleNamespace(status_code=429, headers={"Retry-After": "3"})
+    assert response_status(error) == 429 and is_transient(error) and retry_after(error) == 3.0
