@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=2048, help="T, tokens per row")
     parser.add_argument("--rows", type=int, default=8, help="B, rows per batch")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="epochs per loader, taken in turns (best kept)"
+    )
     parser.add_argument("--latency", type=float, default=0.02, help="seconds per request")
     parser.add_argument("--storm", type=int, default=8, help="requests answered 429 (default 8)")
     parser.add_argument("--retry-after", type=int, default=1, help="a 429's Retry-After (s)")
@@ -99,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             documents=args.documents,
             files=args.files,
             median_words=args.median_words,
+            repeat=args.repeat,
             **loader,
         )
         show_throughput(args, rows, facts)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from recipes.bench.harness.measure import Measurement, measure
+from recipes.bench.harness.measure import Measurement, best_interleaved, measure
 from recipes.bench.harness.workers import worker_init_for
 from recipes.common import open_text_corpus
 from recipes.common.loading.loader import make_loader
@@ -127,9 +127,12 @@ def compare_throughput(
     seq_len: int = 2048,
     rows: int = 8,
     workers: int = 2,
+    repeat: int = 1,
 ) -> tuple[list[Measurement], dict]:
-    """Rows: streamed (ours), HF streaming + map + packing, token cache + `packed_loader`; and
-    facts: tokens in the corpus, the tokenizer's training and the cache's build seconds."""
+    """Rows: streamed (ours), HF streaming + map + packing, token cache + `packed_loader`, each
+    the best of `repeat` epochs taken in turns (the index warm after the first); and facts:
+    tokens in the corpus, the tokenizer alone, the tokenizer's training and the cache's build
+    seconds, the tokenizer."""
     paths = write_corpus(
         folder / "corpus", documents=documents, files=files, median_words=median_words
     )
@@ -142,29 +145,26 @@ def compare_throughput(
     )
     built = time.perf_counter() - began
     common = dict(seq_len=seq_len, rows=rows, workers=workers)
-    results = [
-        measure(
-            f"open_text_corpus + PackedTextStream, {workers} workers",
-            streamed_loader(folder / "corpus", folder / "index", tokenizer, **common),
-            counter=count_tokens,
-        ),
-        measure(
-            f"datasets streaming + map(tokenize) + concat-and-cut, {workers} workers",
-            hf_packed_loader(paths, tokenizer, **common),
-            counter=count_tokens,
-        ),
-        measure(
-            f"build_token_cache + packed_loader (ceiling), {workers} workers",
-            packed_loader(
-                cache,
-                seq_len=seq_len,
-                batch_size=rows,
-                pad_id=tokenizer.pad_token_id,
-                num_workers=workers,
-            ),
-            counter=count_tokens,
-        ),
-    ]
+
+    def streamed():
+        built = streamed_loader(folder / "corpus", folder / "index", tokenizer, **common)
+        name = f"open_text_corpus + PackedTextStream, {workers} workers"
+        return measure(name, built, counter=count_tokens)
+
+    def hf():
+        built = hf_packed_loader(paths, tokenizer, **common)
+        name = f"datasets streaming + map(tokenize) + concat-and-cut, {workers} workers"
+        return measure(name, built, counter=count_tokens)
+
+    def cached():
+        built = packed_loader(
+            cache, seq_len=seq_len, batch_size=rows, pad_id=tokenizer.pad_token_id, **loader
+        )
+        name = f"build_token_cache + packed_loader (ceiling), {workers} workers"
+        return measure(name, built, counter=count_tokens)
+
+    loader = dict(num_workers=workers)
+    results = best_interleaved(streamed, hf, cached, repeat=repeat)
     facts = {
         "tokens": int(cache.lengths.sum()),
         "encode_per_s": encode_rate(folder / "corpus", tokenizer),
