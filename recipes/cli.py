@@ -46,6 +46,7 @@ BENCHES = {
     "remote": "recipes.bench.remote",
     "shards": "recipes.bench.shards",
     "verify": "recipes.bench.verify_cost",
+    "text-stream": "recipes.bench.text_stream",
     "lightning": "recipes.bench.frameworks.lightning_loop",
     "hf": "recipes.bench.frameworks.hf_loops",
     "train": "recipes.bench.harness.train",
