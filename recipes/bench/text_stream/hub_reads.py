@@ -43,7 +43,7 @@ def hub_root(folder: Path, corpus: Path) -> Path:
 def _loader(url: str, index: Path, tokenizer, *, seq_len, rows, workers, options=None, rank=0):
     corpus = open_text_corpus(url, index_dir=index, storage_options=options)
     documents = corpus.plan(progress=False).dataset(seed=0, rank=rank, world_size=1)
-    stream = PackedTextStream(documents, tokenizer, seq_len=seq_len, id_key="row")
+    stream = PackedTextStream(documents, tokenizer, seq_len=seq_len, id_key=("file", "row"))
     return make_loader(
         stream, batch_size=rows, collate_fn=stream.collate(rows), num_workers=workers
     )
@@ -83,8 +83,8 @@ def first_batches(folder: Path, corpus: Path, tokenizer, *, latency: float, **lo
 
 def _rank_tokens(url: str, index: Path, tokenizer, *, rank: int, world_size: int, seq_len: int):
     corpus = open_text_corpus(url, index_dir=index).plan(progress=False)
-    documents = corpus.dataset(seed=0, rank=rank, world_size=world_size)
-    stream = PackedTextStream(documents, tokenizer, seq_len=seq_len, id_key="row")
+    documents = corpus.dataset(seed=0, rank=rank, world_size=world_size, even=False)
+    stream = PackedTextStream(documents, tokenizer, seq_len=seq_len, id_key=("file", "row"))
     return sum(sum(row["seq_lens"]) for row in stream)
 
 

@@ -96,7 +96,7 @@ def streamed_loader(folder: Path, index: Path, tokenizer, *, seq_len: int, rows:
     """`open_text_corpus` over the Parquet folder, packed on the fly by `PackedTextStream`."""
     corpus = open_text_corpus(str(folder), index_dir=index).plan(progress=False)
     documents = corpus.dataset(seed=0, rank=0, world_size=1)
-    stream = PackedTextStream(documents, tokenizer, seq_len=seq_len, id_key="row")
+    stream = PackedTextStream(documents, tokenizer, seq_len=seq_len, id_key=("file", "row"))
     return make_loader(
         stream, batch_size=rows, collate_fn=stream.collate(rows), num_workers=workers
     )
