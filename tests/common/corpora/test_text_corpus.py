@@ -157,6 +157,34 @@ def test_damaged_objects_are_refused_by_name(tmp_path, corpus_dir):
         list(corpus.dataset(shuffle=False))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not zstd", "junk after the frames"])
+def test_a_damaged_zstd_object_is_refused_by_name_when_planned_and_at_once(tmp_path, damage):
+    """zstandard's stream reader ends quietly where a frame is cut short (a truncated object
+    planned as fewer rows) and raises ZstdError, not a format error, on garbage (retried as
+    transient, then raised without the object's name)."""
+    zstandard = pytest.importorskip("zstandard")
+    texts = [f"document {i} " * 8 for i in range(3000)]
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    half = len(data) // 2  # two frames: a corpus written in parts
+    frames = [zstandard.ZstdCompressor().compress(part) for part in (data[:half], data[half:])]
+    (tmp_path / "whole.jsonl.zst").write_bytes(b"".join(frames))
+    whole = open_text_corpus(str(tmp_path / "whole.jsonl.zst"), index_dir=tmp_path / "i")
+    assert [r["text"] for r in whole.dataset(shuffle=False)] == texts
+    blob = {
+        "truncated": frames[0] + frames[1][: len(frames[1]) // 2],
+        "not zstd": b"\x00 not a zstd stream" * 40,
+        "junk after the frames": b"".join(frames) + b"\x01\x02junk",
+    }[damage]
+    (tmp_path / "bad.jsonl.zst").write_bytes(blob)
+    corpus = open_text_corpus(
+        str(tmp_path / "bad.jsonl.zst"), index_dir=tmp_path / "i", retries=3, backoff=2.0
+    )
+    began = time.monotonic()
+    with pytest.raises(CorpusFormatError, match="bad.jsonl.zst"):
+        corpus.plan(progress=False)
+    assert time.monotonic() - began < 2.0  # damage is not retried
+
+
 def test_a_folder_without_corpus_files_says_what_was_searched(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(FileNotFoundError, match=r"1 objects searched for \.parquet"):
