@@ -126,6 +126,38 @@ def test_the_index_is_reused_and_a_changed_object_planned_again(tmp_path, corpus
     assert rows == ["a new text", "and another"]
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [{"rows": 81}, {"rows": -1}, {"rows": "80"}, {"row_groups": 5}, {"format": "csv"}, "[1, 2]"],
+)
+def test_a_damaged_index_entry_is_planned_again_never_served(tmp_path, corpus_dir, damage):
+    """An entry whose header is right but whose plan was altered (a bit flipped, a hand edit)
+    was served: a wrong row count read as 'the object changed', a wrong type crashed."""
+    src, parts = corpus_dir
+    index = tmp_path / "index"
+    open_text_corpus(str(src / "b.jsonl"), index_dir=index).plan(progress=False)
+    (entry,) = index.glob("*.json")
+    if isinstance(damage, dict):
+        entry.write_text(json.dumps({**json.loads(entry.read_text()), **damage}))
+    else:
+        entry.write_text(damage)
+    corpus = open_text_corpus(str(src / "b.jsonl"), index_dir=index).plan(progress=False)
+    assert corpus.lengths.tolist() == [80]
+    assert [r["text"] for r in corpus.dataset(shuffle=False)] == parts["b.jsonl"]
+    again = open_text_corpus(str(src / "b.jsonl"), index_dir=index)
+    assert again.plan(progress=False).plans == corpus.plans  # the entry was written anew
+
+
+def test_an_index_folder_that_cannot_be_written_warns_and_plans_on(tmp_path, corpus_dir):
+    src, parts = corpus_dir
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the index folder should be")
+    corpus = open_text_corpus(str(src / "b.jsonl"), index_dir=blocked)
+    with pytest.warns(UserWarning, match="cannot be written"):
+        corpus.plan(progress=False)
+    assert [r["text"] for r in corpus.dataset(shuffle=False)] == parts["b.jsonl"]
+
+
 @pytest.mark.parametrize("name", ["a.parquet", "b.jsonl", "c.jsonl.gz"])
 def test_an_object_changed_mid_epoch_is_refused_by_name(tmp_path, corpus_dir, name):
     src, parts = corpus_dir
