@@ -217,6 +217,22 @@ def test_a_damaged_zstd_object_is_refused_by_name_when_planned_and_at_once(tmp_p
     assert time.monotonic() - began < 2.0  # damage is not retried
 
 
+@pytest.mark.parametrize("keys", [{"text_key": "body"}, {"columns": ["missing"]}])
+def test_a_parquet_column_that_is_not_there_is_refused_by_name_even_when_planned(
+    tmp_path, corpus_dir, keys
+):
+    """pyarrow reads a row group without the columns it lacks: a wrong text_key (once the
+    object's plan is in the index, which does not depend on it) or a wrong column gave
+    documents without them."""
+    src, _ = corpus_dir
+    open_text_corpus(str(src / "a.parquet"), index_dir=tmp_path / "i").plan(progress=False)
+    corpus = open_text_corpus(str(src / "a.parquet"), index_dir=tmp_path / "i", **keys)
+    corpus.plan(progress=False)
+    wrong = keys.get("text_key") or keys["columns"][0]
+    with pytest.raises(CorpusFormatError, match=rf"a.parquet has no column '{wrong}'"):
+        list(corpus.dataset(shuffle=False))
+
+
 def test_a_folder_without_corpus_files_says_what_was_searched(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(FileNotFoundError, match=r"1 objects searched for \.parquet"):
