@@ -29,7 +29,14 @@ from recipes.common.corpora.corpus_index import ObjectPlan
 from recipes.common.corpora.corpus_objects import CorpusFormatError, ObjectKind
 
 BLOCK_ROWS = 1024
-DAMAGE = (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError)  # a stream cut or garbled
+
+
+class DamagedStream(ValueError):
+    """A compressed stream that does not decompress (zstd's own errors, a frame cut short)."""
+
+
+DAMAGE = (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError, DamagedStream)
+ZSTD_CHUNK = 1 << 16  # compressed bytes read per call
 
 
 class HashingReader(io.RawIOBase):
@@ -67,9 +74,48 @@ def decompressed(raw, compression: str | None, url: str):
             raise ImportError(
                 f'Reading {url} (zstd) needs zstandard: pip install "loader-recipes[stream]".'
             ) from None
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return io.BufferedReader(reader)
+        return io.BufferedReader(ZstdFrames(raw, zstandard))
     return io.BufferedReader(raw)
+
+
+class ZstdFrames(io.RawIOBase):
+    """The zstd frames of `raw` decompressed one after another, raising `DamagedStream` where
+    the stream is not zstd or ends inside a frame (zstandard's `stream_reader` ends quietly
+    there: a truncated object would read as fewer rows)."""
+
+    def __init__(self, raw, zstandard):
+        self.raw = raw
+        self.zstandard = zstandard
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
+        self.fed = False  # bytes given to the current frame's decompressor
+        self.pending = b""  # compressed bytes not yet given to a decompressor
+        self.out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.out:
+            if not self.pending:
+                self.pending = self.raw.read(ZSTD_CHUNK)
+                if not self.pending:
+                    if self.fed:
+                        raise DamagedStream("the zstd stream ends inside a frame (cut short)")
+                    return 0
+            data, self.pending = self.pending, b""
+            try:
+                self.out = memoryview(self.frame.decompress(data))
+            except self.zstandard.ZstdError as why:
+                raise DamagedStream(f"zstd: {why}") from None
+            self.fed = True
+            if self.frame.eof:  # the frame ended: the next one starts with its unused bytes
+                self.pending = self.frame.unused_data
+                self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+                self.fed = False
+        count = min(len(buffer), len(self.out))
+        buffer[:count] = self.out[:count]
+        self.out = self.out[count:]  # a view: no copy of the rest
+        return count
 
 
 def plan_jsonl(raw, url: str, kind: ObjectKind, object_version, size) -> ObjectPlan:

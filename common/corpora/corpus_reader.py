@@ -34,7 +34,11 @@ from recipes.common.corpora.corpus_formats import (
     parquet_rows,
 )
 from recipes.common.corpora.corpus_index import ObjectPlan
-from recipes.common.corpora.corpus_objects import CorpusChangedError, object_version
+from recipes.common.corpora.corpus_objects import (
+    CorpusChangedError,
+    CorpusFormatError,
+    object_version,
+)
 from recipes.common.remote.object_urls import open_filesystem
 from recipes.common.remote.request_pacing import RequestPacer
 from recipes.common.remote.retries import call_with_retries
@@ -130,6 +134,13 @@ class CorpusReader:
         columns = (self.text_key, *self.columns)
         with self._open_checked(plan) as handle:
             parquet = self._retried(lambda: parquet_file(handle, plan.url))
+            names = parquet.schema_arrow.names
+            missing = [name for name in columns if name not in names]
+            if missing:  # pyarrow reads a row group without them, silently
+                raise CorpusFormatError(
+                    f"{plan.url} has no column {missing[0]!r} (its columns: {names}); pass the "
+                    "column of the text as text_key= and others as columns=."
+                )
             groups = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
             if tuple(groups) != plan.row_groups:
                 raise CorpusChangedError(

@@ -189,6 +189,31 @@ def test_a_rest_stopped_again_goes_on_on_another_shape(shards, tokenizer, expect
     assert max(sizes) < 4096
 
 
+def test_rows_longer_than_every_document_resumed_after_the_last_row_give_nothing_more(
+    shards, tokenizer, expected
+):
+    """seq_len above the whole corpus: one (padded) row per consumer. A state saved after
+    every row was received resumes on another shape to nothing (no IndexError, no repeat)."""
+    pieces = []
+    loaders = []
+    for rank in range(2):
+        stream = PackedTextStream(_documents(shards, rank, 2), tokenizer, seq_len=100_000)
+        loaders.append(
+            StatefulLoader(stream, batch_size=1, num_workers=2, collate_fn=stream.collate(1))
+        )
+    iterators = [iter(loader) for loader in loaders]
+    for _ in range(2):  # each worker's only row
+        for iterator in iterators:
+            pieces.extend(_pieces(next(iterator)))
+    state = json.loads(json.dumps(loaders[0].state_dict()))
+    del iterators
+    stream = PackedTextStream(_documents(shards), tokenizer, seq_len=100_000)
+    resumed = StatefulLoader(stream, batch_size=1, collate_fn=stream.collate(1))
+    resumed.load_state_dict(state)
+    assert list(resumed) == []
+    assert _rebuilt(pieces) == expected
+
+
 def test_a_resume_on_the_same_shape_goes_on_exactly(shards, tokenizer):
     def rows(batches):
         return [(b["input_ids"].tolist(), b["doc_ids"]) for b in batches]

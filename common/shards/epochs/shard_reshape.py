@@ -77,6 +77,8 @@ def rest_fragments(
     for _, consumed in consumers:
         received[_sample_ids(consumed, offsets)] = True
     rest = np.flatnonzero((owner >= 0) & ~received)
+    if not len(rest):  # every sample received (a state saved after the epoch's last batch)
+        return np.zeros((0, 3), dtype=np.int64)
     shard = np.searchsorted(offsets, rest, side="right") - 1
     place = np.empty(len(order), dtype=np.int64)
     place[np.asarray(order, dtype=np.int64)] = np.arange(len(order))

@@ -126,6 +126,38 @@ def test_the_index_is_reused_and_a_changed_object_planned_again(tmp_path, corpus
     assert rows == ["a new text", "and another"]
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [{"rows": 81}, {"rows": -1}, {"rows": "80"}, {"row_groups": 5}, {"format": "csv"}, "[1, 2]"],
+)
+def test_a_damaged_index_entry_is_planned_again_never_served(tmp_path, corpus_dir, damage):
+    """An entry whose header is right but whose plan was altered (a bit flipped, a hand edit)
+    was served: a wrong row count read as 'the object changed', a wrong type crashed."""
+    src, parts = corpus_dir
+    index = tmp_path / "index"
+    open_text_corpus(str(src / "b.jsonl"), index_dir=index).plan(progress=False)
+    (entry,) = index.glob("*.json")
+    if isinstance(damage, dict):
+        entry.write_text(json.dumps({**json.loads(entry.read_text()), **damage}))
+    else:
+        entry.write_text(damage)
+    corpus = open_text_corpus(str(src / "b.jsonl"), index_dir=index).plan(progress=False)
+    assert corpus.lengths.tolist() == [80]
+    assert [r["text"] for r in corpus.dataset(shuffle=False)] == parts["b.jsonl"]
+    again = open_text_corpus(str(src / "b.jsonl"), index_dir=index)
+    assert again.plan(progress=False).plans == corpus.plans  # the entry was written anew
+
+
+def test_an_index_folder_that_cannot_be_written_warns_and_plans_on(tmp_path, corpus_dir):
+    src, parts = corpus_dir
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the index folder should be")
+    corpus = open_text_corpus(str(src / "b.jsonl"), index_dir=blocked)
+    with pytest.warns(UserWarning, match="cannot be written"):
+        corpus.plan(progress=False)
+    assert [r["text"] for r in corpus.dataset(shuffle=False)] == parts["b.jsonl"]
+
+
 @pytest.mark.parametrize("name", ["a.parquet", "b.jsonl", "c.jsonl.gz"])
 def test_an_object_changed_mid_epoch_is_refused_by_name(tmp_path, corpus_dir, name):
     src, parts = corpus_dir
@@ -154,6 +186,50 @@ def test_damaged_objects_are_refused_by_name(tmp_path, corpus_dir):
     (src / "d.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     corpus = open_text_corpus(str(src / "d.jsonl"), index_dir=tmp_path / "i")
     with pytest.raises(CorpusFormatError, match=r"d.jsonl: row 1 has no 'text'"):
+        list(corpus.dataset(shuffle=False))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not zstd", "junk after the frames"])
+def test_a_damaged_zstd_object_is_refused_by_name_when_planned_and_at_once(tmp_path, damage):
+    """zstandard's stream reader ends quietly where a frame is cut short (a truncated object
+    planned as fewer rows) and raises ZstdError, not a format error, on garbage (retried as
+    transient, then raised without the object's name)."""
+    zstandard = pytest.importorskip("zstandard")
+    texts = [f"document {i} " * 8 for i in range(3000)]
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    half = len(data) // 2  # two frames: a corpus written in parts
+    frames = [zstandard.ZstdCompressor().compress(part) for part in (data[:half], data[half:])]
+    (tmp_path / "whole.jsonl.zst").write_bytes(b"".join(frames))
+    whole = open_text_corpus(str(tmp_path / "whole.jsonl.zst"), index_dir=tmp_path / "i")
+    assert [r["text"] for r in whole.dataset(shuffle=False)] == texts
+    blob = {
+        "truncated": frames[0] + frames[1][: len(frames[1]) // 2],
+        "not zstd": b"\x00 not a zstd stream" * 40,
+        "junk after the frames": b"".join(frames) + b"\x01\x02junk",
+    }[damage]
+    (tmp_path / "bad.jsonl.zst").write_bytes(blob)
+    corpus = open_text_corpus(
+        str(tmp_path / "bad.jsonl.zst"), index_dir=tmp_path / "i", retries=3, backoff=2.0
+    )
+    began = time.monotonic()
+    with pytest.raises(CorpusFormatError, match="bad.jsonl.zst"):
+        corpus.plan(progress=False)
+    assert time.monotonic() - began < 2.0  # damage is not retried
+
+
+@pytest.mark.parametrize("keys", [{"text_key": "body"}, {"columns": ["missing"]}])
+def test_a_parquet_column_that_is_not_there_is_refused_by_name_even_when_planned(
+    tmp_path, corpus_dir, keys
+):
+    """pyarrow reads a row group without the columns it lacks: a wrong text_key (once the
+    object's plan is in the index, which does not depend on it) or a wrong column gave
+    documents without them."""
+    src, _ = corpus_dir
+    open_text_corpus(str(src / "a.parquet"), index_dir=tmp_path / "i").plan(progress=False)
+    corpus = open_text_corpus(str(src / "a.parquet"), index_dir=tmp_path / "i", **keys)
+    corpus.plan(progress=False)
+    wrong = keys.get("text_key") or keys["columns"][0]
+    with pytest.raises(CorpusFormatError, match=rf"a.parquet has no column '{wrong}'"):
         list(corpus.dataset(shuffle=False))
 
 

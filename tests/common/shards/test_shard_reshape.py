@@ -113,6 +113,20 @@ def test_four_ranks_stopped_mid_epoch_finish_on_three_with_two_workers_each(tmp_
     assert len(set(lengths)) == 1
 
 
+@pytest.mark.parametrize("then", [(1, 0), (3, 2)])
+def test_a_state_saved_after_the_epochs_last_batch_resumes_on_another_shape_to_nothing(
+    tmp_path, then
+):
+    """Every batch received, the epoch not yet ended (a checkpoint right after the last step):
+    the rest on another shape is empty, not an IndexError in `rest_fragments`."""
+    sizes = [10, 6]
+    paths = make_int_shards(tmp_path, sizes)
+    shapes = [(2, 1, 2), (*then, None)]  # 2 ranks x 8 samples = 2 batches of 4 each
+    counts, lengths = _epoch_over_shapes(paths, sizes, shapes, batch=4)
+    assert sorted(counts) == list(range(16)) and sum(counts.values()) == 16
+    assert set(lengths) == {0}
+
+
 def test_the_rest_is_read_by_the_new_workers_not_replayed_in_the_main_process(tmp_path):
     """The resumed epoch's samples come from the loader's worker processes (each sample's
     reader runs in a worker), where the replay of old ranks' rests read them in this one."""
