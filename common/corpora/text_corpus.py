@@ -237,6 +237,7 @@ class TextCorpus:
             world_size=world_size,
             cache=cache,
             shard_sha256=sums,
+            shard_versions=[plan.object_version for plan in plans],  # a rewrite refuses a state
             shuffle_window=shuffle_window,
             split=split,
             blocks=CorpusBlocks(plans),

@@ -54,6 +54,7 @@ from recipes.common.shards.epochs.plan_settings import (
     lengths_crc,
     mixing_settings,
     shards_crc,
+    versions_crc,
 )
 from recipes.common.shards.epochs.rank_epoch import EpochRest, RankEpoch
 from recipes.common.shards.epochs.shard_mixing import WINDOW, need_order
@@ -88,6 +89,8 @@ class ShardedIterableDataset(IterableDataset):
             each node reads the same shards every epoch (`shard_plan.py`).
         shard_sha256: each shard's sha256, when known: the cache verifies its copies with it
             (a damaged copy, or one of an older version of the shard, is downloaded again).
+        shard_versions: each shard's version (an ETag, a sha256), when known: part of the
+            plan's settings, so a state saved before a shard was rewritten is refused.
         split: "auto" (the rule of the module docstring) or "samples": sample ranges of the
             epoch's concatenated shards whatever the shard count (needs `shard_lengths`): with
             `even` every sample once per epoch and at most `world_size - 1` repeat, where whole
@@ -111,6 +114,7 @@ class ShardedIterableDataset(IterableDataset):
         cache=None,
         split: str = "auto",
         shard_sha256: Sequence[str] | None = None,
+        shard_versions: Sequence[str | None] | None = None,
         shuffle_window: int = WINDOW,
         blocks: int | Callable[[int], Sequence[int]] | None = None,
     ):
@@ -135,6 +139,9 @@ class ShardedIterableDataset(IterableDataset):
         self.shard_sha256 = None
         if shard_sha256 is not None:
             self.shard_sha256 = list(shard_sha256)
+        self.shard_versions = None
+        if shard_versions is not None:
+            self.shard_versions = list(shard_versions)
         self.shards = PackedStrings(shards)
         if len(self.shards) == 0:
             raise ValueError("`shards` is empty; pass at least one shard.")
@@ -239,6 +246,8 @@ class ShardedIterableDataset(IterableDataset):
             keys.SEED: self.seed,
             keys.EVEN: self.even,
         }
+        if self.shard_versions is not None:
+            settings[keys.SHARD_VERSIONS] = versions_crc(self.shard_versions)
         if self.split != "auto":  # states saved before `split` existed still match "auto"
             settings[keys.SPLIT] = self.split
         if self.mixes:  # the sample order (states of shard-order reading do not match)

@@ -27,6 +27,7 @@ from recipes.common.shards.epochs.shard_mixing import INTERLEAVE, ORDER_VERSION,
 NUM_SHARDS = "num_shards"
 SHARDS = "shards"  # crc32 of the shard names
 SHARD_LENGTHS = "shard_lengths"  # crc32 of the lengths, or None
+SHARD_VERSIONS = "shard_versions"  # crc32 of the shards' versions (ETag, sha256), when given
 SHUFFLE = "shuffle"
 SEED = "seed"
 EVEN = "even"
@@ -44,6 +45,13 @@ BLOCKS = "blocks"
 def shards_crc(shards: PackedStrings) -> str:
     """A checksum of the shard names, in order."""
     data = shards.data.tobytes() + shards.offsets.tobytes()
+    return f"{zlib.crc32(data):08x}"
+
+
+def versions_crc(versions: Sequence[str | None]) -> str:
+    """A checksum of the shards' versions, in order (a shard rewritten under its name changes
+    it)."""
+    data = "\n".join(str(v) for v in versions).encode()
     return f"{zlib.crc32(data):08x}"
 
 

@@ -342,3 +342,21 @@ def test_a_corpus_on_s3(tmp_path, corpus_dir, monkeypatch):
             write.write(b'{"text": "rewritten"}\n')
         with pytest.raises(CorpusChangedError, match="s3://bucket/corpus/b.jsonl"):
             documents(corpus, ranks=1, workers=0)
+
+
+def test_a_state_saved_before_an_object_was_rewritten_is_refused_on_resume(tmp_path, corpus_dir):
+    """The same row count, other content: the objects' versions are part of the plan's
+    settings, so a resume refuses the state instead of going on in other documents."""
+    src, parts = corpus_dir
+    corpus = open_text_corpus(str(src), index_dir=tmp_path / "index").plan(progress=False)
+    loader = make_loader(corpus.dataset(seed=3), batch_size=8, num_workers=0)
+    iterator = iter(loader)
+    next(iterator)
+    state = json.loads(json.dumps(loader.state_dict()))
+    write_jsonl(src / "b.jsonl", [t + " (edited)" for t in parts["b.jsonl"]])
+    os.utime(src / "b.jsonl", ns=(1, 1))  # a new version even where mtimes are coarse
+    again = open_text_corpus(str(src), index_dir=tmp_path / "index").plan(progress=False)
+    assert again.lengths.tolist() == corpus.lengths.tolist()
+    resumed = make_loader(again.dataset(seed=3), batch_size=8, num_workers=0)
+    with pytest.raises(ValueError, match="shard_versions"):
+        resumed.load_state_dict(state)
