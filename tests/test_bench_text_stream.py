@@ -14,6 +14,7 @@ from recipes.cli import main  # noqa: E402
 TINY = dict(documents=400, files=4, median_words=40, seq_len=256, rows=4, workers=1)
 
 
+@pytest.mark.slow  # a tiny bench run, about 6 s: in the full suite (CI)
 def test_every_loader_reads_the_corpus_and_the_storm_loses_nothing(tmp_path):
     rows, facts = compare_throughput(tmp_path, **TINY)
     streamed, hf, cache = rows

@@ -473,6 +473,7 @@ class Sized(Counted):
         return ids * 100 + first * 10 + int(self.size.value), draws
 
 
+@pytest.mark.slow  # about 4 s per path: in the full suite (CI)
 @pytest.mark.parametrize("path", ["threads", "isolated"])
 def test_a_setting_changed_between_epochs_and_set_back_is_never_served(monkeypatch, path):
     """Between epochs the loop evaluates at another size, then sets its own back: the reads ahead

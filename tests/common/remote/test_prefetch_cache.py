@@ -166,6 +166,7 @@ def test_a_checksum_that_differs_twice_fails_at_once_not_after_every_backoff(tmp
         ).exists()
 
 
+@pytest.mark.slow  # about 4 s: in the full suite (CI)
 def test_a_get_with_sha256_that_waited_on_a_prefetch_verifies_its_copy(tmp_path, shards):
     """Issue #27: `prefetch()` downloads without a checksum; a `get(sha256=)` that waited on that
     download (the key's lock) took its copy unchecked: here another version of the object."""

@@ -55,6 +55,7 @@ def busy_tuned():
     return _tune(Busy(), store=False)
 
 
+@pytest.mark.slow  # about 6 s of timed trials: in the full suite (CI)
 def test_cpu_bound_data_gets_more_than_one_worker_and_beats_zero(busy_tuned):
     result = busy_tuned
     assert result["num_workers"] > 1
