@@ -8,55 +8,14 @@ import pickle
 
 import numpy as np
 import pytest
-from torch.utils.data import ConcatDataset, Dataset
 
 from recipes.common import MixtureSampler, Schedule, make_loader
-
-NAMES = ("web", "code", "books")
-
-
-class Documents(Dataset):
-    """Each item: its global id and a token array of the given length (what a loop counts)."""
-
-    def __init__(self, first, lengths):
-        self.first = first
-        self.lengths = lengths
-
-    def __len__(self):
-        return len(self.lengths)
-
-    def __getitem__(self, i):
-        return {"id": self.first + int(i), "tokens": np.zeros(int(self.lengths[i]), np.int32)}
-
-
-def _collate(items):
-    return items
-
-
-def _corpus(sizes, seed=0):
-    """Long-tailed lengths in [8, 512] per source, and the sources as one ConcatDataset."""
-    rng = np.random.default_rng(seed)
-    lengths = [np.minimum((rng.pareto(1.3, n) + 1) * 24, 512).astype(np.int64) for n in sizes]
-    firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    data = ConcatDataset([Documents(int(f), x) for f, x in zip(firsts, lengths, strict=True)])
-    return lengths, data
-
-
-def _windows(tokens, sources, width):
-    """(start, end, shares) of consecutive windows of `width` tokens of the received stream."""
-    cum = np.cumsum(tokens)
-    out = []
-    for start in range(0, int(cum[-1]) - width + 1, width):
-        lo, hi = np.searchsorted(cum, [start, start + width], side="right")
-        part = tokens[lo:hi]
-        shares = np.bincount(sources[lo:hi], weights=part, minlength=3) / part.sum()
-        out.append((int(cum[lo] - tokens[lo]), int(cum[hi - 1]), shares))
-    return out
+from tests.common.sampling.mixture_windows import NAMES, collate_items, corpus, window_shares
 
 
 def test_a_three_phase_token_schedule_holds_every_64k_window_over_two_epochs():
     sizes = [9000, 6000, 3000]
-    lengths, data = _corpus(sizes)
+    lengths, data = corpus(sizes)
     per_epoch = 12_000
     total = int(2 * per_epoch * np.mean(np.concatenate(lengths)))
     schedule = Schedule(
@@ -77,7 +36,7 @@ def test_a_three_phase_token_schedule_holds_every_64k_window_over_two_epochs():
         seed=3,
         batch_size=32,
     )
-    loader = make_loader(data, batch_sampler=mix, collate_fn=_collate, num_workers=0)
+    loader = make_loader(data, batch_sampler=mix, collate_fn=collate_items, num_workers=0)
     ids = []
     tokens = []
     for epoch in range(2):
@@ -89,7 +48,7 @@ def test_a_three_phase_token_schedule_holds_every_64k_window_over_two_epochs():
     tokens = np.asarray(tokens)
     sources = np.searchsorted(np.cumsum(sizes), ids, side="right")
     bound = schedule.bind(list(NAMES))
-    windows = _windows(tokens, sources, 64_000)
+    windows = window_shares(tokens, sources, 64_000)
     assert len(windows) >= 15
     worst = 0.0
     for start, end, shares in windows:
@@ -132,7 +91,7 @@ def test_a_step_schedule_over_samples_switches_at_its_point():
 @pytest.mark.parametrize("mode", ["indices", "batches"])
 def test_a_scheduled_mixture_resumes_exactly_in_a_later_epoch(mode):
     sizes = [300, 200, 100]
-    lengths, data = _corpus(sizes, seed=2)
+    lengths, data = corpus(sizes, seed=2)
     total = int(3 * 400 * np.mean(np.concatenate(lengths)))
     schedule = Schedule(
         [(0.0, [0.7, 0.3, 0.0]), (0.6, [0.2, 0.3, 0.5])], over="tokens", total=total
@@ -148,7 +107,7 @@ def test_a_scheduled_mixture_resumes_exactly_in_a_later_epoch(mode):
         kwargs = {"batch_sampler": mix}
         if batch_size is None:
             kwargs = {"sampler": mix, "batch_size": 8}
-        return mix, make_loader(data, collate_fn=_collate, num_workers=0, **kwargs)
+        return mix, make_loader(data, collate_fn=collate_items, num_workers=0, **kwargs)
 
     mix, loader = build()
     whole = []
