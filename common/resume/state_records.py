@@ -167,3 +167,20 @@ class WorkerResume(NamedTuple):
 
     iterator: Any
     ended: bool
+
+
+class ResumeAt(NamedTuple):
+    """Where a loader of the current shape stopped, and its settings: what a dataset's
+    `resume_after` is given (`MixtureIterable`, `PackedTextStream` replay their workers from it)."""
+
+    batches_done: int
+    batch_size: int | None
+    drop_last: bool
+    workers: int  # the interrupted loader's (at least 1)
+    interleave: bool  # another worker count resumes: the rest in one process, in the old order
+
+    @property
+    def per_batch(self) -> int:
+        if self.batch_size is None:
+            return 1
+        return self.batch_size

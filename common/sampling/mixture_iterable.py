@@ -13,10 +13,10 @@ weights' checks `mixture_weights.py`'s and `mixture_schedule.py`'s, the stop rul
 Trade-off: each consumer paces itself, without talking to the others, so a schedule's progress
 is each consumer's own count times the consumers (ranks x workers): consumers that read at
 different rates drift apart on the schedule by their difference.
-Copy with: common/sampling/iterable_mixing/mixture_draws.py,
-  common/sampling/iterable_mixing/mixture_rest.py, common/sampling/mixture_settings.py,
-  common/sampling/mixture_weights.py, common/sampling/pacing/mixture_schedule.py,
-  common/sampling/sharding.py.
+Copy with: common/resume/state_keys.py, common/resume/state_records.py,
+  common/sampling/iterable_mixing/mixture_draws.py, common/sampling/iterable_mixing/mixture_rest.py,
+  common/sampling/mixture_settings.py, common/sampling/mixture_weights.py,
+  common/sampling/pacing/mixture_schedule.py, common/sampling/sharding.py.
 """
 
 from __future__ import annotations

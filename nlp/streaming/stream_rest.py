@@ -18,7 +18,8 @@ Adapt here: `StreamRest.carried_for` (who packs which carried rest).
 Trade-off: a resumed epoch's rows are not an uninterrupted run's on the new shape (no such run
 exists); its tokens are: every token of the epoch once over all the runs. On the same shape
 the rows go on exactly as they would have.
-Copy with: nlp/streaming/row_packing.py.
+Copy with: common/resume/state_keys.py, common/resume/state_records.py,
+  nlp/streaming/row_packing.py.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from recipes.common.resume.state_records import ResumeAt
 from recipes.nlp.streaming.row_packing import Cursor, Part, Row
 
 
@@ -43,22 +45,6 @@ class Consumer(NamedTuple):
     @property
     def index(self) -> int:
         return self.rank * self.workers + self.worker
-
-
-class ResumeAt(NamedTuple):
-    """Where a loader of the current shape stopped, and its settings."""
-
-    batches_done: int
-    batch_size: int | None
-    drop_last: bool
-    workers: int  # the interrupted loader's (at least 1)
-    interleave: bool  # another worker count resumes: the rest in one process, in the old order
-
-    @property
-    def per_batch(self) -> int:
-        if self.batch_size is None:
-            return 1
-        return self.batch_size
 
 
 class StartAt(NamedTuple):

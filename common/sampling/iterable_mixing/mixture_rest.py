@@ -16,7 +16,8 @@ Adapt here: nothing.
 Trade-off: the rest's interleave is drawn anew: no uninterrupted run of the new shape exists to
 follow, so its order is not the uninterrupted run's, its samples are (every sample of the epoch
 once). On the same shape the stream goes on exactly as it would have.
-Copy with: common/sampling/iterable_mixing/mixture_draws.py, common/sampling/sharding.py.
+Copy with: common/resume/state_keys.py, common/resume/state_records.py,
+  common/sampling/iterable_mixing/mixture_draws.py, common/sampling/sharding.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from recipes.common.resume.state_records import ResumeAt
 from recipes.common.sampling.iterable_mixing.mixture_draws import interleaved
 from recipes.common.sampling.sharding import round_robin_position
 
@@ -51,22 +53,6 @@ class Shape(NamedTuple):
     def of(cls, saved: Sequence[int]) -> Shape:
         ranks, workers, batches = (int(value) for value in list(saved)[:3])
         return cls(ranks, max(1, workers), batches)
-
-
-class ResumeAt(NamedTuple):
-    """Where the loader of the current shape stopped, and its settings."""
-
-    batches_done: int
-    batch_size: int | None
-    drop_last: bool
-    workers: int  # the interrupted loader's (at least 1)
-    interleave: bool  # another worker count resumes: the rest in one process, in the old order
-
-    @property
-    def per_batch(self) -> int:
-        if self.batch_size is None:
-            return 1
-        return self.batch_size
 
 
 class MixtureRest(NamedTuple):
