@@ -78,17 +78,36 @@ class SchedulePace:
 
     def __init__(self, schedule: BoundSchedule):
         self.schedule = schedule
-        grid = np.linspace(0.0, float(schedule.total), GRID + 1)
-        points = schedule.breakpoints()
-        self.grid = np.unique(np.concatenate([grid, points]))
-        weights = schedule.weights_at(self.grid)  # [G, S]
-        steps = np.diff(self.grid)[:, None]
-        if schedule.stepwise():  # each cell at its left point's weights
-            areas = weights[:-1] * steps
-        else:
-            areas = (weights[:-1] + weights[1:]) / 2 * steps
-        self.cumulative = np.vstack([np.zeros(weights.shape[1]), np.cumsum(areas, axis=0)])
-        self.last = weights[-1]
+        self._table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def grid(self) -> np.ndarray:
+        return self._tabulated()[0]
+
+    @property
+    def cumulative(self) -> np.ndarray:
+        return self._tabulated()[1]
+
+    @property
+    def last(self) -> np.ndarray:
+        return self._tabulated()[2]
+
+    def _tabulated(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The grid, each source's cumulative weight on it, and the last weights: made at the
+        first draw, not when a sampler is built (a function schedule is called per point)."""
+        if self._table is None:
+            schedule = self.schedule
+            grid = np.linspace(0.0, float(schedule.total), GRID + 1)
+            grid = np.unique(np.concatenate([grid, schedule.breakpoints()]))
+            weights = schedule.weights_at(grid)  # [G, S]
+            steps = np.diff(grid)[:, None]
+            if schedule.stepwise():  # each cell at its left point's weights
+                areas = weights[:-1] * steps
+            else:
+                areas = (weights[:-1] + weights[1:]) / 2 * steps
+            cumulative = np.vstack([np.zeros(weights.shape[1]), np.cumsum(areas, axis=0)])
+            self._table = (grid, cumulative, weights[-1])
+        return self._table
 
     def at(self, progress: float) -> np.ndarray:
         return self.schedule.weights_at([progress])[0]
