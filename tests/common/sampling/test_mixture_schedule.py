@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from recipes.common import MixtureSampler, Schedule, make_loader
+from recipes.common.sampling.mixture_plan import MixturePlan
 from tests.common.sampling.mixture_windows import NAMES, collate_items, corpus, window_shares
 
 
@@ -72,12 +73,25 @@ def test_fixed_weights_with_lengths_hold_token_shares_not_sample_shares():
     assert np.mean(sources == 0) > 0.85  # about 10 short samples for each long one
 
 
-def test_without_lengths_fixed_weights_draw_as_before():
-    """Fixed weights in samples keep the i.i.d. plan: the same indices as a plain sampler."""
-    plain = MixtureSampler([50, 70], [0.3, 0.7], seed=4)
-    scheduled = MixtureSampler([50, 70], Schedule([(0.0, [0.3, 0.7])], total=120), seed=4)
-    assert len(list(plain)) == len(list(scheduled)) == 120
-    assert sorted(plain) == sorted(scheduled) == list(range(120))
+@pytest.mark.parametrize("stop", ["drop_exhausted", "first_exhausted", "never"])
+def test_without_lengths_fixed_weights_draw_the_iid_plan_in_every_epoch(stop):
+    """Fixed weights in samples keep the i.i.d. plan of `mixture_plan.py` (the draw recipes had
+    before schedules), position for position, in later epochs too; a one-phase schedule is
+    paced instead (the same samples of a drop_exhausted epoch, in another order)."""
+    num_samples = None
+    if stop == "never":
+        num_samples = 300
+    plain = MixtureSampler([50, 70, 9], [0.3, 0.6, 0.1], seed=4, stop=stop, num_samples=num_samples)
+    planner = MixturePlan(
+        plain.sizes, plain.weights, stop=stop, num_samples=num_samples, seed=4, shuffle=True
+    )
+    for epoch in (0, 3):
+        plain.set_epoch(epoch)
+        assert list(plain) == planner.draw(epoch).indices.tolist()
+    paced = MixtureSampler([50, 70, 9], Schedule([(0.0, [0.3, 0.6, 0.1])], total=129), seed=4)
+    plain = MixtureSampler([50, 70, 9], [0.3, 0.6, 0.1], seed=4)
+    assert sorted(paced) == sorted(plain) == list(range(129))
+    assert list(paced) != list(plain)
 
 
 def test_a_step_schedule_over_samples_switches_at_its_point():
